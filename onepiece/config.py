@@ -1,0 +1,201 @@
+"""Workflow and topology YAML (DESIGN §10), validated with pydantic.
+
+A bad file raises :class:`ConfigError` naming the file, the key path and what was expected,
+e.g. ``deploy/wan21.yaml: stages.denoise_t2v.workers: Input should be greater than 0 (got -1)``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+
+def deploy_dir() -> Path:
+    """The shipped deploy/ folder (workflow and topology YAML)."""
+    import onepiece.deploy
+
+    return Path(onepiece.deploy.__file__).resolve().parent
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(_Strict):
+    path: str = Field(description="a diffusers pipeline directory (model_index.json + components)")
+    tiny: Literal["t2v", "i2v"] | None = Field(
+        None, description="if the path is empty, `onepiece up` builds a tiny random-weight pipeline of this kind"
+    )
+    seed: int = 0
+
+
+class StageSpec(_Strict):
+    function: str | None = Field(None, description="stage function name; defaults to the stage's name")
+    model: str
+    components: list[str] = Field(min_length=1)
+    workers: int = Field(1, gt=0, le=64)
+    device: str = "cpu"
+    mode: Literal["individual"] = "individual"
+    queue: int = Field(64, gt=0, le=100_000, description="bounded queue of the instance's scheduler")
+    threads: int = Field(0, ge=0, le=256, description="torch threads per worker (0: all cores)")
+
+
+class Defaults(_Strict):
+    width: int = Field(64, gt=0)
+    height: int = Field(64, gt=0)
+    num_frames: int = Field(9, gt=0)
+    steps: int = Field(10, gt=0)
+    guidance: float = Field(5.0, ge=0)
+    fps: int = Field(16, gt=0, le=120)
+    negative_prompt: str = ""
+    max_sequence_length: int = Field(64, gt=0, le=4096)
+
+
+class Limits(_Strict):
+    max_width: int = Field(512, gt=0)
+    max_height: int = Field(512, gt=0)
+    max_frames: int = Field(81, gt=0)
+    max_steps: int = Field(100, gt=0)
+    max_prompt_chars: int = Field(4000, gt=0)
+    timeout_s: float = Field(600.0, gt=0, description="deadline given to a request unless it asks for less")
+
+
+class AppSpec(_Strict):
+    kind: Literal["t2v", "i2v"] | None = Field(None, description="stage-function family; defaults to the app id")
+    stages: list[str] = Field(min_length=1)
+    defaults: Defaults = Defaults()
+    limits: Limits = Limits()
+
+
+class Workflow(_Strict):
+    models: dict[str, ModelSpec]
+    stages: dict[str, StageSpec]
+    applications: dict[str, AppSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _references(self) -> "Workflow":
+        for name, st in self.stages.items():
+            if st.model not in self.models:
+                raise ValueError(f"stages.{name}.model: unknown model {st.model!r} (known: {sorted(self.models)})")
+        for app, spec in self.applications.items():
+            for i, st in enumerate(spec.stages):
+                if st not in self.stages:
+                    raise ValueError(f"applications.{app}.stages[{i}]: unknown stage {st!r} (known: {sorted(self.stages)})")
+            if spec.kind is None:
+                if app not in ("t2v", "i2v"):
+                    raise ValueError(f"applications.{app}.kind: expected 't2v' or 'i2v' for an app named {app!r}")
+                spec.kind = app  # type: ignore[assignment]
+        return self
+
+    def function_of(self, stage: str) -> str:
+        return self.stages[stage].function or stage
+
+    def next_stage(self, app: str, stage: str) -> str | None:
+        """The stage after ``stage`` in ``app``, or None when the DB comes next."""
+        stages = self.applications[app].stages
+        i = stages.index(stage)
+        return stages[i + 1] if i + 1 < len(stages) else None
+
+    def model_path(self, name: str, base: Path) -> Path:
+        return resolve_path(self.models[name].path, base)
+
+
+class NmSpec(_Strict):
+    address: str = "tcp://127.0.0.1:7700"
+    heartbeat_s: float = Field(1.0, gt=0, le=60)
+    dead_after_s: float = Field(4.0, gt=0, le=600)
+
+
+class DbSpec(_Strict):
+    count: int = Field(2, gt=0, le=16)
+    ttl_s: float = Field(3600.0, gt=0)
+    max_bytes: int = Field(1 << 30, gt=0)
+    purge_after_fetch: bool = True
+
+
+class ProxySpec(_Strict):
+    count: int = Field(1, gt=0, le=16)
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535, description="first proxy's port; others take the next ones (0: any)")
+    max_inflight: int = Field(64, gt=0, le=100_000)
+    max_body_bytes: int = Field(16 << 20, gt=0)
+
+
+class SetSpec(_Strict):
+    name: str = "set0"
+    proxy: ProxySpec = ProxySpec()
+    db: DbSpec = DbSpec()
+    stages: dict[str, int] = Field(description="instances per stage")
+
+    @field_validator("stages")
+    @classmethod
+    def _counts(cls, v: dict[str, int]) -> dict[str, int]:
+        for k, n in v.items():
+            if not isinstance(n, int) or n < 0 or n > 64:
+                raise ValueError(f"{k}: expected an instance count between 0 and 64, got {n!r}")
+        return v
+
+
+class Topology(_Strict):
+    workflow: str = Field(description="workflow YAML, relative to this file")
+    nm: NmSpec = NmSpec()
+    sets: list[SetSpec] = Field(min_length=1)
+    transport: Literal["tcp", "ipc"] = "ipc"
+
+
+def resolve_path(p: str, base: Path) -> Path:
+    path = Path(os.path.expandvars(os.path.expanduser(p)))
+    return path if path.is_absolute() else (base / path).resolve()
+
+
+def _read_yaml(path: Path) -> object:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+
+
+def _explain(path: Path, err: ValidationError) -> ConfigError:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
+        lines.append(f"{path}: {key}: {e['msg']}{got}")
+    return ConfigError("\n".join(lines))
+
+
+def load_workflow(path: str | Path) -> Workflow:
+    path = Path(path)
+    try:
+        return Workflow.model_validate(_read_yaml(path))
+    except ValidationError as e:
+        raise _explain(path, e) from None
+
+
+def load_topology(path: str | Path) -> tuple[Topology, Workflow, Path]:
+    """The topology, its workflow, and the workflow file's directory (base of model paths)."""
+    path = Path(path)
+    try:
+        topo = Topology.model_validate(_read_yaml(path))
+    except ValidationError as e:
+        raise _explain(path, e) from None
+    wf_path = resolve_path(topo.workflow, path.parent)
+    wf = load_workflow(wf_path)
+    for s in topo.sets:
+        for stage in s.stages:
+            if stage not in wf.stages:
+                raise ConfigError(f"{path}: sets.{s.name}.stages.{stage}: unknown stage (known: {sorted(wf.stages)})")
+    return topo, wf, wf_path.parent

@@ -1,0 +1,179 @@
+"""Control traffic (registration, heartbeats, assignments, DB reads): small request/reply RPC
+over ZMQ ROUTER/DEALER with JSON headers and optional raw blob frames.
+
+A request is ``[b"", header, *blobs]`` with header ``{"id", "op", ...}``; the reply echoes the
+id with ``ok`` and either results or ``error``. Clients time out and retry a bounded number of
+times; a late reply to an abandoned request is recognised by its id and discarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import Any, Callable
+
+import orjson
+import zmq
+import zmq.asyncio
+
+from onepiece.transport.zmq_transport import bind_address
+
+log = logging.getLogger(__name__)
+
+Blobs = list[Any]
+Handler = Callable[[dict, Blobs], "dict | tuple[dict, Blobs]"]
+
+
+class RpcError(RuntimeError):
+    """The peer answered with an error, or did not answer in time."""
+
+
+class RpcTimeout(RpcError):
+    pass
+
+
+class RpcServer:
+    """Serves ``op`` handlers on a ROUTER socket. Owners poll ``sock`` and call ``handle()``,
+    so one thread can serve control and data sockets without locks."""
+
+    def __init__(self, address: str, handlers: dict[str, Handler]) -> None:
+        self.handlers = handlers
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 1000)
+        self.sock.setsockopt(zmq.SNDHWM, 1000)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.sock.bind(bind_address(address))
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def handle(self) -> None:
+        """Answer every request waiting on the socket."""
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle_one(frames)
+
+    def _handle_one(self, frames: list) -> None:
+        if len(frames) < 3 or frames[1].bytes != b"":
+            log.warning("rpc %s: dropped request with %d frames", self.address, len(frames))
+            return
+        ident = frames[0].bytes
+        try:
+            req = orjson.loads(frames[2].buffer)
+            if not isinstance(req, dict):
+                raise ValueError("request is not a JSON object")
+        except (orjson.JSONDecodeError, ValueError) as e:
+            log.warning("rpc %s: dropped malformed request: %s", self.address, e)
+            return
+        rid = req.get("id")
+        handler = self.handlers.get(req.get("op"))
+        blobs: Blobs = []
+        if handler is None:
+            reply: dict = {"ok": False, "error": f"unknown op {req.get('op')!r}"}
+        else:
+            try:
+                out = handler(req, frames[3:])
+                reply, blobs = out if isinstance(out, tuple) else (out, [])
+                reply = {"ok": True, **reply}
+            except Exception as e:  # a bad request fails alone; the server keeps serving
+                log.warning("rpc %s: op %s failed: %s", self.address, req.get("op"), e)
+                reply = {"ok": False, "error": str(e)}
+        reply["id"] = rid
+        try:
+            self.sock.send_multipart([ident, b"", orjson.dumps(reply), *blobs], zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            log.warning("rpc %s: reply dropped, client not reading", self.address)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def _check(reply: dict, op: str) -> dict:
+    if not reply.get("ok"):
+        raise RpcError(f"{op}: {reply.get('error', 'failed')}")
+    return reply
+
+
+class RpcClient:
+    """Blocking client for one server; one request at a time (use one per thread)."""
+
+    def __init__(self, address: str, timeout: float = 2.0, retries: int = 2) -> None:
+        self.address, self.timeout, self.retries = address, timeout, retries
+        self._ids = itertools.count(1)
+        self.sock = self._socket()
+
+    def _socket(self) -> zmq.Socket:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        return sock
+
+    def call(self, op: str, blobs: Blobs = (), timeout: float | None = None, **args: Any) -> tuple[dict, list[bytes]]:
+        timeout = self.timeout if timeout is None else timeout
+        for _ in range(self.retries + 1):
+            rid = next(self._ids)
+            self.sock.send_multipart([b"", orjson.dumps({"id": rid, "op": op, **args}), *blobs], copy=False)
+            deadline = time.monotonic() + timeout
+            while self.sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLIN):
+                frames = self.sock.recv_multipart()
+                try:
+                    reply = orjson.loads(frames[1])
+                except (orjson.JSONDecodeError, IndexError):
+                    continue
+                if reply.get("id") == rid:  # anything else is a late reply to an abandoned try
+                    return _check(reply, op), frames[2:]
+        raise RpcTimeout(f"{op}: no answer from {self.address} after {self.retries + 1} tries of {timeout:.1f}s")
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class AsyncRpcClient:
+    """The asyncio twin of RpcClient, for the proxy's event loop."""
+
+    def __init__(self, address: str, timeout: float = 2.0, retries: int = 1) -> None:
+        self.address, self.timeout, self.retries = address, timeout, retries
+        self._ids = itertools.count(1)
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self._pending: dict[int, Any] = {}
+        self._reader = None
+
+    async def call(self, op: str, blobs: Blobs = (), timeout: float | None = None, **args: Any) -> tuple[dict, list[bytes]]:
+        timeout = self.timeout if timeout is None else timeout
+        if self._reader is None:
+            self._reader = asyncio.ensure_future(self._read_loop())
+        for _ in range(self.retries + 1):
+            rid = next(self._ids)
+            fut = asyncio.get_running_loop().create_future()
+            self._pending[rid] = fut
+            try:
+                await self.sock.send_multipart([b"", orjson.dumps({"id": rid, "op": op, **args}), *blobs])
+                reply, rest = await asyncio.wait_for(fut, timeout)
+                return _check(reply, op), rest
+            except asyncio.TimeoutError:
+                continue
+            finally:
+                self._pending.pop(rid, None)
+        raise RpcTimeout(f"{op}: no answer from {self.address} after {self.retries + 1} tries of {timeout:.1f}s")
+
+    async def _read_loop(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            try:
+                reply = orjson.loads(frames[1])
+            except (orjson.JSONDecodeError, IndexError):
+                continue
+            fut = self._pending.get(reply.get("id"))
+            if fut is not None and not fut.done():
+                fut.set_result((reply, frames[2:]))
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self.sock.close(linger=0)

@@ -1,0 +1,81 @@
+"""ZeroMQ backend for ``tcp://`` and ``ipc://``: PUSH senders into one PULL receiver.
+
+Sends are bounded: IMMEDIATE makes a send fail when no receiver is connected rather than
+queue for a peer that may never come, a small high-water mark bounds what is queued, and a
+poll with a timeout turns "full" into an error instead of a block. Parts go out zero-copy.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from onepiece.transport import registry
+from onepiece.transport.base import Full, Receiver, Sender
+from onepiece.transport.message import Message, MessageError, decode, encode
+
+log = logging.getLogger(__name__)
+
+SNDHWM = 16
+RCVHWM = 64
+
+
+def bind_address(address: str) -> str:
+    """``tcp://host:0`` means any free port, which zmq spells ``*``."""
+    if address.startswith("tcp://") and address.endswith(":0"):
+        return address[:-2] + ":*"
+    return address
+
+
+class ZmqSender(Sender):
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.sock = zmq.Context.instance().socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def send(self, msg: Message, timeout: float = 5.0) -> None:
+        frames = encode(msg)
+        # With IMMEDIATE, "not writable" means full or nobody connected; both are failures.
+        if self.sock.poll(int(timeout * 1000), zmq.POLLOUT):
+            try:
+                self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+        raise Full(f"receiver at {self.address} took nothing within {timeout:.1f}s (full or not running)")
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class ZmqReceiver(Receiver):
+    def __init__(self, address: str) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.PULL)
+        self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(bind_address(address))
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.rejected = 0
+
+    def recv(self, timeout: float) -> Message | None:
+        deadline_ms = int(timeout * 1000)
+        while self.sock.poll(deadline_ms, zmq.POLLIN):
+            frames = self.sock.recv_multipart(copy=False)
+            try:
+                return decode(frames)
+            except MessageError as e:
+                self.rejected += 1
+                log.warning("dropped malformed message on %s: %s", self.address, e)
+                deadline_ms = 0
+        return None
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+for _scheme in ("tcp", "ipc", "inproc"):
+    registry.register(_scheme, ZmqSender, ZmqReceiver)
