@@ -1,2 +1,203 @@
-def main() -> None:
-    print("onepiece")
+"""The `onepiece` command: one subcommand per role, plus `up`, `generate`, `status`, `models`
+and `bench`. Bad flags get argparse's usage error; bad files a ConfigError naming the key."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from onepiece.config import ConfigError, deploy_dir
+
+DEFAULT_TOPOLOGY = "local.yaml"
+DEFAULT_NM = "tcp://127.0.0.1:7700"
+
+
+def _topology(value: str | None) -> Path:
+    return Path(value) if value else deploy_dir() / DEFAULT_TOPOLOGY
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from onepiece.launcher import up
+
+    return up(_topology(args.topology), Path(args.logs) if args.logs else None, args.ready_timeout)
+
+
+def cmd_nm(args: argparse.Namespace) -> int:
+    from onepiece.config import load_topology
+    from onepiece.nm.server import serve
+    from onepiece.supervise import setup_logging
+
+    setup_logging("nm", args.log_level)
+    topo, wf, base = load_topology(_topology(args.topology))
+    serve(topo, wf, base, args.address)
+    return 0
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    from onepiece.stage.instance import serve
+    from onepiece.supervise import setup_logging
+
+    setup_logging(f"stage[{args.stage or '?'}]", args.log_level)
+    serve(args.nm, args.set, args.listen, args.stage, args.runtime_dir)
+    return 0
+
+
+def cmd_db(args: argparse.Namespace) -> int:
+    from onepiece.db.service import serve
+    from onepiece.supervise import setup_logging
+
+    setup_logging("db", args.log_level)
+    serve(args.nm, args.set, args.listen, args.control, args.events, args.ttl, args.max_bytes,
+          not args.keep_after_fetch)
+    return 0
+
+
+def cmd_proxy(args: argparse.Namespace) -> int:
+    from onepiece.proxy.service import serve
+    from onepiece.supervise import setup_logging
+
+    setup_logging("proxy", args.log_level)
+    serve(args.nm, args.set, args.host, args.port, args.max_inflight, args.max_body_bytes)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import orjson
+
+    from onepiece.nm.client import NmClient
+    from onepiece.status import render
+    from onepiece.transport.rpc import RpcError
+
+    client = NmClient(args.nm, timeout=2.0, retries=0)
+    try:
+        status = client.status()
+    except RpcError as e:
+        print(f"no node manager answers at {args.nm}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(orjson.dumps(status, option=orjson.OPT_INDENT_2).decode() if args.json else render(status))
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from onepiece.config import load_workflow
+    from onepiece.stage.wan.tiny import build_tiny, ensure_models
+
+    wf_path = Path(args.workflow) if args.workflow else deploy_dir() / "wan21.yaml"
+    wf = load_workflow(wf_path)
+    if args.action == "build":
+        if args.force:
+            built = []
+            for name, spec in wf.models.items():
+                if spec.tiny:
+                    built.append(build_tiny(spec.tiny, wf.model_path(name, wf_path.parent), spec.seed))
+        else:
+            built = ensure_models(wf, wf_path.parent)
+        for p in built:
+            print(f"built {p}")
+        if not built:
+            print("all models present (use --force to rebuild the tiny ones)")
+    else:
+        from onepiece.stage.loader import is_built
+
+        for name, spec in wf.models.items():
+            path = wf.model_path(name, wf_path.parent)
+            print(f"{name:12s} {'present' if is_built(path) else 'missing':8s} {path}"
+                  + (f"  (tiny {spec.tiny}, seed {spec.seed})" if spec.tiny else ""))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from onepiece.generate import run
+
+    return run(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from onepiece.bench.e2e import run
+
+    return run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="onepiece", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def role(name: str, help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help)
+        sp.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+        return sp
+
+    sp = sub.add_parser("up", help="start a whole local deployment from a topology file")
+    sp.add_argument("--topology", help=f"topology YAML (default: the shipped {DEFAULT_TOPOLOGY})")
+    sp.add_argument("--logs", help="folder for the processes' logs (default: runs/<time>)")
+    sp.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    sp.set_defaults(fn=cmd_up)
+
+    sp = role("nm", "run the node manager")
+    sp.add_argument("--topology", help="topology YAML")
+    sp.add_argument("--address", help="bind address (default: the topology's)")
+    sp.set_defaults(fn=cmd_nm)
+
+    for name, help in (("stage", "run one workflow instance"), ("db", "run one result store"),
+                       ("proxy", "run one HTTP proxy")):
+        sp = role(name, help)
+        sp.add_argument("--nm", default=DEFAULT_NM, help="node manager address")
+        sp.add_argument("--set", default="set0", help="workflow set to join")
+        if name == "stage":
+            sp.add_argument("--stage", help="serve this stage (default: whatever the NM assigns)")
+            sp.add_argument("--listen", default="tcp://127.0.0.1:0", help="data address to receive on")
+            sp.add_argument("--runtime-dir", help="folder for worker sockets")
+            sp.set_defaults(fn=cmd_stage)
+        elif name == "db":
+            sp.add_argument("--listen", default="tcp://127.0.0.1:0", help="data address (results, status)")
+            sp.add_argument("--control", default="tcp://127.0.0.1:0", help="read/RPC address")
+            sp.add_argument("--events", default="tcp://127.0.0.1:0", help="completion events (PUB) address")
+            sp.add_argument("--ttl", type=float, default=3600.0, help="seconds a result is kept")
+            sp.add_argument("--max-bytes", type=int, default=1 << 30, help="memory cap of the store")
+            sp.add_argument("--keep-after-fetch", action="store_true", help="do not purge a result once fetched")
+            sp.set_defaults(fn=cmd_db)
+        else:
+            sp.add_argument("--host", default="127.0.0.1")
+            sp.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+            sp.add_argument("--max-inflight", type=int, default=64)
+            sp.add_argument("--max-body-bytes", type=int, default=16 << 20)
+            sp.set_defaults(fn=cmd_proxy)
+
+    sp = sub.add_parser("status", help="print sets, stages, instances, health and queues")
+    sp.add_argument("--nm", default=DEFAULT_NM)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_status)
+
+    sp = sub.add_parser("models", help="build or list the models of a workflow")
+    sp.add_argument("action", choices=["build", "list"])
+    sp.add_argument("--workflow", help="workflow YAML (default: the shipped wan21.yaml)")
+    sp.add_argument("--force", action="store_true", help="rebuild tiny models even if present")
+    sp.set_defaults(fn=cmd_models)
+
+    sp = sub.add_parser("generate", help="generate a video through a running deployment")
+    from onepiece.generate import add_arguments
+
+    add_arguments(sp)
+    sp.set_defaults(fn=cmd_generate)
+
+    sp = sub.add_parser("bench", help="benchmarks (see bench/)")
+    from onepiece.bench.e2e import add_arguments as bench_arguments
+
+    bench_arguments(sp)
+    sp.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        code = args.fn(args)
+    except ConfigError as e:
+        print(f"configuration error:\n{e}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)

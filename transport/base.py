@@ -42,3 +42,6 @@ class Receiver(abc.ABC):
     def close(self) -> None: ...
 
     rejected: int = 0
+    # A zmq socket (or fd) that turns readable when ``recv`` may have something, so a caller can
+    # multiplex it with other sockets in one poller; None means "call recv with a timeout".
+    sock: object = None

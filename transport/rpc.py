@@ -1,7 +1,7 @@
 """Control traffic (registration, heartbeats, assignments, DB reads): small request/reply RPC
 over ZMQ ROUTER/DEALER with JSON headers and optional raw blob frames.
 
-A request is ``[b"", header, *blobs]`` with header ``{"id", "op", ...}``; the reply echoes the
+A request is ``[b"", header, *blobs]`` with header ``{"id", "op", ...}`` (both reserved); the reply echoes the
 id with ``ok`` and either results or ``error``. Clients time out and retry a bounded number of
 times; a late reply to an abandoned request is recognised by its id and discarded.
 """
@@ -78,6 +78,8 @@ class RpcServer:
             try:
                 out = handler(req, frames[3:])
                 reply, blobs = out if isinstance(out, tuple) else (out, [])
+                if any(k in reply for k in RESERVED):
+                    raise TypeError(f"handler reply uses a reserved key {RESERVED}")
                 reply = {"ok": True, **reply}
             except Exception as e:  # a bad request fails alone; the server keeps serving
                 log.warning("rpc %s: op %s failed: %s", self.address, req.get("op"), e)
@@ -90,6 +92,16 @@ class RpcServer:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+RESERVED = ("id", "op", "ok")
+
+
+def _request(rid: int, op: str, args: dict) -> bytes:
+    clash = [k for k in RESERVED if k in args]
+    if clash:
+        raise TypeError(f"rpc {op}: argument names {clash} are reserved by the protocol")
+    return orjson.dumps({"id": rid, "op": op, **args})
 
 
 def _check(reply: dict, op: str) -> dict:
@@ -116,7 +128,7 @@ class RpcClient:
         timeout = self.timeout if timeout is None else timeout
         for _ in range(self.retries + 1):
             rid = next(self._ids)
-            self.sock.send_multipart([b"", orjson.dumps({"id": rid, "op": op, **args}), *blobs], copy=False)
+            self.sock.send_multipart([b"", _request(rid, op, args), *blobs], copy=False)
             deadline = time.monotonic() + timeout
             while self.sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLIN):
                 frames = self.sock.recv_multipart()
@@ -153,7 +165,7 @@ class AsyncRpcClient:
             fut = asyncio.get_running_loop().create_future()
             self._pending[rid] = fut
             try:
-                await self.sock.send_multipart([b"", orjson.dumps({"id": rid, "op": op, **args}), *blobs])
+                await self.sock.send_multipart([b"", _request(rid, op, args), *blobs])
                 reply, rest = await asyncio.wait_for(fut, timeout)
                 return _check(reply, op), rest
             except asyncio.TimeoutError:

@@ -1,0 +1,142 @@
+"""The node manager's picture of the cluster (DESIGN §9), held in memory.
+
+Per workflow set: the instances with their roles and addresses, which stage each stage
+instance serves, and the route table derived from them. Only live, ready instances are routed
+to; an instance silent for longer than ``dead_after_s`` is dropped and the routes change.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from onepiece.config import Topology, Workflow
+
+log = logging.getLogger(__name__)
+
+ROLES = ("stage", "db", "proxy")
+
+
+@dataclass
+class Instance:
+    id: str
+    role: str
+    set: str
+    addresses: dict[str, str]
+    pid: int = 0
+    host: str = ""
+    stage: str | None = None
+    ready: bool = False
+    stats: dict[str, Any] = field(default_factory=dict)
+    registered_at: float = field(default_factory=time.time)
+    last_seen: float = field(default_factory=time.monotonic)
+
+    def view(self, now: float) -> dict[str, Any]:
+        return {
+            "id": self.id, "role": self.role, "set": self.set, "stage": self.stage, "ready": self.ready,
+            "addresses": self.addresses, "pid": self.pid, "host": self.host, "stats": self.stats,
+            "age_s": round(time.time() - self.registered_at, 1), "silent_s": round(now - self.last_seen, 2),
+        }
+
+
+class ClusterState:
+    def __init__(self, topology: Topology, workflow: Workflow) -> None:
+        self.topology, self.workflow = topology, workflow
+        self.sets = {s.name: s for s in topology.sets}
+        self.instances: dict[str, Instance] = {}
+        self.version = 1  # bumped whenever any route table changes
+        self._ids = itertools.count(1)
+        self.events: list[str] = []  # recent decisions, shown by `onepiece status`
+
+    def _event(self, text: str) -> None:
+        log.info(text)
+        self.events = (self.events + [f"{time.strftime('%H:%M:%S')} {text}"])[-50:]
+
+    def register(self, role: str, set_name: str, addresses: dict[str, str], pid: int = 0, host: str = "",
+                 stage: str | None = None) -> Instance:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r} (expected one of {ROLES})")
+        if set_name not in self.sets:
+            raise ValueError(f"unknown set {set_name!r} (known: {sorted(self.sets)})")
+        if role == "stage":
+            if stage is not None and stage not in self.workflow.stages:
+                raise ValueError(f"unknown stage {stage!r} (known: {sorted(self.workflow.stages)})")
+            stage = stage or self._stage_with_deficit(set_name)
+        inst = Instance(f"{role}-{next(self._ids)}", role, set_name, addresses, pid, host, stage)
+        # DBs and proxies serve as soon as they registered; stages once their workers loaded.
+        inst.ready = role != "stage"
+        self.instances[inst.id] = inst
+        self.version += 1
+        self._event(f"registered {inst.id} ({role}{' ' + stage if stage else ''}) in {set_name} at {addresses}")
+        return inst
+
+    def _stage_with_deficit(self, set_name: str) -> str | None:
+        """The stage furthest below its desired instance count; None sends it to the idle pool."""
+        want = self.sets[set_name].stages
+        have = {s: 0 for s in want}
+        for i in self.instances.values():
+            if i.role == "stage" and i.set == set_name and i.stage in have:
+                have[i.stage] += 1
+        short = [(have[s] - n, s) for s, n in want.items() if have[s] < n]
+        return min(short)[1] if short else None
+
+    def heartbeat(self, inst_id: str, ready: bool, stats: dict[str, Any]) -> Instance:
+        inst = self.instances.get(inst_id)
+        if inst is None:
+            raise LookupError(f"unknown instance {inst_id}")
+        inst.last_seen = time.monotonic()
+        inst.stats = stats
+        if ready != inst.ready:
+            inst.ready = ready
+            self.version += 1
+            self._event(f"{inst.id} is {'ready' if ready else 'not ready'}")
+        return inst
+
+    def deregister(self, inst_id: str, reason: str) -> None:
+        inst = self.instances.pop(inst_id, None)
+        if inst is not None:
+            self.version += 1
+            self._event(f"dropped {inst.id} ({inst.role}{' ' + inst.stage if inst.stage else ''}): {reason}")
+
+    def expire(self, dead_after_s: float) -> list[str]:
+        now = time.monotonic()
+        dead = [i.id for i in self.instances.values() if now - i.last_seen > dead_after_s]
+        for d in dead:
+            self.deregister(d, f"no heartbeat for {dead_after_s:.1f}s")
+        return dead
+
+    def routes(self, set_name: str) -> dict[str, Any]:
+        """Where each stage's data goes in a set: the live, ready instances per stage, the DBs
+        and the proxies. Senders pick among them (round-robin)."""
+        live = sorted((i for i in self.instances.values() if i.set == set_name and i.ready), key=lambda i: i.id)
+        stages: dict[str, list[str]] = {s: [] for s in self.workflow.stages}
+        for i in live:
+            if i.role == "stage" and i.stage:
+                stages[i.stage].append(i.addresses["data"])
+        return {
+            "version": self.version,
+            "set": set_name,
+            "stages": stages,
+            "dbs": [i.addresses for i in live if i.role == "db"],
+            "proxies": [i.addresses["http"] for i in live if i.role == "proxy"],
+        }
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        out = {}
+        for name, spec in self.sets.items():
+            members = [i for i in self.instances.values() if i.set == name]
+            out[name] = {
+                "stages": {
+                    s: {"want": spec.stages.get(s, 0),
+                        "instances": [i.view(now) for i in members if i.role == "stage" and i.stage == s]}
+                    for s in self.workflow.stages
+                },
+                "idle": [i.view(now) for i in members if i.role == "stage" and i.stage is None],
+                "dbs": [i.view(now) for i in members if i.role == "db"],
+                "proxies": [i.view(now) for i in members if i.role == "proxy"],
+            }
+        return {"sets": out, "version": self.version, "events": self.events[-20:]}

@@ -1,0 +1,3 @@
+from onepiece.cli import main
+
+main()

@@ -1,0 +1,238 @@
+"""`onepiece up`: a whole deployment from a topology file, as supervised local processes.
+
+Starts the NM, then per set the DBs, the stage instances and the proxies, each with its log
+in the run's log folder; waits until every instance is registered and ready; prints where the
+API listens; restarts a role process that dies (bounded backoff); and on Ctrl-C or SIGTERM
+stops everything, children first, leaving no processes, sockets or runtime files behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from onepiece.config import SetSpec, load_topology
+from onepiece.nm.client import NmClient
+from onepiece.supervise import child_preexec
+from onepiece.transport.rpc import RpcError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+    log_file: IO | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        self.log_file = open(self.log_path, "ab", buffering=0)
+        self.proc = subprocess.Popen(
+            self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            preexec_fn=child_preexec,
+        )
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "onepiece", *args]
+
+
+class Deployment:
+    def __init__(self, topology_path: Path, log_dir: Path | None = None, runtime_dir: Path | None = None) -> None:
+        self.topology_path = Path(topology_path).resolve()
+        self.topo, self.workflow, self.base_dir = load_topology(self.topology_path)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.log_dir = Path(log_dir or Path("runs") / stamp).resolve()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        # ipc socket paths must stay short (108 bytes), so the runtime folder lives in /tmp.
+        self.runtime = Path(tempfile.mkdtemp(prefix="onepiece-", dir=runtime_dir))
+        self.children: list[Child] = []
+        self.nm_address = self.topo.nm.address
+
+    def _address(self, name: str) -> str:
+        if self.topo.transport == "ipc":
+            return f"ipc://{self.runtime}/{name}.sock"
+        return "tcp://127.0.0.1:0"
+
+    def plan(self) -> list[Child]:
+        """The processes of the topology, NM first."""
+        nm = self.nm_address
+        out = [Child("nm", _cli("nm", "--topology", str(self.topology_path), "--address", nm), self.log_dir / "nm.log")]
+        for s in self.topo.sets:
+            out += self._set_children(s, nm)
+        return out
+
+    def _set_children(self, s: SetSpec, nm: str) -> list[Child]:
+        out = []
+        for i in range(s.db.count):
+            name = f"{s.name}-db{i}"
+            argv = _cli("db", "--nm", nm, "--set", s.name, "--listen", self._address(name),
+                        "--control", self._address(name + "-ctl"), "--events", self._address(name + "-ev"),
+                        "--ttl", str(s.db.ttl_s), "--max-bytes", str(s.db.max_bytes))
+            if not s.db.purge_after_fetch:
+                argv.append("--keep-after-fetch")
+            out.append(Child(name, argv, self.log_dir / f"{name}.log"))
+        for stage, n in s.stages.items():
+            for i in range(n):
+                name = f"{s.name}-{stage}{i}"
+                out.append(Child(name, _cli("stage", "--nm", nm, "--set", s.name, "--stage", stage,
+                                            "--listen", self._address(name), "--runtime-dir", str(self.runtime)),
+                                 self.log_dir / f"{name}.log"))
+        for i in range(s.proxy.count):
+            name = f"{s.name}-proxy{i}"
+            port = s.proxy.port + i if s.proxy.port else 0
+            out.append(Child(name, _cli("proxy", "--nm", nm, "--set", s.name, "--host", s.proxy.host,
+                                        "--port", str(port), "--max-inflight", str(s.proxy.max_inflight),
+                                        "--max-body-bytes", str(s.proxy.max_body_bytes)),
+                             self.log_dir / f"{name}.log"))
+        return out
+
+    def start(self) -> None:
+        from onepiece.stage.wan.tiny import ensure_models
+
+        for path in ensure_models(self.workflow, self.base_dir):
+            print(f"built tiny random-weight model at {path}", flush=True)
+        self.children = self.plan()
+        nm, rest = self.children[0], self.children[1:]
+        nm.start()
+        self._wait_nm()
+        for c in rest:
+            c.start()
+
+    def _wait_nm(self, timeout: float = 30.0) -> None:
+        client = NmClient(self.nm_address, timeout=0.5, retries=0)
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                self._check_nm_alive()
+                try:
+                    client.status()
+                    return
+                except RpcError:
+                    time.sleep(0.1)
+        finally:
+            client.close()
+        raise RuntimeError(f"node manager did not answer at {self.nm_address} within {timeout:.0f}s")
+
+    def _check_nm_alive(self) -> None:
+        nm = self.children[0]
+        if nm.proc is not None and nm.proc.poll() is not None:
+            raise RuntimeError(f"node manager exited with {nm.proc.returncode}; see {nm.log_path}")
+
+    def missing(self, status: dict) -> list[str]:
+        """What the deployment still lacks before it can serve: empty when ready."""
+        out = []
+        for s in self.topo.sets:
+            st = status["sets"].get(s.name, {})
+            for stage, want in s.stages.items():
+                ready = sum(1 for i in st.get("stages", {}).get(stage, {}).get("instances", []) if i["ready"])
+                if ready < want:
+                    out.append(f"{s.name}/{stage} {ready}/{want}")
+            if len(st.get("dbs", [])) < s.db.count:
+                out.append(f"{s.name}/db {len(st.get('dbs', []))}/{s.db.count}")
+            if len(st.get("proxies", [])) < s.proxy.count:
+                out.append(f"{s.name}/proxy {len(st.get('proxies', []))}/{s.proxy.count}")
+        return out
+
+    def wait_ready(self, timeout: float = 300.0, stop: threading.Event | None = None) -> dict[str, list[str]]:
+        """Block until every instance is ready; return the proxies' URLs per set."""
+        client = NmClient(self.nm_address, timeout=1.0, retries=0)
+        deadline = time.monotonic() + timeout
+        lacking: list[str] = ["node manager"]
+        try:
+            while time.monotonic() < deadline and not (stop and stop.is_set()):
+                for c in self.children:
+                    if c.proc is not None and c.proc.poll() is not None:
+                        raise RuntimeError(f"{c.name} exited with {c.proc.returncode} while starting; see {c.log_path}")
+                try:
+                    lacking = self.missing(client.status())
+                    if not lacking:
+                        return client.proxies()
+                except RpcError:
+                    pass
+                time.sleep(0.2)
+        finally:
+            client.close()
+        if stop is not None and stop.is_set():
+            return {}
+        raise RuntimeError(f"not ready after {timeout:.0f}s; waiting for {', '.join(lacking)}; logs in {self.log_dir}")
+
+    def supervise(self, stop: threading.Event) -> None:
+        """Restart role processes that die, with bounded backoff, until ``stop``."""
+        while not stop.wait(0.5):
+            now = time.monotonic()
+            for c in self.children:
+                if c.proc is not None and c.proc.poll() is not None:
+                    log.warning("%s exited with %s; restarting (log: %s)", c.name, c.proc.returncode, c.log_path)
+                    c.proc = None
+                    c.restarts += 1
+                    c.next_start = now + min(30.0, 0.5 * 2 ** min(c.restarts - 1, 6))
+                if c.proc is None and now >= c.next_start:
+                    c.start()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop everything: roles first, the NM last, then the runtime folder."""
+        order = self.children[1:] + self.children[:1]
+        for c in order:
+            if c.proc is not None and c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for c in order:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0fs; killing it", c.name, grace_s)
+                c.proc.kill()
+                c.proc.wait()
+            if c.log_file is not None:
+                c.log_file.close()
+        shutil.rmtree(self.runtime, ignore_errors=True)
+
+
+def up(topology: Path, log_dir: Path | None = None, ready_timeout: float = 300.0) -> int:
+    from onepiece.supervise import stop_on_signals
+
+    stop = stop_on_signals()
+    dep = Deployment(topology, log_dir)
+    print(f"onepiece: starting {topology} (logs in {dep.log_dir})", flush=True)
+    try:
+        dep.start()
+        proxies = dep.wait_ready(ready_timeout, stop)
+        for set_name, urls in proxies.items():
+            for url in urls:
+                print(f"onepiece is up: set {set_name} serves the API at {url}", flush=True)
+        print(f"node manager at {dep.nm_address}; `onepiece status` shows the cluster; Ctrl-C stops", flush=True)
+        dep.supervise(stop)
+        return 0
+    except RuntimeError as e:
+        print(f"onepiece up failed: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        print("onepiece: stopping", flush=True)
+        dep.stop()
+        print("onepiece: stopped", flush=True)
+
+
+def free_tcp_address() -> str:
+    """A loopback TCP address with a port nobody listens on now (for tests and benches)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+

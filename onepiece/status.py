@@ -1,0 +1,42 @@
+"""Renders the NM's status as the text `onepiece status` prints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _instance(i: dict[str, Any]) -> str:
+    s = i.get("stats") or {}
+    health = "ready" if i["ready"] else "starting"
+    if i["silent_s"] > 2.5:
+        health = f"silent {i['silent_s']:.0f}s"
+    extra = ""
+    if i["role"] == "stage":
+        extra = (f" queue {s.get('queue', 0)}/{s.get('capacity', '?')}"
+                 f" busy {s.get('busy', 0)}/{s.get('workers', '?')}"
+                 f" done {s.get('completed', 0)} failed {s.get('failed', 0)}")
+    elif i["role"] == "db":
+        extra = f" records {s.get('records', 0)} bytes {s.get('bytes', 0)}"
+    elif i["role"] == "proxy":
+        extra = f" inflight {s.get('inflight', 0)} accepted {s.get('accepted', 0)} rejected {s.get('rejected', 0)}"
+    addr = i["addresses"].get("http") or i["addresses"].get("data", "")
+    return f"    {i['id']:10s} {health:10s} {addr}{extra}"
+
+
+def render(status: dict[str, Any]) -> str:
+    lines = []
+    for name, st in status["sets"].items():
+        lines.append(f"set {name}")
+        for stage, info in st["stages"].items():
+            insts = info["instances"]
+            ready = sum(1 for i in insts if i["ready"])
+            lines.append(f"  stage {stage}: {ready}/{info['want']} ready")
+            lines += [_instance(i) for i in insts]
+        for label, key in (("idle pool", "idle"), ("dbs", "dbs"), ("proxies", "proxies")):
+            if st[key]:
+                lines.append(f"  {label}:")
+                lines += [_instance(i) for i in st[key]]
+    if status.get("events"):
+        lines.append("recent events:")
+        lines += [f"  {e}" for e in status["events"]]
+    return "\n".join(lines)

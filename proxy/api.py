@@ -1,0 +1,505 @@
+"""The proxy's HTTP routes (DESIGN §8), shaped like the OpenAI videos API.
+
+``POST /v1/videos`` validates, admits (bounded in-flight), stores the queued record in the DB
+(so ``GET`` works at once), and hands the workflow message to an entrance instance. Reads go
+to the DBs. Every error a client can cause is an OpenAI-style JSON error with a 4xx status;
+anything unexpected is a 500 JSON error for that request only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Send
+
+from onepiece.db import protocol
+from onepiece.proxy.admission import DoneWatcher, InflightTracker
+from onepiece.proxy.cluster import Cluster
+from onepiece.proxy.dbs import DbAccess, DbUnavailable
+from onepiece.proxy.dispatch import Dispatcher, NoEntrance, SendFailed
+from onepiece.proxy.errors import ApiError, JsonResponse, bad_request
+from onepiece.proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
+from onepiece.proxy.validation import VideoJob, build_job, decode_base64_image, decode_image
+from onepiece.transport.message import Message, MessageError, new_uid
+
+log = logging.getLogger(__name__)
+
+ID_PREFIX = "video_"
+_UID_RE = re.compile(r"^[0-9a-f]{32}$")
+IMAGE_FIELD = "input_reference"
+
+
+@dataclass
+class ProxyOptions:
+    max_inflight: int = 64
+    max_body_bytes: int = 16 << 20
+    send_timeout: float = 1.0  # per entrance instance
+    send_total_timeout: float = 3.0  # all entrance instances together
+    db_timeout: float = 1.0
+    refresh_s: float = 0.5  # how often the cluster's lists are re-read
+    retry_after_s: int = 1
+
+
+class ProxyState:
+    """Everything the routes share; built in the app's lifespan, on the serving loop."""
+
+    def __init__(self, cluster: Cluster, opts: ProxyOptions) -> None:
+        self.cluster = cluster
+        self.opts = opts
+        self.metrics = ProxyMetrics()
+        self.metrics.max_inflight.set(opts.max_inflight)
+        self.tracker = InflightTracker(opts.max_inflight, opts.retry_after_s)
+        self.dbs = DbAccess(timeout=opts.db_timeout)
+        self.dispatcher = Dispatcher(
+            cluster.entrances, send_timeout=opts.send_timeout, total_timeout=opts.send_total_timeout,
+            on_failure=lambda addr: self.metrics.send_failures.labels(addr).inc(),
+        )
+        self.watcher: DoneWatcher | None = None
+        self._task: asyncio.Task | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.watcher = DoneWatcher(self._on_done)
+        self.refresh()
+        self.watcher.start()
+        self._task = asyncio.ensure_future(self._refresh_loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self.watcher is not None:
+            await self.watcher.close()
+        self.dbs.close()
+        await asyncio.get_running_loop().run_in_executor(None, self.dispatcher.close)
+
+    def _on_done(self, uid: str, status: str) -> None:
+        if self.tracker.release(uid):
+            log.debug("uid=%s terminal (%s): slot freed", uid, status)
+        self.metrics.inflight.set(len(self.tracker))
+
+    def refresh(self) -> None:
+        """Re-read the cluster's DB list (subscribe to new DBs' events) and drop stale slots."""
+        try:
+            dbs = self.cluster.dbs()
+        except Exception:  # a flaky cluster view must not stop the proxy; keep the last one
+            log.warning("cluster.dbs() failed", exc_info=True)
+            dbs = None
+        if dbs is not None:
+            self.dbs.update(dbs)
+            if self.watcher is not None:
+                self.watcher.update([d.get("events", "") for d in dbs if isinstance(d, dict)])
+        self.tracker.sweep()
+        self.metrics.inflight.set(len(self.tracker))
+
+    async def _refresh_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        n = 0
+        while True:
+            await asyncio.sleep(self.opts.refresh_s)
+            self.refresh()
+            n += 1
+            if n % 20 == 0:  # now and then, close senders to entrances that left
+                try:
+                    keep = {a for app in self.cluster.workflow.applications for a in self.cluster.entrances(app)}
+                    await loop.run_in_executor(None, self.dispatcher.prune, keep)
+                except Exception:
+                    log.warning("pruning entrance senders failed", exc_info=True)
+
+    # --- submit -------------------------------------------------------------------------------
+    async def submit(self, job: VideoJob) -> dict[str, Any]:
+        wf = self.cluster.workflow
+        first_stage = wf.applications[job.app].stages[0]
+        if not self.cluster.entrances(job.app):
+            raise ApiError(503, f"no instance of stage {first_stage!r} (entrance of model {job.app!r}) is up; "
+                                f"try again later or another set", code="no_entrance")
+        uid = new_uid()
+        ts = time.time_ns()
+        deadline = ts + int(job.timeout_s * 1e9)
+        if not self.tracker.try_admit(uid, deadline):
+            self.metrics.rejected.labels("inflight_full").inc()
+            raise ApiError(
+                429, f"set {self.cluster.set_name!r} is full ({self.tracker.max_inflight} requests in flight); "
+                     f"retry later or use another set", code="inflight_full",
+                headers={"Retry-After": str(self.tracker.retry_after())},
+            )
+        self.metrics.inflight.set(len(self.tracker))
+        try:
+            image = None
+            if job.image_bytes is not None:
+                image = await asyncio.get_running_loop().run_in_executor(None, decode_image, job.image_bytes)
+            record = {
+                "uid": uid, "app": job.app, "set": self.cluster.set_name, "status": protocol.QUEUED,
+                "stage": first_stage, "progress": 0, "created_at": ts / 1e9, "deadline": deadline,
+                # Echoed by GET so the video object is complete without the proxy keeping state.
+                "size": job.size, "seconds": job.seconds, "prompt": job.prompt,
+            }
+            try:
+                await self.dbs.create(record)
+            except DbUnavailable as e:
+                raise ApiError(503, f"the request could not be stored: {e}", code="db_unavailable") from None
+            header = {
+                "uid": uid, "ts": ts, "app": job.app, "stage": first_stage, "set": self.cluster.set_name,
+                "deadline": deadline, "kind": "task", "params": job.params(), "trace": [],
+            }
+            msg = Message(header, {"image": image} if image is not None else {})
+            msg.mark("proxy", "leave")
+            try:
+                addr = await self.dispatcher.send(job.app, msg)
+            except (NoEntrance, SendFailed, MessageError) as e:
+                # The client never learns this uid: drop the record so nothing waits on it.
+                # If even that fails, the DB's deadline sweep marks it failed.
+                with contextlib.suppress(DbUnavailable):
+                    await self.dbs.delete(uid)
+                what = "no entrance instance is up" if isinstance(e, NoEntrance) else str(e)
+                raise ApiError(503, f"model {job.app!r}: the request could not be handed to the pipeline: {what}",
+                               code="entrance_unavailable") from None
+        except BaseException:
+            self.tracker.release(uid)
+            self.metrics.inflight.set(len(self.tracker))
+            raise
+        log.info("uid=%s accepted app=%s size=%s frames=%d steps=%d -> %s", uid, job.app, job.size, job.num_frames,
+                 job.steps, addr)
+        self.metrics.accepted.labels(job.app).inc()
+        return video_object({**record, "progress": 0})
+
+
+def video_object(record: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI video object for a DB record."""
+    status = record.get("status", protocol.QUEUED)
+    progress = 100 if status == protocol.COMPLETED else int(min(max(record.get("progress") or 0, 0), 100))
+    error = None
+    if status == protocol.FAILED:
+        err = record.get("error")
+        if isinstance(err, dict):
+            error = {"code": str(err.get("code", "failed")), "message": str(err.get("message", ""))}
+        else:
+            where = record.get("stage")
+            error = {"code": "generation_failed",
+                     "message": f"{err or 'failed'}" + (f" (stage {where})" if where else "")}
+    return {
+        "id": ID_PREFIX + record["uid"],
+        "object": "video",
+        "model": record.get("app", ""),
+        "status": status,
+        "progress": progress,
+        "created_at": _unix_s(record.get("created_at")) or 0,
+        "completed_at": _unix_s(record.get("completed_at")),
+        "expires_at": _unix_s(record.get("expires_at")),
+        "error": error,
+        "size": record.get("size") or "",
+        "seconds": record.get("seconds") or "",
+        "prompt": record.get("prompt"),
+        "remixed_from_video_id": None,
+        "stage": record.get("stage"),
+    }
+
+
+def _unix_s(v: Any) -> int | None:
+    """Whole seconds since the epoch (OpenAI's timestamps) from a record's float seconds."""
+    if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return int(v)
+
+
+def uid_of(video_id: str) -> str:
+    """The uid behind a client-facing id; 404 for anything that cannot be one of ours."""
+    uid = video_id.removeprefix(ID_PREFIX)
+    if not _UID_RE.match(uid):
+        raise ApiError(404, f"no video with id {video_id[:80]!r}", code="video_not_found", param="video_id")
+    return uid
+
+
+# --- request bodies -----------------------------------------------------------------------------
+async def read_create_body(request: Request, max_body: int) -> tuple[dict[str, Any], bytes | None]:
+    """The scalar fields and the raw image bytes (if any) of a create request, JSON or form."""
+    mime = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if mime in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        return await _read_form(request, max_body)
+    if mime in ("", "application/json", "text/json") or mime.endswith("+json"):
+        return await _read_json(request)
+    raise ApiError(415, f"unsupported content type {mime!r}; send application/json or multipart/form-data",
+                   code="unsupported_media_type")
+
+
+async def _read_form(request: Request, max_body: int) -> tuple[dict[str, Any], bytes | None]:
+    form = await request.form(max_files=4, max_fields=64, max_part_size=max_body)
+    try:
+        fields: dict[str, Any] = {}
+        image: bytes | None = None
+        seen: set[str] = set()
+        for key, value in form.multi_items():
+            if key in seen:
+                raise bad_request(f"parameter '{key}' given more than once", param=key)
+            seen.add(key)
+            if isinstance(value, UploadFile):
+                if key != IMAGE_FIELD:
+                    raise bad_request(f"only '{IMAGE_FIELD}' may be a file upload, not '{key}'", param=key)
+                ctype = (value.content_type or "").lower()
+                if ctype and not ctype.startswith("image/") and ctype != "application/octet-stream":
+                    raise bad_request(f"'{IMAGE_FIELD}' upload has type {ctype!r}; expected an image",
+                                      param=IMAGE_FIELD, code="invalid_image")
+                image = await value.read()
+                if not image:
+                    raise bad_request(f"'{IMAGE_FIELD}' upload is empty", param=IMAGE_FIELD, code="invalid_image")
+            elif key in (IMAGE_FIELD, f"{IMAGE_FIELD}[image_url]"):
+                # the openai client flattens {"image_url": ...} to input_reference[image_url]
+                if value.strip():
+                    image = decode_base64_image(value)
+            elif key == f"{IMAGE_FIELD}[file_id]":
+                raise _no_file_ids()
+            elif value == "" and key != "prompt":
+                continue  # an empty optional form field means "not given"
+            else:
+                fields[key] = value
+        if IMAGE_FIELD in seen and f"{IMAGE_FIELD}[image_url]" in seen:
+            raise bad_request(f"'{IMAGE_FIELD}' given twice", param=IMAGE_FIELD)
+        return fields, image
+    finally:
+        await form.close()
+
+
+async def _read_json(request: Request) -> tuple[dict[str, Any], bytes | None]:
+    body = await request.body()
+    if not body.strip():
+        raise bad_request("request body is empty; expected a JSON object with at least 'prompt'",
+                          code="invalid_json")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
+    ref = data.pop(IMAGE_FIELD, None)
+    image: bytes | None = None
+    if isinstance(ref, str):
+        image = decode_base64_image(ref) if ref.strip() else None
+    elif isinstance(ref, dict):
+        if isinstance(ref.get("image_url"), str):
+            image = decode_base64_image(ref["image_url"])
+        elif "file_id" in ref:
+            raise _no_file_ids()
+        else:
+            raise bad_request(f"'{IMAGE_FIELD}' object needs 'image_url' (a data URL)", param=IMAGE_FIELD)
+    elif ref is not None:
+        raise bad_request(f"'{IMAGE_FIELD}' must be a base64 string, a data URL or {{\"image_url\": ...}}",
+                          param=IMAGE_FIELD)
+    return data, image
+
+
+def _no_file_ids() -> ApiError:
+    return bad_request(f"'{IMAGE_FIELD}' by file_id is not supported; upload the image or send it as a data URL",
+                       param=IMAGE_FIELD, code="unsupported_reference")
+
+
+# --- body limit, metrics and last-resort errors, as one pure ASGI middleware ----------------
+class BodyTooLarge(Exception):
+    pass
+
+
+class GuardMiddleware:
+    """Bounds request bodies (Content-Length up front, then the bytes actually streamed), counts
+    every response by route template and status, and turns anything that escapes into a JSON
+    500 for that request alone."""
+
+    def __init__(self, app: ASGIApp, state: "ProxyStateRef") -> None:
+        self.app = app
+        self.ref = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        st = self.ref.state
+        limit = st.opts.max_body_bytes
+        status = {"code": 500, "started": False}
+
+        async def send_tracked(message: AsgiMessage) -> None:
+            if message["type"] == "http.response.start":
+                status["code"], status["started"] = message["status"], True
+            await send(message)
+
+        try:
+            declared = _content_length(scope)
+            if declared is not None and declared > limit:
+                raise BodyTooLarge()
+            received = 0
+
+            async def receive_limited() -> AsgiMessage:
+                nonlocal received
+                message = await receive()
+                if message["type"] == "http.request":
+                    received += len(message.get("body", b""))
+                    if received > limit:
+                        raise BodyTooLarge()
+                return message
+
+            await self.app(scope, receive_limited, send_tracked)
+        except BodyTooLarge:
+            st.metrics.rejected.labels("body_too_large").inc()
+            if not status["started"]:
+                await ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large")\
+                    .response()(scope, receive, send_tracked)
+        except ApiError as e:
+            if not status["started"]:
+                await e.response()(scope, receive, send_tracked)
+        except Exception:
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if not status["started"]:
+                await ApiError(500, "internal error in the proxy", code="internal_error")\
+                    .response()(scope, receive, send_tracked)
+        finally:
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None) or "unmatched"
+            st.metrics.requests.labels(endpoint, scope.get("method", ""), str(status["code"])).inc()
+
+
+def _content_length(scope: Scope) -> int | None:
+    for k, v in scope.get("headers", []):
+        if k == b"content-length":
+            try:
+                n = int(v)
+            except ValueError:
+                raise ApiError(400, "Content-Length is not a number", code="invalid_request") from None
+            if n < 0:
+                raise ApiError(400, "Content-Length is negative", code="invalid_request")
+            return n
+    return None
+
+
+class ProxyStateRef:
+    state: ProxyState
+
+
+# --- the app ------------------------------------------------------------------------------------
+def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
+    """The proxy's ASGI app for ``cluster``; background work starts with the app's lifespan."""
+    opts = opts or ProxyOptions()
+    ref = ProxyStateRef()
+    ref.state = ProxyState(cluster, opts)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await ref.state.start()
+        try:
+            yield
+        finally:
+            await ref.state.stop()
+
+    app = FastAPI(title="onepiece proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.proxy = ref.state
+    app.add_middleware(GuardMiddleware, state=ref)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        if request.method == "POST" and exc.status in (400, 404, 413, 415, 503):
+            ref.state.metrics.rejected.labels(exc.code).inc()
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        return ApiError(exc.status_code, str(exc.detail), code=code).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return ApiError(400, str(exc.errors()[:1]), code="invalid_request").response()
+
+    @app.post("/v1/videos")
+    async def create_video(request: Request) -> Response:
+        st = ref.state
+        t0 = time.perf_counter()
+        raw, image_bytes = await read_create_body(request, st.opts.max_body_bytes)
+        job = build_job(st.cluster.workflow, raw, image_bytes)
+        obj = await st.submit(job)
+        st.metrics.submit_latency.observe(time.perf_counter() - t0)
+        return JsonResponse(obj)
+
+    @app.get("/v1/videos/{video_id}")
+    async def retrieve_video(video_id: str) -> Response:
+        st = ref.state
+        uid = uid_of(video_id)
+        record = await _db(st.dbs.get(uid))
+        if record is None:
+            raise ApiError(404, f"no video with id {video_id!r} (unknown, expired or already fetched)",
+                           code="video_not_found", param="video_id")
+        if record.get("status") in protocol.TERMINAL and st.tracker.release(uid):
+            st.metrics.inflight.set(len(st.tracker))  # the done event was lost; the record says enough
+        return JsonResponse(video_object(record))
+
+    @app.get("/v1/videos/{video_id}/content")
+    async def download_video(video_id: str, variant: str | None = None) -> Response:
+        st = ref.state
+        if variant not in (None, "", "video"):
+            raise bad_request(f"variant {variant!r} is not available; only 'video'", param="variant")
+        uid = uid_of(video_id)
+        got = await _db(st.dbs.content(uid))
+        if got is None:
+            raise ApiError(404, f"no video with id {video_id!r} (unknown, expired or already fetched)",
+                           code="video_not_found", param="video_id")
+        record, data = got
+        status = record.get("status")
+        if status != protocol.COMPLETED:
+            if status == protocol.FAILED:
+                raise ApiError(409, f"video {video_id!r} failed: {video_object(record)['error']['message']}",
+                               code="video_failed", param="video_id")
+            raise ApiError(409, f"video {video_id!r} is not ready (status {status}, "
+                                f"progress {video_object(record)['progress']}%)", code="video_not_ready",
+                           param="video_id")
+        return Response(bytes(data), media_type=record.get("content_type") or "video/mp4",
+                        headers={"Content-Disposition": f'attachment; filename="{ID_PREFIX}{uid}.mp4"'})
+
+    @app.delete("/v1/videos/{video_id}")
+    async def delete_video(video_id: str) -> Response:
+        st = ref.state
+        uid = uid_of(video_id)
+        if not await _db(st.dbs.delete(uid)):
+            raise ApiError(404, f"no video with id {video_id!r}", code="video_not_found", param="video_id")
+        return JsonResponse({"id": ID_PREFIX + uid, "object": "video.deleted", "deleted": True})
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        wf = ref.state.cluster.workflow
+        return JsonResponse({"object": "list", "data": [
+            {"id": app_id, "object": "model", "created": 0, "owned_by": "onepiece", "kind": spec.kind,
+             "stages": spec.stages} for app_id, spec in wf.applications.items()]})
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        st = ref.state
+        apps = {}
+        for app_id in st.cluster.workflow.applications:
+            try:
+                apps[app_id] = len(st.cluster.entrances(app_id))
+            except Exception:
+                apps[app_id] = 0
+        return JsonResponse({
+            "status": "ok", "set": st.cluster.set_name, "inflight": len(st.tracker),
+            "max_inflight": st.tracker.max_inflight, "dbs": st.dbs.count, "entrances": apps,
+        })
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ref.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _db(coro: Any) -> Any:
+    try:
+        return await coro
+    except DbUnavailable as e:
+        raise ApiError(503, str(e), code="db_unavailable") from None

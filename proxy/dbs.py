@@ -1,0 +1,99 @@
+"""The proxy's view of its set's DBs: an AsyncDbClient kept in step with the cluster's list.
+
+When the list of control addresses changes, a new client is built; the old one is closed a
+little later, so calls already in flight on it finish rather than break.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from onepiece.db.client import AsyncDbClient
+
+log = logging.getLogger(__name__)
+
+RETIRE_AFTER_S = 10.0
+
+
+class DbUnavailable(RuntimeError):
+    """No DB of the set answered."""
+
+
+class DbAccess:
+    def __init__(self, timeout: float = 1.0) -> None:
+        self.timeout = timeout
+        self._controls: tuple[str, ...] = ()
+        self._client: AsyncDbClient | None = None
+        self._retired: list[tuple[float, AsyncDbClient]] = []
+
+    @property
+    def count(self) -> int:
+        return len(self._controls)
+
+    def update(self, dbs: list[dict]) -> None:
+        """Follow the cluster's DB list (call from the event loop)."""
+        controls = tuple(sorted({d["control"] for d in dbs if isinstance(d, dict) and d.get("control")}))
+        now = time.monotonic()
+        if controls != self._controls:
+            if self._client is not None:
+                self._retired.append((now, self._client))
+            self._controls = controls
+            self._client = AsyncDbClient(list(controls), timeout=self.timeout) if controls else None
+            log.info("DBs now: %s", ", ".join(controls) or "none")
+        keep = []
+        for t, c in self._retired:
+            if now - t > RETIRE_AFTER_S:
+                _close(c)
+            else:
+                keep.append((t, c))
+        self._retired = keep
+
+    def _require(self) -> AsyncDbClient:
+        if self._client is None:
+            raise DbUnavailable("no DB instance is registered for this set")
+        return self._client
+
+    async def create(self, record: dict[str, Any]) -> None:
+        client = self._require()
+        try:
+            await client.create(record)
+        except Exception as e:  # the client's errors are RPC errors or timeouts; all mean "not stored"
+            raise DbUnavailable(f"no DB stored the request: {e}") from e
+
+    async def get(self, uid: str) -> dict | None:
+        client = self._require()
+        try:
+            return await client.get(uid)
+        except Exception as e:
+            raise DbUnavailable(f"no DB answered: {e}") from e
+
+    async def content(self, uid: str) -> tuple[dict, bytes] | None:
+        client = self._require()
+        try:
+            return await client.content(uid)
+        except Exception as e:
+            raise DbUnavailable(f"no DB answered: {e}") from e
+
+    async def delete(self, uid: str) -> bool:
+        client = self._require()
+        try:
+            return await client.delete(uid)
+        except Exception as e:
+            raise DbUnavailable(f"no DB answered: {e}") from e
+
+    def close(self) -> None:
+        for _, c in self._retired:
+            _close(c)
+        self._retired = []
+        if self._client is not None:
+            _close(self._client)
+            self._client = None
+
+
+def _close(client: AsyncDbClient) -> None:
+    try:
+        client.close()
+    except Exception:  # closing is best effort; sockets go away with the process anyway
+        log.debug("closing a DB client failed", exc_info=True)

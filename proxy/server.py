@@ -1,0 +1,112 @@
+"""Runs the proxy: uvicorn (uvloop) in this process, with the bound port reported back.
+
+``serve(...)`` blocks until SIGTERM/SIGINT (uvicorn's own handlers, main thread only) and then
+shuts down cleanly: in-flight HTTP requests finish, the background tasks stop, sockets close.
+``ProxyServer.start()`` runs the same server on a background thread (tests, in-process use).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Callable
+
+import uvicorn
+import uvloop
+
+from onepiece.proxy.api import ProxyOptions, create_app
+from onepiece.proxy.cluster import Cluster
+
+log = logging.getLogger(__name__)
+
+OnBound = Callable[[str, int], None]
+
+
+class ProxyServer:
+    def __init__(
+        self,
+        cluster: Cluster,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_inflight: int = 64,
+        max_body_bytes: int = 16 << 20,
+        log_level: str = "warning",
+        **options: float,
+    ) -> None:
+        self.host = host
+        self.opts = ProxyOptions(max_inflight=max_inflight, max_body_bytes=max_body_bytes, **options)  # type: ignore[arg-type]
+        self.app = create_app(cluster, self.opts)
+        self.config = uvicorn.Config(
+            self.app, host=host, port=port, loop="uvloop", lifespan="on", log_level=log_level,
+            access_log=False, timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024,
+        )
+        self.server = uvicorn.Server(self.config)
+        self.port: int | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def serve(self, on_bound: OnBound | None = None) -> None:
+        """Serve until told to stop; ``on_bound(host, port)`` once it accepts connections."""
+        task = asyncio.ensure_future(self.server.serve())
+        while not self.server.started:
+            if task.done():
+                await task  # startup failed: surface uvicorn's error (or SystemExit)
+                raise RuntimeError(f"proxy on {self.host}:{self.config.port} stopped during startup")
+            await asyncio.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        log.info("proxy listening on %s", self.url)
+        if on_bound is not None:
+            on_bound(self.host, self.port)
+        await task
+
+    def run(self, on_bound: OnBound | None = None) -> None:
+        """Blocking: serve on a fresh uvloop event loop until SIGTERM/SIGINT."""
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(self.serve(on_bound))
+
+    def start(self, timeout: float = 10.0) -> int:
+        """Serve on a daemon thread; returns the bound port once it accepts connections."""
+        bound = threading.Event()
+        errors: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                self.run(lambda host, port: bound.set())
+            except BaseException as e:  # reported to start()'s caller below
+                errors.append(e)
+                bound.set()
+
+        self._thread = threading.Thread(target=target, name="proxy", daemon=True)
+        self._thread.start()
+        if not bound.wait(timeout):
+            self.stop()
+            raise RuntimeError(f"proxy did not start within {timeout:.0f}s")
+        if errors:
+            raise RuntimeError(f"proxy failed to start: {errors[0]!r}") from errors[0]
+        assert self.port is not None
+        return self.port
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+
+def serve(
+    cluster: Cluster,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_inflight: int = 64,
+    max_body_bytes: int = 16 << 20,
+    on_bound: OnBound | None = None,
+    log_level: str = "info",
+) -> None:
+    """Run a proxy for ``cluster`` until SIGTERM/SIGINT. ``port=0`` binds any free port; the
+    actual one is passed to ``on_bound(host, port)`` (e.g. to register with the NM)."""
+    ProxyServer(cluster, host, port, max_inflight, max_body_bytes, log_level=log_level).run(on_bound)

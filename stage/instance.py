@@ -1,0 +1,113 @@
+"""One workflow instance (DESIGN §6): TaskManager, RequestScheduler, TaskWorkers and
+ResultDeliver, wired together. The parts share no mutable state: the scheduler and the
+deliverer talk through a bounded mailbox, the TaskManager reaches the scheduler through its
+control queue, and routes reach the deliverer as whole-table swaps.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+from prometheus_client import REGISTRY, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from onepiece.config import Workflow
+from onepiece.nm.client import Membership
+from onepiece.stage.deliver import ResultDeliver
+from onepiece.stage.scheduler import RequestScheduler, SchedulerStats
+from onepiece.stage.task_manager import TaskManager
+from onepiece.supervise import stop_on_signals
+from onepiece.transport import registry
+
+log = logging.getLogger(__name__)
+
+
+class StageMetrics:
+    """Prometheus view of the scheduler's counters, read at scrape time."""
+
+    def __init__(self, stage: str, stats: SchedulerStats) -> None:
+        self.stage, self.stats = stage, stats
+
+    def collect(self):
+        s, labels = self.stats, [self.stage]
+        for name, doc, value in (("queue_length", "requests waiting for a worker", s.queue),
+                                 ("busy_workers", "workers running a request", s.busy),
+                                 ("ready_workers", "workers loaded and serving", s.ready)):
+            g = GaugeMetricFamily(f"onepiece_stage_{name}", doc, labels=["stage"])
+            g.add_metric(labels, value)
+            yield g
+        c = CounterMetricFamily("onepiece_stage_requests", "requests handled by this instance", labels=["stage", "outcome"])
+        c.add_metric([self.stage, "received"], s.received)
+        c.add_metric([self.stage, "completed"], s.completed)
+        c.add_metric([self.stage, "failed"], s.failed)
+        yield c
+        g = GaugeMetricFamily("onepiece_stage_service_seconds", "recent mean service time", labels=["stage", "app"])
+        for app, t in s.service_s.items():
+            g.add_metric([self.stage, app], t)
+        yield g
+
+
+def serve(nm_address: str, set_name: str, listen: str = "tcp://127.0.0.1:0", stage: str | None = None,
+          runtime_dir: str | None = None) -> None:
+    stop = stop_on_signals()
+    rdir = Path(tempfile.mkdtemp(prefix="stage-", dir=runtime_dir))
+    metrics, _ = start_http_server(0, addr="127.0.0.1")
+    receiver = registry.listen(listen)
+    stats = SchedulerStats()
+    member = Membership(
+        nm_address, "stage", set_name,
+        {"data": receiver.address, "metrics": f"http://127.0.0.1:{metrics.server_port}"},
+        stage=stage, stats=lambda: vars(stats), ready=lambda: stats.ready > 0,
+    )
+    reply = member.register()
+    workflow = Workflow.model_validate(reply["workflow"])
+    member.start()
+    my_stage = reply["stage"]
+    try:
+        if my_stage is None:
+            log.info("%s joined the idle pool", member.id)
+            stop.wait()
+            return
+        log.info("%s serves stage %s, data at %s", member.id, my_stage, receiver.address)
+        _run_stage(member, my_stage, workflow, Path(reply["base_dir"]), receiver, rdir, stats, stop)
+    finally:
+        member.stop()
+        receiver.close()
+        metrics.shutdown()
+        shutil.rmtree(rdir, ignore_errors=True)
+
+
+def _run_stage(member: Membership, stage: str, workflow: Workflow, base_dir: Path, receiver, rdir: Path,
+               stats: SchedulerStats, stop: threading.Event) -> None:
+    mailbox: queue.Queue = queue.Queue(maxsize=1024)
+    scheduler = RequestScheduler(stage, receiver, f"ipc://{rdir}/workers.sock", workflow.stages[stage].queue,
+                                 mailbox, stats)
+    deliver = ResultDeliver(stage, workflow, mailbox, routes=lambda: member.routes)
+    tm = TaskManager(member.id, stage, workflow, base_dir, scheduler)
+    REGISTRY.register(StageMetrics(stage, stats))
+    deliver_stop = threading.Event()
+    threads = {
+        "scheduler": threading.Thread(target=scheduler.run, args=(stop,), name="scheduler"),
+        "task-manager": threading.Thread(target=tm.supervise, args=(stop,), name="task-manager"),
+        "deliver": threading.Thread(target=deliver.run, args=(deliver_stop,), name="deliver"),
+    }
+    tm.start()
+    for t in threads.values():
+        t.start()
+    try:
+        stop.wait()
+    finally:
+        log.info("%s (%s) shutting down", member.id, stage)
+        member.stop()  # leave the routes first, so upstream stops sending here
+        threads["scheduler"].join(timeout=10)
+        threads["task-manager"].join(timeout=10)
+        tm.stop()
+        scheduler.close()  # fails what is still queued, through the deliverer
+        deliver_stop.set()
+        threads["deliver"].join(timeout=30)
+        deliver.close()

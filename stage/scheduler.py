@@ -1,0 +1,187 @@
+"""The RequestScheduler (DESIGN §6), Individual mode: one bounded queue that idle workers pull
+from. It owns the instance's data receiver and the socket its workers connect to, and it
+alone knows which worker holds which request, so it is the one that turns a dead worker's
+request into a failure.
+
+When its queue is full it stops reading the receiver, so the transport's own bounds push back
+on senders (they see ``Full`` within their send timeout) instead of memory growing here.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import zmq
+
+from onepiece.transport.base import Receiver
+from onepiece.transport.message import Message, MessageError, decode, encode, now_ns
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Held:
+    uid: str
+    app: str
+    since: float
+
+
+@dataclass
+class SchedulerStats:
+    queue: int = 0
+    capacity: int = 0
+    workers: int = 0
+    ready: int = 0
+    busy: int = 0
+    received: int = 0
+    completed: int = 0
+    failed: int = 0
+    rejected_frames: int = 0
+    service_s: dict[str, float] = field(default_factory=dict)  # recent mean per application
+
+
+class RequestScheduler:
+    def __init__(self, stage: str, receiver: Receiver, worker_address: str, capacity: int, outbox: "queue.Queue",
+                 stats: SchedulerStats | None = None) -> None:
+        self.stage, self.receiver, self.capacity, self.outbox = stage, receiver, capacity, outbox
+        self.workers = zmq.Context.instance().socket(zmq.ROUTER)
+        self.workers.setsockopt(zmq.LINGER, 0)
+        self.workers.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reuses its identity
+        self.workers.bind(worker_address)
+        self.worker_address = self.workers.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.pending: collections.deque[Message] = collections.deque()
+        self.idle: collections.deque[bytes] = collections.deque()
+        self.known: set[bytes] = set()  # workers that said ready at least once
+        self.held: dict[bytes, Held] = {}
+        self.control: queue.Queue = queue.Queue(maxsize=256)  # ("died", identity, reason) from the TaskManager
+        self.stats = stats or SchedulerStats()
+        self.stats.capacity = capacity
+        self._service: dict[str, collections.deque[float]] = collections.defaultdict(lambda: collections.deque(maxlen=32))
+
+    # --- outcomes go to the ResultDeliver's mailbox ---------------------------------------
+    def _emit(self, item: tuple) -> None:
+        try:
+            self.outbox.put(item, timeout=10.0)
+        except queue.Full:
+            log.error("deliver mailbox full for 10s; dropping %s for uid=%s", item[0], item[1] if len(item) > 1 else "")
+
+    def _fail(self, uid: str, app: str, error: str) -> None:
+        self.stats.failed += 1
+        log.warning("uid=%s failed at %s: %s", uid, self.stage, error)
+        self._emit(("failed", uid, app, error))
+
+    # --- the loop ---------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        poller = zmq.Poller()
+        poller.register(self.workers, zmq.POLLIN)
+        handle = getattr(self.receiver, "sock", None)
+        reading = False
+        while not stop.is_set():
+            want_read = len(self.pending) < self.capacity
+            if handle is not None and want_read != reading:
+                if want_read:
+                    poller.register(handle, zmq.POLLIN)
+                else:
+                    poller.unregister(handle)
+                reading = want_read
+            events = dict(poller.poll(50))
+            if self.workers in events:
+                self._from_workers()
+            if want_read and (handle is None or handle in events):
+                self._intake()
+            self._control()
+            self._dispatch()
+            self._update_stats()
+
+    def _intake(self) -> None:
+        while len(self.pending) < self.capacity:
+            msg = self.receiver.recv(0)
+            if msg is None:
+                break
+            self.stats.received += 1
+            if msg.header.get("stage") != self.stage:
+                self._fail(msg.uid, msg.header.get("app", ""), f"message for stage {msg.header.get('stage')!r} arrived at {self.stage!r}")
+                continue
+            msg.mark(self.stage, "recv")
+            self.pending.append(msg)
+
+    def _dispatch(self) -> None:
+        while self.pending and self.idle:
+            msg = self.pending.popleft()
+            app = msg.header.get("app", "")
+            deadline = msg.header.get("deadline")
+            if isinstance(deadline, int) and now_ns() > deadline:
+                self._fail(msg.uid, app, f"deadline exceeded before stage {self.stage}")
+                continue
+            ident = self.idle.popleft()
+            self.held[ident] = Held(msg.uid, app, time.monotonic())
+            self.workers.send_multipart([ident, b"task", *encode(msg)], copy=False)
+            self._emit(("progress", msg.uid, app, 0.0))
+
+    def _from_workers(self) -> None:
+        while True:
+            try:
+                frames = self.workers.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            ident, tag = frames[0].bytes, frames[1].bytes
+            if tag == b"ready":
+                self.known.add(ident)
+                self._idle(ident)
+            elif tag == b"progress":
+                held = self.held.get(ident)
+                if held is not None:
+                    self._emit(("progress", held.uid, held.app, float(orjson.loads(frames[2].bytes)["fraction"])))
+            elif tag in (b"done", b"failed"):
+                held = self.held.pop(ident, None)
+                self._idle(ident)
+                if held is None:
+                    continue
+                self._service[held.app].append(time.monotonic() - held.since)
+                if tag == b"failed":
+                    self._fail(held.uid, held.app, orjson.loads(frames[2].bytes)["error"])
+                    continue
+                try:
+                    msg = decode(frames[2:])
+                except MessageError as e:  # a worker bug, not a client's: fail the request visibly
+                    self._fail(held.uid, held.app, f"worker returned a malformed result: {e}")
+                    continue
+                self.stats.completed += 1
+                self._emit(("result", msg))
+
+    def _idle(self, ident: bytes) -> None:
+        if ident not in self.idle:
+            self.idle.append(ident)
+
+    def _control(self) -> None:
+        while True:
+            try:
+                what, ident, reason = self.control.get_nowait()
+            except queue.Empty:
+                return
+            if what == "died":
+                self.known.discard(ident)
+                if ident in self.idle:
+                    self.idle.remove(ident)
+                held = self.held.pop(ident, None)
+                if held is not None:
+                    self._fail(held.uid, held.app, f"worker {ident.decode()} of stage {self.stage} died ({reason})")
+
+    def _update_stats(self) -> None:
+        s = self.stats
+        s.queue, s.ready, s.busy = len(self.pending), len(self.known), len(self.held)
+        s.rejected_frames = getattr(self.receiver, "rejected", 0)
+        s.service_s = {app: sum(d) / len(d) for app, d in self._service.items() if d}
+
+    def close(self) -> None:
+        for msg in self.pending:
+            self._fail(msg.uid, msg.header.get("app", ""), f"stage {self.stage} instance shut down")
+        self.pending.clear()
+        self.workers.close(linger=0)

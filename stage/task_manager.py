@@ -1,0 +1,88 @@
+"""The TaskManager (DESIGN §6): joins the NM, learns its stage, starts and supervises one
+TaskWorker process per worker slot, and restarts a worker that dies (its request is failed by
+the scheduler, with the reason). Restarts back off, bounded, so a worker that cannot start
+does not spin.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from onepiece.config import Workflow
+from onepiece.stage.scheduler import RequestScheduler
+from onepiece.supervise import child_preexec
+
+log = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 10.0
+
+
+@dataclass
+class WorkerSlot:
+    identity: str
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+
+
+class TaskManager:
+    def __init__(self, instance: str, stage: str, workflow: Workflow, base_dir: Path, scheduler: RequestScheduler) -> None:
+        spec = workflow.stages[stage]
+        self.instance, self.stage, self.scheduler = instance, stage, scheduler
+        kinds = {app: a.kind for app, a in workflow.applications.items() if stage in a.stages}
+        self.config = {
+            "instance": instance, "stage": stage, "function": workflow.function_of(stage), "kinds": kinds,
+            "model_dir": str(workflow.model_path(spec.model, base_dir)), "components": spec.components,
+            "device": spec.device, "threads": spec.threads, "scheduler": scheduler.worker_address,
+        }
+        self.slots = [WorkerSlot(f"w{i}") for i in range(spec.workers)]
+        scheduler.stats.workers = spec.workers
+
+    def _start(self, slot: WorkerSlot) -> None:
+        config = dict(self.config, identity=slot.identity)
+        if config["device"].startswith("cuda") and len(self.slots) > 1:
+            config["device"] = f"cuda:{self.slots.index(slot)}"  # one device per worker
+        slot.proc = subprocess.Popen(
+            [sys.executable, "-m", "onepiece.stage.worker", orjson.dumps(config).decode()],
+            preexec_fn=child_preexec,
+        )
+        log.info("started worker %s (pid %d) for stage %s", slot.identity, slot.proc.pid, self.stage)
+
+    def start(self) -> None:
+        for slot in self.slots:
+            self._start(slot)
+
+    def supervise(self, stop: threading.Event) -> None:
+        while not stop.wait(0.2):
+            now = time.monotonic()
+            for slot in self.slots:
+                if slot.proc is not None and slot.proc.poll() is not None:
+                    code = slot.proc.returncode
+                    reason = f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
+                    log.warning("worker %s of stage %s died (%s); restarting", slot.identity, self.stage, reason)
+                    self.scheduler.control.put(("died", slot.identity.encode(), reason))
+                    slot.proc = None
+                    slot.restarts += 1
+                    slot.next_start = now + min(MAX_BACKOFF_S, 0.25 * 2 ** min(slot.restarts - 1, 6))
+                if slot.proc is None and now >= slot.next_start:
+                    self._start(slot)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        procs = [s.proc for s in self.slots if s.proc is not None]
+        for p in procs:
+            p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

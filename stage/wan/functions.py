@@ -1,0 +1,504 @@
+"""The Wan2.1 T2V / I2V pipelines of diffusers, split into stage functions (DESIGN §6).
+
+Each function mirrors the corresponding part of ``WanPipeline.__call__`` /
+``WanImageToVideoPipeline.__call__`` (diffusers 0.42.1) so that the split pipeline gives the
+same output as the monolithic one for the same seed. Parts (payload names) per stage:
+
+=============  ======  ==============================================  =====================================
+stage          kinds   consumes                                        produces (plus pass-through)
+=============  ======  ==============================================  =====================================
+text_encode    both    params (prompt, negative_prompt, guidance,      prompt_embeds, negative_prompt_embeds
+                       max_sequence_length)                            (only when guidance > 1)
+image_encode   i2v     image (uint8 HxWx3 RGB)                         image_embeds
+vae_encode     i2v     image, params (width, height, num_frames)       condition (mask + image latents);
+                                                                       drops image
+denoise        both    prompt_embeds, negative_prompt_embeds,          latents (only)
+                       [i2v: image_embeds, condition], params
+                       (width, height, num_frames, steps, guidance,
+                       seed)
+vae_decode     both    latents, params (fps)                           content (MP4 bytes, only)
+=============  ======  ==============================================  =====================================
+
+Every function returns all the parts later stages need: the runtime forwards exactly what is
+returned. Inputs are read-only buffers: nothing here writes into them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from onepiece.stage.registry import Parts, StageContext, SteppedTask, stage_function
+from onepiece.transport.message import Message
+
+# Pipeline fallbacks (WanPipeline.__init__ uses these when it has no VAE).
+_DEFAULT_SCALE_TEMPORAL = 4
+_DEFAULT_SCALE_SPATIAL = 8
+
+
+# --------------------------------------------------------------------------------------- helpers
+
+
+def _params(msg: Message) -> dict[str, Any]:
+    params = msg.header.get("params")
+    if not isinstance(params, dict):
+        raise ValueError("message header has no 'params' object")
+    return params
+
+
+def _param(params: dict[str, Any], key: str, typ: type) -> Any:
+    if key not in params or params[key] is None:
+        raise ValueError(f"missing parameter {key!r}")
+    try:
+        return typ(params[key])
+    except (TypeError, ValueError):
+        raise ValueError(f"parameter {key!r} must be {typ.__name__}, got {params[key]!r}") from None
+
+
+def _component(ctx: StageContext, name: str) -> Any:
+    try:
+        return ctx.components[name]
+    except KeyError:
+        raise ValueError(f"stage has no component {name!r} loaded (has: {sorted(ctx.components)})") from None
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    from diffusers.utils.torch_utils import get_module_execution_device
+
+    return get_module_execution_device(module)
+
+
+def _input(msg: Message, name: str, device: torch.device) -> torch.Tensor:
+    """Tensor part ``name`` on ``device`` (moved once; may alias the read-only received buffer)."""
+    if name not in msg.parts:
+        raise ValueError(f"missing input part {name!r} (message has: {sorted(msg.parts)})")
+    return msg.tensor(name).to(device)
+
+
+def _image(msg: Message):
+    """Part ``image`` (uint8 HxWx3 RGB) as the PIL image the pipeline would be given."""
+    from PIL import Image
+
+    if "image" not in msg.parts:
+        raise ValueError(f"missing input part 'image' (message has: {sorted(msg.parts)})")
+    part = msg.parts["image"]
+    arr = part.numpy() if isinstance(part, torch.Tensor) else part
+    if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
+        desc = f"{arr.dtype} {list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__
+        raise ValueError(f"part 'image' must be a uint8 HxWx3 RGB array, got {desc}")
+    if arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise ValueError("part 'image' is empty")
+    return Image.fromarray(np.ascontiguousarray(arr), mode="RGB")
+
+
+def _passthrough(msg: Message, drop: tuple[str, ...] = ()) -> Parts:
+    return {k: v for k, v in msg.parts.items() if k not in drop}
+
+
+def _vae_scales(ctx: StageContext) -> tuple[int, int]:
+    """(temporal, spatial) VAE scale factors, as the pipeline reads them from ``vae.config``.
+
+    The denoise stage has no VAE loaded; it reads the VAE config beside its transformer (the
+    same pipeline directory), else falls back to the pipeline's own defaults.
+    """
+    vae = ctx.components.get("vae")
+    if vae is not None:
+        return int(vae.config.scale_factor_temporal), int(vae.config.scale_factor_spatial)
+    transformer = ctx.components.get("transformer")
+    origin = getattr(getattr(transformer, "config", None), "_name_or_path", None)
+    if origin:
+        cfg_path = Path(origin).parent / "vae" / "config.json"
+        try:
+            cfg = json.loads(cfg_path.read_text())
+            return (
+                int(cfg.get("scale_factor_temporal", _DEFAULT_SCALE_TEMPORAL)),
+                int(cfg.get("scale_factor_spatial", _DEFAULT_SCALE_SPATIAL)),
+            )
+        except (OSError, ValueError):
+            pass
+    return _DEFAULT_SCALE_TEMPORAL, _DEFAULT_SCALE_SPATIAL
+
+
+def _geometry(
+    params: dict[str, Any], temporal: int, spatial: int, patch: tuple[int, ...] | None = None
+) -> tuple[int, int, int]:
+    """(height, width, num_frames) after the pipeline's own checks and adjustments."""
+    height = _param(params, "height", int)
+    width = _param(params, "width", int)
+    num_frames = _param(params, "num_frames", int)
+    if height <= 0 or width <= 0 or num_frames <= 0:
+        raise ValueError(f"height, width and num_frames must be positive, got {height}, {width}, {num_frames}")
+    # check_inputs
+    if height % 16 != 0 or width % 16 != 0:
+        raise ValueError(f"height and width have to be divisible by 16 but are {height} and {width}")
+    # __call__: num_frames - 1 must be a multiple of the temporal factor (rounded, as the pipeline does)
+    if num_frames % temporal != 1:
+        num_frames = num_frames // temporal * temporal + 1
+    num_frames = max(num_frames, 1)
+    if patch is not None:
+        h_mult, w_mult = spatial * patch[1], spatial * patch[2]
+        height, width = height // h_mult * h_mult, width // w_mult * w_mult
+    return height, width, num_frames
+
+
+def _latents_norm(vae: Any, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(latents_mean, 1 / latents_std) shaped for broadcasting, as in the pipelines."""
+    z = vae.config.z_dim
+    mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(device, dtype)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(device, dtype)
+    return mean, inv_std
+
+
+# --------------------------------------------------------------------------------- text_encode
+
+
+def _t5_embeds(text_encoder: Any, tokenizer: Any, prompt: str, max_len: int) -> torch.Tensor:
+    """WanPipeline._get_t5_prompt_embeds for one prompt, one video."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    device = _module_device(text_encoder)
+    inputs = tokenizer(
+        [prompt_clean(prompt)],
+        padding="max_length",
+        max_length=max_len,
+        truncation=True,
+        add_special_tokens=True,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
+    ids, mask = inputs.input_ids, inputs.attention_mask
+    seq_lens = mask.gt(0).sum(dim=1).long()
+    embeds = text_encoder(ids.to(device), mask.to(device)).last_hidden_state
+    embeds = embeds.to(dtype=text_encoder.dtype, device=device)
+    # Zero the padding positions, exactly as the pipeline does.
+    embeds = [u[:v] for u, v in zip(embeds, seq_lens)]
+    return torch.stack([torch.cat([u, u.new_zeros(max_len - u.size(0), u.size(1))]) for u in embeds], dim=0)
+
+
+@stage_function("text_encode", "t2v")
+@stage_function("text_encode", "i2v")
+def text_encode(ctx: StageContext, msg: Message) -> Parts:
+    params = _params(msg)
+    prompt = params.get("prompt")
+    if not isinstance(prompt, str):
+        raise ValueError(f"parameter 'prompt' must be a string, got {type(prompt).__name__}")
+    negative = params.get("negative_prompt") or ""
+    if not isinstance(negative, str):
+        raise ValueError(f"parameter 'negative_prompt' must be a string, got {type(negative).__name__}")
+    max_len = _param(params, "max_sequence_length", int)
+    guidance = _param(params, "guidance", float)
+    text_encoder, tokenizer = _component(ctx, "text_encoder"), _component(ctx, "tokenizer")
+
+    out = _passthrough(msg)
+    with torch.inference_mode():
+        out["prompt_embeds"] = _t5_embeds(text_encoder, tokenizer, prompt, max_len)
+        if guidance > 1.0:  # do_classifier_free_guidance
+            out["negative_prompt_embeds"] = _t5_embeds(text_encoder, tokenizer, negative, max_len)
+        else:
+            out.pop("negative_prompt_embeds", None)
+    return out
+
+
+# -------------------------------------------------------------------------------- image_encode
+
+
+@stage_function("image_encode", "i2v")
+def image_encode(ctx: StageContext, msg: Message) -> Parts:
+    """WanImageToVideoPipeline.encode_image: CLIP penultimate hidden states."""
+    image = _image(msg)
+    encoder, processor = _component(ctx, "image_encoder"), _component(ctx, "image_processor")
+    out = _passthrough(msg)
+    with torch.inference_mode():
+        pixels = processor(images=image, return_tensors="pt").to(_module_device(encoder))
+        out["image_embeds"] = encoder(**pixels, output_hidden_states=True).hidden_states[-2]
+    return out
+
+
+# ---------------------------------------------------------------------------------- vae_encode
+
+
+@stage_function("vae_encode", "i2v")
+def vae_encode(ctx: StageContext, msg: Message) -> Parts:
+    """The conditioning half of WanImageToVideoPipeline.prepare_latents (Wan2.1: no last image).
+
+    Produces ``condition``: the first-frame mask (temporal-factor channels) concatenated with the
+    normalised VAE latents of [image, zeros...], float32, shape (1, 4 + z_dim, F_lat, H/8, W/8).
+    """
+    from diffusers.pipelines.wan.pipeline_wan_i2v import retrieve_latents
+    from diffusers.video_processor import VideoProcessor
+
+    vae = _component(ctx, "vae")
+    temporal, spatial = int(vae.config.scale_factor_temporal), int(vae.config.scale_factor_spatial)
+    height, width, num_frames = _geometry(_params(msg), temporal, spatial)
+    image = _image(msg)
+    device = _module_device(vae)
+    dtype = torch.float32  # the pipeline prepares latents in float32 whatever the model dtypes
+
+    with torch.inference_mode():
+        pixels = VideoProcessor(vae_scale_factor=spatial).preprocess(image, height=height, width=width)
+        pixels = pixels.to(device, dtype=dtype).unsqueeze(2)  # [1, 3, 1, H, W]
+        video_condition = torch.cat(
+            [pixels, pixels.new_zeros(pixels.shape[0], pixels.shape[1], num_frames - 1, height, width)], dim=2
+        ).to(device=device, dtype=vae.dtype)
+        latent = retrieve_latents(vae.encode(video_condition), sample_mode="argmax")
+        latent = latent.to(device=device, dtype=dtype)
+        mean, inv_std = _latents_norm(vae, device, dtype)
+        latent = (latent - mean) * inv_std
+
+        lat_h, lat_w = height // spatial, width // spatial
+        mask = torch.ones(1, 1, num_frames, lat_h, lat_w)
+        mask[:, :, list(range(1, num_frames))] = 0
+        first = torch.repeat_interleave(mask[:, :, 0:1], dim=2, repeats=temporal)
+        mask = torch.concat([first, mask[:, :, 1:, :]], dim=2)
+        mask = mask.view(1, -1, temporal, lat_h, lat_w).transpose(1, 2).to(latent.device)
+        condition = torch.concat([mask, latent], dim=1)
+
+    out = _passthrough(msg, drop=("image",))  # no later stage needs the pixels
+    out["condition"] = condition
+    return out
+
+
+# ------------------------------------------------------------------------------------- denoise
+
+
+class WanDenoise(SteppedTask):
+    """The denoising loop of WanPipeline / WanImageToVideoPipeline, one step per ``step()``.
+
+    Owns a private copy of the scheduler: schedulers keep per-request state (step index,
+    multistep history), so requests interleaved on one worker must not share one.
+    """
+
+    def __init__(
+        self,
+        *,
+        kind: str,
+        transformer: Any,
+        scheduler: Any,
+        latents: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        negative_prompt_embeds: torch.Tensor | None,
+        guidance: float,
+        steps: int,
+        image_embeds: torch.Tensor | None = None,
+        condition: torch.Tensor | None = None,
+        report: Any = None,
+    ) -> None:
+        self.kind = kind
+        self.transformer = transformer
+        self.scheduler = scheduler
+        self.latents = latents
+        self.prompt_embeds = prompt_embeds
+        self.negative_prompt_embeds = negative_prompt_embeds
+        self.guidance = guidance
+        self.image_embeds = image_embeds
+        self.condition = condition
+        self.report = report
+        self.device = latents.device
+        self.scheduler.set_timesteps(steps, device=self.device)
+        self.timesteps = self.scheduler.timesteps
+        if kind == "t2v":
+            self.scheduler.set_begin_index(0)  # WanPipeline does; WanImageToVideoPipeline does not
+        self.i = 0
+        self.progress = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.i >= len(self.timesteps)
+
+    def step(self) -> bool:
+        if self.done:
+            return True
+        i, t = self.i, self.timesteps[self.i]
+        model = self.transformer
+        dtype = model.dtype
+        with torch.inference_mode():
+            if self.kind == "t2v":
+                model_input = self.latents.to(dtype)
+                cache_kwargs = {
+                    "step_index": i,
+                    "sigma": float(self.scheduler.sigmas[i]),
+                    "num_inference_steps": len(self.timesteps),
+                }
+                extra: dict[str, Any] = {}
+            else:
+                model_input = torch.cat([self.latents, self.condition], dim=1).to(dtype)
+                cache_kwargs = {}
+                extra = {"encoder_hidden_states_image": self.image_embeds}
+            timestep = t.expand(self.latents.shape[0])
+            with model.cache_context("cond", **cache_kwargs):
+                noise_pred = model(
+                    hidden_states=model_input,
+                    timestep=timestep,
+                    encoder_hidden_states=self.prompt_embeds,
+                    attention_kwargs=None,
+                    return_dict=False,
+                    **extra,
+                )[0]
+            if self.guidance > 1.0:
+                with model.cache_context("uncond", **cache_kwargs):
+                    noise_uncond = model(
+                        hidden_states=model_input,
+                        timestep=timestep,
+                        encoder_hidden_states=self.negative_prompt_embeds,
+                        attention_kwargs=None,
+                        return_dict=False,
+                        **extra,
+                    )[0]
+                noise_pred = noise_uncond + self.guidance * (noise_pred - noise_uncond)
+            self.latents = self.scheduler.step(noise_pred, t, self.latents, return_dict=False)[0]
+        self.i += 1
+        self.progress = self.i / len(self.timesteps)
+        if self.report is not None:
+            self.report(self.progress)
+        return self.done
+
+    def result(self) -> Parts:
+        if not self.done:
+            raise RuntimeError(f"denoising not finished ({self.i}/{len(self.timesteps)} steps)")
+        return {"latents": self.latents}
+
+
+def _denoise(ctx: StageContext, msg: Message, kind: str) -> WanDenoise:
+    from diffusers.utils.torch_utils import randn_tensor
+
+    params = _params(msg)
+    transformer, scheduler = _component(ctx, "transformer"), _component(ctx, "scheduler")
+    cfg = transformer.config
+    temporal, spatial = _vae_scales(ctx)
+    height, width, num_frames = _geometry(params, temporal, spatial, tuple(cfg.patch_size))
+    steps = _param(params, "steps", int)
+    guidance = _param(params, "guidance", float)
+    seed = _param(params, "seed", int)
+    if steps <= 0:
+        raise ValueError(f"parameter 'steps' must be positive, got {steps}")
+    device = _module_device(transformer)
+    dtype = transformer.dtype
+
+    with torch.inference_mode():
+        prompt_embeds = _input(msg, "prompt_embeds", device).to(dtype)
+        negative = None
+        if guidance > 1.0:
+            negative = _input(msg, "negative_prompt_embeds", device).to(dtype)
+
+        image_embeds = condition = None
+        if kind == "t2v":
+            channels = cfg.in_channels
+        else:
+            condition = _input(msg, "condition", device).to(torch.float32)
+            # Wan2.1 I2V: the transformer predicts z_dim channels and sees latents + condition.
+            channels = cfg.out_channels
+            if channels + condition.shape[1] != cfg.in_channels:
+                raise ValueError(
+                    f"part 'condition' has {condition.shape[1]} channels; the transformer expects "
+                    f"{cfg.in_channels - channels}"
+                )
+            if cfg.image_dim is not None:  # only the Wan2.1 I2V transformer takes image embeddings
+                image_embeds = _input(msg, "image_embeds", device).repeat(1, 1, 1).to(dtype)
+
+        shape = (1, channels, (num_frames - 1) // temporal + 1, height // spatial, width // spatial)
+        if condition is not None and tuple(condition.shape[2:]) != shape[2:]:
+            raise ValueError(
+                f"part 'condition' has latent shape {list(condition.shape[2:])}, but width/height/num_frames "
+                f"give {list(shape[2:])}"
+            )
+        # Same draw as the pipeline's prepare_latents with generator=torch.Generator().manual_seed(seed).
+        generator = torch.Generator().manual_seed(seed)
+        latents = randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
+
+    return WanDenoise(
+        kind=kind,
+        transformer=transformer,
+        scheduler=copy.deepcopy(scheduler),
+        latents=latents,
+        prompt_embeds=prompt_embeds,
+        negative_prompt_embeds=negative,
+        guidance=guidance,
+        steps=steps,
+        image_embeds=image_embeds,
+        condition=condition,
+        report=ctx.progress,
+    )
+
+
+@stage_function("denoise", "t2v")
+def denoise_t2v(ctx: StageContext, msg: Message) -> WanDenoise:
+    return _denoise(ctx, msg, "t2v")
+
+
+@stage_function("denoise", "i2v")
+def denoise_i2v(ctx: StageContext, msg: Message) -> WanDenoise:
+    return _denoise(ctx, msg, "i2v")
+
+
+# ---------------------------------------------------------------------------------- vae_decode
+
+
+def decode_frames(ctx: StageContext, msg: Message) -> np.ndarray:
+    """Latents → frames exactly as the pipelines' output_type="np": (frames, H, W, 3) in [0, 1]."""
+    from diffusers.video_processor import VideoProcessor
+
+    vae = _component(ctx, "vae")
+    device = _module_device(vae)
+    with torch.inference_mode():
+        latents = _input(msg, "latents", device).to(dtype=vae.dtype)
+        if latents.ndim != 5 or latents.shape[1] != vae.config.z_dim:
+            raise ValueError(
+                f"part 'latents' must be (batch, {vae.config.z_dim}, frames, h, w), got {list(latents.shape)}"
+            )
+        mean, inv_std = _latents_norm(vae, latents.device, latents.dtype)
+        latents = latents / inv_std + mean
+        video = vae.decode(latents, return_dict=False)[0]
+        processor = VideoProcessor(vae_scale_factor=int(vae.config.scale_factor_spatial))
+        frames = processor.postprocess_video(video, output_type="np")
+    return np.asarray(frames[0])
+
+
+def encode_mp4(frames: np.ndarray, fps: int) -> bytes:
+    """H.264 MP4 of ``frames`` ((frames, H, W, 3) floats in [0, 1], or uint8)."""
+    import imageio_ffmpeg
+
+    frames = np.asarray(frames)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] == 0:
+        raise ValueError(f"frames must be (frames, H, W, 3), got {list(frames.shape)}")
+    if frames.dtype != np.uint8:
+        # diffusers' export_to_video scales by 255; round rather than truncate.
+        frames = np.clip(np.rint(frames * 255.0), 0, 255).astype(np.uint8)
+    h, w = frames.shape[1:3]
+    fd, path = tempfile.mkstemp(suffix=".mp4")
+    os.close(fd)
+    try:
+        # yuv420p (what players expect) needs even sizes; the pipeline sizes are multiples of 16.
+        writer = imageio_ffmpeg.write_frames(
+            path,
+            (w, h),
+            fps=float(fps),
+            codec="libx264",
+            pix_fmt_in="rgb24",
+            pix_fmt_out="yuv420p",
+            macro_block_size=2,
+            ffmpeg_log_level="error",
+        )
+        writer.send(None)
+        for frame in frames:
+            writer.send(np.ascontiguousarray(frame))
+        writer.close()
+        with open(path, "rb") as f:
+            return f.read()
+    finally:
+        os.unlink(path)
+
+
+@stage_function("vae_decode", "t2v")
+@stage_function("vae_decode", "i2v")
+def vae_decode(ctx: StageContext, msg: Message) -> Parts:
+    fps = _param(_params(msg), "fps", int)
+    if fps <= 0:
+        raise ValueError(f"parameter 'fps' must be positive, got {fps}")
+    return {"content": encode_mp4(decode_frames(ctx, msg), fps)}

@@ -1,0 +1,186 @@
+"""Tiny random-weight Wan2.1 pipelines, built locally with the real classes (DESIGN §6).
+
+They let the whole system run and be tested on a CPU with no download: the same diffusers /
+transformers classes as Wan2.1-T2V / Wan2.1-I2V, just with a few thousand parameters. The
+sizes follow diffusers' own Wan pipeline tests.
+
+The text encoder, tokenizer and VAE of the t2v and i2v builds are identical for the same seed:
+the shared stages (text_encode, vae_decode) load them from the t2v directory and also serve i2v
+requests, which must match the monolithic i2v pipeline.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from onepiece.config import Workflow
+
+# Each component is initialised under its own seed (seed + offset), so that a component's
+# weights do not depend on what else is built or in which order: this is what makes the shared
+# components of the t2v and i2v builds identical.
+_OFFSETS = {"vae": 0, "text_encoder": 1, "transformer_t2v": 2, "transformer_i2v": 3, "image_encoder": 4}
+
+TEXT_DIM = 32  # UMT5 d_model == the transformer's text_dim
+IMAGE_DIM = 16  # CLIP hidden_size == the i2v transformer's image_dim
+
+
+def _vae(seed: int):
+    from diffusers import AutoencoderKLWan
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + _OFFSETS["vae"])
+        return AutoencoderKLWan(
+            base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+        ).eval()
+
+
+def _text(seed: int):
+    from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
+
+    # A byte-level tokenizer needs no vocabulary file, so nothing is downloaded; the encoder's
+    # vocabulary covers all of its ids (256 bytes + 3 specials + 125 extra ids).
+    tokenizer = ByT5Tokenizer()
+    config = UMT5Config(
+        vocab_size=len(tokenizer),
+        d_model=TEXT_DIM,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + _OFFSETS["text_encoder"])
+        encoder = UMT5EncoderModel(config).eval()
+    return tokenizer, encoder
+
+
+def _transformer(seed: int, kind: str):
+    from diffusers import WanTransformer3DModel
+
+    extra = {"in_channels": 16} if kind == "t2v" else {"in_channels": 36, "image_dim": IMAGE_DIM}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + _OFFSETS[f"transformer_{kind}"])
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            out_channels=16,
+            text_dim=TEXT_DIM,
+            freq_dim=256,
+            ffn_dim=32,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+            **extra,
+        ).eval()
+
+
+def _image(seed: int):
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    config = CLIPVisionConfig(
+        hidden_size=IMAGE_DIM,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=4,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + _OFFSETS["image_encoder"])
+        encoder = CLIPVisionModel(config).eval()
+    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return encoder, processor
+
+
+def _scheduler():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    # What diffusers' Wan pipeline tests use; real Wan2.1 repos ship UniPCMultistepScheduler
+    # (flow_prediction, use_flow_sigmas, flow_shift), which the stage functions handle the same way.
+    return FlowMatchEulerDiscreteScheduler(shift=7.0)
+
+
+def _pipeline(kind: str, seed: int):
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+
+    tokenizer, text_encoder = _text(seed)
+    common = dict(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=_vae(seed),
+        scheduler=_scheduler(),
+        transformer=_transformer(seed, kind),
+    )
+    if kind == "t2v":
+        return WanPipeline(**common)
+    image_encoder, image_processor = _image(seed)
+    return WanImageToVideoPipeline(**common, image_encoder=image_encoder, image_processor=image_processor)
+
+
+def build_tiny(kind: Literal["t2v", "i2v"], path: Path, seed: int = 0) -> Path:
+    """Build a tiny random-weight Wan2.1 ``kind`` pipeline at ``path`` and return the path.
+
+    Deterministic: the same seed gives byte-identical weight files. The directory appears
+    atomically (built beside ``path``, then renamed), so a half-built one is never mistaken for
+    a model. An existing non-empty ``path`` is never overwritten: if it is already a built model
+    (e.g. a concurrent builder won) it is returned as is, otherwise FileExistsError.
+    """
+    if kind not in ("t2v", "i2v"):
+        raise ValueError(f"tiny pipeline kind must be 't2v' or 'i2v', got {kind!r}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and any(path.iterdir()):
+        if (path / "model_index.json").is_file():
+            return path
+        raise FileExistsError(f"{path}: not empty and not a diffusers pipeline; refusing to build a tiny model there")
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.building-", dir=path.parent))
+    try:
+        _pipeline(kind, seed).save_pretrained(tmp, safe_serialization=True)
+        try:
+            if path.exists():
+                path.rmdir()  # empty directory (checked above); rename cannot replace it everywhere
+            os.rename(tmp, path)
+        except OSError:
+            # Lost a race with another builder: theirs is as good as ours.
+            if (path / "model_index.json").is_file():
+                return path
+            raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def ensure_models(workflow: "Workflow", base_dir: Path) -> list[Path]:
+    """Build the tiny pipelines a workflow asks for whose directories are not built yet.
+
+    ``base_dir`` resolves relative model paths (the workflow file's directory). Returns the
+    paths that were built (empty when everything was already there).
+    """
+    from onepiece.stage.loader import is_built
+
+    built: list[Path] = []
+    for name, spec in workflow.models.items():
+        if spec.tiny is None:
+            continue
+        path = workflow.model_path(name, Path(base_dir))
+        if not is_built(path):
+            build_tiny(spec.tiny, path, spec.seed)
+            built.append(path)
+    return built

@@ -1,0 +1,84 @@
+"""The message format: round trips without pickle, and rejects what it cannot trust."""
+
+import numpy as np
+import orjson
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from onepiece.transport.message import MAGIC, Message, MessageError, decode, encode, new_uid
+
+
+def frames_of(msg: Message) -> list[bytes]:
+    return [bytes(f) for f in encode(msg)]
+
+
+def test_round_trip_tensors_arrays_and_bytes():
+    parts = {
+        "f32": torch.randn(2, 3, 4),
+        "bf16": torch.randn(5).to(torch.bfloat16),
+        "u8": np.arange(12, dtype=np.uint8).reshape(3, 4),
+        "blob": b"\x00\x01mp4",
+        "empty": torch.zeros(0, 7),
+        "noncontig": torch.randn(4, 6).t(),
+    }
+    msg = Message({"uid": new_uid(), "app": "t2v", "params": {"prompt": "a cat"}}, parts)
+    out = decode(frames_of(msg))
+    assert out.header["params"] == {"prompt": "a cat"}
+    for name in ("f32", "bf16", "empty", "noncontig"):
+        assert torch.equal(out.tensor(name), parts[name].contiguous())
+    assert np.array_equal(out.parts["u8"], parts["u8"])
+    assert out.blob("blob") == b"\x00\x01mp4"
+
+
+def test_header_describes_parts():
+    frames = frames_of(Message({"uid": "u1"}, {"x": torch.ones(2, 2, dtype=torch.float16)}))
+    header = orjson.loads(frames[1])
+    assert header["parts"] == [{"name": "x", "dtype": "float16", "shape": [2, 2], "nbytes": 8}]
+
+
+def test_uids_are_unique_and_long():
+    uids = {new_uid() for _ in range(1000)}
+    assert len(uids) == 1000 and all(len(u) == 32 for u in uids)
+
+
+def _bad_header(frames, **changes):
+    h = orjson.loads(frames[1])
+    for k, v in changes.items():
+        if k == "part0":
+            h["parts"][0].update(v)
+        else:
+            h[k] = v
+    return [frames[0], orjson.dumps(h), *frames[2:]]
+
+
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda f: f[:1], "at least 2 frames"),
+        (lambda f: [b"NOPE", *f[1:]], "magic"),
+        (lambda f: [f[0], b"{not json", *f[2:]], "not JSON"),
+        (lambda f: [f[0], b"[1,2]", *f[2:]], "not a JSON object"),
+        (lambda f: f[:-1], "describes 1 parts but 0 frames"),
+        (lambda f: [*f[:-1], f[-1][:-3]], "header says"),
+        (lambda f: _bad_header(f, uid=None), "no uid"),
+        (lambda f: _bad_header(f, part0={"dtype": "complex512"}), "unknown dtype"),
+        (lambda f: _bad_header(f, part0={"shape": [3, 3]}), "needs"),
+        (lambda f: _bad_header(f, part0={"shape": "big"}), "bad shape"),
+        (lambda f: _bad_header(f, parts="x"), "must be a list"),
+    ],
+)
+def test_malformed_frames_are_rejected_with_reason(mutate, reason):
+    frames = frames_of(Message({"uid": "u1"}, {"x": torch.ones(4)}))
+    with pytest.raises(MessageError, match=reason):
+        decode(mutate(frames))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=64), max_size=6))
+def test_random_frames_never_crash_decode(frames):
+    try:
+        decode([MAGIC, *frames])
+    except MessageError:
+        pass

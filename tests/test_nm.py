@@ -1,0 +1,98 @@
+"""The embedded node manager over real sockets: registration, assignment, routes, expiry."""
+
+import threading
+import time
+
+import pytest
+
+from onepiece.config import load_topology, deploy_dir
+from onepiece.nm.client import Membership, NmClient
+from onepiece.nm.server import NodeManager
+from onepiece.transport.rpc import RpcError
+
+
+@pytest.fixture
+def nm():
+    topo, wf, base = load_topology(deploy_dir() / "local.yaml")
+    topo.nm.heartbeat_s = 0.1
+    topo.nm.dead_after_s = 0.5
+    server = NodeManager(topo, wf, base, "tcp://127.0.0.1:0")
+    stop = threading.Event()
+    t = threading.Thread(target=server.run, args=(stop,))
+    t.start()
+    yield server
+    stop.set()
+    t.join()
+    server.close()
+
+
+def wait_for(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_stage_instances_get_the_stage_with_the_biggest_deficit(nm):
+    members = [Membership(nm.address, "stage", "set0", {"data": f"tcp://127.0.0.1:{9000 + i}"}) for i in range(7)]
+    stages = [m.register()["stage"] for m in members]
+    # the topology wants one of each of the six stages; the seventh goes to the idle pool
+    assert sorted(s for s in stages if s) == sorted(nm.workflow.stages)
+    assert stages[-1] is None
+
+
+def test_register_reply_carries_workflow_and_pin(nm):
+    m = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9100"}, stage="vae_decode")
+    reply = m.register()
+    assert reply["stage"] == "vae_decode"
+    assert set(reply["workflow"]["applications"]) == {"t2v", "i2v"}
+    with pytest.raises(RpcError, match="unknown stage"):
+        Membership(nm.address, "stage", "set0", {"data": "x"}, stage="nope").register(timeout=1)
+    with pytest.raises(RpcError, match="unknown set"):
+        Membership(nm.address, "db", "set9", {"data": "x"}).register(timeout=1)
+
+
+def test_only_ready_live_instances_are_routed(nm):
+    ready = {"v": False}
+    stage = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9200"}, stage="denoise_t2v",
+                       ready=lambda: ready["v"])
+    db = Membership(nm.address, "db", "set0", {"data": "tcp://127.0.0.1:9201", "control": "c", "events": "e"})
+    proxy = Membership(nm.address, "proxy", "set0", {"http": "http://127.0.0.1:8123"})
+    for m in (stage, db, proxy):
+        m.register()
+        m.start()
+    client = NmClient(nm.address)
+    try:
+        routes = client.routes("set0")
+        assert routes["stages"]["denoise_t2v"] == []  # not ready yet
+        assert routes["dbs"][0]["data"] == "tcp://127.0.0.1:9201"
+        assert client.proxies() == {"set0": ["http://127.0.0.1:8123"]}
+        ready["v"] = True
+        assert wait_for(lambda: client.routes("set0")["stages"]["denoise_t2v"] == ["tcp://127.0.0.1:9200"])
+        # the instance's own copy of the routes follows through heartbeats
+        assert wait_for(lambda: stage.routes["stages"]["denoise_t2v"] == ["tcp://127.0.0.1:9200"])
+        # an instance that stops heartbeating is dropped from routes after dead_after_s
+        stage._stop.set()
+        stage._thread.join()
+        assert wait_for(lambda: client.routes("set0")["stages"]["denoise_t2v"] == [], timeout=3)
+        assert any("no heartbeat" in e for e in client.status()["events"])
+    finally:
+        for m in (db, proxy):
+            m.stop()
+        client.close()
+
+
+def test_nm_forgetting_an_instance_makes_it_register_again(nm):
+    m = Membership(nm.address, "db", "set0", {"data": "tcp://127.0.0.1:9300", "control": "c", "events": "e"})
+    m.register()
+    first = m.id
+    nm.state.deregister(first, "test forgets it")
+    m.start()
+    client = NmClient(nm.address)
+    try:
+        assert wait_for(lambda: m.id != first and m.id in nm.state.instances)
+    finally:
+        m.stop()
+        client.close()

@@ -1,0 +1,215 @@
+"""The split Wan2.1 stages give the same output as the monolithic diffusers pipelines (DESIGN §6)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from onepiece.config import Workflow
+from onepiece.stage.loader import is_built, load_components
+from onepiece.stage.registry import StageContext, SteppedTask, lookup
+from onepiece.stage.wan.functions import decode_frames
+from onepiece.stage.wan.tiny import build_tiny, ensure_models
+from onepiece.transport.message import Message, decode, encode, new_uid
+
+SIZE, FRAMES, STEPS, SEED, GUIDANCE = 32, 9, 4, 1234, 5.0
+PROMPT, NEGATIVE = "a cat surfing a wave at sunset", "blurry, low quality"
+
+# (function, model, components) per stage, as deploy/wan21.yaml wires them: the shared stages
+# (text_encode, vae_decode) load from the t2v directory and also serve i2v.
+STAGES = {
+    "t2v": [
+        ("text_encode", "t2v", ["text_encoder", "tokenizer"]),
+        ("denoise", "t2v", ["transformer", "scheduler"]),
+    ],
+    "i2v": [
+        ("text_encode", "t2v", ["text_encoder", "tokenizer"]),
+        ("image_encode", "i2v", ["image_encoder", "image_processor"]),
+        ("vae_encode", "i2v", ["vae"]),
+        ("denoise", "i2v", ["transformer", "scheduler"]),
+    ],
+}
+DECODE = ("vae_decode", "t2v", ["vae"])
+
+
+def params(**over: object) -> dict:
+    p = dict(
+        prompt=PROMPT, negative_prompt=NEGATIVE, width=SIZE, height=SIZE, num_frames=FRAMES,
+        steps=STEPS, guidance=GUIDANCE, seed=SEED, fps=8, max_sequence_length=32,
+    )
+    p.update(over)
+    return p
+
+
+def wire(msg: Message) -> Message:
+    """What the next stage receives: encoded, copied to plain bytes frames (read-only), decoded."""
+    return decode([bytes(f) for f in encode(msg)])
+
+
+def run(name: str, kind: str, components: dict, msg: Message) -> Message:
+    out = lookup(name, kind)(StageContext(components), msg)
+    if isinstance(out, SteppedTask):
+        while not out.step():
+            pass
+        assert out.progress == 1.0
+        out = out.result()
+    return wire(Message(msg.header, out))
+
+
+@pytest.fixture(scope="module")
+def comps(tiny_models: dict[str, Path]):
+    cache: dict[tuple, dict] = {}
+
+    def get(model: str, names: list[str]) -> dict:
+        key = (model, tuple(names))
+        if key not in cache:
+            cache[key] = load_components(tiny_models[model], names)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def image() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 256, (48, 40, 3), dtype=np.uint8)
+
+
+def split_frames(app: str, comps, image: np.ndarray, **over: object) -> tuple[np.ndarray, Message]:
+    parts = {"image": image} if app == "i2v" else {}
+    msg = wire(Message({"uid": new_uid(), "app": app, "params": params(**over)}, parts))
+    for name, model, names in STAGES[app]:
+        msg = run(name, app, comps(model, names), msg)
+    assert set(msg.parts) == {"latents"}
+    return decode_frames(StageContext(comps(DECODE[1], DECODE[2])), msg), msg
+
+
+def monolithic_frames(app: str, model_dir: Path, image: np.ndarray) -> np.ndarray:
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+    from PIL import Image
+
+    cls = WanPipeline if app == "t2v" else WanImageToVideoPipeline
+    pipe = cls.from_pretrained(model_dir)
+    pipe.set_progress_bar_config(disable=True)
+    extra = {"image": Image.fromarray(image)} if app == "i2v" else {}
+    out = pipe(
+        prompt=PROMPT, negative_prompt=NEGATIVE, height=SIZE, width=SIZE, num_frames=FRAMES,
+        num_inference_steps=STEPS, guidance_scale=GUIDANCE, max_sequence_length=32, output_type="np",
+        generator=torch.Generator().manual_seed(SEED), **extra,
+    )
+    return np.asarray(out.frames[0])
+
+
+@pytest.mark.parametrize("app", ["t2v", "i2v"])
+def test_split_matches_monolithic(app: str, tiny_models, comps, image) -> None:
+    split, _ = split_frames(app, comps, image)
+    mono = monolithic_frames(app, tiny_models[app], image)
+    assert split.shape == mono.shape == (FRAMES, SIZE, SIZE, 3)
+    assert split.dtype == np.float32 and 0.0 <= split.min() and split.max() <= 1.0
+    assert float(np.abs(split - mono).max()) <= 1e-5
+    assert float(mono.std()) > 0.01  # not a degenerate (constant) video
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")  # imageio's ffmpeg reader leaves its pipes to the GC
+def test_vae_decode_mp4(comps, image) -> None:
+    import imageio.v3 as iio
+
+    _, msg = split_frames("t2v", comps, image, steps=2, num_frames=5)
+    out = lookup("vae_decode", "t2v")(StageContext(comps(DECODE[1], DECODE[2])), msg)
+    assert set(out) == {"content"} and isinstance(out["content"], bytes)
+    assert out["content"][4:8] == b"ftyp"
+    video = iio.imread(out["content"], extension=".mp4")
+    assert video.shape == (5, SIZE, SIZE, 3)
+    assert iio.immeta(out["content"], extension=".mp4")["fps"] == 8
+    # The wire carries it as a bytes part.
+    assert wire(Message(msg.header, out)).blob("content") == out["content"]
+
+
+def test_interleaved_requests_keep_their_own_scheduler_state(comps, image) -> None:
+    """Two denoise tasks stepped alternately give what each gives alone (multistep UniPC, as in
+    the real Wan2.1 repos, keeps history in the scheduler)."""
+    from diffusers import UniPCMultistepScheduler
+
+    unipc = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    ctx = StageContext({**comps("t2v", ["transformer", "scheduler"]), "scheduler": unipc})
+    text = comps("t2v", ["text_encoder", "tokenizer"])
+    msgs = [
+        run("text_encode", "t2v", text, wire(Message({"uid": new_uid(), "params": params(seed=s, steps=3)})))
+        for s in (1, 2)
+    ]
+    fn = lookup("denoise", "t2v")
+    alone = []
+    for m in msgs:
+        task = fn(ctx, m)
+        while not task.step():
+            pass
+        alone.append(task.result()["latents"])
+    tasks = [fn(ctx, m) for m in msgs]
+    seen = []
+    while not all(t.progress == 1.0 for t in tasks):
+        for t in tasks:
+            if t.progress < 1.0:
+                t.step()
+                seen.append(t.progress)
+    assert seen[:2] == [pytest.approx(1 / 3)] * 2
+    for t, a in zip(tasks, alone):
+        assert torch.equal(t.result()["latents"], a)
+    assert not torch.equal(alone[0], alone[1])
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_build_is_deterministic_and_ensure_models_builds_only_missing(tiny_models, tmp_path) -> None:
+    again = build_tiny("t2v", tmp_path / "t2v-again", seed=0)
+    files = _files(again)
+    assert any(k.endswith(".safetensors") for k in files)
+    assert files == _files(tiny_models["t2v"])
+    assert [p.name for p in tmp_path.iterdir()] == ["t2v-again"]  # no temp dir left behind
+
+    wf = Workflow.model_validate({
+        "models": {
+            "wan-t2v": {"path": str(tiny_models["t2v"]), "tiny": "t2v"},
+            "wan-i2v": {"path": "sub/i2v", "tiny": "i2v"},
+            "real": {"path": "no/such/dir"},  # no `tiny`: never built
+        },
+        "stages": {"s": {"model": "wan-t2v", "components": ["vae"]}},
+        "applications": {"t2v": {"stages": ["s"]}},
+    })
+    built = ensure_models(wf, tmp_path)
+    assert built == [tmp_path / "sub" / "i2v"] and is_built(built[0])
+    assert _files(built[0]) == _files(tiny_models["i2v"])
+    # Shared components are identical across the two kinds.
+    for c in ("text_encoder", "tokenizer", "vae"):
+        assert _files(tiny_models["t2v"] / c) == _files(built[0] / c)
+    assert ensure_models(wf, tmp_path) == []
+
+
+def test_loader_errors(tiny_models, tmp_path) -> None:
+    with pytest.raises(ValueError, match="no-such"):
+        load_components(tmp_path / "no-such", ["vae"])
+    with pytest.raises(ValueError, match=r"image_encoder"):
+        load_components(tiny_models["t2v"], ["image_encoder"])
+    assert not is_built(tmp_path)
+
+
+def test_bad_input_raises_clear_error(comps, image) -> None:
+    header = {"uid": new_uid(), "params": params()}
+    denoise = StageContext(comps("t2v", ["transformer", "scheduler"]))
+    with pytest.raises(ValueError, match="missing input part 'prompt_embeds'"):
+        lookup("denoise", "t2v")(denoise, wire(Message(header)))
+    with pytest.raises(ValueError, match="divisible by 16"):
+        lookup("denoise", "t2v")(denoise, wire(Message({**header, "params": params(width=40)})))
+    enc = StageContext(comps("i2v", ["image_encoder", "image_processor"]))
+    with pytest.raises(ValueError, match="missing input part 'image'"):
+        lookup("image_encode", "i2v")(enc, wire(Message(header)))
+    with pytest.raises(ValueError, match="uint8 HxWx3"):
+        lookup("image_encode", "i2v")(enc, wire(Message(header, {"image": image.astype(np.float32)})))
+    with pytest.raises(ValueError, match="missing parameter 'prompt'|'prompt' must be a string"):
+        lookup("text_encode", "t2v")(
+            StageContext(comps("t2v", ["text_encoder", "tokenizer"])),
+            wire(Message({**header, "params": {k: v for k, v in params().items() if k != "prompt"}})),
+        )
