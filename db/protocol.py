@@ -12,8 +12,7 @@ Reads and the proxy's synchronous ``create`` go to the DB's control address (RPC
 ``db/server.py``): ``create``, ``get``, ``content``, ``delete``, ``stats``.
 Terminal transitions are published on the DB's events address as ``[b"done", json]``.
 
-A record is a JSON object; ``merge`` makes replicas converge whatever order updates arrive in:
-a record never moves back from a terminal status, and progress never goes down.
+A record is a JSON object; ``merge`` makes replicas converge whatever order updates arrive in.
 """
 
 from __future__ import annotations
@@ -27,17 +26,46 @@ _RANK = {QUEUED: 0, IN_PROGRESS: 1, COMPLETED: 2, FAILED: 2}
 CONTENT = "content"  # the part name of a final artefact
 
 
+# Fields that say where a request stands; every other field (app, set, deadline, params...)
+# is identity, which may fill a gap even from an update that is otherwise stale.
+STATUS_FIELDS = frozenset(
+    {"uid", "status", "stage", "progress", "created_at", "updated_at", "completed_at",
+     "expires_at", "error", "content_type", "bytes", "trace"}
+)
+
+
+def _progress(rec: dict[str, Any]) -> int:
+    p = rec.get("progress")
+    return p if isinstance(p, int) else 0
+
+
 def merge(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
-    """The record after applying update ``new`` to ``old`` (both JSON records)."""
+    """The record after applying update ``new`` to ``old`` (both JSON records).
+
+    Replicas converge whatever order updates reach them in (a property test checks it):
+    1. a record never moves back in status rank, and a report with the same non-terminal
+       status but lower (progress, stage) is stale and ignored;
+    2. ``completed`` beats ``failed``: if one replica's deadline sweep failed a request while
+       another received its artefact, the artefact exists, so both end completed;
+    3. identity fields fill gaps even from a stale update, and progress is the highest seen.
+    Two different failure texts for one request keep whichever arrived first.
+    """
+    if new.get("status") not in _RANK:
+        raise ValueError(f"unknown status {new.get('status')!r}")
     if old is None:
         return dict(new)
-    if old["status"] in TERMINAL:
-        return old
-    if _RANK[new["status"]] < _RANK[old["status"]]:
-        return old
-    out = {**old, **{k: v for k, v in new.items() if v is not None}}
-    if new["status"] == old["status"]:
-        out["progress"] = max(old.get("progress", 0), new.get("progress", 0))
+    if old["status"] == FAILED and new["status"] == COMPLETED:
+        out = {**old, **{k: v for k, v in new.items() if v is not None}, "error": None}
+    elif (old["status"] in TERMINAL or _RANK[new["status"]] < _RANK[old["status"]]
+          or (new["status"] == old["status"]
+              and (_progress(new), new.get("stage") or "") < (_progress(old), old.get("stage") or ""))):
+        out = dict(old)
+    else:
+        out = {**old, **{k: v for k, v in new.items() if v is not None}}
+    for k, v in new.items():
+        if k not in STATUS_FIELDS and v is not None and out.get(k) is None:
+            out[k] = v
+    out["progress"] = max(_progress(old), _progress(new), _progress(out))
     return out
 
 

@@ -12,9 +12,12 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from onepiece.transport.rpc import RpcClient, RpcError
+if TYPE_CHECKING:
+    from onepiece.config import Workflow
+
+from onepiece.transport.rpc import RpcClient, RpcError, RpcTimeout
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,18 @@ class NmClient(RpcClient):
 
     def status(self) -> dict[str, Any]:
         return self.call("status")[0]
+
+    def workflow(self, timeout: float = 30.0) -> "Workflow":
+        """The NM's workflow, waiting (bounded) for the NM to come up."""
+        from onepiece.config import Workflow
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return Workflow.model_validate(self.call("workflow")[0]["workflow"])
+            except RpcTimeout:
+                if time.monotonic() > deadline:
+                    raise
 
 
 class Membership:
@@ -50,7 +65,6 @@ class Membership:
         self.on_routes, self.stats, self.ready = on_routes, stats, ready
         self.id: str | None = None
         self.routes: dict[str, Any] = {"version": 0, "stages": {}, "dbs": [], "proxies": []}
-        self.version = 0
         self.heartbeat_s = 1.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -76,7 +90,6 @@ class Membership:
         return reply
 
     def _apply(self, routes: dict) -> None:
-        self.version = routes["version"]
         self.routes = routes  # swapped whole: readers in other threads see old or new, never half
         self.on_routes(routes)
 
@@ -87,8 +100,13 @@ class Membership:
     def _loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
-                reply, _ = self.nm.call("heartbeat", instance=self.id, ready=self.ready(), stats=self.stats(),
-                                        version=self.version)
+                stats = self.stats()
+            except Exception as e:  # stats are advisory; the heartbeat itself must go on
+                log.debug("stats unavailable: %s", e)
+                stats = {}
+            try:
+                reply, _ = self.nm.call("heartbeat", instance=self.id, ready=self.ready(), stats=stats,
+                                        version=self.routes["version"])
                 if "routes" in reply:
                     self._apply(reply["routes"])
             except RpcError as e:

@@ -1,7 +1,7 @@
 """The embedded node manager: one process, state in memory, served over ZMQ RPC.
 
-Ops: ``register``, ``heartbeat``, ``deregister`` (instances); ``routes``, ``proxies``, ``dbs``
-(clients and instances); ``status`` (operators). Instances get the workflow and their
+Ops: ``register``, ``heartbeat``, ``deregister`` (instances); ``routes``, ``proxies``, ``dbs``,
+``workflow`` (clients and instances); ``status`` (operators). Instances get the workflow and their
 assignment in the ``register`` reply, so nothing but the NM address is configured on them.
 """
 
@@ -34,6 +34,7 @@ class NodeManager:
             "proxies": lambda req, _: {"proxies": self._all("proxies", req)},
             "dbs": lambda req, _: {"dbs": self._all("dbs", req)},
             "status": lambda req, _: self.state.status(),
+            "workflow": lambda req, _: {"workflow": self.workflow.model_dump(mode="json"), "base_dir": str(self.base_dir)},
         })
         self.address = self.rpc.address
 
@@ -63,9 +64,11 @@ class NodeManager:
         }
 
     def _heartbeat(self, req: dict, _: Any) -> dict:
-        inst = self.state.heartbeat(str(req.get("instance")), bool(req.get("ready")), req.get("stats") or {})
+        version = req.get("version")
+        inst = self.state.heartbeat(str(req.get("instance")), bool(req.get("ready")), req.get("stats") or {},
+                                    version if isinstance(version, int) else 0)
         reply: dict[str, Any] = {"version": self.state.version}
-        if req.get("version") != self.state.version:
+        if version != self.state.version:
             reply["routes"] = self.state.routes(inst.set)
         return reply
 

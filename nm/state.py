@@ -30,6 +30,7 @@ class Instance:
     host: str = ""
     stage: str | None = None
     ready: bool = False
+    routes_version: int = 0  # the route table version the instance last said it holds
     stats: dict[str, Any] = field(default_factory=dict)
     registered_at: float = field(default_factory=time.time)
     last_seen: float = field(default_factory=time.monotonic)
@@ -38,6 +39,7 @@ class Instance:
         return {
             "id": self.id, "role": self.role, "set": self.set, "stage": self.stage, "ready": self.ready,
             "addresses": self.addresses, "pid": self.pid, "host": self.host, "stats": self.stats,
+            "routes_version": self.routes_version,
             "age_s": round(time.time() - self.registered_at, 1), "silent_s": round(now - self.last_seen, 2),
         }
 
@@ -83,12 +85,13 @@ class ClusterState:
         short = [(have[s] - n, s) for s, n in want.items() if have[s] < n]
         return min(short)[1] if short else None
 
-    def heartbeat(self, inst_id: str, ready: bool, stats: dict[str, Any]) -> Instance:
+    def heartbeat(self, inst_id: str, ready: bool, stats: dict[str, Any], routes_version: int = 0) -> Instance:
         inst = self.instances.get(inst_id)
         if inst is None:
             raise LookupError(f"unknown instance {inst_id}")
         inst.last_seen = time.monotonic()
         inst.stats = stats
+        inst.routes_version = routes_version
         if ready != inst.ready:
             inst.ready = ready
             self.version += 1

@@ -145,6 +145,12 @@ class Deployment:
                 out.append(f"{s.name}/db {len(st.get('dbs', []))}/{s.db.count}")
             if len(st.get("proxies", [])) < s.proxy.count:
                 out.append(f"{s.name}/proxy {len(st.get('proxies', []))}/{s.proxy.count}")
+        if not out:
+            # Everyone must also hold the latest routes, or a first request could find none.
+            members = [i for st in status["sets"].values() for i in
+                       [*st["dbs"], *st["proxies"], *(x for v in st["stages"].values() for x in v["instances"])]]
+            behind = [i["id"] for i in members if i["routes_version"] != status["version"]]
+            out += [f"{i} (routes)" for i in behind]
         return out
 
     def wait_ready(self, timeout: float = 300.0, stop: threading.Event | None = None) -> dict[str, list[str]]:

@@ -29,6 +29,7 @@ class InflightTracker:
         self.max_inflight = max_inflight
         self.retry_after_s = retry_after_s
         self._deadlines: dict[str, int] = {}
+        self._last_sweep_ns = 0
 
     def __len__(self) -> int:
         return len(self._deadlines)
@@ -39,7 +40,11 @@ class InflightTracker:
     def try_admit(self, uid: str, deadline_ns: int) -> bool:
         """Reserve a slot for ``uid``; False when the set is full."""
         if len(self._deadlines) >= self.max_inflight:
-            self.sweep()  # a slot may be free already, its deadline passed unseen
+            now = time.time_ns()
+            # A slot may be free already, its deadline passed unseen. The sweep is O(n), so a
+            # flood of requests against a full set sweeps at most every 10 ms.
+            if now - self._last_sweep_ns > 10_000_000:
+                self.sweep(now)
             if len(self._deadlines) >= self.max_inflight:
                 return False
         self._deadlines[uid] = deadline_ns
@@ -51,6 +56,7 @@ class InflightTracker:
     def sweep(self, now_ns: int | None = None) -> int:
         """Drop entries whose deadline passed; returns how many."""
         now_ns = time.time_ns() if now_ns is None else now_ns
+        self._last_sweep_ns = now_ns
         expired = [u for u, d in self._deadlines.items() if d <= now_ns]
         for u in expired:
             del self._deadlines[u]

@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Sen
 from onepiece.db import protocol
 from onepiece.proxy.admission import DoneWatcher, InflightTracker
 from onepiece.proxy.cluster import Cluster
-from onepiece.proxy.dbs import DbAccess, DbUnavailable
+from onepiece.proxy.dbs import DbAccess, DbUnavailable, NotReady
 from onepiece.proxy.dispatch import Dispatcher, NoEntrance, SendFailed
 from onepiece.proxy.errors import ApiError, JsonResponse, bad_request
 from onepiece.proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
@@ -91,17 +91,20 @@ class ProxyState:
             log.debug("uid=%s terminal (%s): slot freed", uid, status)
         self.metrics.inflight.set(len(self.tracker))
 
-    def refresh(self) -> None:
-        """Re-read the cluster's DB list (subscribe to new DBs' events) and drop stale slots."""
+    def follow_dbs(self) -> None:
+        """Re-read the cluster's DB list: new DBs get used and their events subscribed."""
         try:
             dbs = self.cluster.dbs()
         except Exception:  # a flaky cluster view must not stop the proxy; keep the last one
             log.warning("cluster.dbs() failed", exc_info=True)
-            dbs = None
-        if dbs is not None:
-            self.dbs.update(dbs)
-            if self.watcher is not None:
-                self.watcher.update([d.get("events", "") for d in dbs if isinstance(d, dict)])
+            return
+        self.dbs.update(dbs)
+        if self.watcher is not None:
+            self.watcher.update([d.get("events", "") for d in dbs if isinstance(d, dict)])
+
+    def refresh(self) -> None:
+        """Follow the DB list and drop slots whose deadline passed."""
+        self.follow_dbs()
         self.tracker.sweep()
         self.metrics.inflight.set(len(self.tracker))
 
@@ -120,12 +123,16 @@ class ProxyState:
                     log.warning("pruning entrance senders failed", exc_info=True)
 
     # --- submit -------------------------------------------------------------------------------
+    def _retry(self) -> dict[str, str]:
+        return {"Retry-After": str(self.tracker.retry_after())}
+
     async def submit(self, job: VideoJob) -> dict[str, Any]:
         wf = self.cluster.workflow
         first_stage = wf.applications[job.app].stages[0]
+        self.follow_dbs()  # cheap (set compares): a DB that just joined is used at once
         if not self.cluster.entrances(job.app):
             raise ApiError(503, f"no instance of stage {first_stage!r} (entrance of model {job.app!r}) is up; "
-                                f"try again later or another set", code="no_entrance")
+                                f"try again later or another set", code="no_entrance", headers=self._retry())
         uid = new_uid()
         ts = time.time_ns()
         deadline = ts + int(job.timeout_s * 1e9)
@@ -134,7 +141,7 @@ class ProxyState:
             raise ApiError(
                 429, f"set {self.cluster.set_name!r} is full ({self.tracker.max_inflight} requests in flight); "
                      f"retry later or use another set", code="inflight_full",
-                headers={"Retry-After": str(self.tracker.retry_after())},
+                headers=self._retry(),
             )
         self.metrics.inflight.set(len(self.tracker))
         try:
@@ -150,7 +157,8 @@ class ProxyState:
             try:
                 await self.dbs.create(record)
             except DbUnavailable as e:
-                raise ApiError(503, f"the request could not be stored: {e}", code="db_unavailable") from None
+                raise ApiError(503, f"the request could not be stored: {e}",
+                               code="db_full" if e.full else "db_unavailable", headers=self._retry()) from None
             header = {
                 "uid": uid, "ts": ts, "app": job.app, "stage": first_stage, "set": self.cluster.set_name,
                 "deadline": deadline, "kind": "task", "params": job.params(), "trace": [],
@@ -166,7 +174,7 @@ class ProxyState:
                     await self.dbs.delete(uid)
                 what = "no entrance instance is up" if isinstance(e, NoEntrance) else str(e)
                 raise ApiError(503, f"model {job.app!r}: the request could not be handed to the pipeline: {what}",
-                               code="entrance_unavailable") from None
+                               code="entrance_unavailable", headers=self._retry()) from None
         except BaseException:
             self.tracker.release(uid)
             self.metrics.inflight.set(len(self.tracker))
@@ -187,9 +195,9 @@ def video_object(record: dict[str, Any]) -> dict[str, Any]:
         if isinstance(err, dict):
             error = {"code": str(err.get("code", "failed")), "message": str(err.get("message", ""))}
         else:
-            where = record.get("stage")
-            error = {"code": "generation_failed",
-                     "message": f"{err or 'failed'}" + (f" (stage {where})" if where else "")}
+            message = str(err or f"failed at stage {record.get('stage') or '?'}")
+            code = "deadline_exceeded" if message.startswith("deadline exceeded") else "generation_failed"
+            error = {"code": code, "message": message}
     return {
         "id": ID_PREFIX + record["uid"],
         "object": "video",
@@ -315,15 +323,15 @@ class GuardMiddleware:
     every response by route template and status, and turns anything that escapes into a JSON
     500 for that request alone."""
 
-    def __init__(self, app: ASGIApp, state: "ProxyStateRef") -> None:
+    def __init__(self, app: ASGIApp, state: ProxyState) -> None:
         self.app = app
-        self.ref = state
+        self.st = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        st = self.ref.state
+        st = self.st
         limit = st.opts.max_body_bytes
         status = {"code": 500, "started": False}
 
@@ -380,38 +388,35 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-class ProxyStateRef:
-    state: ProxyState
-
-
 # --- the app ------------------------------------------------------------------------------------
 def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
     """The proxy's ASGI app for ``cluster``; background work starts with the app's lifespan."""
     opts = opts or ProxyOptions()
-    ref = ProxyStateRef()
-    ref.state = ProxyState(cluster, opts)
+    state = ProxyState(cluster, opts)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await ref.state.start()
+        await state.start()
         try:
             yield
         finally:
-            await ref.state.stop()
+            await state.stop()
 
     app = FastAPI(title="onepiece proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.proxy = ref.state
-    app.add_middleware(GuardMiddleware, state=ref)
+    app.state.proxy = state
+    app.add_middleware(GuardMiddleware, state=state)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
         if request.method == "POST" and exc.status in (400, 404, 413, 415, 503):
-            ref.state.metrics.rejected.labels(exc.code).inc()
+            state.metrics.rejected.labels(exc.code).inc()
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        if request.method == "POST" and exc.status_code == 400:  # e.g. a malformed multipart body
+            state.metrics.rejected.labels(code).inc()
         return ApiError(exc.status_code, str(exc.detail), code=code).response()
 
     @app.exception_handler(RequestValidationError)
@@ -420,7 +425,7 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
 
     @app.post("/v1/videos")
     async def create_video(request: Request) -> Response:
-        st = ref.state
+        st = state
         t0 = time.perf_counter()
         raw, image_bytes = await read_create_body(request, st.opts.max_body_bytes)
         job = build_job(st.cluster.workflow, raw, image_bytes)
@@ -430,7 +435,7 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
 
     @app.get("/v1/videos/{video_id}")
     async def retrieve_video(video_id: str) -> Response:
-        st = ref.state
+        st = state
         uid = uid_of(video_id)
         record = await _db(st.dbs.get(uid))
         if record is None:
@@ -442,29 +447,33 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
 
     @app.get("/v1/videos/{video_id}/content")
     async def download_video(video_id: str, variant: str | None = None) -> Response:
-        st = ref.state
+        st = state
         if variant not in (None, "", "video"):
             raise bad_request(f"variant {variant!r} is not available; only 'video'", param="variant")
         uid = uid_of(video_id)
-        got = await _db(st.dbs.content(uid))
+        try:
+            got = await _db(st.dbs.content(uid))
+        except NotReady as e:
+            record = e.record
+            if record is None:  # gone between the two reads (fetched by someone else, expired)
+                got = None
+            elif record.get("status") == protocol.FAILED:
+                raise ApiError(409, f"video {video_id!r} failed: {video_object(record)['error']['message']}",
+                               code="video_failed", param="video_id") from None
+            else:
+                raise ApiError(409, f"video {video_id!r} is not ready (status {record.get('status')}, "
+                                    f"progress {video_object(record)['progress']}%)", code="video_not_ready",
+                               param="video_id") from None
         if got is None:
             raise ApiError(404, f"no video with id {video_id!r} (unknown, expired or already fetched)",
                            code="video_not_found", param="video_id")
         record, data = got
-        status = record.get("status")
-        if status != protocol.COMPLETED:
-            if status == protocol.FAILED:
-                raise ApiError(409, f"video {video_id!r} failed: {video_object(record)['error']['message']}",
-                               code="video_failed", param="video_id")
-            raise ApiError(409, f"video {video_id!r} is not ready (status {status}, "
-                                f"progress {video_object(record)['progress']}%)", code="video_not_ready",
-                           param="video_id")
         return Response(bytes(data), media_type=record.get("content_type") or "video/mp4",
                         headers={"Content-Disposition": f'attachment; filename="{ID_PREFIX}{uid}.mp4"'})
 
     @app.delete("/v1/videos/{video_id}")
     async def delete_video(video_id: str) -> Response:
-        st = ref.state
+        st = state
         uid = uid_of(video_id)
         if not await _db(st.dbs.delete(uid)):
             raise ApiError(404, f"no video with id {video_id!r}", code="video_not_found", param="video_id")
@@ -472,14 +481,14 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        wf = ref.state.cluster.workflow
+        wf = state.cluster.workflow
         return JsonResponse({"object": "list", "data": [
             {"id": app_id, "object": "model", "created": 0, "owned_by": "onepiece", "kind": spec.kind,
              "stages": spec.stages} for app_id, spec in wf.applications.items()]})
 
     @app.get("/healthz")
     async def healthz() -> Response:
-        st = ref.state
+        st = state
         apps = {}
         for app_id in st.cluster.workflow.applications:
             try:
@@ -493,7 +502,7 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(ref.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

@@ -10,7 +10,9 @@ import logging
 import time
 from typing import Any
 
-from onepiece.db.client import AsyncDbClient
+from onepiece.db.client import AsyncDbClient, DbFull, NotReady
+
+__all__ = ["DbAccess", "DbUnavailable", "DbFull", "NotReady"]
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +20,12 @@ RETIRE_AFTER_S = 10.0
 
 
 class DbUnavailable(RuntimeError):
-    """No DB of the set answered."""
+    """No DB of the set answered (or none is known); ``full`` when the DBs answered but every
+    one refused for lack of memory."""
+
+    def __init__(self, message: str, full: bool = False) -> None:
+        super().__init__(message)
+        self.full = full
 
 
 class DbAccess:
@@ -59,7 +66,9 @@ class DbAccess:
         client = self._require()
         try:
             await client.create(record)
-        except Exception as e:  # the client's errors are RPC errors or timeouts; all mean "not stored"
+        except DbFull as e:
+            raise DbUnavailable(str(e), full=True) from e
+        except Exception as e:  # DbError, timeouts: all mean "not stored"
             raise DbUnavailable(f"no DB stored the request: {e}") from e
 
     async def get(self, uid: str) -> dict | None:
@@ -70,9 +79,13 @@ class DbAccess:
             raise DbUnavailable(f"no DB answered: {e}") from e
 
     async def content(self, uid: str) -> tuple[dict, bytes] | None:
+        """(record, artefact), None when unknown; raises NotReady (with the record) when it
+        exists but is not completed."""
         client = self._require()
         try:
             return await client.content(uid)
+        except NotReady:
+            raise
         except Exception as e:
             raise DbUnavailable(f"no DB answered: {e}") from e
 

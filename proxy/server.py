@@ -8,9 +8,11 @@ shuts down cleanly: in-flight HTTP requests finish, the background tasks stop, s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import threading
-from typing import Callable
+from typing import Callable, Iterator
 
 import uvicorn
 import uvloop
@@ -23,6 +25,34 @@ log = logging.getLogger(__name__)
 OnBound = Callable[[str, int], None]
 
 
+class _Server(uvicorn.Server):
+    """uvicorn, but a signal stops it and ``serve`` returns normally.
+
+    uvicorn's own handlers re-raise the signal once shut down, so a clean SIGTERM stop would
+    still end the process as "killed by SIGTERM"; supervisors should see exit status 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach the main thread only; threaded servers are stopped by stop()
+            return
+        loop = asyncio.get_running_loop()
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        for sig in sigs:
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            yield
+        finally:
+            for sig in sigs:
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: int) -> None:
+        log.info("proxy: signal %d, shutting down", sig)
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting for open requests
+        self.should_exit = True
+
+
 class ProxyServer:
     def __init__(
         self,
@@ -32,6 +62,7 @@ class ProxyServer:
         max_inflight: int = 64,
         max_body_bytes: int = 16 << 20,
         log_level: str = "warning",
+        max_connections: int = 4096,
         **options: float,
     ) -> None:
         self.host = host
@@ -40,8 +71,10 @@ class ProxyServer:
         self.config = uvicorn.Config(
             self.app, host=host, port=port, loop="uvloop", lifespan="on", log_level=log_level,
             access_log=False, timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024,
+            # Bounded: each open request may buffer up to max_body_bytes; beyond this, 503.
+            limit_concurrency=max_connections,
         )
-        self.server = uvicorn.Server(self.config)
+        self.server = _Server(self.config)
         self.port: int | None = None
         self._thread: threading.Thread | None = None
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from onepiece.config import Workflow
 from onepiece.db import protocol
-from onepiece.db.placement import order
+from onepiece.db.placement import order_dbs
 from onepiece.transport import registry
 from onepiece.transport.base import Sender, TransportError
 from onepiece.transport.message import Message
@@ -100,8 +100,8 @@ class ResultDeliver:
 
     def _to_db(self, msg: Message, timeout: float | None = None) -> bool:
         """Send to the UID's DB, or the next one in placement order; False if none took it."""
-        addrs = [d["data"] for d in self._routes().get("dbs", [])]
-        for addr in order(msg.uid, addrs):
+        addrs = [d["data"] for d in order_dbs(msg.uid, self._routes().get("dbs", []))]
+        for addr in addrs:
             try:
                 self._sender(addr).send(msg, timeout=self.send_timeout if timeout is None else timeout)
                 return True

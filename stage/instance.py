@@ -62,7 +62,7 @@ def serve(nm_address: str, set_name: str, listen: str = "tcp://127.0.0.1:0", sta
     member = Membership(
         nm_address, "stage", set_name,
         {"data": receiver.address, "metrics": f"http://127.0.0.1:{metrics.server_port}"},
-        stage=stage, stats=lambda: vars(stats), ready=lambda: stats.ready > 0,
+        stage=stage, stats=lambda: vars(stats), ready=lambda: stats.serving,
     )
     reply = member.register()
     workflow = Workflow.model_validate(reply["workflow"])

@@ -40,6 +40,9 @@ class SchedulerStats:
     workers: int = 0
     ready: int = 0
     busy: int = 0
+    # Set once a worker first loaded, and kept while workers restart, so the NM keeps routing
+    # here: requests wait in the bounded queue for the restart instead of failing upstream.
+    serving: bool = False
     received: int = 0
     completed: int = 0
     failed: int = 0
@@ -134,6 +137,7 @@ class RequestScheduler:
             ident, tag = frames[0].bytes, frames[1].bytes
             if tag == b"ready":
                 self.known.add(ident)
+                self.stats.serving = True
                 self._idle(ident)
             elif tag == b"progress":
                 held = self.held.get(ident)

@@ -12,7 +12,7 @@ from onepiece.config import Workflow
 from onepiece.stage.loader import is_built, load_components
 from onepiece.stage.registry import StageContext, SteppedTask, lookup
 from onepiece.stage.wan.functions import decode_frames
-from onepiece.stage.wan.tiny import build_tiny, ensure_models
+from onepiece.stage.wan.tiny import MARKER, build_tiny, ensure_models
 from onepiece.transport.message import Message, decode, encode, new_uid
 
 SIZE, FRAMES, STEPS, SEED, GUIDANCE = 32, 9, 4, 1234, 5.0
@@ -186,6 +186,25 @@ def test_build_is_deterministic_and_ensure_models_builds_only_missing(tiny_model
     for c in ("text_encoder", "tokenizer", "vae"):
         assert _files(tiny_models["t2v"] / c) == _files(built[0] / c)
     assert ensure_models(wf, tmp_path) == []
+
+
+def test_build_tiny_replaces_only_its_own_builds(tmp_path) -> None:
+    path = build_tiny("t2v", tmp_path / "m", seed=0)
+    before = _files(path)
+    assert build_tiny("t2v", path, seed=7) == path  # a rebuild (`onepiece models build --force`)
+    after = _files(path)
+    assert after["model_index.json"] == before["model_index.json"]
+    assert after["vae/diffusion_pytorch_model.safetensors"] != before["vae/diffusion_pytorch_model.safetensors"]
+    assert build_tiny("t2v", path, seed=0, overwrite=False) == path and _files(path) == after
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+    (path / MARKER).unlink()  # now it looks like real weights: never overwritten
+    with pytest.raises(FileExistsError, match="not built by build_tiny"):
+        build_tiny("t2v", path, seed=0)
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "x").write_text("x")
+    with pytest.raises(FileExistsError, match="not a diffusers pipeline"):
+        build_tiny("i2v", tmp_path / "junk")
 
 
 def test_loader_errors(tiny_models, tmp_path) -> None:

@@ -1,7 +1,8 @@
 """The one small interface every data transport offers (DESIGN §4).
 
 A sender either hands a message over or raises within a bounded time; a receiver returns the
-next valid message or None when its wait runs out. Neither ever blocks forever.
+next valid message or None when its wait runs out. Neither ever blocks forever. Neither is
+thread-safe (a ZMQ socket belongs to one thread): share one behind a lock, or keep one per thread.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """The workflow message (DESIGN §3): a small JSON header plus named raw payload parts.
 
+Header times (``ts``, ``deadline``, trace ``t``) are integers, ns since the epoch.
+
 Wire form is a list of frames: ``[MAGIC, header_json, part_0, part_1, ...]``. The header
 describes every part (name, dtype, shape, nbytes) so tensors travel as raw buffers and are
 rebuilt without a copy and without pickle. ``decode`` checks everything it can before it hands

@@ -34,6 +34,14 @@ class RpcTimeout(RpcError):
     pass
 
 
+def _dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 64)  # requests queued for an absent server stay few
+    sock.connect(address)
+    return sock
+
+
 class RpcServer:
     """Serves ``op`` handlers on a ROUTER socket. Owners poll ``sock`` and call ``handle()``,
     so one thread can serve control and data sockets without locks."""
@@ -82,7 +90,9 @@ class RpcServer:
                     raise TypeError(f"handler reply uses a reserved key {RESERVED}")
                 reply = {"ok": True, **reply}
             except Exception as e:  # a bad request fails alone; the server keeps serving
-                log.warning("rpc %s: op %s failed: %s", self.address, req.get("op"), e)
+                # Look-up misses ("not found") are ordinary answers while clients fail over.
+                level = logging.DEBUG if isinstance(e, LookupError) else logging.WARNING
+                log.log(level, "rpc %s: op %s failed: %s", self.address, req.get("op"), e)
                 reply = {"ok": False, "error": str(e)}
         reply["id"] = rid
         try:
@@ -119,17 +129,19 @@ class RpcClient:
         self.sock = self._socket()
 
     def _socket(self) -> zmq.Socket:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.address)
-        return sock
+        return _dealer(zmq.Context.instance(), self.address)
 
     def call(self, op: str, blobs: Blobs = (), timeout: float | None = None, **args: Any) -> tuple[dict, list[bytes]]:
         timeout = self.timeout if timeout is None else timeout
         for _ in range(self.retries + 1):
             rid = next(self._ids)
-            self.sock.send_multipart([b"", _request(rid, op, args), *blobs], copy=False)
             deadline = time.monotonic() + timeout
+            try:
+                self.sock.send_multipart([b"", _request(rid, op, args), *blobs], zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # nothing connected and the (small) queue is full: a dead server
+                self._reset()
+                time.sleep(min(timeout, 0.05))
+                continue
             while self.sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLIN):
                 frames = self.sock.recv_multipart()
                 try:
@@ -138,7 +150,12 @@ class RpcClient:
                     continue
                 if reply.get("id") == rid:  # anything else is a late reply to an abandoned try
                     return _check(reply, op), frames[2:]
+            self._reset()  # drop what is queued for a server that did not answer
         raise RpcTimeout(f"{op}: no answer from {self.address} after {self.retries + 1} tries of {timeout:.1f}s")
+
+    def _reset(self) -> None:
+        self.sock.close(linger=0)
+        self.sock = self._socket()
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -150,9 +167,7 @@ class AsyncRpcClient:
     def __init__(self, address: str, timeout: float = 2.0, retries: int = 1) -> None:
         self.address, self.timeout, self.retries = address, timeout, retries
         self._ids = itertools.count(1)
-        self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
+        self.sock = _dealer(zmq.asyncio.Context.instance(), address)
         self._pending: dict[int, Any] = {}
         self._reader = None
 
@@ -165,7 +180,11 @@ class AsyncRpcClient:
             fut = asyncio.get_running_loop().create_future()
             self._pending[rid] = fut
             try:
-                await self.sock.send_multipart([b"", _request(rid, op, args), *blobs])
+                try:
+                    await self.sock.send_multipart([b"", _request(rid, op, args), *blobs], zmq.NOBLOCK)
+                except zmq.Again:  # a dead server with a full queue: that try failed
+                    await asyncio.sleep(min(timeout, 0.05))
+                    continue
                 reply, rest = await asyncio.wait_for(fut, timeout)
                 return _check(reply, op), rest
             except asyncio.TimeoutError:

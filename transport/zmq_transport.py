@@ -49,7 +49,8 @@ class ZmqSender(Sender):
         raise Full(f"receiver at {self.address} took nothing within {timeout:.1f}s (full or not running)")
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        # A short, bounded linger: what send() reported as handed over still leaves the socket.
+        self.sock.close(linger=200)
 
 
 class ZmqReceiver(Receiver):

@@ -11,6 +11,7 @@ requests, which must match the monolithic i2v pipeline.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -132,38 +133,55 @@ def _pipeline(kind: str, seed: int):
     return WanImageToVideoPipeline(**common, image_encoder=image_encoder, image_processor=image_processor)
 
 
-def build_tiny(kind: Literal["t2v", "i2v"], path: Path, seed: int = 0) -> Path:
+# Written into every directory build_tiny makes: it may replace those, never anything else
+# (e.g. real weights someone pointed a model path at).
+MARKER = "onepiece-tiny.json"
+
+
+def build_tiny(kind: Literal["t2v", "i2v"], path: Path, seed: int = 0, *, overwrite: bool = True) -> Path:
     """Build a tiny random-weight Wan2.1 ``kind`` pipeline at ``path`` and return the path.
 
-    Deterministic: the same seed gives byte-identical weight files. The directory appears
-    atomically (built beside ``path``, then renamed), so a half-built one is never mistaken for
-    a model. An existing non-empty ``path`` is never overwritten: if it is already a built model
-    (e.g. a concurrent builder won) it is returned as is, otherwise FileExistsError.
+    Deterministic: the same seed gives byte-identical files. The directory appears atomically
+    (built beside ``path``, then renamed), so a half-built one is never mistaken for a model.
+    An existing tiny build (one with ``MARKER``) is replaced when ``overwrite``, else returned as
+    is; any other non-empty ``path`` (real weights, unrelated files) raises FileExistsError.
     """
     if kind not in ("t2v", "i2v"):
         raise ValueError(f"tiny pipeline kind must be 't2v' or 'i2v', got {kind!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists() and any(path.iterdir()):
-        if (path / "model_index.json").is_file():
+        built = (path / "model_index.json").is_file()
+        if built and not overwrite:
             return path
-        raise FileExistsError(f"{path}: not empty and not a diffusers pipeline; refusing to build a tiny model there")
+        if not (built and (path / MARKER).is_file()):
+            what = "a pipeline not built by build_tiny" if built else "not empty and not a diffusers pipeline"
+            raise FileExistsError(f"{path}: {what}; refusing to build a tiny model there")
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.building-", dir=path.parent))
+    aside: Path | None = None
     try:
         _pipeline(kind, seed).save_pretrained(tmp, safe_serialization=True)
+        (tmp / MARKER).write_text(json.dumps({"kind": kind, "seed": seed}, sort_keys=True) + "\n")
         try:
-            if path.exists():
-                path.rmdir()  # empty directory (checked above); rename cannot replace it everywhere
+            if path.exists() and any(path.iterdir()):
+                # Replacing an older tiny build: move it aside first (rename cannot replace a
+                # non-empty directory), then swap the new one in.
+                aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+                os.rename(path, aside / "old")
+            elif path.exists():
+                path.rmdir()
             os.rename(tmp, path)
         except OSError:
-            # Lost a race with another builder: theirs is as good as ours.
             if (path / "model_index.json").is_file():
-                return path
+                return path  # lost a race with another builder: theirs is as good as ours
+            if aside is not None and (aside / "old").exists() and not path.exists():
+                os.rename(aside / "old", path)  # put the previous build back
             raise
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        for leftover in (tmp, aside):
+            if leftover is not None and leftover.exists():
+                shutil.rmtree(leftover, ignore_errors=True)
     return path
 
 
@@ -181,6 +199,6 @@ def ensure_models(workflow: "Workflow", base_dir: Path) -> list[Path]:
             continue
         path = workflow.model_path(name, Path(base_dir))
         if not is_built(path):
-            build_tiny(spec.tiny, path, spec.seed)
+            build_tiny(spec.tiny, path, spec.seed, overwrite=False)  # never replace a concurrent build
             built.append(path)
     return built

@@ -1,0 +1,510 @@
+"""The DB role (DESIGN §7): a :class:`ResultStore` behind three sockets, served by one thread.
+
+- data address (any transport, ``transport.registry.listen``): ``status`` / ``result`` /
+  ``failed`` reports from stages, ``replica`` / ``purge`` from peers (see ``db/protocol.py``);
+- control address (``transport.rpc.RpcServer``): the ops below;
+- events address (ZMQ PUB): ``[b"done", {"uid", "status"}]`` on every terminal transition.
+
+RPC ops (request fields -> reply fields; errors come back as ``{"ok": false, "error": ...}``):
+
+- ``create`` ``{record}`` -> ``{record}``; error ``"store full: ..."`` when it does not fit;
+- ``get`` ``{uid}`` -> ``{record}``; error ``"not found: <uid>"``;
+- ``content`` ``{uid}`` -> ``{record}`` + one blob frame, the artefact; purges it here and on
+  the peers when ``purge_after_fetch``; errors ``"not found: <uid>"``, ``"not ready: <uid> is
+  <status>"``;
+- ``delete`` ``{uid}`` -> ``{deleted: bool}`` (peers are told to purge too);
+- ``stats`` -> ``{stats: {records, bytes, max_bytes, content_bytes, by_status, tombstones,
+  name, addresses, peers, replication: {queued, sent, dropped}, refused, malformed}}``;
+- ``peers`` ``{peers: [data addresses]}`` -> ``{peers}``: replace the replication peers;
+- ``ping`` -> ``{name, data_address, control_address, events_address}``.
+
+Replication has no consensus: every local change (and purge) is put on a bounded queue that a
+separate thread sends to every peer's data address with a short timeout. A full queue or a
+peer that does not take a message drops it (counted, logged); a peer that failed is skipped
+for ``peer_backoff_s`` so one dead peer cannot slow replication to the live ones. What arrives
+as ``replica``/``purge`` is applied and never forwarded, so there are no loops; the merge rules
+of ``db/store.py`` make peers converge whatever order copies arrive in.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import orjson
+import zmq
+from prometheus_client import Counter, Gauge
+
+from onepiece.db.protocol import CONTENT
+from onepiece.db.store import Change, InvalidUpdate, NotFound, ResultStore, StoreFull
+from onepiece.transport import registry
+from onepiece.transport.base import Receiver, Sender, TransportError
+from onepiece.transport.message import Message, MessageError
+from onepiece.transport.rpc import RpcServer
+from onepiece.transport.zmq_transport import bind_address
+
+log = logging.getLogger("onepiece.db")
+
+# Module-level metrics labelled by DB name: several DBs may share a process (tests, `up`),
+# and the default registry refuses a metric name registered twice.
+RECORDS = Gauge("onepiece_db_records", "Records held by the DB", ["db"])
+BYTES = Gauge("onepiece_db_bytes", "Bytes held: artefacts plus record estimates", ["db"])
+WRITES = Counter("onepiece_db_writes", "Writes applied, by kind", ["db", "kind"])
+READS = Counter("onepiece_db_reads", "Reads served, by kind", ["db", "kind"])
+REFUSED = Counter("onepiece_db_refused", "Writes refused because the store is full", ["db"])
+MALFORMED = Counter("onepiece_db_malformed", "Data messages dropped as malformed", ["db"])
+EXPIRED = Counter("onepiece_db_expired", "Records dropped when their TTL ran out", ["db"])
+DEADLINE_FAILED = Counter("onepiece_db_deadline_failed", "Requests failed by the deadline sweep", ["db"])
+REPL_SENT = Counter("onepiece_db_replication_sent", "Replication messages handed to a peer", ["db"])
+REPL_DROPPED = Counter("onepiece_db_replication_dropped",
+                       "Replication messages dropped (queue full, peer down)", ["db"])
+
+DRAIN_S = 1.0  # how long a stopping DB keeps sending queued replication messages
+DATA_BATCH = 256  # data messages handled per loop turn before the control socket is looked at
+
+
+class DbServer:
+    def __init__(
+        self,
+        data_address: str,
+        control_address: str,
+        events_address: str,
+        ttl_s: float = 3600.0,
+        max_bytes: int = 1 << 30,
+        purge_after_fetch: bool = True,
+        name: str = "db",
+        *,
+        peers: Iterable[str] = (),
+        sweep_interval_s: float = 0.25,
+        deadline_grace_s: float = 0.5,
+        replication_queue: int = 10_000,
+        replication_timeout_s: float = 0.25,
+        peer_backoff_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.name = name
+        self.store = ResultStore(ttl_s, max_bytes, purge_after_fetch, clock=clock,
+                                 deadline_grace_s=deadline_grace_s)
+        self.sweep_interval_s = sweep_interval_s
+        self.replication_timeout_s = replication_timeout_s
+        self.peer_backoff_s = peer_backoff_s
+        self._outq: queue.Queue[Message] = queue.Queue(maxsize=replication_queue)
+        self._peers: list[str] = []
+        self._peers_lock = threading.Lock()
+        self._closing = threading.Event()
+        self._idle = threading.Event()  # set while run() is not executing
+        self._idle.set()
+        self._closed = False
+        self._replicator: threading.Thread | None = None
+        self._repl_stop = threading.Event()
+        self.counts = {"sent": 0, "dropped": 0, "refused": 0, "malformed": 0}
+        self._counts_lock = threading.Lock()  # the loop and the replicator both count
+        self._last_drop_log = float("-inf")
+        self._ipc_paths: list[str] = []
+        self.receiver: Receiver | None = None
+        self.rpc: RpcServer | None = None
+        self.pub: zmq.Socket | None = None
+        try:
+            self.receiver = registry.listen(data_address)
+            self.data_address = self.receiver.address
+            self.rpc = RpcServer(control_address, {
+                "create": self._op_create, "get": self._op_get, "content": self._op_content,
+                "delete": self._op_delete, "stats": self._op_stats, "peers": self._op_peers,
+                "ping": self._op_ping,
+            })
+            self.control_address = self.rpc.address
+            self.pub = zmq.Context.instance().socket(zmq.PUB)
+            self.pub.setsockopt(zmq.LINGER, 0)
+            self.pub.setsockopt(zmq.SNDHWM, 10_000)  # PUB drops beyond this; it never blocks
+            self.pub.bind(bind_address(events_address))
+            self.events_address = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        except Exception:
+            self._release()
+            raise
+        self._ipc_paths = [a[len("ipc://"):] for a in (self.data_address, self.control_address,
+                                                        self.events_address) if a.startswith("ipc://")]
+        self.set_peers(peers)
+
+    # ---- peers (callable from any thread) --------------------------------------------------
+
+    def set_peers(self, peers: Iterable[str]) -> None:
+        """Replace the data addresses this DB replicates to (its own address is ignored)."""
+        peers = [p for p in dict.fromkeys(peers) if isinstance(p, str) and p and p != self.data_address]
+        with self._peers_lock:
+            self._peers = peers
+        log.info("db %s: replication peers %s", self.name, peers)
+
+    @property
+    def peers(self) -> list[str]:
+        with self._peers_lock:
+            return list(self._peers)
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Serve until ``stop`` is set (or ``close()`` is called)."""
+        if self._closed:
+            raise RuntimeError(f"db {self.name} is closed")
+        self._idle.clear()
+        try:
+            self._start_replicator()
+            poller = zmq.Poller()
+            poller.register(self.rpc.sock, zmq.POLLIN)
+            # A ZMQ receiver exposes its socket, so one poll waits on data and control. Other
+            # backends (ring buffer) are polled with recv(0) every turn, and the turn is short.
+            data_sock = getattr(self.receiver, "sock", None)
+            if isinstance(data_sock, zmq.Socket):
+                poller.register(data_sock, zmq.POLLIN)
+                wait_ms = 50
+            else:
+                data_sock, wait_ms = None, 1
+            next_sweep = time.monotonic() + self.sweep_interval_s
+            log.info("db %s serving data=%s control=%s events=%s", self.name, self.data_address,
+                     self.control_address, self.events_address)
+            while not stop.is_set() and not self._closing.is_set():
+                events = dict(poller.poll(wait_ms))
+                if data_sock is None or data_sock in events:
+                    self._drain_data()
+                if self.rpc.sock in events:
+                    self.rpc.handle()
+                if time.monotonic() >= next_sweep:
+                    self._sweep()
+                    next_sweep = time.monotonic() + self.sweep_interval_s
+                RECORDS.labels(self.name).set(len(self.store))
+                BYTES.labels(self.name).set(self.store.bytes_used)
+        finally:
+            self._stop_replicator()
+            self._idle.set()
+
+    def _drain_data(self) -> None:
+        for _ in range(DATA_BATCH):
+            msg = self.receiver.recv(0)
+            if msg is None:
+                return
+            self._on_data(msg)
+
+    def _on_data(self, msg: Message) -> None:
+        h = msg.header
+        uid, kind = h.get("uid"), h.get("kind")
+        # Identity a stage's message may carry: fills a record this DB has not seen created.
+        extra = {k: h[k] for k in ("app", "set") if h.get(k) is not None}
+        try:
+            if kind == "status":
+                if h.get("deadline") is not None:
+                    extra["deadline"] = h["deadline"]
+                change = self.store.set_status(uid, h.get("status"), h.get("stage"), h.get("progress", 0), **extra)
+            elif kind == "result":
+                change = self.store.put_result(uid, _content_of(msg, required=True), h.get("content_type"),
+                                               h.get("trace"), **extra)
+            elif kind == "failed":
+                change = self.store.fail(uid, h.get("stage"), h.get("error") or f"failed at stage {h.get('stage')}",
+                                         **extra)
+            elif kind == "replica":
+                change = self.store.apply_replica(h.get("record"), _content_of(msg, required=False))
+                WRITES.labels(self.name, kind).inc()
+                if change is not None:
+                    self._on_change(change, replicate=False)  # never forwarded: no loops
+                return
+            elif kind == "purge":
+                self.store.purge(uid)
+                WRITES.labels(self.name, kind).inc()
+                log.debug("db %s: uid=%s purged by a peer", self.name, uid)
+                return
+            else:
+                raise InvalidUpdate(f"unknown data message kind {kind!r}")
+        except StoreFull as e:
+            self._refused(uid, str(e))
+            if kind == "result":
+                # The artefact does not fit: say so in the record rather than leave the client
+                # waiting for a result that will never come.
+                try:
+                    change = self.store.fail(uid, h.get("stage"), str(e))
+                except (StoreFull, InvalidUpdate):
+                    return
+            else:
+                return
+        except (InvalidUpdate, MessageError, KeyError, TypeError, ValueError) as e:
+            self._count("malformed")
+            MALFORMED.labels(self.name).inc()
+            log.warning("db %s: uid=%s dropped malformed %r message: %s", self.name, uid, kind, e)
+            return
+        WRITES.labels(self.name, kind).inc()
+        if change is not None:
+            self._on_change(change, replicate=True)
+
+    def _on_change(self, change: Change, replicate: bool) -> None:
+        rec = change.record
+        if change.terminal:
+            log.info("db %s: uid=%s %s%s", self.name, rec["uid"], rec["status"],
+                     f" ({rec['error']})" if rec.get("error") else "")
+            self._publish(rec)
+        if replicate:
+            parts = {CONTENT: change.content} if change.content is not None else {}
+            self._replicate(Message({"uid": rec["uid"], "kind": "replica", "record": rec}, parts))
+
+    def _publish(self, rec: dict[str, Any]) -> None:
+        try:
+            self.pub.send_multipart([b"done", orjson.dumps({"uid": rec["uid"], "status": rec["status"]})],
+                                    zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("db %s: uid=%s done event dropped (subscribers not reading)", self.name, rec["uid"])
+
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._counts_lock:
+            self.counts[what] += n
+
+    def _refused(self, uid: Any, why: str) -> None:
+        self._count("refused")
+        REFUSED.labels(self.name).inc()
+        log.warning("db %s: uid=%s refused: %s", self.name, uid, why)
+
+    def _sweep(self) -> None:
+        swept = self.store.sweep()
+        for uid in swept.expired:
+            EXPIRED.labels(self.name).inc()
+            log.info("db %s: uid=%s expired", self.name, uid)
+        for change in swept.failed:
+            DEADLINE_FAILED.labels(self.name).inc()
+            self._on_change(change, replicate=True)
+
+    # ---- RPC ops (run on the loop thread, inside RpcServer.handle) ---------------------------
+
+    def _op_create(self, req: dict, blobs: list) -> dict:
+        record = req.get("record")
+        if not isinstance(record, dict):
+            raise InvalidUpdate("create: 'record' must be an object")
+        try:
+            change = self.store.create(record)
+        except StoreFull as e:
+            self._refused(record.get("uid"), str(e))
+            raise
+        WRITES.labels(self.name, "create").inc()
+        if change is not None:
+            log.info("db %s: uid=%s created", self.name, change.record["uid"])
+            self._on_change(change, replicate=True)
+        return {"record": self.store.get(record["uid"])}
+
+    def _op_get(self, req: dict, blobs: list) -> dict:
+        uid = _uid(req)
+        READS.labels(self.name, "get").inc()
+        rec = self.store.get(uid)
+        if rec is None:
+            raise NotFound(f"not found: {uid}")
+        return {"record": rec}
+
+    def _op_content(self, req: dict, blobs: list) -> tuple[dict, list]:
+        uid = _uid(req)
+        READS.labels(self.name, "content").inc()
+        rec, data = self.store.take_content(uid)
+        log.info("db %s: uid=%s fetched (%d bytes)%s", self.name, uid, len(data),
+                 ", purged" if self.store.purge_after_fetch else "")
+        if self.store.purge_after_fetch:
+            self._replicate(Message({"uid": uid, "kind": "purge"}))
+        return {"record": rec}, [data]
+
+    def _op_delete(self, req: dict, blobs: list) -> dict:
+        uid = _uid(req)
+        existed = self.store.delete(uid)
+        WRITES.labels(self.name, "delete").inc()
+        log.info("db %s: uid=%s deleted (%s)", self.name, uid, "held" if existed else "not held")
+        self._replicate(Message({"uid": uid, "kind": "purge"}))  # peers may hold it even if we do not
+        return {"deleted": existed}
+
+    def _op_stats(self, req: dict, blobs: list) -> dict:
+        READS.labels(self.name, "stats").inc()
+        return {"stats": self.stats()}
+
+    def _op_peers(self, req: dict, blobs: list) -> dict:
+        peers = req.get("peers")
+        if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
+            raise InvalidUpdate("peers: 'peers' must be a list of addresses")
+        self.set_peers(peers)
+        return {"peers": self.peers}
+
+    def _op_ping(self, req: dict, blobs: list) -> dict:
+        return {"name": self.name, "data_address": self.data_address,
+                "control_address": self.control_address, "events_address": self.events_address}
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.store.stats(),
+            "name": self.name,
+            "addresses": {"data": self.data_address, "control": self.control_address,
+                          "events": self.events_address},
+            "peers": self.peers,
+            "replication": {"queued": self._outq.qsize(), "sent": self.counts["sent"],
+                            "dropped": self.counts["dropped"]},
+            "refused": self.counts["refused"],
+            "malformed": self.counts["malformed"],
+        }
+
+    # ---- replication (its own thread; owns the peer senders) ---------------------------------
+
+    def _replicate(self, msg: Message) -> None:
+        if not self.peers:
+            return
+        try:
+            self._outq.put_nowait(msg)
+        except queue.Full:
+            self._dropped(msg.uid, "replication queue full")
+
+    def _dropped(self, uid: str, why: str, loud: bool = True) -> None:
+        self._count("dropped")
+        REPL_DROPPED.labels(self.name).inc()
+        # A dead peer or a full queue drops every message: log once a second, not each one.
+        now = time.monotonic()
+        with self._counts_lock:
+            quiet = now - self._last_drop_log < 1.0
+            if not quiet:
+                self._last_drop_log = now
+        if loud and not quiet:
+            log.warning("db %s: uid=%s replication dropped: %s (%d dropped so far)", self.name, uid, why,
+                        self.counts["dropped"])
+        else:
+            log.debug("db %s: uid=%s replication dropped: %s", self.name, uid, why)
+
+    def _start_replicator(self) -> None:
+        self._repl_stop.clear()
+        self._replicator = threading.Thread(target=self._replicate_loop, name=f"{self.name}-replicator",
+                                            daemon=True)
+        self._replicator.start()
+
+    def _stop_replicator(self) -> None:
+        self._repl_stop.set()
+        if self._replicator is not None:
+            # Bounded: the drain stops after DRAIN_S, each send waits replication_timeout_s.
+            self._replicator.join(timeout=DRAIN_S + self.replication_timeout_s + 1.0)
+            self._replicator = None
+
+    def _replicate_loop(self) -> None:
+        senders: dict[str, Sender] = {}
+        down_until: dict[str, float] = {}
+        drain_until: float | None = None
+        try:
+            while True:
+                if self._repl_stop.is_set():
+                    # Stopping: still hand over what is queued (the latest changes are what a
+                    # peer needs most when this DB goes away), for a bounded time.
+                    if drain_until is None:
+                        drain_until = time.monotonic() + DRAIN_S
+                    if time.monotonic() > drain_until:
+                        break
+                try:
+                    msg = self._outq.get(timeout=0.05) if drain_until is None else self._outq.get_nowait()
+                except queue.Empty:
+                    if drain_until is not None:
+                        break
+                    continue
+                peers = self.peers
+                for gone in set(senders) - set(peers):
+                    senders.pop(gone).close()
+                for peer in peers:
+                    if down_until.get(peer, 0.0) > time.monotonic():
+                        self._dropped(msg.uid, f"peer {peer} is down", loud=False)
+                        continue
+                    try:
+                        sender = senders.get(peer)
+                        if sender is None:
+                            sender = senders[peer] = registry.connect(peer)
+                        sender.send(msg, timeout=self.replication_timeout_s)
+                    except (TransportError, ValueError, zmq.ZMQError) as e:
+                        down_until[peer] = time.monotonic() + self.peer_backoff_s
+                        self._dropped(msg.uid, f"peer {peer}: {e}")
+                        continue
+                    self._count("sent")
+                    REPL_SENT.labels(self.name).inc()
+        finally:
+            for sender in senders.values():
+                sender.close()
+
+    # ---- shutdown ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop serving (waits for ``run`` to return) and release sockets and ipc files."""
+        if self._closed:
+            return
+        self._closing.set()
+        if not self._idle.wait(timeout=5.0):
+            log.warning("db %s: loop did not stop within 5s; closing anyway", self.name)
+        self._closed = True
+        self._release()
+
+    def _release(self) -> None:
+        for sock in (self.receiver, self.rpc, self.pub):
+            if sock is not None:
+                try:
+                    sock.close()
+                except Exception as e:  # releasing must go on for the others
+                    log.warning("db %s: close failed: %s", self.name, e)
+        # libzmq leaves ipc socket files behind on close; remove the ones we bound.
+        for path in self._ipc_paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("db %s: could not remove %s: %s", self.name, path, e)
+
+    def __enter__(self) -> "DbServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _uid(req: dict) -> str:
+    uid = req.get("uid")
+    if not isinstance(uid, str) or not uid:
+        raise InvalidUpdate(f"{req.get('op')}: 'uid' must be a non-empty string")
+    return uid
+
+
+def _content_of(msg: Message, required: bool) -> bytes | None:
+    part = msg.parts.get(CONTENT)
+    if part is None:
+        if required:
+            raise InvalidUpdate(f"result for {msg.uid} has no {CONTENT!r} part")
+        return None
+    if isinstance(part, np.ndarray):
+        return part.tobytes()  # a stage may ship the artefact as a uint8 array
+    return msg.blob(CONTENT)
+
+
+def serve(
+    data_address: str,
+    control_address: str,
+    events_address: str,
+    ttl_s: float = 3600.0,
+    max_bytes: int = 1 << 30,
+    purge_after_fetch: bool = True,
+    name: str = "db",
+    peers: Iterable[str] = (),
+    on_ready: Callable[[DbServer], None] | None = None,
+    **options: Any,
+) -> None:
+    """Run a DB until SIGTERM/SIGINT. ``on_ready(server)`` runs once the sockets are bound
+    (``server.data_address`` etc. hold the real addresses), e.g. to register with the NM and
+    start a thread that keeps ``server.set_peers`` current. Call from the main thread."""
+    stop = threading.Event()
+    server = DbServer(data_address, control_address, events_address, ttl_s, max_bytes,
+                      purge_after_fetch, name, peers=peers, **options)
+
+    def _on_signal(signum: int, frame: Any) -> None:
+        log.info("db %s: signal %d, stopping", name, signum)
+        stop.set()
+
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if on_ready is not None:
+            on_ready(server)
+        server.run(stop)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        server.close()

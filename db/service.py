@@ -1,0 +1,38 @@
+"""A DB as a cluster member: registers its addresses with the NM once bound, and keeps its
+replication peers equal to the other live DBs of its set as the NM's routes change."""
+
+from __future__ import annotations
+
+import logging
+
+from onepiece.db.server import DbServer
+from onepiece.db.server import serve as serve_db
+from onepiece.nm.client import Membership
+
+log = logging.getLogger(__name__)
+
+
+def serve(nm_address: str, set_name: str, data: str, control: str, events: str, ttl_s: float, max_bytes: int,
+          purge_after_fetch: bool) -> None:
+    member: Membership | None = None
+
+    def on_ready(server: DbServer) -> None:
+        nonlocal member
+        own = server.data_address
+
+        def on_routes(routes: dict) -> None:
+            server.set_peers([d["data"] for d in routes["dbs"] if d["data"] != own])
+
+        member = Membership(
+            nm_address, "db", set_name,
+            {"data": server.data_address, "control": server.control_address, "events": server.events_address},
+            on_routes=on_routes, stats=server.stats,
+        )
+        member.register()
+        member.start()
+
+    try:
+        serve_db(data, control, events, ttl_s, max_bytes, purge_after_fetch, name=f"db@{set_name}", on_ready=on_ready)
+    finally:
+        if member is not None:
+            member.stop()

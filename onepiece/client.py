@@ -1,0 +1,223 @@
+"""A Python client for onepiece proxies (the OpenAI-shaped videos API), on httpx.
+
+``Client(urls)`` takes one proxy URL or several (of different sets): a create that is refused
+(429) or cannot connect goes on to the next proxy at once, as DESIGN §1 asks of clients. Later
+reads of a video go to the proxy that accepted it (its set's DBs hold the result).
+
+    with Client("http://127.0.0.1:8000") as c:
+        c.generate("a cat on a surfboard", "cat.mp4", model="t2v", size="64x64", seconds=1)
+"""
+
+from __future__ import annotations
+
+import itertools
+import mimetypes
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+TERMINAL = ("completed", "failed")
+
+
+class OnepieceError(Exception):
+    """Base of the client's errors."""
+
+
+class RequestFailed(OnepieceError):
+    """The server refused the request (4xx/5xx) or the generation failed.
+
+    ``status_code`` is the HTTP status (None for a generation that failed), ``code`` and
+    ``message`` the server's error, ``video`` the last video object when there is one."""
+
+    def __init__(self, message: str, *, status_code: int | None = None, code: str | None = None,
+                 param: str | None = None, video: dict | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status_code, self.code, self.param, self.video = message, status_code, code, param, video
+
+
+class RequestRejected(OnepieceError):
+    """Every proxy tried was full (429) or could not take work right now (503: no entrance
+    instance or no DB up); try again after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: float | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.retry_after, self.code = message, retry_after, code
+
+
+class Timeout(OnepieceError, TimeoutError):
+    """The video did not finish (or a proxy did not answer) in time."""
+
+
+def _error_of(resp: httpx.Response) -> tuple[str, str | None, str | None]:
+    try:
+        err = resp.json().get("error") or {}
+        return str(err.get("message") or resp.reason_phrase), err.get("code"), err.get("param")
+    except (ValueError, AttributeError):
+        return f"HTTP {resp.status_code}: {resp.text[:200]}", None, None
+
+
+def _retry_after(resp: httpx.Response) -> float | None:
+    try:
+        return float(resp.headers["retry-after"])
+    except (KeyError, ValueError):
+        return None
+
+
+class Client:
+    def __init__(self, base_url: str | Sequence[str] = DEFAULT_URL, timeout: float = 30.0,
+                 api_key: str | None = None) -> None:
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls:
+            raise ValueError("give at least one proxy URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(timeout=timeout, headers=headers)
+        self._home: dict[str, str] = {}  # video id -> the proxy that accepted it
+        self._rr = itertools.count()
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- API -----------------------------------------------------------------------------------
+    def submit(self, prompt: str, model: str = "t2v", image: str | os.PathLike | bytes | None = None,
+               size: str = "64x64", seconds: float | str | None = None, **extra: Any) -> dict:
+        """Create a video job; returns the video object (``id``, ``status`` "queued", ...).
+
+        ``extra``: num_frames, steps, guidance, seed, negative_prompt, timeout_s.
+        Raises RequestRejected when every proxy is full, RequestFailed on a refused request."""
+        fields: dict[str, Any] = {"prompt": prompt, "model": model, "size": size}
+        if seconds is not None:
+            fields["seconds"] = str(seconds)
+        fields.update({k: v for k, v in extra.items() if v is not None})
+        files = None
+        if image is not None:
+            if isinstance(image, (bytes, bytearray)):
+                name, data = "image.png", bytes(image)
+            else:
+                name, data = Path(image).name, Path(image).read_bytes()
+            mime = mimetypes.guess_type(name)[0] or "application/octet-stream"
+            files = {"input_reference": (name, data, mime)}
+
+        start = next(self._rr)
+        rejected: list[RequestRejected] = []
+        unreachable: list[str] = []
+        for i in range(len(self.urls)):
+            url = self.urls[(start + i) % len(self.urls)]
+            try:
+                if files is None:
+                    resp = self._http.post(f"{url}/v1/videos", json=fields)
+                else:
+                    data = {k: str(v) for k, v in fields.items()}
+                    resp = self._http.post(f"{url}/v1/videos", data=data, files=files)
+            except httpx.TransportError as e:
+                unreachable.append(f"{url}: {e}")
+                continue
+            if resp.status_code == 200:
+                video = resp.json()
+                self._home[video["id"]] = url
+                return video
+            message, code, param = _error_of(resp)
+            if resp.status_code in (429, 503):  # full or without an entrance: another set may take it
+                rejected.append(RequestRejected(f"{url}: {message}", _retry_after(resp), code))
+                continue
+            raise RequestFailed(message, status_code=resp.status_code, code=code, param=param)
+        if rejected:
+            waits = [r.retry_after for r in rejected if r.retry_after is not None]
+            raise RequestRejected("; ".join(r.message for r in rejected + [RequestRejected(u) for u in unreachable]),
+                                  min(waits) if waits else None, rejected[0].code)
+        raise RequestFailed(f"no proxy reachable: {'; '.join(unreachable)}", code="unreachable")
+
+    def status(self, video_id: str) -> dict:
+        """The video object now (status, progress, error...)."""
+        resp = self._get(video_id, "")
+        if resp.status_code != 200:
+            message, code, param = _error_of(resp)
+            raise RequestFailed(message, status_code=resp.status_code, code=code, param=param)
+        return resp.json()
+
+    def wait(self, video_id: str, timeout: float = 600.0, on_progress: Callable[[dict], None] | None = None,
+             interval: float = 0.05, max_interval: float = 1.0) -> dict:
+        """Poll until the video completes (returns its object) or fails (raises RequestFailed).
+
+        The poll interval starts at ``interval`` and grows by half each time up to
+        ``max_interval``: short jobs are seen at once, long ones without hammering the proxy."""
+        deadline = time.monotonic() + timeout
+        while True:
+            video = self.status(video_id)
+            if on_progress is not None:
+                on_progress(video)
+            if video["status"] == "completed":
+                return video
+            if video["status"] == "failed":
+                err = video.get("error") or {}
+                raise RequestFailed(f"video {video_id} failed: {err.get('message', 'unknown error')}",
+                                    code=err.get("code"), video=video)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Timeout(f"video {video_id} not done after {timeout:.0f}s "
+                              f"(status {video['status']}, {video.get('progress', 0)}%)")
+            time.sleep(min(interval, left))
+            interval = min(interval * 1.5, max_interval)
+
+    def download(self, video_id: str, path: str | os.PathLike) -> Path:
+        """Save the finished MP4 at ``path`` (written whole, then renamed into place)."""
+        path = Path(path)
+        url = self._home.get(video_id, self.urls[0])
+        tmp = path.with_name(f".{path.name}.part")
+        try:
+            with self._http.stream("GET", f"{url}/v1/videos/{video_id}/content") as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    message, code, param = _error_of(resp)
+                    raise RequestFailed(message, status_code=resp.status_code, code=code, param=param)
+                with open(tmp, "wb") as f:
+                    for chunk in resp.iter_bytes():
+                        f.write(chunk)
+            os.replace(tmp, path)
+        except httpx.TimeoutException as e:
+            raise Timeout(f"download of {video_id} timed out: {e}") from e
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path
+
+    def delete(self, video_id: str) -> bool:
+        url = self._home.get(video_id, self.urls[0])
+        resp = self._http.delete(f"{url}/v1/videos/{video_id}")
+        return resp.status_code == 200
+
+    def generate(self, prompt: str, path: str | os.PathLike, model: str = "t2v",
+                 image: str | os.PathLike | bytes | None = None, size: str = "64x64",
+                 seconds: float | str | None = None, timeout: float = 600.0,
+                 on_progress: Callable[[dict], None] | None = None, **extra: Any) -> Path:
+        """Submit, wait and download in one call; the path of the saved MP4."""
+        video = self.submit(prompt, model=model, image=image, size=size, seconds=seconds, **extra)
+        if on_progress is not None:
+            on_progress(video)
+        self.wait(video["id"], timeout=timeout, on_progress=on_progress)
+        return self.download(video["id"], path)
+
+    # --- internals ---------------------------------------------------------------------------
+    def _get(self, video_id: str, suffix: str) -> httpx.Response:
+        """GET from the video's proxy, falling back to the others if it cannot be reached."""
+        home = self._home.get(video_id)
+        urls = ([home] if home else []) + [u for u in self.urls if u != home]
+        errors = []
+        for url in urls:
+            try:
+                return self._http.get(f"{url}/v1/videos/{video_id}{suffix}")
+            except httpx.TimeoutException as e:
+                errors.append(f"{url}: {e}")
+            except httpx.TransportError as e:
+                errors.append(f"{url}: {e}")
+        raise RequestFailed(f"no proxy reachable: {'; '.join(errors)}", code="unreachable")

@@ -1,0 +1,103 @@
+"""`onepiece generate`: submit a video job to a proxy, show its progress, save the MP4.
+
+    onepiece generate --model t2v --prompt "a cat surfing" --size 64x64 --seconds 1 -o cat.mp4
+    onepiece generate --model i2v --prompt "it moves" --image cat.png --frames 9 -o cat.mp4
+
+Imports stay light at module level: the CLI builds its parser from ``add_arguments`` on every
+invocation, whatever the subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+URL_ENV = "ONEPIECE_URL"  # proxy URL(s), comma-separated, when --url is not given
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the flags of `onepiece generate` on ``parser``."""
+    parser.add_argument("--model", default="t2v", help="application id: t2v, i2v, or any app of the workflow")
+    parser.add_argument("--prompt", required=True, help="what the video shows")
+    parser.add_argument("--negative-prompt", help="what it should not show")
+    parser.add_argument("--image", help="input image (PNG/JPEG/...) for image-to-video")
+    parser.add_argument("--size", default="64x64", help="WIDTHxHEIGHT, multiples of 16 (default 64x64)")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--seconds", type=float, help="clip length; frames = 4*round(seconds*fps/4)+1")
+    length.add_argument("--frames", type=int, help="exact frame count, 4k+1 (e.g. 9, 17, 81)")
+    parser.add_argument("--steps", type=int, help="denoising steps")
+    parser.add_argument("--guidance", type=float, help="classifier-free guidance scale")
+    parser.add_argument("--seed", type=int, help="random seed (default: random)")
+    parser.add_argument("--url", action="append",
+                        help=f"proxy URL; repeat (or separate by commas) to fall back to other sets "
+                             f"(default ${URL_ENV} or {DEFAULT_URL})")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the video")
+    parser.add_argument("-o", "--output", required=True, help="where to save the MP4")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _urls(values: list[str] | None) -> list[str]:
+    values = values or [os.environ.get(URL_ENV) or DEFAULT_URL]
+    urls = [u.strip() for v in values for u in v.split(",") if u.strip()]
+    return urls or [DEFAULT_URL]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `onepiece generate`; the process exit code (0 ok, 1 failed, 2 refused, 3 timeout)."""
+    from tqdm import tqdm
+
+    from onepiece.client import Client, RequestFailed, RequestRejected, Timeout
+
+    extra = {"num_frames": args.frames, "steps": args.steps, "guidance": args.guidance, "seed": args.seed,
+             "negative_prompt": args.negative_prompt}
+    bar = tqdm(total=100, unit="%", desc="submitting", disable=args.quiet, file=sys.stderr,
+               bar_format="{desc:>12} {percentage:3.0f}%|{bar}| {elapsed}")
+
+    def on_progress(video: dict) -> None:
+        target = 100 if video.get("status") == "completed" else int(video.get("progress") or 0)
+        stage = video.get("stage") if video.get("status") == "in_progress" else None
+        bar.set_description_str(stage or video.get("status", ""), refresh=False)
+        if target > bar.n:
+            bar.update(target - bar.n)
+        else:
+            bar.refresh()
+
+    try:
+        with Client(_urls(args.url)) as client:
+            video = client.submit(args.prompt, model=args.model, image=args.image, size=args.size,
+                                  seconds=args.seconds, **extra)
+            on_progress(video)
+            client.wait(video["id"], timeout=args.timeout, on_progress=on_progress)
+            path = client.download(video["id"], args.output)
+    except RequestRejected as e:
+        bar.close()
+        wait = f" (retry after {e.retry_after:g}s)" if e.retry_after is not None else ""
+        print(f"refused: {e}{wait}", file=sys.stderr)
+        return 2
+    except Timeout as e:
+        bar.close()
+        print(f"timed out: {e}", file=sys.stderr)
+        return 3
+    except RequestFailed as e:
+        bar.close()
+        print(f"failed: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # unreadable --image, unwritable -o
+        bar.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    bar.close()
+    print(f"{video['id']} -> {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="onepiece generate", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

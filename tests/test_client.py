@@ -1,0 +1,195 @@
+"""The Python client (onepiece.client) and `onepiece generate` against a real proxy and DB.
+
+A fake worker thread stands in for the stages: it pulls each task from the real ZMQ entrance
+socket and answers the way the last stage does, by writing ``status`` and ``result`` (or
+``failed``) messages to the real DB's data socket. Prompts steer it: "fail..." makes it report
+a failure, "hold..." makes it keep the request unanswered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import threading
+from pathlib import Path
+
+import orjson
+import pytest
+
+from onepiece import generate
+from onepiece.client import Client, RequestFailed, RequestRejected, Timeout
+
+
+def _harness():
+    name = "onepiece_tests_proxy_harness"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_proxy_harness.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+H = _harness()
+
+
+def fake_mp4(header: dict) -> bytes:
+    """The worker's "video": the params it was given, so tests can check what travelled."""
+    p = header["params"]
+    return b"FAKEMP4" + orjson.dumps({"uid": header["uid"], "app": header["app"], "params": p})
+
+
+class FakeWorker:
+    def __init__(self, h) -> None:
+        self.h = h
+        self.stop = threading.Event()
+        self.images: dict[str, tuple] = {}
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            msg = self.h.entrance.recv(0.05)
+            if msg is None:
+                continue
+            prompt = msg.header["params"]["prompt"]
+            if "image" in msg.parts:
+                self.images[msg.uid] = msg.parts["image"].shape
+            if prompt.startswith("hold"):
+                continue
+            stages = H.WORKFLOW.applications[msg.header["app"]].stages
+            self.h.db.progress(msg.uid, 30, stage=stages[0])
+            if prompt.startswith("fail"):
+                self.h.db.failed(msg.uid, "the denoiser ran out of memory", stage=stages[-2])
+                continue
+            self.h.db.progress(msg.uid, 80, stage=stages[-1])
+            self.h.db.result(msg.uid, fake_mp4(msg.header), trace=msg.header["trace"])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def h():
+    harness = H.Harness(max_inflight=1000)
+    harness.worker = worker = FakeWorker(harness)
+    yield harness
+    worker.close()
+    harness.close()
+
+
+@pytest.fixture
+def client(h):
+    with Client(h.url, timeout=10) as c:
+        yield c
+
+
+def test_generate_end_to_end(client, tmp_path):
+    seen = []
+    out = client.generate("a cat surfing", tmp_path / "cat.mp4", model="t2v", size="96x64", seconds=1,
+                          steps=4, seed=9, timeout=10, on_progress=lambda v: seen.append((v["status"], v["progress"])))
+    data = out.read_bytes()
+    assert data.startswith(b"FAKEMP4")
+    info = orjson.loads(data[len(b"FAKEMP4"):])
+    assert info["app"] == "t2v"
+    assert info["params"]["width"] == 96 and info["params"]["height"] == 64
+    assert info["params"]["num_frames"] == 17 and info["params"]["steps"] == 4 and info["params"]["seed"] == 9
+    assert seen[0] == ("queued", 0) and seen[-1] == ("completed", 100)
+    progress = [p for _, p in seen]
+    assert progress == sorted(progress)
+    assert not list(tmp_path.glob(".*.part"))
+
+
+def test_submit_status_wait_download(client, tmp_path):
+    v = client.submit("hello", model="t2v", num_frames=5)
+    assert v["status"] == "queued" and v["id"].startswith("video_")
+    assert client.status(v["id"])["id"] == v["id"]
+    done = client.wait(v["id"], timeout=10)
+    assert done["status"] == "completed" and done["progress"] == 100
+    path = client.download(v["id"], tmp_path / "x.mp4")
+    assert orjson.loads(path.read_bytes()[7:])["params"]["num_frames"] == 5
+    with pytest.raises(RequestFailed) as e:  # fetched once: the DB purged it
+        client.download(v["id"], tmp_path / "again.mp4")
+    assert e.value.status_code == 404 and not (tmp_path / "again.mp4").exists()
+
+
+def test_image_to_video_from_a_path_and_bytes(h, client, tmp_path):
+    img = tmp_path / "ref.png"
+    img.write_bytes(H.png(48, 32))
+    out = client.generate("it moves", tmp_path / "i2v.mp4", model="i2v", image=img, timeout=10)
+    uid = orjson.loads(out.read_bytes()[7:])["uid"]
+    assert h.worker.images[uid] == (32, 48, 3)  # the image travelled as uploaded, HxWx3
+    v = client.submit("it moves", model="i2v", image=H.png(16, 16))
+    client.wait(v["id"], timeout=10)
+    assert h.worker.images[v["id"].removeprefix("video_")] == (16, 16, 3)
+
+
+def test_failure_and_bad_input_raise_request_failed(client):
+    v = client.submit("fail please")
+    with pytest.raises(RequestFailed) as e:
+        client.wait(v["id"], timeout=10)
+    assert "out of memory" in str(e.value) and e.value.video["status"] == "failed"
+    assert e.value.code == "generation_failed"
+
+    with pytest.raises(RequestFailed) as e:
+        client.submit("x", size="30x30")
+    assert e.value.status_code == 400 and e.value.param == "size" and "16" in e.value.message
+    with pytest.raises(RequestFailed) as e:
+        client.status("video_" + "a" * 32)
+    assert e.value.status_code == 404
+
+
+def test_wait_times_out(client):
+    v = client.submit("hold this one")
+    with pytest.raises(Timeout):
+        client.wait(v["id"], timeout=0.3)
+
+
+def test_rejection_and_failover_across_proxies(tmp_path):
+    full = H.Harness(max_inflight=1)
+    good = H.Harness(max_inflight=10)
+    worker = FakeWorker(good)
+    try:
+        with Client(full.url) as c:
+            c.submit("hold: takes the only slot")
+            with pytest.raises(RequestRejected) as e:
+                c.submit("refused")
+            assert e.value.retry_after == 1 and e.value.code == "inflight_full"
+        # The full set refuses, the client goes on to the next proxy, and later reads go there.
+        with Client([full.url, good.url]) as c:
+            for _ in range(2):  # whichever proxy the rotation starts at
+                out = c.generate("elsewhere", tmp_path / "e.mp4", timeout=10)
+                assert out.read_bytes().startswith(b"FAKEMP4")
+        # A proxy that is not even up is skipped too.
+        with Client(["http://127.0.0.1:9", good.url]) as c:
+            assert c.submit("hello")["status"] == "queued"
+    finally:
+        worker.close()
+        full.close()
+        good.close()
+
+
+def test_generate_command(h, tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    generate.add_arguments(parser)
+    out = tmp_path / "cli.mp4"
+    args = parser.parse_args(["--model", "t2v", "--prompt", "a dog", "--size", "64x64", "--frames", "9",
+                              "--steps", "3", "--seed", "4", "--url", h.url, "-o", str(out)])
+    assert generate.run(args) == 0
+    params = orjson.loads(out.read_bytes()[7:])["params"]
+    assert (params["num_frames"], params["steps"], params["seed"]) == (9, 3, 4)
+    assert str(out) in capsys.readouterr().out
+
+    img = tmp_path / "in.png"
+    img.write_bytes(H.png())
+    assert generate.main(["--model", "i2v", "--prompt", "x", "--image", str(img), "--seconds", "0.5",
+                          "--url", h.url, "-o", str(tmp_path / "i.mp4"), "--quiet"]) == 0
+    assert generate.main(["--model", "t2v", "--prompt", "fail now", "--url", h.url, "-o", str(tmp_path / "f.mp4"),
+                          "--quiet"]) == 1
+    assert "out of memory" in capsys.readouterr().err
+    assert generate.main(["--prompt", "x", "--size", "7x7", "--url", h.url, "-o", str(tmp_path / "b.mp4"),
+                          "--quiet"]) == 1
+    with pytest.raises(SystemExit):  # argparse: --seconds and --frames exclude each other
+        parser.parse_args(["--prompt", "x", "--seconds", "1", "--frames", "9", "-o", "y"])

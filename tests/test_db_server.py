@@ -1,0 +1,412 @@
+"""DB servers on real sockets (loopback tcp, ipc), in threads and one subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable
+
+import orjson
+import pytest
+import zmq
+from prometheus_client import REGISTRY
+
+from onepiece.db.client import AsyncDbClient, DbClient, DbFull, NotReady
+from onepiece.db.placement import order
+from onepiece.db.server import DbServer
+from onepiece.transport import registry
+from onepiece.transport.message import Message, new_uid, now_ns
+from onepiece.transport.rpc import RpcClient, RpcError
+
+FAST = {"sweep_interval_s": 0.05, "deadline_grace_s": 0.0, "replication_timeout_s": 0.2,
+        "peer_backoff_s": 0.2}
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 3.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Running:
+    def __init__(self, server: DbServer) -> None:
+        self.server = server
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=server.run, args=(self.stop,), daemon=True)
+        self.thread.start()
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        assert not self.thread.is_alive()
+        self.server.close()
+
+    @property
+    def control(self) -> str:
+        return self.server.control_address
+
+
+_names = iter(range(10**6))
+
+
+@pytest.fixture
+def start_dbs():
+    running: list[Running] = []
+
+    def start(n: int = 1, mesh: bool = True, **kw: Any) -> list[Running]:
+        opts = {**FAST, **kw}
+        group = []
+        for _ in range(n):
+            server = DbServer("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0",
+                              name=f"db{next(_names)}", **opts)
+            group.append(Running(server))
+        if mesh:
+            for r in group:
+                r.server.set_peers([o.server.data_address for o in group])
+        running.extend(group)
+        return group
+
+    yield start
+    for r in running:
+        if r.thread.is_alive() or not r.server._closed:
+            r.shutdown()
+
+
+_senders: dict[str, Any] = {}
+
+
+@pytest.fixture(autouse=True)
+def _close_senders():
+    yield
+    while _senders:
+        _senders.popitem()[1].close()
+
+
+def send(address: str, header: dict, parts: dict | None = None) -> None:
+    # Senders stay open for the test: ZmqSender.close() uses linger 0, which may discard a
+    # message that send() queued but the I/O thread has not written yet.
+    sender = _senders.get(address)
+    if sender is None:
+        sender = _senders[address] = registry.connect(address)
+    sender.send(Message(header, parts or {}), timeout=2.0)
+
+
+def get_from(db: Running, uid: str) -> dict | None:
+    with DbClient([db.control], timeout=1.0) as c:
+        return c.get(uid)
+
+
+def test_create_status_result_fetch_roundtrip(start_dbs) -> None:
+    (db,) = start_dbs(1)
+    uid = new_uid()
+    with DbClient([db.control]) as client:
+        assert client.create({"uid": uid, "app": "t2v", "set": "s0"}) == db.control
+        assert client.get(uid)["status"] == "queued"
+        send(db.server.data_address, {"uid": uid, "kind": "status", "status": "in_progress",
+                                      "stage": "dit", "progress": 40})
+        rec = wait_for(lambda: (r := client.get(uid)) and r["status"] == "in_progress" and r, what="in_progress")
+        assert rec["stage"] == "dit" and rec["progress"] == 40 and rec["app"] == "t2v"
+        with pytest.raises(NotReady) as e:
+            client.content(uid)
+        assert e.value.record["status"] == "in_progress"
+        send(db.server.data_address, {"uid": uid, "kind": "result", "content_type": "video/mp4",
+                                      "trace": [{"stage": "vae", "event": "leave", "t": now_ns()}]},
+             {"content": b"\x00mp4" * 1000})
+        wait_for(lambda: client.get(uid)["status"] == "completed", what="completed")
+        rec, data = client.content(uid)
+        assert data == b"\x00mp4" * 1000 and rec["bytes"] == 4000 and rec["content_type"] == "video/mp4"
+        assert client.get(uid) is None  # purged after fetch
+        assert client.content(uid) is None
+        stats = client.stats()[db.control]
+        assert stats["records"] == 0 and stats["bytes"] == 0
+    reads = REGISTRY.get_sample_value("onepiece_db_reads_total", {"db": db.server.name, "kind": "content"})
+    assert reads >= 1
+
+
+def test_write_to_any_db_is_readable_from_every_db_and_purge_reaches_all(start_dbs) -> None:
+    dbs = start_dbs(3)
+    uid = new_uid()
+    controls = [d.control for d in dbs]
+    by_control = {d.control: d for d in dbs}
+    last = by_control[order(uid, controls)[-1]]  # a stage may write to any DB of the set
+    for kind, header, parts in [
+        ("status", {"status": "in_progress", "stage": "text", "progress": 10}, None),
+        ("result", {"content_type": "video/mp4"}, {"content": b"artefact"}),
+    ]:
+        send(last.server.data_address, {"uid": uid, "kind": kind, **header}, parts)
+    for d in dbs:
+        wait_for(lambda d=d: (r := get_from(d, uid)) and r["status"] == "completed", what=f"replica on {d.server.name}")
+    with DbClient(controls) as client:
+        rec, data = client.content(uid)
+        assert data == b"artefact"
+    for d in dbs:  # purge-after-fetch on every replica
+        wait_for(lambda d=d: get_from(d, uid) is None, what=f"purge on {d.server.name}")
+    # two changes to two peers, plus the purge to two peers
+    wait_for(lambda: sum(d.server.counts["sent"] for d in dbs) >= 6, what="sends counted")
+
+
+def test_failed_report_replicates_and_publishes_done(start_dbs) -> None:
+    a, b = start_dbs(2)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"done")
+    sub.connect(b.server.events_address)
+    try:
+        # A PUB drops what it sends before a subscription has reached it (the slow joiner),
+        # so report failures of fresh requests until the peer's event for one arrives.
+        deadline = time.monotonic() + 3
+        sent, seen = [], set()
+        while time.monotonic() < deadline and not seen & set(sent):
+            uid = new_uid()
+            sent.append(uid)
+            send(a.server.data_address, {"uid": uid, "kind": "failed", "stage": "dit", "error": "worker died"})
+            while sub.poll(50):
+                topic, body = sub.recv_multipart()
+                event = orjson.loads(body)
+                assert topic == b"done" and event["status"] == "failed"
+                seen.add(event["uid"])
+        assert seen & set(sent), "no done event from the peer"
+        rec = get_from(b, sent[0])
+        assert rec["status"] == "failed" and rec["error"] == "worker died" and rec["stage"] == "dit"
+    finally:
+        sub.close()
+
+
+def test_ttl_expiry(start_dbs) -> None:
+    (db,) = start_dbs(1, ttl_s=0.5)
+    uid = new_uid()
+    send(db.server.data_address, {"uid": uid, "kind": "result"}, {"content": b"x"})
+    wait_for(lambda: get_from(db, uid) is not None, what="result stored")
+    t0 = time.monotonic()
+    wait_for(lambda: get_from(db, uid) is None, what="expiry")
+    assert time.monotonic() - t0 < 2.0
+    assert REGISTRY.get_sample_value("onepiece_db_expired_total", {"db": db.server.name}) == 1
+
+
+def test_deadline_sweep_fails_stuck_request_with_a_visible_error(start_dbs) -> None:
+    (db,) = start_dbs(1)
+    uid = new_uid()
+    with DbClient([db.control]) as client:
+        client.create({"uid": uid, "app": "t2v", "deadline": now_ns() + 300_000_000})
+        send(db.server.data_address, {"uid": uid, "kind": "status", "status": "in_progress",
+                                      "stage": "dit", "progress": 55})
+        rec = wait_for(lambda: (r := client.get(uid)) and r["status"] == "failed" and r, what="deadline failure")
+    assert rec["error"] == "deadline exceeded at stage dit" and rec["progress"] == 55
+    assert REGISTRY.get_sample_value("onepiece_db_deadline_failed_total", {"db": db.server.name}) == 1
+
+
+def test_memory_cap_refuses_visibly_and_keeps_serving(start_dbs) -> None:
+    (db,) = start_dbs(1, max_bytes=4000)
+    with DbClient([db.control]) as client:
+        created = []
+        with pytest.raises(DbFull, match="store full"):
+            for _ in range(50):
+                uid = new_uid()
+                client.create({"uid": uid, "app": "t2v"})
+                created.append(uid)
+        assert 1 <= len(created) < 50
+        # Still serving: reads, stats, and a too-big artefact turns into a visible failure.
+        assert client.get(created[0])["status"] == "queued"
+        send(db.server.data_address, {"uid": created[0], "kind": "result"}, {"content": b"z" * 10_000})
+        rec = wait_for(lambda: (r := client.get(created[0])) and r["status"] == "failed" and r, what="store-full failure")
+        assert rec["error"].startswith("store full")
+        stats = client.stats()[db.control]
+        assert stats["refused"] >= 2 and stats["bytes"] <= stats["max_bytes"]
+        assert client.delete(created[1]) is True and client.delete(created[2]) is True
+        client.create({"uid": new_uid()})  # room again
+    assert REGISTRY.get_sample_value("onepiece_db_refused_total", {"db": db.server.name}) >= 2
+
+
+def test_read_failover_when_first_db_is_stopped(start_dbs) -> None:
+    dbs = start_dbs(2)
+    controls = [d.control for d in dbs]
+    by_control = {d.control: d for d in dbs}
+    uid = new_uid()
+    first, second = (by_control[a] for a in order(uid, controls))
+    with DbClient(controls, timeout=0.3) as client:
+        assert client.create({"uid": uid, "app": "i2v"}) == first.control
+        send(first.server.data_address, {"uid": uid, "kind": "result"}, {"content": b"frames"})
+        wait_for(lambda: (r := get_from(second, uid)) and r["status"] == "completed", what="replica")
+        first.shutdown()
+        t0 = time.monotonic()
+        assert client.get(uid)["status"] == "completed"
+        assert time.monotonic() - t0 < 1.5
+        # The dead DB is now tried last: the next read does not wait for it.
+        t0 = time.monotonic()
+        rec, data = client.content(uid)
+        assert data == b"frames" and time.monotonic() - t0 < 0.25
+        assert client.get(uid) is None  # gone from the live DB; the dead one did not answer
+
+
+def test_malformed_data_and_rpc_are_dropped_with_a_log_line(start_dbs, caplog) -> None:
+    caplog.set_level(logging.WARNING)
+    (db,) = start_dbs(1)
+    ctx = zmq.Context.instance()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(db.server.data_address)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(db.control)
+    try:
+        push.send_multipart([b"garbage"])
+        push.send_multipart([b"OP1", b"{not json"])
+        send(db.server.data_address, {"uid": "u1", "kind": "weird"})
+        send(db.server.data_address, {"uid": "u2", "kind": "result"})  # no content part
+        send(db.server.data_address, {"uid": "u3", "kind": "status", "status": "in_progress", "progress": "x"})
+        send(db.server.data_address, {"uid": "u4", "kind": "replica", "record": [1, 2]})
+        dealer.send_multipart([b"", b"not json"])
+        dealer.send_multipart([b"", b"[1, 2]"])
+        dealer.send_multipart([b"only-one-frame"])
+        uid = new_uid()
+        send(db.server.data_address, {"uid": uid, "kind": "status", "status": "in_progress", "stage": "t", "progress": 1})
+        wait_for(lambda: get_from(db, uid) is not None, what="valid message after malformed ones")
+        rpc = RpcClient(db.control, timeout=1.0, retries=0)
+        try:
+            with pytest.raises(RpcError, match="'uid' must be"):
+                rpc.call("get")
+            with pytest.raises(RpcError, match="unknown op"):
+                rpc.call("explode")
+            with pytest.raises(RpcError, match="not found: nope"):
+                rpc.call("get", uid="nope")
+            assert rpc.call("ping")[0]["name"] == db.server.name
+        finally:
+            rpc.close()
+        assert not dealer.poll(100)  # malformed requests got no reply
+        # Each socket is its own connection: wait until every bad message has been seen.
+        wait_for(lambda: db.server.counts["malformed"] == 4 and db.server.receiver.rejected == 2
+                 and "dropped malformed request" in caplog.text, what="all malformed input seen")
+    finally:
+        push.close()
+        dealer.close()
+    text = caplog.text
+    assert "dropped malformed message" in text  # transport-level rejects
+    for u in ("u1", "u2", "u3", "u4"):
+        assert f"uid={u} dropped malformed" in text
+    assert "dropped malformed request" in text
+
+
+def test_replication_to_a_dead_peer_is_dropped_and_counted(start_dbs) -> None:
+    (db,) = start_dbs(1, mesh=False)
+    db.server.set_peers(["tcp://127.0.0.1:1"])  # nobody listens there
+    with DbClient([db.control]) as client:
+        t0 = time.monotonic()
+        for _ in range(20):
+            client.create({"uid": new_uid()})
+        assert time.monotonic() - t0 < 1.0  # the loop never waits for the peer
+    wait_for(lambda: db.server.counts["dropped"] >= 20, what="drops counted")
+    assert db.server.counts["sent"] == 0
+    assert REGISTRY.get_sample_value("onepiece_db_replication_dropped_total", {"db": db.server.name}) >= 20
+
+
+def test_peers_op_and_late_joining_peer(start_dbs) -> None:
+    a, b = start_dbs(2, mesh=False)
+    rpc = RpcClient(a.control, timeout=1.0, retries=0)
+    try:
+        reply, _ = rpc.call("peers", peers=[b.server.data_address, a.server.data_address])
+        assert reply["peers"] == [b.server.data_address]  # itself is ignored
+    finally:
+        rpc.close()
+    b.server.set_peers([a.server.data_address])  # from another thread, while b serves
+    uid = new_uid()
+    send(a.server.data_address, {"uid": uid, "kind": "status", "status": "in_progress", "stage": "s", "progress": 3})
+    send(a.server.data_address, {"uid": uid, "kind": "failed", "stage": "s", "error": "x"})
+    wait_for(lambda: (r := get_from(b, uid)) and r["status"] == "failed", what="replica via peers op")
+    wait_for(lambda: a.server.counts["sent"] == 2, what="a's two sends counted")
+    # Replicas are never forwarded: b applied both (a forward would have been queued in the
+    # same loop turn, before b answered the read above) and queued, sent, dropped nothing.
+    assert b.server._outq.qsize() == 0
+    assert b.server.counts["sent"] == 0 and b.server.counts["dropped"] == 0
+    assert a.server.counts["sent"] == 2
+
+
+def test_async_client_with_failover(start_dbs) -> None:
+    dbs = start_dbs(2)
+    controls = [d.control for d in dbs]
+    by_control = {d.control: d for d in dbs}
+
+    async def scenario() -> None:
+        client = AsyncDbClient(controls, timeout=0.3)
+        try:
+            uid = new_uid()
+            first = await client.create({"uid": uid, "app": "t2v"})
+            assert first == order(uid, controls)[0]
+            assert (await client.get(uid))["status"] == "queued"
+            assert await client.get(new_uid()) is None
+            send(by_control[first].server.data_address, {"uid": uid, "kind": "result"}, {"content": b"v"})
+            second = by_control[order(uid, controls)[1]]
+            for _ in range(300):
+                if (r := get_from(second, uid)) and r["status"] == "completed":
+                    break
+                await asyncio.sleep(0.01)
+            by_control[first].shutdown()
+            rec, data = await client.content(uid)
+            assert data == b"v" and rec["status"] == "completed"
+            assert await client.delete(uid) is False
+            stats = await client.stats()
+            assert "error" in stats[first] and stats[second.control]["records"] == 0
+        finally:
+            client.close()
+
+    asyncio.run(scenario())
+
+
+def test_serve_in_a_subprocess_stops_on_sigterm_and_leaves_no_ipc_files() -> None:
+    tmp = tempfile.mkdtemp(prefix="opdb", dir="/tmp")
+    addrs = [f"ipc://{tmp}/{n}.sock" for n in ("data", "control", "events")]
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.INFO);"
+        "from onepiece.db.server import serve;"
+        f"serve(*{addrs!r}, ttl_s=60, max_bytes=1<<20, name='sub')"
+    )
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        rpc = RpcClient(addrs[1], timeout=0.2, retries=0)
+        try:
+            def ping() -> bool:
+                try:
+                    return rpc.call("ping")[0]["name"] == "sub"
+                except RpcError:
+                    return False
+            wait_for(ping, timeout=5, what="subprocess DB up")
+            started = time.monotonic() - t0
+            uid = new_uid()
+            send(addrs[0], {"uid": uid, "kind": "result"}, {"content": b"ipc"})
+            with DbClient([addrs[1]]) as client:
+                wait_for(lambda: client.get(uid) is not None, what="ipc write")
+        finally:
+            rpc.close()
+        assert all(os.path.exists(a[len("ipc://"):]) for a in addrs)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=5) == 0
+        out = proc.stdout.read().decode()
+        assert "stopping" in out
+        assert not any(os.path.exists(a[len("ipc://"):]) for a in addrs)
+        assert "torch" not in out
+        assert started < 3.0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        for name in os.listdir(tmp):
+            os.unlink(os.path.join(tmp, name))
+        os.rmdir(tmp)
+
+
+def test_db_does_not_import_torch() -> None:
+    out = subprocess.run([sys.executable, "-c", "import sys, onepiece.db.server, onepiece.db.client;"
+                          "print('torch' in sys.modules)"], capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() == "False", out.stderr

@@ -1,0 +1,258 @@
+"""The whole pipeline on one machine, started by the real `onepiece up` command: NM, two DBs,
+one process per stage (each with its worker process) and a proxy, talking over real sockets.
+Requests go through HTTP and come back as MP4s. The last test stops the deployment with
+SIGTERM and checks that nothing is left behind."""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import imageio.v3 as iio
+import numpy as np
+import psutil
+import pytest
+import zmq
+from PIL import Image
+
+from onepiece.client import Client, RequestFailed
+from onepiece.db.client import DbClient
+from onepiece.launcher import free_tcp_address
+from onepiece.nm.client import NmClient
+from onepiece.transport import registry
+from onepiece.transport.message import Message, new_uid
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+
+
+class Up:
+    """`onepiece up` as a subprocess, with its output collected line by line."""
+
+    def __init__(self, topology: Path, logs: Path, nm: str) -> None:
+        self.nm, self.logs = nm, logs
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "onepiece", "up", "--topology", str(topology), "--logs", str(logs)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            self.output.append(line)
+            m = re.search(pattern, line)
+            if m:
+                return m
+        raise AssertionError(f"no line matching {pattern!r} in {timeout}s; output:\n{''.join(self.output)}")
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def up(tiny_models, tmp_path_factory, make_topology):
+    folder = tmp_path_factory.mktemp("deployment")
+    nm = free_tcp_address()
+    topology = make_topology(folder, tiny_models, nm)
+    dep = Up(topology, folder / "logs", nm)
+    try:
+        m = dep.wait_for(r"serves the API at (http://\S+)", timeout=240)
+        dep.url = m.group(1)
+        yield dep
+    finally:
+        if dep.proc.poll() is None:
+            dep.proc.send_signal(signal.SIGTERM)
+            try:
+                dep.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                for child in psutil.Process(dep.proc.pid).children(recursive=True):
+                    child.kill()
+                dep.proc.kill()
+
+
+def routes(up) -> dict:
+    client = NmClient(up.nm)
+    try:
+        return client.routes("set0")
+    finally:
+        client.close()
+
+
+def decode_mp4(data: bytes) -> np.ndarray:
+    return iio.imread(data, extension=".mp4")
+
+
+def png(width: int, height: int) -> bytes:
+    rng = np.random.default_rng(0)
+    img = Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_text_to_video_through_http(up, tmp_path):
+    with Client(up.url) as c:
+        video = c.submit("a red fox in snow", model="t2v", size="64x48", num_frames=9, steps=4, seed=7)
+        assert video["status"] == "queued"
+        done = c.wait(video["id"], timeout=120)
+        assert done["status"] == "completed" and done["progress"] == 100
+        out = c.download(video["id"], tmp_path / "fox.mp4")
+    frames = decode_mp4(out.read_bytes())
+    assert frames.shape == (9, 48, 64, 3)
+
+
+def test_image_to_video_through_http_multipart(up, tmp_path):
+    with Client(up.url) as c:
+        path = c.generate("the picture comes alive", tmp_path / "alive.mp4", model="i2v", image=png(80, 60),
+                          size="32x32", seconds="1", steps=3, timeout=120)
+    frames = decode_mp4(path.read_bytes())
+    # 1 s at the workflow's 16 fps → 17 frames (4k+1)
+    assert frames.shape == (17, 32, 32, 3)
+
+
+def test_openai_package_works_unchanged(up, tmp_path):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{up.url}/v1", api_key="unused")
+    video = client.videos.create(prompt="a lighthouse", model="t2v", size="64x64", seconds="1",
+                                 extra_body={"steps": 2, "num_frames": 5})
+    deadline = time.monotonic() + 120
+    while video.status not in ("completed", "failed") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        video = client.videos.retrieve(video.id)
+    assert video.status == "completed", video
+    content = client.videos.download_content(video.id)
+    assert decode_mp4(content.read()).shape == (5, 64, 64, 3)
+
+
+def test_status_command_shows_every_stage(up):
+    out = subprocess.run([sys.executable, "-m", "onepiece", "status", "--nm", up.nm], capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    for stage in ("text_encode", "image_encode", "vae_encode", "denoise_t2v", "denoise_i2v", "vae_decode"):
+        assert f"stage {stage}: 1/1 ready" in out.stdout
+    assert "dbs:" in out.stdout and "proxies:" in out.stdout
+
+
+def _db_client(up) -> DbClient:
+    return DbClient([d["control"] for d in routes(up)["dbs"]])
+
+
+def test_exception_in_a_stage_function_fails_only_that_request(up):
+    """A message the denoise stage cannot use (no text embeddings) is sent straight to its data
+    address: that request fails with the reason, and the stage keeps serving."""
+    r = routes(up)
+    uid = new_uid()
+    db = _db_client(up)
+    db.create({"uid": uid, "app": "t2v", "set": "set0", "status": "queued", "progress": 0})
+    params = {"prompt": "x", "negative_prompt": "", "width": 32, "height": 32, "num_frames": 5, "steps": 2,
+              "guidance": 5.0, "seed": 1, "fps": 16, "max_sequence_length": 64}
+    tx = registry.connect(r["stages"]["denoise_t2v"][0])
+    tx.send(Message({"uid": uid, "app": "t2v", "stage": "denoise_t2v", "kind": "task", "params": params,
+                     "ts": time.time_ns(), "trace": []}), timeout=5)
+    tx.close()
+    deadline = time.monotonic() + 30
+    rec = db.get(uid)
+    while rec["status"] != "failed" and time.monotonic() < deadline:
+        time.sleep(0.1)
+        rec = db.get(uid)
+    assert rec["status"] == "failed" and "prompt_embeds" in rec["error"], rec
+    with Client(up.url) as c:  # the same stage still serves
+        v = c.submit("still alive", model="t2v", size="32x32", num_frames=5, steps=2)
+        assert c.wait(v["id"], timeout=60)["status"] == "completed"
+
+
+def test_malformed_frames_into_a_stage_are_dropped_with_a_log_line(up):
+    addr = routes(up)["stages"]["text_encode"][0]
+    raw = zmq.Context.instance().socket(zmq.PUSH)
+    raw.connect(addr)
+    raw.send_multipart([b"OP1", b"{not json"])
+    raw.send_multipart([b"\x00" * 10])
+    raw.close(linger=2000)
+    deadline = time.monotonic() + 10
+    while "dropped malformed message" not in up.log("set0-text_encode0") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert up.log("set0-text_encode0").count("dropped malformed message") >= 2
+    with Client(up.url) as c:
+        v = c.submit("after garbage", model="t2v", size="32x32", num_frames=5, steps=2)
+        assert c.wait(v["id"], timeout=60)["status"] == "completed"
+
+
+def _worker_pid(up, stage: str) -> int:
+    stage_procs = [p for p in psutil.Process(up.proc.pid).children()
+                   if f"--stage {stage} " in " ".join(p.cmdline()) + " "]
+    assert len(stage_procs) == 1
+    workers = [p for p in stage_procs[0].children() if "onepiece.stage.worker" in " ".join(p.cmdline())]
+    assert len(workers) == 1
+    return workers[0].pid
+
+
+def test_killed_worker_fails_its_request_and_comes_back(up):
+    before = _worker_pid(up, "denoise_t2v")
+    with Client(up.url) as c:
+        # long enough to be caught mid-denoise
+        v = c.submit("a slow one", model="t2v", size="256x256", num_frames=17, steps=100)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            s = c.status(v["id"])
+            if s["status"] == "in_progress" and s["progress"] >= 35:  # inside denoise (stage 2 of 3)
+                break
+            time.sleep(0.05)
+        os.kill(before, signal.SIGKILL)
+        with pytest.raises(RequestFailed, match="died"):
+            c.wait(v["id"], timeout=30)
+        # the worker is restarted and the stage serves again
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if _worker_pid(up, "denoise_t2v") != before:
+                    break
+            except (AssertionError, psutil.NoSuchProcess):
+                pass
+            time.sleep(0.2)
+        v2 = c.submit("after the crash", model="t2v", size="32x32", num_frames=5, steps=2)
+        assert c.wait(v2["id"], timeout=90)["status"] == "completed"
+
+
+def test_purge_after_fetch(up, tmp_path):
+    with Client(up.url) as c:
+        v = c.submit("fetch me once", model="t2v", size="32x32", num_frames=5, steps=2)
+        c.wait(v["id"], timeout=60)
+        c.download(v["id"], tmp_path / "once.mp4")
+        r = httpx.get(f"{up.url}/v1/videos/{v['id']}/content")
+        assert r.status_code == 404
+
+
+def test_sigterm_stops_everything(up):
+    """Last: SIGTERM to `onepiece up` stops every process and removes its runtime folder."""
+    descendants = psutil.Process(up.proc.pid).children(recursive=True)
+    assert len(descendants) >= 1 + 2 + 6 * 2 + 1  # nm, dbs, stages and their workers, proxy
+    runtime = Path(routes(up)["dbs"][0]["data"].removeprefix("ipc://")).parent
+    assert runtime.is_dir()
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(60) == 0
+    gone, alive = psutil.wait_procs(descendants, timeout=10)
+    assert not alive, f"orphans: {[p.pid for p in alive]}"
+    assert not runtime.exists()
+    assert not list(Path("/dev/shm").glob("onepiece*"))

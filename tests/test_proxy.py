@@ -1,0 +1,497 @@
+"""The proxy against real sockets: a real DbServer, a real ZMQ entrance receiver, the real
+proxy (uvicorn + uvloop) on an ephemeral port, and real HTTP clients (httpx and the official
+``openai`` package). The test plays the stages by writing status/result/failed messages to the
+DB's data address, as a stage's ResultDeliver does."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import socket
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from onepiece.proxy.validation import build_job
+
+
+def _harness():
+    name = "onepiece_tests_proxy_harness"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_proxy_harness.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+H = _harness()
+WORKFLOW, Harness, png, wait_for = H.WORKFLOW, H.Harness, H.png, H.wait_for
+
+
+@pytest.fixture(scope="module")
+def h():
+    harness = Harness(max_inflight=10_000, max_body_bytes=1 << 20)
+    yield harness
+    harness.close()
+
+
+def recv_uid(h, uid: str, timeout: float = 5.0):
+    """The entrance message for ``uid`` (earlier tests' messages are skipped)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        msg = h.entrance.recv(0.2)
+        if msg is not None and msg.uid == uid:
+            return msg
+    raise AssertionError(f"no message for {uid} at the entrance")
+
+
+def uid_of(video: dict) -> str:
+    assert video["id"].startswith("video_")
+    return video["id"].removeprefix("video_")
+
+
+# --- create ---------------------------------------------------------------------------------------
+def test_create_json_builds_the_workflow_message_and_get_shows_queued(h):
+    before = time.time_ns()
+    r = h.create(prompt="a red fox", model="t2v", size="80x48", seconds=1, steps=3, guidance_scale=2.5, seed=7,
+                 negative_prompt="blurry")
+    assert r.status_code == 200, r.text
+    v = r.json()
+    assert v["object"] == "video" and v["model"] == "t2v" and v["status"] == "queued" and v["progress"] == 0
+    assert v["size"] == "80x48" and v["seconds"] == "1" and v["prompt"] == "a red fox"
+    assert abs(v["created_at"] - time.time()) < 5 and v["completed_at"] is None and v["error"] is None
+    uid = uid_of(v)
+    assert len(uid) == 32 and int(uid, 16) >= 0
+
+    msg = recv_uid(h, uid)
+    hd = msg.header
+    assert hd["app"] == "t2v" and hd["stage"] == "text_encode" and hd["set"] == "set0" and hd["kind"] == "task"
+    assert before <= hd["ts"] <= time.time_ns()
+    assert hd["deadline"] == hd["ts"] + int(WORKFLOW.applications["t2v"].limits.timeout_s * 1e9)
+    assert hd["params"] == {"prompt": "a red fox", "negative_prompt": "blurry", "width": 80, "height": 48,
+                            "num_frames": 17, "steps": 3, "guidance": 2.5, "seed": 7, "fps": 16,
+                            "max_sequence_length": 64}
+    assert [(t["stage"], t["event"]) for t in hd["trace"]] == [("proxy", "leave")]
+    assert msg.parts == {}
+
+    g = h.http.get(f"/v1/videos/{v['id']}")
+    assert g.status_code == 200
+    got = g.json()
+    assert got["status"] == "queued" and got["progress"] == 0 and got["id"] == v["id"] and got["size"] == "80x48"
+    assert h.http.get(f"/v1/videos/{uid}").json()["id"] == v["id"]  # the bare uid works too
+
+
+def test_defaults_and_random_seed(h):
+    r = h.create(prompt="defaults")
+    assert r.status_code == 200, r.text
+    p = recv_uid(h, uid_of(r.json())).header["params"]
+    d = WORKFLOW.applications["t2v"].defaults
+    assert (p["width"], p["height"], p["num_frames"], p["steps"], p["guidance"]) == \
+        (d.width, d.height, d.num_frames, d.steps, d.guidance)
+    assert 0 <= p["seed"] < 2**31 and r.json()["seconds"] == "0.5"
+
+
+def test_create_multipart_image_reaches_the_entrance_as_is(h):
+    image = png(40, 30)
+    r = h.http.post("/v1/videos", data={"prompt": "it moves", "model": "i2v", "size": "64x64", "num_frames": "13",
+                                        "seed": "5"},
+                    files={"input_reference": ("ref.png", image, "image/png")})
+    assert r.status_code == 200, r.text
+    msg = recv_uid(h, uid_of(r.json()))
+    assert msg.header["app"] == "i2v" and msg.header["stage"] == WORKFLOW.applications["i2v"].stages[0]
+    assert msg.header["params"]["num_frames"] == 13 and msg.header["params"]["seed"] == 5
+    img = msg.parts["image"]
+    assert isinstance(img, np.ndarray) and img.dtype == np.uint8 and img.shape == (30, 40, 3)
+    assert tuple(img[0, 0]) == (1, 2, 3) and tuple(img[10, 10]) == (200, 10, 30)
+    assert r.json()["seconds"] == "0.75"
+
+
+@pytest.mark.parametrize("encode", [
+    lambda b: base64.b64encode(b).decode(),
+    lambda b: "data:image/png;base64," + base64.b64encode(b).decode(),
+    lambda b: {"image_url": "data:image/png;base64," + base64.b64encode(b).decode()},
+])
+def test_create_json_with_base64_image(h, encode):
+    r = h.create(prompt="x", model="i2v", input_reference=encode(png(32, 16)))
+    assert r.status_code == 200, r.text
+    assert recv_uid(h, uid_of(r.json())).parts["image"].shape == (16, 32, 3)
+
+
+def test_model_defaults_to_i2v_when_an_image_is_attached(h):
+    r = h.http.post("/v1/videos", data={"prompt": "x"}, files={"input_reference": ("a.png", png(), "image/png")})
+    assert r.status_code == 200 and r.json()["model"] == "i2v"
+
+
+def test_seconds_to_frames_rule():
+    def frames(**kw):
+        return build_job(WORKFLOW, {"prompt": "p", **kw}, None).num_frames
+
+    assert frames(seconds=1) == 17 and frames(seconds="2") == 33 and frames(seconds=0.01) == 1
+    assert frames(seconds=60) == 81  # clipped to the app's limit
+    assert frames(seconds=1, num_frames=5) == 5  # an explicit frame count wins
+
+
+# --- progress, result, download, delete ---------------------------------------------------------
+def test_progress_completion_and_content(h):
+    v = h.create(prompt="progress").json()
+    uid = uid_of(v)
+    h.db.progress(uid, 40, stage="denoise_t2v")
+    got = wait_for(lambda: (r := h.http.get(f"/v1/videos/{v['id']}").json())["status"] == "in_progress" and r,
+                   what="in_progress")
+    assert got["progress"] == 40 and got["stage"] == "denoise_t2v"
+    r = h.http.get(f"/v1/videos/{v['id']}/content")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "video_not_ready"
+
+    mp4 = b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 10
+    h.db.result(uid, mp4)
+    done = wait_for(lambda: (r := h.http.get(f"/v1/videos/{v['id']}").json())["status"] == "completed" and r,
+                    what="completed")
+    assert done["progress"] == 100 and done["completed_at"] >= done["created_at"]
+    assert done["expires_at"] > done["completed_at"] and done["error"] is None
+    r = h.http.get(f"/v1/videos/{v['id']}/content")
+    assert r.status_code == 200 and r.content == mp4 and r.headers["content-type"] == "video/mp4"
+    # Read once: the DB purges a fetched result.
+    assert h.http.get(f"/v1/videos/{v['id']}/content").status_code == 404
+
+
+def test_failed_request_shows_its_error(h):
+    v = h.create(prompt="doomed").json()
+    h.db.failed(uid_of(v), "worker crashed: out of memory", stage="vae_decode")
+    got = wait_for(lambda: (r := h.http.get(f"/v1/videos/{v['id']}").json())["status"] == "failed" and r,
+                   what="failed")
+    assert got["error"]["code"] == "generation_failed" and "out of memory" in got["error"]["message"]
+    r = h.http.get(f"/v1/videos/{v['id']}/content")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "video_failed"
+
+
+def test_delete(h):
+    v = h.create(prompt="delete me").json()
+    r = h.http.delete(f"/v1/videos/{v['id']}")
+    assert r.status_code == 200 and r.json() == {"id": v["id"], "object": "video.deleted", "deleted": True}
+    assert h.http.get(f"/v1/videos/{v['id']}").status_code == 404
+    assert h.http.delete(f"/v1/videos/{v['id']}").status_code == 404
+
+
+# --- bad input ----------------------------------------------------------------------------------
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _bomb() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("1", (5000, 4000)).save(buf, "PNG")  # a few KB on the wire, 20 Mpx decoded
+    return buf.getvalue()
+
+
+BAD_JSON = [
+    # (body, status, error code, param)
+    (b"{", 400, "invalid_json", None),
+    (b"[1, 2]", 400, "invalid_json", None),
+    (b"", 400, "invalid_json", None),
+    (b'{"model": "t2v"}', 400, "missing_required_parameter", "prompt"),
+    (b'{"prompt": "   "}', 400, "invalid_value", "prompt"),
+    (b'{"prompt": 12}', 400, "invalid_value", "prompt"),
+    (b'{"prompt": "x", "model": "sora-2"}', 400, "model_not_found", "model"),
+    (b'{"prompt": "x", "size": "65x64"}', 400, "invalid_value", "size"),
+    (b'{"prompt": "x", "size": "0x64"}', 400, "invalid_value", "size"),
+    (b'{"prompt": "x", "size": "1024x1024"}', 400, "invalid_value", "size"),
+    (b'{"prompt": "x", "size": "big"}', 400, "invalid_value", "size"),
+    (b'{"prompt": "x", "seconds": -1}', 400, "invalid_value", "seconds"),
+    (b'{"prompt": "x", "seconds": "nan"}', 400, "invalid_value", "seconds"),
+    (b'{"prompt": "x", "num_frames": 10}', 400, "invalid_value", "num_frames"),
+    (b'{"prompt": "x", "num_frames": 85}', 400, "invalid_value", "num_frames"),
+    (b'{"prompt": "x", "steps": 0}', 400, "invalid_value", "steps"),
+    (b'{"prompt": "x", "steps": 1000}', 400, "invalid_value", "steps"),
+    (b'{"prompt": "x", "steps": true}', 400, "invalid_value", "steps"),
+    (b'{"prompt": "x", "steps": "many"}', 400, "invalid_value", "steps"),
+    (b'{"prompt": "x", "steps": 4, "num_inference_steps": 5}', 400, "invalid_value", "num_inference_steps"),
+    (b'{"prompt": "x", "guidance": -1}', 400, "invalid_value", "guidance"),
+    (b'{"prompt": "x", "seed": -5}', 400, "invalid_value", "seed"),
+    (b'{"prompt": "x", "timeout_s": 100000}', 400, "invalid_value", "timeout_s"),
+    (b'{"prompt": "x", "stepz": 3}', 400, "unknown_parameter", "stepz"),
+    (b'{"prompt": "x", "model": "i2v"}', 400, "missing_input_reference", "input_reference"),
+    (('{"prompt": "x", "model": "t2v", "input_reference": "%s"}' % _b64(png())).encode(), 400,
+     "unexpected_input_reference", "input_reference"),
+    (b'{"prompt": "x", "model": "i2v", "input_reference": "not base64!!"}', 400, "invalid_base64", "input_reference"),
+    (b'{"prompt": "x", "model": "i2v", "input_reference": "data:image/png;base64,@@@"}', 400, "invalid_base64",
+     "input_reference"),
+    (('{"prompt": "x", "model": "i2v", "input_reference": "%s"}' % _b64(b"plain text")).encode(), 400,
+     "invalid_image", "input_reference"),
+    (('{"prompt": "x", "model": "i2v", "input_reference": "%s"}' % _b64(png()[:60])).encode(), 400,
+     "invalid_image", "input_reference"),
+    (('{"prompt": "x", "model": "i2v", "input_reference": "%s"}' % _b64(_bomb())).encode(), 400,
+     "image_too_large", "input_reference"),
+    (b'{"prompt": "x", "model": "i2v", "input_reference": "https://example.com/a.png"}', 400,
+     "unsupported_reference", "input_reference"),
+    (b'{"prompt": "x", "model": "i2v", "input_reference": {"file_id": "file_1"}}', 400, "unsupported_reference",
+     "input_reference"),
+    (b'{"prompt": "x", "model": "i2v", "input_reference": 5}', 400, "invalid_value", "input_reference"),
+    (('{"prompt": "%s"}' % ("x" * 5000)).encode(), 400, "invalid_value", "prompt"),
+]
+
+
+@pytest.mark.parametrize("body,status,code,param", BAD_JSON, ids=[str(i) for i in range(len(BAD_JSON))])
+def test_bad_json_input_is_a_clear_4xx(h, body, status, code, param):
+    r = h.http.post("/v1/videos", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and err["param"] == param and err["message"] and err["type"]
+
+
+def test_bad_form_input_is_a_clear_4xx(h):
+    cases = [
+        ({"prompt": "x", "model": "i2v"}, {"input_reference": ("a.txt", b"hello", "text/plain")}, "invalid_image"),
+        ({"prompt": "x", "model": "i2v"}, {"input_reference": ("a.bin", b"\x00" * 100, "application/octet-stream")},
+         "invalid_image"),
+        ({"prompt": "x", "model": "i2v"}, {"input_reference": ("a.png", b"", "image/png")}, "invalid_image"),
+        ({"prompt": "x", "model": "i2v"}, {"other": ("a.png", png(), "image/png")}, "invalid_value"),
+        ({"prompt": "x", "size": "64x63"}, None, "invalid_value"),
+        ({"model": "t2v"}, None, "missing_required_parameter"),
+    ]
+    for data, files, code in cases:
+        r = h.http.post("/v1/videos", data=data, files=files)
+        assert r.status_code == 400, (data, r.text)
+        assert r.json()["error"]["code"] == code, (data, r.json())
+    # multipart without a boundary, and a content type we do not take
+    r = h.http.post("/v1/videos", content=b"junk", headers={"content-type": "multipart/form-data"})
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    r = h.http.post("/v1/videos", content=b"prompt=x", headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+
+
+def test_oversized_bodies_get_413(h):
+    big = b'{"prompt": "' + b"x" * (2 << 20) + b'"}'
+    r = h.http.post("/v1/videos", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the streamed size is what counts
+        for _ in range(40):
+            yield b"x" * 65536
+
+    r = h.http.post("/v1/videos", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = h.http.post("/v1/videos", data={"prompt": "x", "model": "i2v"},
+                    files={"input_reference": ("a.png", b"\x89PNG" + b"\x00" * (2 << 20), "image/png")})
+    assert r.status_code == 413
+
+
+def test_unknown_ids_are_404(h):
+    for vid in ("video_" + "0" * 32, "0" * 32, "nope", "video_../../etc", "x" * 500):
+        for method, suffix in (("GET", ""), ("GET", "/content"), ("DELETE", "")):
+            r = h.http.request(method, f"/v1/videos/{vid}{suffix}")
+            assert r.status_code == 404, (method, vid, r.text)
+            assert r.json()["error"]["code"] in ("video_not_found", "not_found")
+    assert h.http.get("/v1/nothing").status_code == 404
+    assert h.http.get(f"/v1/videos/{'0' * 32}/content", params={"variant": "thumbnail"}).status_code == 400
+
+
+def test_garbage_never_crashes_the_proxy(h):
+    rng = np.random.default_rng(0)
+    for i in range(30):
+        body = rng.integers(0, 256, int(rng.integers(0, 3000)), dtype=np.uint8).tobytes()
+        ctype = ["application/json", "multipart/form-data; boundary=abc", "application/x-www-form-urlencoded",
+                 "", "image/png"][i % 5]
+        r = h.http.post("/v1/videos", content=body, headers={"content-type": ctype})
+        assert 400 <= r.status_code < 500, (ctype, r.status_code, r.text)
+        assert "error" in r.json()
+    # Malformed HTTP on a raw socket.
+    host, port = h.url.removeprefix("http://").rsplit(":", 1)
+    for junk in (b"GARBAGE\r\n\r\n", b"POST /v1/videos HTTP/1.1\r\nContent-Length: -5\r\n\r\n",
+                 b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + b"\x00" * 64):
+        with socket.create_connection((host, int(port)), timeout=2) as s:
+            s.sendall(junk)
+            s.settimeout(2)
+            try:
+                s.recv(1024)
+            except (socket.timeout, ConnectionResetError):
+                pass
+    assert h.healthz()["status"] == "ok"
+
+
+def test_healthz_and_metrics(h):
+    hz = h.healthz()
+    assert hz["dbs"] == 1 and hz["entrances"] == {"t2v": 1, "i2v": 1} and hz["max_inflight"] == 10_000
+    h.create(prompt="x", size="1x1")
+    text = h.http.get("/metrics").text
+    assert 'onepiece_proxy_requests_total{code="400",endpoint="/v1/videos",method="POST"}' in text
+    assert 'onepiece_proxy_rejected_total{reason="invalid_value"}' in text
+    assert "onepiece_proxy_accepted_total" in text and "onepiece_proxy_inflight" in text
+    assert "onepiece_proxy_submit_seconds_bucket" in text
+    models = h.http.get("/v1/models").json()
+    assert {m["id"] for m in models["data"]} == {"t2v", "i2v"}
+
+
+# --- admission ------------------------------------------------------------------------------------
+def test_full_set_gets_429_and_capacity_returns_on_done():
+    h = Harness(max_inflight=2)
+    try:
+        a, b = h.create(prompt="a").json(), h.create(prompt="b").json()
+        r = h.create(prompt="c")
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "inflight_full" and "full" in r.json()["error"]["message"]
+        assert h.healthz()["inflight"] == 2
+        h.db.result(uid_of(a), b"mp4")  # the DB publishes `done`; the proxy frees a's slot
+        wait_for(lambda: h.healthz()["inflight"] == 1, what="slot freed by the done event")
+        assert h.create(prompt="c").status_code == 200
+        assert h.create(prompt="d").status_code == 429
+        h.db.failed(uid_of(b), "boom")  # failures free slots too
+        wait_for(lambda: h.create(prompt="d").status_code == 200, what="slot freed by a failure")
+        assert 'onepiece_proxy_rejected_total{reason="inflight_full"}' in h.http.get("/metrics").text
+    finally:
+        h.close()
+
+
+def test_deadline_frees_the_slot_and_fails_the_request():
+    h = Harness(max_inflight=1)
+    try:
+        v = h.create(prompt="slow", timeout_s=0.3).json()
+        assert h.create(prompt="next").status_code == 429
+        wait_for(lambda: h.create(prompt="next").status_code == 200, what="slot freed at the deadline")
+        got = wait_for(lambda: (r := h.http.get(f"/v1/videos/{v['id']}").json())["status"] == "failed" and r,
+                       what="DB deadline sweep")
+        assert "deadline" in got["error"]["message"]
+    finally:
+        h.close()
+
+
+def test_cluster_changes_at_runtime():
+    h = Harness(max_inflight=4, send_timeout=0.2, send_total_timeout=0.5)
+    try:
+        entrances = h.cluster.entrance_map["t2v"]
+        h.cluster.entrance_map["t2v"] = []
+        r = h.create(prompt="x")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_entrance"
+
+        # An entrance that is listed but not running: 503, and no slot or record is left behind.
+        dead = socket.socket()
+        dead.bind(("127.0.0.1", 0))
+        h.cluster.entrance_map["t2v"] = [f"tcp://127.0.0.1:{dead.getsockname()[1]}"]
+        dead.close()
+        r = h.create(prompt="x")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "entrance_unavailable"
+        assert h.healthz()["inflight"] == 0
+        h.cluster.entrance_map["t2v"] = entrances
+
+        # No DB: 503. A DB that joins later is used, and its done events are followed.
+        first = h.cluster.db_list
+        h.cluster.db_list = []
+        r = h.create(prompt="x")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "db_unavailable"
+        db2 = H.DbThread("db1")
+        try:
+            h.cluster.db_list = [db2.addresses]
+            v = h.create(prompt="x").json()
+            assert h.http.get(f"/v1/videos/{v['id']}").json()["status"] == "queued"
+            assert h.healthz()["inflight"] == 1
+            time.sleep(0.05)  # let the SUB connection settle: PUB drops events for unconnected peers
+            db2.result(uid_of(v), b"v")
+            wait_for(lambda: h.healthz()["inflight"] == 0, what="done event from the new DB")
+        finally:
+            h.cluster.db_list = first
+            db2.close()
+    finally:
+        h.close()
+
+
+# --- the official openai client ------------------------------------------------------------------
+def test_openai_client_works_unchanged(h):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{h.url}/v1", api_key="x", max_retries=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the Sora API deprecation notice
+        video = client.videos.create(prompt="a whale", model="t2v", size="64x64", seconds="1",
+                                     extra_body={"steps": 2, "seed": 11, "guidance": 3})
+        assert video.status == "queued" and video.model == "t2v" and video.size == "64x64"
+        msg = recv_uid(h, video.id.removeprefix("video_"))
+        assert msg.header["params"]["steps"] == 2 and msg.header["params"]["seed"] == 11
+        assert msg.header["params"]["num_frames"] == 17
+        assert client.videos.retrieve(video.id).status == "queued"
+
+        h.db.progress(msg.uid, 66)
+        wait_for(lambda: client.videos.retrieve(video.id).progress == 66, what="progress via openai")
+        h.db.result(msg.uid, b"openai-mp4-bytes")
+        wait_for(lambda: client.videos.retrieve(video.id).status == "completed", what="completed via openai")
+        assert client.videos.download_content(video.id).content == b"openai-mp4-bytes"
+
+        # image-to-video with a file upload
+        v2 = client.videos.create(prompt="it moves", model="i2v", input_reference=("ref.png", png(24, 16), "image/png"))
+        assert recv_uid(h, v2.id.removeprefix("video_")).parts["image"].shape == (16, 24, 3)
+
+        # an image reference object through extra_body (flattened to input_reference[image_url])
+        data_url = "data:image/png;base64," + base64.b64encode(png(32, 48)).decode()
+        v3 = client.videos.create(prompt="it moves", model="i2v", extra_body={"input_reference": {"image_url": data_url}})
+        assert recv_uid(h, v3.id.removeprefix("video_")).parts["image"].shape == (48, 32, 3)
+
+        with pytest.raises(openai.BadRequestError) as e:
+            client.videos.create(prompt="x", model="t2v", size="100x100")
+        assert "multiples of 16" in str(e.value)
+        with pytest.raises(openai.NotFoundError):
+            client.videos.retrieve("video_" + "f" * 32)
+        deleted = client.videos.delete(v2.id)
+        assert deleted.deleted and deleted.object == "video.deleted"
+
+
+def test_openai_client_sees_rate_limit():
+    openai = pytest.importorskip("openai")
+    h = Harness(max_inflight=1)
+    try:
+        client = openai.OpenAI(base_url=f"{h.url}/v1", api_key="x", max_retries=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            client.videos.create(prompt="a", model="t2v")
+            with pytest.raises(openai.RateLimitError) as e:
+                client.videos.create(prompt="b", model="t2v")
+        assert e.value.response.headers["retry-after"] == "1"
+    finally:
+        h.close()
+
+
+# --- the entry point ------------------------------------------------------------------------------
+SERVE_SCRIPT = """
+from onepiece.config import deploy_dir, load_workflow
+from onepiece.proxy.cluster import StaticCluster
+from onepiece.proxy.server import serve
+
+cluster = StaticCluster(load_workflow(deploy_dir() / "wan21.yaml"))
+serve(cluster, "127.0.0.1", 0, 4, 1 << 20, on_bound=lambda host, port: print("PORT", port, flush=True),
+      log_level="warning")
+print("STOPPED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_serve_reports_its_port_and_stops_cleanly_on_signals(sig):
+    import signal
+    import subprocess
+
+    import httpx
+
+    proc = subprocess.Popen([sys.executable, "-c", SERVE_SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    watchdog = threading.Timer(30, proc.kill)  # bounds the blocking reads below if the proxy hangs
+    watchdog.start()
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PORT "), (line, proc.stderr.read() if proc.poll() is not None else "")
+        port = int(line.split()[1])
+        assert port > 0
+        r = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+        assert r.status_code == 200 and r.json()["entrances"] == {"t2v": 0, "i2v": 0}
+        proc.send_signal(getattr(signal, sig))
+        assert proc.wait(10) == 0
+        assert "STOPPED" in proc.stdout.read()
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
