@@ -23,6 +23,7 @@ from onepiece.supervise import child_preexec
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 10.0
+STABLE_S = 60.0  # a worker that ran this long before dying restarts without backoff
 
 
 @dataclass
@@ -31,6 +32,7 @@ class WorkerSlot:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     next_start: float = 0.0
+    started: float = 0.0
 
 
 class TaskManager:
@@ -50,6 +52,7 @@ class TaskManager:
         config = dict(self.config, identity=slot.identity)
         if config["device"].startswith("cuda") and len(self.slots) > 1:
             config["device"] = f"cuda:{self.slots.index(slot)}"  # one device per worker
+        slot.started = time.monotonic()
         slot.proc = subprocess.Popen(
             [sys.executable, "-m", "onepiece.stage.worker", orjson.dumps(config).decode()],
             preexec_fn=child_preexec,
@@ -70,7 +73,7 @@ class TaskManager:
                     log.warning("worker %s of stage %s died (%s); restarting", slot.identity, self.stage, reason)
                     self.scheduler.control.put(("died", slot.identity.encode(), reason))
                     slot.proc = None
-                    slot.restarts += 1
+                    slot.restarts = 1 if now - slot.started > STABLE_S else slot.restarts + 1
                     slot.next_start = now + min(MAX_BACKOFF_S, 0.25 * 2 ** min(slot.restarts - 1, 6))
                 if slot.proc is None and now >= slot.next_start:
                     self._start(slot)

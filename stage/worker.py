@@ -63,7 +63,8 @@ def main(config: dict[str, Any]) -> None:
 
     t0 = time.monotonic()
     components = load_components(Path(config["model_dir"]), config["components"], config["device"])
-    log.info("loaded %s for stage %s in %.1fs", config["components"], stage, time.monotonic() - t0)
+    log.info("loaded %s for stage %s in %.1fs (%d torch threads)", config["components"], stage,
+             time.monotonic() - t0, torch.get_num_threads())
     sock.send_multipart([b"ready"])
 
     parent = os.getppid()
