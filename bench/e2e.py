@@ -106,31 +106,17 @@ def _wait_done(events: "zmq.Socket", uid: str, timeout: float) -> None:
     raise TimeoutError(f"{uid} not done in {timeout:.0f}s")
 
 
-def _deployment(models: dict[str, Path], transport: str, folder: Path):
-    import yaml
-
-    from onepiece.config import deploy_dir
-    from onepiece.launcher import Deployment, free_tcp_address
-
-    wf = yaml.safe_load((deploy_dir() / "wan21.yaml").read_text())
-    for spec in wf["models"].values():
-        spec["path"] = str(models[spec["tiny"]])
-    (folder / "workflow.yaml").write_text(yaml.safe_dump(wf))
-    topo = {"workflow": "workflow.yaml", "transport": transport, "nm": {"address": free_tcp_address()},
-            "sets": [{"name": "set0", "proxy": {"port": 0}, "db": {"count": 1},
-                      "stages": {"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1}}]}
-    (folder / "topology.yaml").write_text(yaml.safe_dump(topo))
-    return Deployment(folder / "topology.yaml", folder / "logs")
-
-
 def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder: Path) -> dict[str, Any]:
     """Monolithic and onepiece runs alternate, request by request, so that drift in the
     machine's speed (a shared VM) hits both alike."""
     from onepiece.client import Client
     from onepiece.db.client import DbClient
+    from onepiece.launcher import Deployment, free_tcp_address, write_topology
     from onepiece.nm.client import NmClient
 
-    dep = _deployment(models, transport, folder)
+    dep = Deployment(write_topology(folder, models, free_tcp_address(), dbs=1, transport=transport, heartbeat_s=1.0,
+                                    stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1}),
+                     folder / "logs")
     out: dict[str, Any] = {}
     try:
         dep.start()

@@ -9,6 +9,11 @@ rebuilt on next use (the "lazy pirate" pattern): a DEALER queues requests for a 
 down, and closing it with linger 0 discards them, so a dead DB can never fill the queue and
 block a send. A DB that timed out is tried last for ``down_s`` seconds, so reads of other
 UIDs do not each pay its timeout.
+
+Each operation is written once, as a plan (a generator in :class:`_Failover`): it yields the
+RPC calls it wants, ``(address, op, args)``, and gets back each reply, or has the call's
+RpcError thrown in at the ``yield``. The sync and asyncio clients differ only in how they
+carry out a call (``_call``) and so in the driver that runs a plan (``_run``).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any
+from typing import Any, Generator
 
 from onepiece.db.placement import order
 from onepiece.transport.rpc import AsyncRpcClient, RpcClient, RpcError, RpcTimeout
@@ -47,8 +52,15 @@ def _reason(e: RpcError, op: str) -> str:
     return str(e).removeprefix(f"{op}: ")
 
 
+# A plan yields (address, op, args), is sent the call's (reply, blobs) or thrown its RpcError,
+# and returns the operation's result.
+Call = tuple[str, str, dict[str, Any]]
+Plan = Generator[Call, tuple[dict, list[bytes]], Any]
+
+
 class _Failover:
-    """Address ordering and down-marking shared by the sync and async clients."""
+    """Address ordering, down-marking and the operations' failover logic, shared by the sync
+    and async clients."""
 
     def __init__(self, control_addresses: list[str], timeout: float, down_s: float) -> None:
         if not control_addresses:
@@ -70,6 +82,75 @@ class _Failover:
         else:
             self._down_until[address] = time.monotonic() + self.down_s
 
+    # ---- plans -------------------------------------------------------------------------------
+
+    def _create(self, record: dict[str, Any]) -> Plan:
+        uid = record["uid"]
+        errors: list[str] = []
+        for address in self._order(uid):
+            try:
+                yield address, "create", {"record": record}
+                return address
+            except RpcError as e:
+                errors.append(f"{address}: {e}")
+        raise _create_error(uid, errors)
+
+    def _get(self, uid: str) -> Plan:
+        answered, errors = False, []
+        for address in self._order(uid):
+            try:
+                reply, _ = yield address, "get", {"uid": uid}
+                return reply["record"]
+            except RpcTimeout as e:
+                errors.append(str(e))
+            except RpcError:
+                answered = True
+        if answered:
+            return None
+        raise DbUnavailable(f"get {uid}: no DB answered: {'; '.join(errors)}")
+
+    def _content(self, uid: str) -> Plan:
+        answered, not_ready, errors = False, False, []
+        for address in self._order(uid):
+            try:
+                reply, blobs = yield address, "content", {"uid": uid}
+                return reply["record"], bytes(blobs[0]) if blobs else b""
+            except RpcTimeout as e:
+                errors.append(str(e))
+            except RpcError as e:
+                answered = True
+                not_ready |= _reason(e, "content").startswith("not ready")
+        if not_ready:
+            record = yield from self._get(uid)
+            raise NotReady(f"{uid} is {record['status'] if record else 'gone'}", record)
+        if answered:
+            return None
+        raise DbUnavailable(f"content {uid}: no DB answered: {'; '.join(errors)}")
+
+    def _delete(self, uid: str) -> Plan:
+        answered, deleted = False, False
+        for address in self._order(uid):
+            try:
+                reply, _ = yield address, "delete", {"uid": uid}
+                answered, deleted = True, deleted or bool(reply.get("deleted"))
+            except RpcTimeout:
+                continue
+            except RpcError:
+                answered = True
+        if not answered:
+            raise DbUnavailable(f"delete {uid}: no DB answered")
+        return deleted
+
+    def _stats(self) -> Plan:
+        out: dict[str, dict[str, Any]] = {}
+        for address in self.addresses:
+            try:
+                reply, _ = yield address, "stats", {}
+                out[address] = reply["stats"]
+            except RpcError as e:
+                out[address] = {"error": str(e)}
+        return out
+
 
 class DbClient(_Failover):
     """Blocking client. Calls are serialised by a lock, so threads may share one."""
@@ -79,7 +160,7 @@ class DbClient(_Failover):
         self._clients: dict[str, RpcClient] = {}
         self._lock = threading.Lock()
 
-    def _call(self, address: str, op: str, **args: Any) -> tuple[dict, list[bytes]]:
+    def _call(self, address: str, op: str, args: dict[str, Any]) -> tuple[dict, list[bytes]]:
         client = self._clients.get(address)
         if client is None:
             client = self._clients[address] = RpcClient(address, timeout=self.timeout, retries=0)
@@ -95,85 +176,44 @@ class DbClient(_Failover):
         self._mark(address, ok=True)
         return out
 
+    def _run(self, plan: Plan) -> Any:
+        with self._lock:
+            try:
+                step = next(plan)
+                while True:
+                    try:
+                        out, error = self._call(*step), None
+                    except RpcError as e:
+                        out, error = None, e
+                    # Thrown in outside the except block, so what the plan raises in turn does
+                    # not chain to the call's error.
+                    step = plan.send(out) if error is None else plan.throw(error)
+            except StopIteration as done:
+                return done.value
+
     def create(self, record: dict[str, Any]) -> str:
         """Store a new record on the first DB (in placement order) that accepts it; returns
         that DB's control address. Raises DbFull / DbUnavailable / DbError otherwise."""
-        uid = record["uid"]
-        errors: list[str] = []
-        with self._lock:
-            for address in self._order(uid):
-                try:
-                    self._call(address, "create", record=record)
-                    return address
-                except RpcError as e:
-                    errors.append(f"{address}: {e}")
-        raise _create_error(uid, errors)
+        return self._run(self._create(record))
 
     def get(self, uid: str) -> dict[str, Any] | None:
         """The record from the first DB that has it; None when every DB that answered lacks
         it. Raises DbUnavailable when no DB answered at all."""
-        answered, errors = False, []
-        with self._lock:
-            for address in self._order(uid):
-                try:
-                    reply, _ = self._call(address, "get", uid=uid)
-                    return reply["record"]
-                except RpcTimeout as e:
-                    errors.append(str(e))
-                except RpcError:
-                    answered = True
-        if answered:
-            return None
-        raise DbUnavailable(f"get {uid}: no DB answered: {'; '.join(errors)}")
+        return self._run(self._get(uid))
 
     def content(self, uid: str) -> tuple[dict[str, Any], bytes] | None:
         """(record, artefact) from the first DB that has it completed (it may purge it there
         and on its peers); None when no DB has the record; NotReady when one has it but it is
         not completed."""
-        answered, not_ready, errors = False, False, []
-        with self._lock:
-            for address in self._order(uid):
-                try:
-                    reply, blobs = self._call(address, "content", uid=uid)
-                    return reply["record"], bytes(blobs[0]) if blobs else b""
-                except RpcTimeout as e:
-                    errors.append(str(e))
-                except RpcError as e:
-                    answered = True
-                    not_ready |= _reason(e, "content").startswith("not ready")
-        if not_ready:
-            record = self.get(uid)
-            raise NotReady(f"{uid} is {record['status'] if record else 'gone'}", record)
-        if answered:
-            return None
-        raise DbUnavailable(f"content {uid}: no DB answered: {'; '.join(errors)}")
+        return self._run(self._content(uid))
 
     def delete(self, uid: str) -> bool:
         """Delete on every DB of the set (each tells its peers too); True if any held it."""
-        answered, deleted = False, False
-        with self._lock:
-            for address in self._order(uid):
-                try:
-                    reply, _ = self._call(address, "delete", uid=uid)
-                    answered, deleted = True, deleted or bool(reply.get("deleted"))
-                except RpcTimeout:
-                    continue
-                except RpcError:
-                    answered = True
-        if not answered:
-            raise DbUnavailable(f"delete {uid}: no DB answered")
-        return deleted
+        return self._run(self._delete(uid))
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per control address: that DB's stats, or ``{"error": ...}``."""
-        out: dict[str, dict[str, Any]] = {}
-        with self._lock:
-            for address in self.addresses:
-                try:
-                    out[address] = self._call(address, "stats")[0]["stats"]
-                except RpcError as e:
-                    out[address] = {"error": str(e)}
-        return out
+        return self._run(self._stats())
 
     def close(self) -> None:
         with self._lock:
@@ -195,7 +235,7 @@ class AsyncDbClient(_Failover):
         super().__init__(control_addresses, timeout, down_s)
         self._clients: dict[str, AsyncRpcClient] = {}
 
-    async def _call(self, address: str, op: str, **args: Any) -> tuple[dict, list[bytes]]:
+    async def _call(self, address: str, op: str, args: dict[str, Any]) -> tuple[dict, list[bytes]]:
         client = self._clients.get(address)
         if client is None:
             client = self._clients[address] = AsyncRpcClient(address, timeout=self.timeout, retries=0)
@@ -214,71 +254,32 @@ class AsyncDbClient(_Failover):
         self._mark(address, ok=True)
         return out
 
+    async def _run(self, plan: Plan) -> Any:
+        try:
+            step = next(plan)
+            while True:
+                try:
+                    out, error = await self._call(*step), None
+                except RpcError as e:
+                    out, error = None, e
+                step = plan.send(out) if error is None else plan.throw(error)
+        except StopIteration as done:
+            return done.value
+
     async def create(self, record: dict[str, Any]) -> str:
-        uid = record["uid"]
-        errors: list[str] = []
-        for address in self._order(uid):
-            try:
-                await self._call(address, "create", record=record)
-                return address
-            except RpcError as e:
-                errors.append(f"{address}: {e}")
-        raise _create_error(uid, errors)
+        return await self._run(self._create(record))
 
     async def get(self, uid: str) -> dict[str, Any] | None:
-        answered, errors = False, []
-        for address in self._order(uid):
-            try:
-                reply, _ = await self._call(address, "get", uid=uid)
-                return reply["record"]
-            except RpcTimeout as e:
-                errors.append(str(e))
-            except RpcError:
-                answered = True
-        if answered:
-            return None
-        raise DbUnavailable(f"get {uid}: no DB answered: {'; '.join(errors)}")
+        return await self._run(self._get(uid))
 
     async def content(self, uid: str) -> tuple[dict[str, Any], bytes] | None:
-        answered, not_ready, errors = False, False, []
-        for address in self._order(uid):
-            try:
-                reply, blobs = await self._call(address, "content", uid=uid)
-                return reply["record"], bytes(blobs[0]) if blobs else b""
-            except RpcTimeout as e:
-                errors.append(str(e))
-            except RpcError as e:
-                answered = True
-                not_ready |= _reason(e, "content").startswith("not ready")
-        if not_ready:
-            record = await self.get(uid)
-            raise NotReady(f"{uid} is {record['status'] if record else 'gone'}", record)
-        if answered:
-            return None
-        raise DbUnavailable(f"content {uid}: no DB answered: {'; '.join(errors)}")
+        return await self._run(self._content(uid))
 
     async def delete(self, uid: str) -> bool:
-        answered, deleted = False, False
-        for address in self._order(uid):
-            try:
-                reply, _ = await self._call(address, "delete", uid=uid)
-                answered, deleted = True, deleted or bool(reply.get("deleted"))
-            except RpcTimeout:
-                continue
-            except RpcError:
-                answered = True
-        if not answered:
-            raise DbUnavailable(f"delete {uid}: no DB answered")
-        return deleted
+        return await self._run(self._delete(uid))
 
     async def stats(self) -> dict[str, dict[str, Any]]:
-        out: dict[str, dict[str, Any]] = {}
-        for address in self.addresses:
-            try:
-                out[address] = (await self._call(address, "stats"))[0]["stats"]
-            except RpcError as e:
-                out[address] = {"error": str(e)}
-        return out
+        return await self._run(self._stats())
 
     def close(self) -> None:
         for client in self._clients.values():

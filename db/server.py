@@ -15,8 +15,13 @@ RPC ops (request fields -> reply fields; errors come back as ``{"ok": false, "er
 - ``delete`` ``{uid}`` -> ``{deleted: bool}`` (peers are told to purge too);
 - ``stats`` -> ``{stats: {records, bytes, max_bytes, content_bytes, by_status, tombstones,
   name, addresses, peers, replication: {queued, sent, dropped}, refused, malformed}}``;
-- ``peers`` ``{peers: [data addresses]}`` -> ``{peers}``: replace the replication peers;
 - ``ping`` -> ``{name, data_address, control_address, events_address}``.
+
+Replication peers are set in-process with :meth:`DbServer.set_peers` (``db/service.py`` keeps
+them equal to the other live DBs of the set, from the NM's routes).
+
+``DbServer.snapshot`` is the ``stats`` dict as of the last sweep, taken on the loop thread:
+other threads (the NM heartbeat) read that, never the store, which only the loop touches.
 
 Replication has no consensus: every local change (and purge) is put on a bounded queue that a
 separate thread sends to every peer's data address with a short timeout. A full queue or a
@@ -31,7 +36,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 from typing import Any, Callable, Iterable
@@ -43,6 +47,7 @@ from prometheus_client import Counter, Gauge
 
 from onepiece.db.protocol import CONTENT
 from onepiece.db.store import Change, InvalidUpdate, NotFound, ResultStore, StoreFull
+from onepiece.supervise import stop_on_signals
 from onepiece.transport import registry
 from onepiece.transport.base import Receiver, Sender, TransportError
 from onepiece.transport.message import Message, MessageError
@@ -115,8 +120,7 @@ class DbServer:
             self.data_address = self.receiver.address
             self.rpc = RpcServer(control_address, {
                 "create": self._op_create, "get": self._op_get, "content": self._op_content,
-                "delete": self._op_delete, "stats": self._op_stats, "peers": self._op_peers,
-                "ping": self._op_ping,
+                "delete": self._op_delete, "stats": self._op_stats, "ping": self._op_ping,
             })
             self.control_address = self.rpc.address
             self.pub = zmq.Context.instance().socket(zmq.PUB)
@@ -130,6 +134,7 @@ class DbServer:
         self._ipc_paths = [a[len("ipc://"):] for a in (self.data_address, self.control_address,
                                                         self.events_address) if a.startswith("ipc://")]
         self.set_peers(peers)
+        self.snapshot: dict[str, Any] = self.stats()
 
     # ---- peers (callable from any thread) --------------------------------------------------
 
@@ -165,6 +170,7 @@ class DbServer:
             else:
                 data_sock, wait_ms = None, 1
             next_sweep = time.monotonic() + self.sweep_interval_s
+            self.snapshot = self.stats()
             log.info("db %s serving data=%s control=%s events=%s", self.name, self.data_address,
                      self.control_address, self.events_address)
             while not stop.is_set() and not self._closing.is_set():
@@ -175,6 +181,7 @@ class DbServer:
                     self.rpc.handle()
                 if time.monotonic() >= next_sweep:
                     self._sweep()
+                    self.snapshot = self.stats()  # replaced whole, never mutated: safe to read anywhere
                     next_sweep = time.monotonic() + self.sweep_interval_s
                 RECORDS.labels(self.name).set(len(self.store))
                 BYTES.labels(self.name).set(self.store.bytes_used)
@@ -310,7 +317,7 @@ class DbServer:
 
     def _op_delete(self, req: dict, blobs: list) -> dict:
         uid = _uid(req)
-        existed = self.store.delete(uid)
+        existed = self.store.purge(uid)
         WRITES.labels(self.name, "delete").inc()
         log.info("db %s: uid=%s deleted (%s)", self.name, uid, "held" if existed else "not held")
         self._replicate(Message({"uid": uid, "kind": "purge"}))  # peers may hold it even if we do not
@@ -320,28 +327,24 @@ class DbServer:
         READS.labels(self.name, "stats").inc()
         return {"stats": self.stats()}
 
-    def _op_peers(self, req: dict, blobs: list) -> dict:
-        peers = req.get("peers")
-        if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
-            raise InvalidUpdate("peers: 'peers' must be a list of addresses")
-        self.set_peers(peers)
-        return {"peers": self.peers}
-
     def _op_ping(self, req: dict, blobs: list) -> dict:
         return {"name": self.name, "data_address": self.data_address,
                 "control_address": self.control_address, "events_address": self.events_address}
 
     def stats(self) -> dict[str, Any]:
+        """Current stats, built fresh. Reads the store: call on the loop thread only (other
+        threads read :attr:`snapshot`)."""
+        with self._counts_lock:
+            counts = dict(self.counts)
         return {
             **self.store.stats(),
             "name": self.name,
             "addresses": {"data": self.data_address, "control": self.control_address,
                           "events": self.events_address},
             "peers": self.peers,
-            "replication": {"queued": self._outq.qsize(), "sent": self.counts["sent"],
-                            "dropped": self.counts["dropped"]},
-            "refused": self.counts["refused"],
-            "malformed": self.counts["malformed"],
+            "replication": {"queued": self._outq.qsize(), "sent": counts["sent"], "dropped": counts["dropped"]},
+            "refused": counts["refused"],
+            "malformed": counts["malformed"],
         }
 
     # ---- replication (its own thread; owns the peer senders) ---------------------------------
@@ -490,21 +493,16 @@ def serve(
 ) -> None:
     """Run a DB until SIGTERM/SIGINT. ``on_ready(server)`` runs once the sockets are bound
     (``server.data_address`` etc. hold the real addresses), e.g. to register with the NM and
-    start a thread that keeps ``server.set_peers`` current. Call from the main thread."""
-    stop = threading.Event()
+    start a thread that keeps ``server.set_peers`` current; other threads read its stats from
+    ``server.snapshot``. Call from the main thread of a role process."""
+    stop = stop_on_signals()
     server = DbServer(data_address, control_address, events_address, ttl_s, max_bytes,
                       purge_after_fetch, name, peers=peers, **options)
-
-    def _on_signal(signum: int, frame: Any) -> None:
-        log.info("db %s: signal %d, stopping", name, signum)
-        stop.set()
-
-    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         if on_ready is not None:
             on_ready(server)
         server.run(stop)
+        if stop.is_set():
+            log.info("db %s: signalled, stopping", name)
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
         server.close()

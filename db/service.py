@@ -1,9 +1,12 @@
-"""A DB as a cluster member: registers its addresses with the NM once bound, and keeps its
-replication peers equal to the other live DBs of its set as the NM's routes change."""
+"""A DB as a cluster member: registers its addresses (and its Prometheus endpoint) with the NM
+once bound, and keeps its replication peers equal to the other live DBs of its set as the NM's
+routes change."""
 
 from __future__ import annotations
 
 import logging
+
+from prometheus_client import start_http_server
 
 from onepiece.db.server import DbServer
 from onepiece.db.server import serve as serve_db
@@ -14,6 +17,7 @@ log = logging.getLogger(__name__)
 
 def serve(nm_address: str, set_name: str, data: str, control: str, events: str, ttl_s: float, max_bytes: int,
           purge_after_fetch: bool) -> None:
+    metrics, _ = start_http_server(0, addr="127.0.0.1")
     member: Membership | None = None
 
     def on_ready(server: DbServer) -> None:
@@ -25,8 +29,11 @@ def serve(nm_address: str, set_name: str, data: str, control: str, events: str, 
 
         member = Membership(
             nm_address, "db", set_name,
-            {"data": server.data_address, "control": server.control_address, "events": server.events_address},
-            on_routes=on_routes, stats=server.stats,
+            {"data": server.data_address, "control": server.control_address, "events": server.events_address,
+             "metrics": f"http://127.0.0.1:{metrics.server_port}"},
+            # The heartbeat thread must not read the store, which only the DB loop touches:
+            # it sends the snapshot the loop takes every sweep.
+            on_routes=on_routes, stats=lambda: server.snapshot,
         )
         member.register()
         member.start()
@@ -36,3 +43,5 @@ def serve(nm_address: str, set_name: str, data: str, control: str, events: str, 
     finally:
         if member is not None:
             member.stop()
+        metrics.shutdown()
+        metrics.server_close()

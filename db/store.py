@@ -226,13 +226,11 @@ class ResultStore:
         return self._apply(dict(record), local=False, content=content)
 
     def purge(self, uid: str) -> bool:
-        """A peer fetched or deleted ``uid``: drop our copy and ignore late updates for it."""
+        """Drop ``uid`` (deleted by a client, or fetched/deleted on a peer) and ignore late
+        updates for it; True if it was held."""
         existed = uid in self._records
         self._drop(uid, tombstone=True)
         return existed
-
-    def delete(self, uid: str) -> bool:
-        return self.purge(uid)
 
     def sweep(self) -> Sweep:
         """Drop expired records and tombstones; fail running records past their deadline.

@@ -80,8 +80,8 @@ class Membership:
                     host=socket.gethostname(), stage=self.stage,
                 )
                 break
-            except RpcError as e:
-                if time.monotonic() > deadline or "unknown" in str(e):
+            except RpcTimeout:  # the NM is not up yet; a refusal (RpcError) is final
+                if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
         self.id, self.stage = reply["instance"], reply.get("stage")
@@ -109,13 +109,16 @@ class Membership:
                                         version=self.routes["version"])
                 if "routes" in reply:
                     self._apply(reply["routes"])
-            except RpcError as e:
+            except Exception as e:  # the heartbeat goes on whatever one round hit
+                if not isinstance(e, RpcError):
+                    log.exception("heartbeat round failed")
+                    continue
                 if "unknown instance" in str(e):
                     # The NM dropped us (silent too long, or it restarted): join again.
                     log.warning("node manager forgot %s; registering again", self.id)
                     try:
                         self.register(timeout=self.heartbeat_s)
-                    except RpcError as e2:
+                    except Exception as e2:
                         log.warning("re-registration failed: %s", e2)
                 else:
                     log.warning("heartbeat to node manager failed: %s", e)

@@ -8,15 +8,17 @@ assignment in the ``register`` reply, so nothing but the NM address is configure
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 from pathlib import Path
 from typing import Any
 
 import zmq
+from prometheus_client import REGISTRY, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 from onepiece.config import Topology, Workflow
 from onepiece.nm.state import ClusterState
+from onepiece.supervise import stop_on_signals
 from onepiece.transport.rpc import RpcServer
 
 log = logging.getLogger(__name__)
@@ -89,13 +91,35 @@ class NodeManager:
         self.rpc.close()
 
 
-def serve(topology: Topology, workflow: Workflow, base_dir: Path, address: str | None = None) -> None:
+class NmMetrics:
+    """Prometheus view of the cluster state, read at scrape time."""
+
+    def __init__(self, state: ClusterState) -> None:
+        self.state = state
+
+    def collect(self):
+        g = GaugeMetricFamily("onepiece_nm_instances", "registered instances", labels=["set", "role", "stage", "ready"])
+        counts: dict[tuple, int] = {}
+        for i in list(self.state.instances.values()):
+            key = (i.set, i.role, i.stage or "", str(i.ready).lower())
+            counts[key] = counts.get(key, 0) + 1
+        for key, n in counts.items():
+            g.add_metric(list(key), n)
+        yield g
+        v = GaugeMetricFamily("onepiece_nm_routes_version", "route table version")
+        v.add_metric([], self.state.version)
+        yield v
+
+
+def serve(topology: Topology, workflow: Workflow, base_dir: Path, address: str | None = None,
+          metrics_port: int = 0) -> None:
+    stop = stop_on_signals()
     nm = NodeManager(topology, workflow, base_dir, address)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    log.info("node manager serving at %s", nm.address)
+    REGISTRY.register(NmMetrics(nm.state))
+    metrics, _ = start_http_server(metrics_port, addr="127.0.0.1")
+    log.info("node manager serving at %s, metrics at http://127.0.0.1:%d/metrics", nm.address, metrics.server_port)
     try:
         nm.run(stop)
     finally:
         nm.close()
+        metrics.shutdown()

@@ -17,7 +17,8 @@ from onepiece.config import Topology, Workflow
 
 log = logging.getLogger(__name__)
 
-ROLES = ("stage", "db", "proxy")
+# The addresses each role must register: what the route tables hand out for it.
+ROLES = {"stage": ("data",), "db": ("data", "control", "events"), "proxy": ("http",)}
 
 
 @dataclass
@@ -60,7 +61,10 @@ class ClusterState:
     def register(self, role: str, set_name: str, addresses: dict[str, str], pid: int = 0, host: str = "",
                  stage: str | None = None) -> Instance:
         if role not in ROLES:
-            raise ValueError(f"unknown role {role!r} (expected one of {ROLES})")
+            raise ValueError(f"unknown role {role!r} (expected one of {sorted(ROLES)})")
+        missing = [k for k in ROLES[role] if not addresses.get(k)]
+        if missing:
+            raise ValueError(f"a {role} must register its {', '.join(missing)} address")
         if set_name not in self.sets:
             raise ValueError(f"unknown set {set_name!r} (known: {sorted(self.sets)})")
         if role == "stage":

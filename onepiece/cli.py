@@ -30,7 +30,7 @@ def cmd_nm(args: argparse.Namespace) -> int:
 
     setup_logging("nm", args.log_level)
     topo, wf, base = load_topology(_topology(args.topology))
-    serve(topo, wf, base, args.address)
+    serve(topo, wf, base, args.address, args.metrics_port)
     return 0
 
 
@@ -139,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = role("nm", "run the node manager")
     sp.add_argument("--topology", help="topology YAML")
     sp.add_argument("--address", help="bind address (default: the topology's)")
+    sp.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (default: any free one)")
     sp.set_defaults(fn=cmd_nm)
 
     for name, help in (("stage", "run one workflow instance"), ("db", "run one result store"),

@@ -140,54 +140,72 @@ class Client:
 
     def status(self, video_id: str) -> dict:
         """The video object now (status, progress, error...)."""
-        resp = self._get(video_id, "")
+        resp = self._get(video_id, f"/v1/videos/{video_id}")
         if resp.status_code != 200:
             message, code, param = _error_of(resp)
             raise RequestFailed(message, status_code=resp.status_code, code=code, param=param)
         return resp.json()
 
     def wait(self, video_id: str, timeout: float = 600.0, on_progress: Callable[[dict], None] | None = None,
-             interval: float = 0.05, max_interval: float = 1.0) -> dict:
+             interval: float = 0.05, max_interval: float = 1.0, max_errors: int = 30) -> dict:
         """Poll until the video completes (returns its object) or fails (raises RequestFailed).
 
         The poll interval starts at ``interval`` and grows by half each time up to
-        ``max_interval``: short jobs are seen at once, long ones without hammering the proxy."""
+        ``max_interval``: short jobs are seen at once, long ones without hammering the proxy.
+        A poll that fails for a passing reason (a 5xx answer, no proxy reachable) is retried on
+        the same schedule, up to ``max_errors`` times in a row, within ``timeout``; an unknown
+        video (404) or a failed one raises at once."""
         deadline = time.monotonic() + timeout
+        errors, last_error = 0, None  # transient errors in a row, the latest
         while True:
-            video = self.status(video_id)
-            if on_progress is not None:
-                on_progress(video)
-            if video["status"] == "completed":
-                return video
-            if video["status"] == "failed":
-                err = video.get("error") or {}
-                raise RequestFailed(f"video {video_id} failed: {err.get('message', 'unknown error')}",
-                                    code=err.get("code"), video=video)
+            video: dict | None
+            try:
+                video = self.status(video_id)
+            except RequestFailed as e:
+                errors += 1
+                if not _transient(e) or errors > max_errors:
+                    raise
+                video, last_error = None, e
+            else:
+                errors = 0
+                if on_progress is not None:
+                    on_progress(video)
+                if video["status"] == "completed":
+                    return video
+                if video["status"] == "failed":
+                    err = video.get("error") or {}
+                    raise RequestFailed(f"video {video_id} failed: {err.get('message', 'unknown error')}",
+                                        code=err.get("code"), video=video)
             left = deadline - time.monotonic()
             if left <= 0:
-                raise Timeout(f"video {video_id} not done after {timeout:.0f}s "
-                              f"(status {video['status']}, {video.get('progress', 0)}%)")
+                if video is not None:
+                    raise Timeout(f"video {video_id} not done after {timeout:.0f}s "
+                                  f"(status {video['status']}, {video.get('progress', 0)}%)")
+                raise Timeout(f"video {video_id}: no answer after {timeout:.0f}s (last poll: {last_error})") \
+                    from last_error
             time.sleep(min(interval, left))
             interval = min(interval * 1.5, max_interval)
 
     def download(self, video_id: str, path: str | os.PathLike) -> Path:
         """Save the finished MP4 at ``path`` (written whole, then renamed into place)."""
         path = Path(path)
-        url = self._home.get(video_id, self.urls[0])
         tmp = path.with_name(f".{path.name}.part")
+        resp = self._get(video_id, f"/v1/videos/{video_id}/content", stream=True)
         try:
-            with self._http.stream("GET", f"{url}/v1/videos/{video_id}/content") as resp:
-                if resp.status_code != 200:
-                    resp.read()
-                    message, code, param = _error_of(resp)
-                    raise RequestFailed(message, status_code=resp.status_code, code=code, param=param)
-                with open(tmp, "wb") as f:
-                    for chunk in resp.iter_bytes():
-                        f.write(chunk)
+            if resp.status_code != 200:
+                resp.read()
+                message, code, param = _error_of(resp)
+                raise RequestFailed(message, status_code=resp.status_code, code=code, param=param)
+            with open(tmp, "wb") as f:
+                for chunk in resp.iter_bytes():
+                    f.write(chunk)
             os.replace(tmp, path)
         except httpx.TimeoutException as e:
             raise Timeout(f"download of {video_id} timed out: {e}") from e
+        except httpx.TransportError as e:  # the connection broke off mid-transfer
+            raise RequestFailed(f"download of {video_id} failed: {e}", code="download_failed") from e
         finally:
+            resp.close()
             tmp.unlink(missing_ok=True)
         return path
 
@@ -208,16 +226,38 @@ class Client:
         return self.download(video["id"], path)
 
     # --- internals ---------------------------------------------------------------------------
-    def _get(self, video_id: str, suffix: str) -> httpx.Response:
-        """GET from the video's proxy, falling back to the others if it cannot be reached."""
+    def _get(self, video_id: str, path: str, stream: bool = False) -> httpx.Response:
+        """GET ``path`` from the proxy that accepted the video, or from the others in turn when
+        it cannot be reached. With ``stream`` the body is left unread: close the response.
+
+        Other proxies may serve other sets, whose DBs never saw the video, so a 404 from one
+        of them only counts when every proxy answered and none knows the video; while the
+        proxy that accepted it (or any other) is unreachable, that is the error."""
         home = self._home.get(video_id)
         urls = ([home] if home else []) + [u for u in self.urls if u != home]
-        errors = []
+        errors: list[str] = []
+        not_found: httpx.Response | None = None
         for url in urls:
             try:
-                return self._http.get(f"{url}/v1/videos/{video_id}{suffix}")
-            except httpx.TimeoutException as e:
+                resp = self._http.send(self._http.build_request("GET", f"{url}{path}"), stream=stream)
+            except httpx.TransportError as e:  # connection refused, timed out, reset...
                 errors.append(f"{url}: {e}")
-            except httpx.TransportError as e:
-                errors.append(f"{url}: {e}")
-        raise RequestFailed(f"no proxy reachable: {'; '.join(errors)}", code="unreachable")
+                continue
+            if resp.status_code == 404 and url != home and len(urls) > 1:
+                resp.read()
+                resp.close()
+                if not_found is None:
+                    not_found = resp
+                continue
+            if url != home and resp.status_code == 200:
+                self._home[video_id] = url  # a proxy of the video's set: read from it from now on
+            return resp
+        if not_found is not None and not errors:
+            return not_found
+        also = "; the others do not know the video" if not_found is not None else ""
+        raise RequestFailed(f"no proxy reachable: {'; '.join(errors)}{also}", code="unreachable")
+
+
+def _transient(e: RequestFailed) -> bool:
+    """Whether a failed request may well succeed if tried again: a 5xx, or no proxy answered."""
+    return e.code == "unreachable" or (e.status_code is not None and e.status_code >= 500)

@@ -18,11 +18,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 from onepiece.config import SetSpec, load_topology
 from onepiece.nm.client import NmClient
-from onepiece.supervise import child_preexec
+from onepiece.supervise import Backoff, child_preexec
 from onepiece.transport.rpc import RpcError
 
 log = logging.getLogger(__name__)
@@ -34,16 +33,17 @@ class Child:
     argv: list[str]
     log_path: Path
     proc: subprocess.Popen | None = None
-    restarts: int = 0
     next_start: float = 0.0
-    log_file: IO | None = field(default=None, repr=False)
+    backoff: Backoff = field(default_factory=lambda: Backoff(base_s=0.5, cap_s=30.0))
 
     def start(self) -> None:
-        self.log_file = open(self.log_path, "ab", buffering=0)
-        self.proc = subprocess.Popen(
-            self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=child_preexec,
-        )
+        # The child holds its own descriptor of the log; ours is closed at once.
+        with open(self.log_path, "ab", buffering=0) as log_file:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                preexec_fn=child_preexec,
+            )
+        self.backoff.started_now()
 
 
 def _cli(*args: str) -> list[str]:
@@ -184,8 +184,7 @@ class Deployment:
                 if c.proc is not None and c.proc.poll() is not None:
                     log.warning("%s exited with %s; restarting (log: %s)", c.name, c.proc.returncode, c.log_path)
                     c.proc = None
-                    c.restarts += 1
-                    c.next_start = now + min(30.0, 0.5 * 2 ** min(c.restarts - 1, 6))
+                    c.next_start = c.backoff.next_start()
                 if c.proc is None and now >= c.next_start:
                     c.start()
 
@@ -205,8 +204,6 @@ class Deployment:
                 log.warning("%s did not stop within %.0fs; killing it", c.name, grace_s)
                 c.proc.kill()
                 c.proc.wait()
-            if c.log_file is not None:
-                c.log_file.close()
         shutil.rmtree(self.runtime, ignore_errors=True)
 
 
@@ -232,6 +229,32 @@ def up(topology: Path, log_dir: Path | None = None, ready_timeout: float = 300.0
         print("onepiece: stopping", flush=True)
         dep.stop()
         print("onepiece: stopped", flush=True)
+
+
+def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, dbs: int = 2,
+                   transport: str = "ipc", stages: dict[str, int] | None = None, heartbeat_s: float = 0.25,
+                   **set_options: object) -> Path:
+    """A one-set deployment of the shipped workflow with its models at ``models`` ({"t2v": dir,
+    "i2v": dir}), written into ``folder`` (for tests and benchmarks). The proxy takes any free
+    port; the NM listens at ``nm_address``. Returns the topology file."""
+    import yaml
+
+    from onepiece.config import deploy_dir
+
+    wf = yaml.safe_load((deploy_dir() / "wan21.yaml").read_text())
+    for spec in wf["models"].values():
+        spec["path"] = str(models[spec["tiny"]])
+    (folder / "workflow.yaml").write_text(yaml.safe_dump(wf))
+    topo = {
+        "workflow": "workflow.yaml",
+        "transport": transport,
+        "nm": {"address": nm_address, "heartbeat_s": heartbeat_s, "dead_after_s": 6 * heartbeat_s},
+        "sets": [{"name": "set0", "proxy": {"count": 1, "port": 0}, "db": {"count": dbs},
+                  "stages": stages or {s: 1 for s in wf["stages"]}, **set_options}],
+    }
+    path = folder / "topology.yaml"
+    path.write_text(yaml.safe_dump(topo))
+    return path
 
 
 def free_tcp_address() -> str:

@@ -18,7 +18,8 @@ def _instance(i: dict[str, Any]) -> str:
     elif i["role"] == "db":
         extra = f" records {s.get('records', 0)} bytes {s.get('bytes', 0)}"
     elif i["role"] == "proxy":
-        extra = f" inflight {s.get('inflight', 0)} accepted {s.get('accepted', 0)} rejected {s.get('rejected', 0)}"
+        extra = (f" inflight {s.get('inflight', 0)}/{s.get('max_inflight', '?')}"
+                 f" accepted {s.get('accepted', 0)} rejected {s.get('rejected', 0)}")
     addr = i["addresses"].get("http") or i["addresses"].get("data", "")
     return f"    {i['id']:10s} {health:10s} {addr}{extra}"
 

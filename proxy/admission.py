@@ -23,11 +23,10 @@ log = logging.getLogger(__name__)
 class InflightTracker:
     """Accepted-but-not-terminal requests, each with its deadline (ns since epoch)."""
 
-    def __init__(self, max_inflight: int, retry_after_s: int = 1) -> None:
+    def __init__(self, max_inflight: int) -> None:
         if max_inflight <= 0:
             raise ValueError("max_inflight must be positive")
         self.max_inflight = max_inflight
-        self.retry_after_s = retry_after_s
         self._deadlines: dict[str, int] = {}
         self._last_sweep_ns = 0
 
@@ -61,13 +60,6 @@ class InflightTracker:
         for u in expired:
             del self._deadlines[u]
         return len(expired)
-
-    def retry_after(self) -> int:
-        """Seconds a rejected client should wait before trying this set again.
-
-        Slots free as requests complete (seconds, for these pipelines), so a short constant
-        is honest; a client with other sets to try goes there at once anyway."""
-        return self.retry_after_s
 
 
 class DoneWatcher:

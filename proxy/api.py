@@ -25,9 +25,10 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Send
 
 from onepiece.db import protocol
+from onepiece.db.client import DbError, DbFull, DbUnavailable, NotReady
 from onepiece.proxy.admission import DoneWatcher, InflightTracker
 from onepiece.proxy.cluster import Cluster
-from onepiece.proxy.dbs import DbAccess, DbUnavailable, NotReady
+from onepiece.proxy.dbs import DbAccess
 from onepiece.proxy.dispatch import Dispatcher, NoEntrance, SendFailed
 from onepiece.proxy.errors import ApiError, JsonResponse, bad_request
 from onepiece.proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
@@ -60,7 +61,7 @@ class ProxyState:
         self.opts = opts
         self.metrics = ProxyMetrics()
         self.metrics.max_inflight.set(opts.max_inflight)
-        self.tracker = InflightTracker(opts.max_inflight, opts.retry_after_s)
+        self.tracker = InflightTracker(opts.max_inflight)
         self.dbs = DbAccess(timeout=opts.db_timeout)
         self.dispatcher = Dispatcher(
             cluster.entrances, send_timeout=opts.send_timeout, total_timeout=opts.send_total_timeout,
@@ -85,6 +86,12 @@ class ProxyState:
             await self.watcher.close()
         self.dbs.close()
         await asyncio.get_running_loop().run_in_executor(None, self.dispatcher.close)
+
+    def stats(self) -> dict[str, int]:
+        """What the proxy reports with each NM heartbeat (shown by `onepiece status`); callable
+        from any thread."""
+        return {"inflight": len(self.tracker), "max_inflight": self.tracker.max_inflight,
+                "accepted": self.metrics.accepted_total(), "rejected": self.metrics.rejected_total()}
 
     def _on_done(self, uid: str, status: str) -> None:
         if self.tracker.release(uid):
@@ -124,7 +131,9 @@ class ProxyState:
 
     # --- submit -------------------------------------------------------------------------------
     def _retry(self) -> dict[str, str]:
-        return {"Retry-After": str(self.tracker.retry_after())}
+        # A constant: slots free as requests complete (seconds, for these pipelines), and a
+        # client with other sets to try goes there at once anyway.
+        return {"Retry-After": str(self.opts.retry_after_s)}
 
     async def submit(self, job: VideoJob) -> dict[str, Any]:
         wf = self.cluster.workflow
@@ -156,9 +165,10 @@ class ProxyState:
             }
             try:
                 await self.dbs.create(record)
-            except DbUnavailable as e:
+            except DbError as e:  # DbFull, DbUnavailable, or refused by every DB: not stored
                 raise ApiError(503, f"the request could not be stored: {e}",
-                               code="db_full" if e.full else "db_unavailable", headers=self._retry()) from None
+                               code="db_full" if isinstance(e, DbFull) else "db_unavailable",
+                               headers=self._retry()) from None
             header = {
                 "uid": uid, "ts": ts, "app": job.app, "stage": first_stage, "set": self.cluster.set_name,
                 "deadline": deadline, "kind": "task", "params": job.params(), "trace": [],
@@ -170,7 +180,7 @@ class ProxyState:
             except (NoEntrance, SendFailed, MessageError) as e:
                 # The client never learns this uid: drop the record so nothing waits on it.
                 # If even that fails, the DB's deadline sweep marks it failed.
-                with contextlib.suppress(DbUnavailable):
+                with contextlib.suppress(DbError):
                     await self.dbs.delete(uid)
                 what = "no entrance instance is up" if isinstance(e, NoEntrance) else str(e)
                 raise ApiError(503, f"model {job.app!r}: the request could not be handed to the pipeline: {what}",

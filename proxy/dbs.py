@@ -2,6 +2,10 @@
 
 When the list of control addresses changes, a new client is built; the old one is closed a
 little later, so calls already in flight on it finish rather than break.
+
+Errors are the DB client's own (onepiece.db.client): DbUnavailable when no DB answered (or none
+is registered), DbFull when every DB refused for lack of memory, DbError when they refused
+otherwise, NotReady for content that is not completed yet. They pass through unchanged.
 """
 
 from __future__ import annotations
@@ -10,22 +14,13 @@ import logging
 import time
 from typing import Any
 
-from onepiece.db.client import AsyncDbClient, DbFull, NotReady
+from onepiece.db.client import AsyncDbClient, DbUnavailable
 
-__all__ = ["DbAccess", "DbUnavailable", "DbFull", "NotReady"]
+__all__ = ["DbAccess"]
 
 log = logging.getLogger(__name__)
 
 RETIRE_AFTER_S = 10.0
-
-
-class DbUnavailable(RuntimeError):
-    """No DB of the set answered (or none is known); ``full`` when the DBs answered but every
-    one refused for lack of memory."""
-
-    def __init__(self, message: str, full: bool = False) -> None:
-        super().__init__(message)
-        self.full = full
 
 
 class DbAccess:
@@ -63,38 +58,18 @@ class DbAccess:
         return self._client
 
     async def create(self, record: dict[str, Any]) -> None:
-        client = self._require()
-        try:
-            await client.create(record)
-        except DbFull as e:
-            raise DbUnavailable(str(e), full=True) from e
-        except Exception as e:  # DbError, timeouts: all mean "not stored"
-            raise DbUnavailable(f"no DB stored the request: {e}") from e
+        await self._require().create(record)
 
     async def get(self, uid: str) -> dict | None:
-        client = self._require()
-        try:
-            return await client.get(uid)
-        except Exception as e:
-            raise DbUnavailable(f"no DB answered: {e}") from e
+        return await self._require().get(uid)
 
     async def content(self, uid: str) -> tuple[dict, bytes] | None:
         """(record, artefact), None when unknown; raises NotReady (with the record) when it
         exists but is not completed."""
-        client = self._require()
-        try:
-            return await client.content(uid)
-        except NotReady:
-            raise
-        except Exception as e:
-            raise DbUnavailable(f"no DB answered: {e}") from e
+        return await self._require().content(uid)
 
     async def delete(self, uid: str) -> bool:
-        client = self._require()
-        try:
-            return await client.delete(uid)
-        except Exception as e:
-            raise DbUnavailable(f"no DB answered: {e}") from e
+        return await self._require().delete(uid)
 
     def close(self) -> None:
         for _, c in self._retired:

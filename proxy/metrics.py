@@ -32,5 +32,18 @@ class ProxyMetrics:
             "onepiece_proxy_send_failures", "Sends to an entrance instance that failed", ["address"], registry=r,
         )
 
+    def accepted_total(self) -> int:
+        """Requests accepted so far, all apps together."""
+        return _total(self.accepted)
+
+    def rejected_total(self) -> int:
+        """Create requests refused so far, all reasons together."""
+        return _total(self.rejected)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _total(counter: Counter) -> int:
+    # Summed over every label value; collect() takes the counter's lock, so any thread may call it.
+    return int(sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")))

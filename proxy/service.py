@@ -1,5 +1,6 @@
 """A proxy as a cluster member: learns the workflow and routes from the NM, registers its HTTP
-address once bound, and reports its in-flight count with every heartbeat."""
+address once bound, and reports its in-flight count and accepted/rejected totals with every
+heartbeat."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ def serve(nm_address: str, set_name: str, host: str, port: int, max_inflight: in
     server: ProxyServer | None = None
 
     def stats() -> dict:
-        tracker = server.app.state.proxy.tracker if server else None
-        return {"inflight": len(tracker) if tracker else 0, "max_inflight": max_inflight}
+        if server is None:
+            return {"inflight": 0, "max_inflight": max_inflight, "accepted": 0, "rejected": 0}
+        return server.app.state.proxy.stats()
 
     member = Membership(nm_address, "proxy", set_name, {}, stats=stats)
     server = ProxyServer(NmCluster(workflow, member), host, port, max_inflight, max_body_bytes, log_level="info")

@@ -29,6 +29,7 @@ class ResultDeliver:
         self._routes = routes  # the NM's latest route table for this set
         self.senders: dict[str, Sender] = {}
         self._rr: dict[str, itertools.count] = {}
+        self._pruned_at: int | None = None
         self._last_progress: dict[str, int] = {}
 
     def run(self, stop: threading.Event) -> None:
@@ -96,7 +97,7 @@ class ResultDeliver:
         if len(self._last_progress) > 10_000:  # bounded: entries of lost requests age out
             self._last_progress.pop(next(iter(self._last_progress)))
         self._to_db(Message({"uid": uid, "kind": "status", "status": protocol.IN_PROGRESS,
-                             "stage": self.stage, "progress": pct}), timeout=0.5)
+                             "stage": self.stage, "progress": pct}), timeout=0.1)
 
     def _to_db(self, msg: Message, timeout: float | None = None) -> bool:
         """Send to the UID's DB, or the next one in placement order; False if none took it."""
@@ -112,10 +113,20 @@ class ResultDeliver:
         return False
 
     def _sender(self, addr: str) -> Sender:
+        routes = self._routes()
+        if routes.get("version") != self._pruned_at:
+            self._prune(routes)
         sender = self.senders.get(addr)
         if sender is None:
             sender = self.senders[addr] = registry.connect(addr)
         return sender
+
+    def _prune(self, routes: dict[str, Any]) -> None:
+        """Close senders to addresses that left the route table (restarts bind new ones)."""
+        self._pruned_at = routes.get("version")
+        live = {a for addrs in routes["stages"].values() for a in addrs} | {d["data"] for d in routes["dbs"]}
+        for addr in [a for a in self.senders if a not in live]:
+            self.senders.pop(addr).close()
 
     def close(self) -> None:
         for s in self.senders.values():

@@ -91,10 +91,23 @@ def _run_stage(member: Membership, stage: str, workflow: Workflow, base_dir: Pat
     tm = TaskManager(member.id, stage, workflow, base_dir, scheduler)
     REGISTRY.register(StageMetrics(stage, stats))
     deliver_stop = threading.Event()
+
+    def part(name: str, fn, until: threading.Event) -> threading.Thread:
+        def run() -> None:
+            try:
+                fn(until)
+            except Exception:
+                # A part that died would leave the instance routed but deaf: stop the whole
+                # instance instead, so the NM drops it and the launcher restarts it.
+                log.exception("%s of %s died; stopping the instance", name, member.id)
+                stop.set()
+                deliver_stop.set()
+        return threading.Thread(target=run, name=name)
+
     threads = {
-        "scheduler": threading.Thread(target=scheduler.run, args=(stop,), name="scheduler"),
-        "task-manager": threading.Thread(target=tm.supervise, args=(stop,), name="task-manager"),
-        "deliver": threading.Thread(target=deliver.run, args=(deliver_stop,), name="deliver"),
+        "scheduler": part("scheduler", scheduler.run, stop),
+        "task-manager": part("task-manager", tm.supervise, stop),
+        "deliver": part("deliver", deliver.run, deliver_stop),
     }
     tm.start()
     for t in threads.values():

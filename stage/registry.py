@@ -9,7 +9,7 @@ later schedulers can interleave requests between denoising steps.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from onepiece.transport.message import Message, Part
@@ -23,7 +23,6 @@ class StageContext:
 
     components: dict[str, Any]
     device: str = "cpu"
-    progress: Callable[[float], None] = field(default=lambda fraction: None)
 
 
 class SteppedTask(abc.ABC):
@@ -59,11 +58,6 @@ def lookup(name: str, kind: str) -> StageFn:
         return _functions[(name, kind)]
     except KeyError:
         raise KeyError(f"no stage function {name!r} for application kind {kind!r}") from None
-
-
-def known() -> list[tuple[str, str]]:
-    _load_builtin()
-    return sorted(_functions)
 
 
 def _load_builtin() -> None:

@@ -26,11 +26,15 @@ from onepiece.transport.message import Message, MessageError, decode, encode, no
 log = logging.getLogger(__name__)
 
 
+HUNG_GRACE_NS = 10_000_000_000  # past its request's deadline by this much, a worker is hung
+
+
 @dataclass
 class Held:
     uid: str
     app: str
     since: float
+    deadline: int | None = None
 
 
 @dataclass
@@ -64,16 +68,24 @@ class RequestScheduler:
         self.known: set[bytes] = set()  # workers that said ready at least once
         self.held: dict[bytes, Held] = {}
         self.control: queue.Queue = queue.Queue(maxsize=256)  # ("died", identity, reason) from the TaskManager
+        self.hung: queue.Queue = queue.Queue(maxsize=256)  # identities for the TaskManager to kill
         self.stats = stats or SchedulerStats()
         self.stats.capacity = capacity
         self._service: dict[str, collections.deque[float]] = collections.defaultdict(lambda: collections.deque(maxlen=32))
 
     # --- outcomes go to the ResultDeliver's mailbox ---------------------------------------
     def _emit(self, item: tuple) -> None:
+        if item[0] == "progress":  # advisory: dropped rather than waited for
+            try:
+                self.outbox.put_nowait(item)
+            except queue.Full:
+                pass
+            return
         try:
-            self.outbox.put(item, timeout=10.0)
-        except queue.Full:
-            log.error("deliver mailbox full for 10s; dropping %s for uid=%s", item[0], item[1] if len(item) > 1 else "")
+            self.outbox.put(item, timeout=30.0)
+        except queue.Full:  # the deliverer is wedged; the DB's deadline sweep reports the request
+            uid = item[1] if item[0] == "failed" else item[1].uid
+            log.error("deliver mailbox full for 30s; dropped %s for uid=%s", item[0], uid)
 
     def _fail(self, uid: str, app: str, error: str) -> None:
         self.stats.failed += 1
@@ -100,6 +112,7 @@ class RequestScheduler:
             if want_read and (handle is None or handle in events):
                 self._intake()
             self._control()
+            self._reclaim_hung()
             self._dispatch()
             self._update_stats()
 
@@ -124,7 +137,7 @@ class RequestScheduler:
                 self._fail(msg.uid, app, f"deadline exceeded before stage {self.stage}")
                 continue
             ident = self.idle.popleft()
-            self.held[ident] = Held(msg.uid, app, time.monotonic())
+            self.held[ident] = Held(msg.uid, app, time.monotonic(), deadline if isinstance(deadline, int) else None)
             self.workers.send_multipart([ident, b"task", *encode(msg)], copy=False)
             self._emit(("progress", msg.uid, app, 0.0))
 
@@ -178,6 +191,19 @@ class RequestScheduler:
                 if held is not None:
                     self._fail(held.uid, held.app, f"worker {ident.decode()} of stage {self.stage} died ({reason})")
 
+    def _reclaim_hung(self) -> None:
+        """A worker still holding a request well past its deadline is stuck: fail the request
+        and have the TaskManager kill it (its restart gives the slot back)."""
+        now = now_ns()
+        for ident, held in list(self.held.items()):
+            if held.deadline is not None and now > held.deadline + HUNG_GRACE_NS:
+                del self.held[ident]
+                self._fail(held.uid, held.app, f"worker {ident.decode()} of stage {self.stage} hung past the deadline")
+                try:
+                    self.hung.put_nowait(ident)
+                except queue.Full:
+                    pass
+
     def _update_stats(self) -> None:
         s = self.stats
         s.queue, s.ready, s.busy = len(self.pending), len(self.known), len(self.held)
@@ -185,7 +211,15 @@ class RequestScheduler:
         s.service_s = {app: sum(d) / len(d) for app, d in self._service.items() if d}
 
     def close(self) -> None:
+        """Fail everything this instance still has (queued, held by workers, or waiting in the
+        receiver), so that shutting down loses nothing silently."""
+        reason = f"stage {self.stage} instance shut down"
+        for held in self.held.values():
+            self._fail(held.uid, held.app, reason)
+        self.held.clear()
+        while (msg := self.receiver.recv(0)) is not None:
+            self.pending.append(msg)
         for msg in self.pending:
-            self._fail(msg.uid, msg.header.get("app", ""), f"stage {self.stage} instance shut down")
+            self._fail(msg.uid, msg.header.get("app", ""), reason)
         self.pending.clear()
         self.workers.close(linger=0)

@@ -1,38 +1,36 @@
 """The TaskManager (DESIGN §6): joins the NM, learns its stage, starts and supervises one
 TaskWorker process per worker slot, and restarts a worker that dies (its request is failed by
-the scheduler, with the reason). Restarts back off, bounded, so a worker that cannot start
-does not spin.
+the scheduler, with the reason). Restarts back off (onepiece.supervise.Backoff), so a worker
+that cannot start does not spin.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
 
 from onepiece.config import Workflow
 from onepiece.stage.scheduler import RequestScheduler
-from onepiece.supervise import child_preexec
+from onepiece.supervise import Backoff, child_preexec
 
 log = logging.getLogger(__name__)
 
-MAX_BACKOFF_S = 10.0
-STABLE_S = 60.0  # a worker that ran this long before dying restarts without backoff
 
 
 @dataclass
 class WorkerSlot:
     identity: str
     proc: subprocess.Popen | None = None
-    restarts: int = 0
     next_start: float = 0.0
-    started: float = 0.0
+    backoff: Backoff = field(default_factory=Backoff)
 
 
 class TaskManager:
@@ -52,7 +50,7 @@ class TaskManager:
         config = dict(self.config, identity=slot.identity)
         if config["device"].startswith("cuda") and len(self.slots) > 1:
             config["device"] = f"cuda:{self.slots.index(slot)}"  # one device per worker
-        slot.started = time.monotonic()
+        slot.backoff.started_now()
         slot.proc = subprocess.Popen(
             [sys.executable, "-m", "onepiece.stage.worker", orjson.dumps(config).decode()],
             preexec_fn=child_preexec,
@@ -66,6 +64,7 @@ class TaskManager:
     def supervise(self, stop: threading.Event) -> None:
         while not stop.wait(0.2):
             now = time.monotonic()
+            self._kill_hung()
             for slot in self.slots:
                 if slot.proc is not None and slot.proc.poll() is not None:
                     code = slot.proc.returncode
@@ -73,10 +72,20 @@ class TaskManager:
                     log.warning("worker %s of stage %s died (%s); restarting", slot.identity, self.stage, reason)
                     self.scheduler.control.put(("died", slot.identity.encode(), reason))
                     slot.proc = None
-                    slot.restarts = 1 if now - slot.started > STABLE_S else slot.restarts + 1
-                    slot.next_start = now + min(MAX_BACKOFF_S, 0.25 * 2 ** min(slot.restarts - 1, 6))
+                    slot.next_start = slot.backoff.next_start()
                 if slot.proc is None and now >= slot.next_start:
                     self._start(slot)
+
+    def _kill_hung(self) -> None:
+        while True:
+            try:
+                ident = self.scheduler.hung.get_nowait().decode()
+            except queue.Empty:
+                return
+            for slot in self.slots:
+                if slot.identity == ident and slot.proc is not None:
+                    log.warning("killing hung worker %s of stage %s", ident, self.stage)
+                    slot.proc.kill()
 
     def stop(self, grace_s: float = 5.0) -> None:
         procs = [s.proc for s in self.slots if s.proc is not None]

@@ -30,7 +30,8 @@ PROGRESS_EVERY_S = 0.2  # progress reports are throttled; the DB only needs a fe
 
 
 def run_task(fn: Any, ctx: Any, msg: Message, report: Any) -> dict:
-    """Run one request through a stage function, driving stepped tasks step by step."""
+    """Run one request through a stage function, driving stepped tasks step by step and
+    reporting their progress at most every PROGRESS_EVERY_S."""
     from onepiece.stage.registry import SteppedTask
 
     out = fn(ctx, msg)
@@ -63,6 +64,7 @@ def main(config: dict[str, Any]) -> None:
 
     t0 = time.monotonic()
     components = load_components(Path(config["model_dir"]), config["components"], config["device"])
+    ctx = StageContext(components, config["device"])
     log.info("loaded %s for stage %s in %.1fs (%d torch threads)", config["components"], stage,
              time.monotonic() - t0, torch.get_num_threads())
     sock.send_multipart([b"ready"])
@@ -87,7 +89,6 @@ def main(config: dict[str, Any]) -> None:
         def report(fraction: float, uid: str = uid) -> None:
             sock.send_multipart([b"progress", orjson.dumps({"uid": uid, "fraction": fraction})])
 
-        ctx = StageContext(components, config["device"], report)
         msg.mark(stage, "start", name)
         try:
             kind = kinds.get(msg.header.get("app"))
@@ -95,12 +96,13 @@ def main(config: dict[str, Any]) -> None:
                 raise ValueError(f"application {msg.header.get('app')!r} is not served by stage {stage}")
             with torch.inference_mode():
                 msg.parts = run_task(lookup(function, kind), ctx, msg, report)
+            msg.mark(stage, "end", name)
+            out = encode(msg)  # an unsendable result fails this request, not the worker
         except Exception as e:  # the request fails alone; the worker stays up
             log.exception("uid=%s failed in stage %s", uid, stage)
             sock.send_multipart([b"failed", orjson.dumps({"uid": uid, "error": f"{type(e).__name__}: {e}"})])
             continue
-        msg.mark(stage, "end", name)
-        sock.send_multipart([b"done", *encode(msg)], copy=False)
+        sock.send_multipart([b"done", *out], copy=False)
 
 
 if __name__ == "__main__":

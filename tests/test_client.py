@@ -14,6 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
+import httpx
 import orjson
 import pytest
 
@@ -169,6 +170,119 @@ def test_rejection_and_failover_across_proxies(tmp_path):
         worker.close()
         full.close()
         good.close()
+
+
+DEAD = "http://127.0.0.1:9"  # nothing listens there: connection refused
+
+
+def test_download_and_status_fall_back_when_the_home_proxy_is_unreachable(h, tmp_path):
+    with Client([DEAD, h.url], timeout=10) as c:
+        v = c.submit("moving house")  # the rotation skips the dead proxy
+        c.wait(v["id"], timeout=10)
+        c._home[v["id"]] = DEAD  # the proxy that took it has gone away since
+        assert c.status(v["id"])["status"] == "completed"
+        assert c._home[v["id"]] == h.url  # the one that answered is asked first from now on
+        c._home[v["id"]] = DEAD
+        out = c.download(v["id"], tmp_path / "moved.mp4")
+        assert out.read_bytes().startswith(b"FAKEMP4")
+
+
+def mock_client(urls, handler) -> Client:
+    """A Client whose HTTP goes to ``handler(request) -> httpx.Response`` (or raises)."""
+    c = Client(urls)
+    c._http.close()
+    c._http = httpx.Client(transport=httpx.MockTransport(handler))
+    return c
+
+
+VID = "video_" + "ab" * 16
+
+
+def video(status: str, progress: int = 0, **extra) -> dict:
+    return {"id": VID, "object": "video", "status": status, "progress": progress, **extra}
+
+
+def error(status: int, code: str) -> httpx.Response:
+    return httpx.Response(status, json={"error": {"message": f"{code}!", "code": code}})
+
+
+def test_wait_rides_out_transient_errors():
+    answers = iter(["refused", 503, "in_progress", 502, "refused", "timeout", "completed"])
+    polls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        a = next(answers)
+        polls.append(a)
+        if a == "refused":
+            raise httpx.ConnectError("connection refused", request=request)
+        if a == "timeout":
+            raise httpx.ReadTimeout("no answer", request=request)
+        if isinstance(a, int):
+            return error(a, "db_unavailable")
+        return httpx.Response(200, json=video(a, 100 if a == "completed" else 40))
+
+    seen = []
+    with mock_client("http://p", handler) as c:
+        done = c.wait(VID, timeout=10, interval=0.001, on_progress=lambda v: seen.append(v["status"]))
+    assert done["status"] == "completed" and len(polls) == 7
+    assert seen == ["in_progress", "completed"]  # failed polls report nothing
+
+
+@pytest.mark.parametrize("answer", ["not_found", "failed", "bad_request"])
+def test_wait_raises_at_once_on_404_failure_and_4xx(answer):
+    polls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        polls.append(request.url)
+        if answer == "failed":
+            return httpx.Response(200, json=video("failed", error={"code": "generation_failed", "message": "oom"}))
+        return error(404, "video_not_found") if answer == "not_found" else error(400, "invalid_request")
+
+    with mock_client("http://p", handler) as c, pytest.raises(RequestFailed) as e:
+        c.wait(VID, timeout=10, interval=0.001)
+    assert len(polls) == 1
+    if answer == "failed":
+        assert e.value.code == "generation_failed" and "oom" in e.value.message
+    else:
+        assert e.value.status_code == {"not_found": 404, "bad_request": 400}[answer]
+
+
+def test_wait_gives_up_after_max_errors_in_a_row_or_at_the_timeout():
+    polls = []
+
+    def down(request: httpx.Request) -> httpx.Response:
+        polls.append(1)
+        raise httpx.ConnectError("connection refused", request=request)
+
+    with mock_client("http://p", down) as c:
+        with pytest.raises(RequestFailed) as e:
+            c.wait(VID, timeout=10, interval=0.001, max_interval=0.001, max_errors=5)
+        assert e.value.code == "unreachable" and len(polls) == 6
+        polls.clear()
+        with pytest.raises(Timeout) as t:
+            c.wait(VID, timeout=0.2, interval=0.01, max_interval=0.02, max_errors=10_000)
+        assert "refused" in str(t.value) and isinstance(t.value.__cause__, RequestFailed) and len(polls) > 2
+
+
+def test_another_sets_404_is_not_final_while_the_home_proxy_is_unreachable(tmp_path):
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "home":
+            raise httpx.ConnectError("connection refused", request=request)
+        return error(404, "video_not_found")
+
+    with mock_client(["http://home", "http://other"], handler) as c:
+        c._home[VID] = "http://home"
+        for call in (lambda: c.status(VID), lambda: c.download(VID, tmp_path / "x.mp4")):
+            with pytest.raises(RequestFailed) as e:
+                call()
+            assert e.value.code == "unreachable" and "do not know" in e.value.message
+        # Without a home, every proxy answering 404 is a real 404.
+        del c._home[VID]
+        c.urls = ["http://other", "http://other2"]
+        with pytest.raises(RequestFailed) as e:
+            c.status(VID)
+        assert e.value.status_code == 404
+    assert not (tmp_path / "x.mp4").exists()
 
 
 def test_generate_command(h, tmp_path, capsys):

@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from typing import Any, Callable
 
 import orjson
@@ -19,8 +20,11 @@ import zmq
 from prometheus_client import REGISTRY
 
 from onepiece.db.client import AsyncDbClient, DbClient, DbFull, NotReady
+from onepiece.config import deploy_dir, load_topology
 from onepiece.db.placement import order
 from onepiece.db.server import DbServer
+from onepiece.nm.client import NmClient
+from onepiece.nm.server import NodeManager
 from onepiece.transport import registry
 from onepiece.transport.message import Message, new_uid, now_ns
 from onepiece.transport.rpc import RpcClient, RpcError
@@ -183,6 +187,17 @@ def test_failed_report_replicates_and_publishes_done(start_dbs) -> None:
         sub.close()
 
 
+def test_snapshot_is_refreshed_by_the_loop_and_never_mutated(start_dbs) -> None:
+    (db,) = start_dbs(1)
+    before = db.server.snapshot
+    assert before["records"] == 0 and before["addresses"]["control"] == db.control
+    uid = new_uid()
+    send(db.server.data_address, {"uid": uid, "kind": "status", "status": "in_progress", "stage": "s", "progress": 1})
+    after = wait_for(lambda: (s := db.server.snapshot)["records"] == 1 and s, what="snapshot refreshed")
+    assert after["by_status"]["in_progress"] == 1 and after is not before
+    assert before["records"] == 0 and before["by_status"]["in_progress"] == 0  # replaced, not updated
+
+
 def test_ttl_expiry(start_dbs) -> None:
     (db,) = start_dbs(1, ttl_s=0.5)
     uid = new_uid()
@@ -239,13 +254,11 @@ def test_read_failover_when_first_db_is_stopped(start_dbs) -> None:
         send(first.server.data_address, {"uid": uid, "kind": "result"}, {"content": b"frames"})
         wait_for(lambda: (r := get_from(second, uid)) and r["status"] == "completed", what="replica")
         first.shutdown()
-        t0 = time.monotonic()
         assert client.get(uid)["status"] == "completed"
-        assert time.monotonic() - t0 < 1.5
         # The dead DB is now tried last: the next read does not wait for it.
-        t0 = time.monotonic()
+        assert client._order(uid) == [second.control, first.control]
         rec, data = client.content(uid)
-        assert data == b"frames" and time.monotonic() - t0 < 0.25
+        assert data == b"frames"
         assert client.get(uid) is None  # gone from the live DB; the dead one did not answer
 
 
@@ -310,24 +323,22 @@ def test_replication_to_a_dead_peer_is_dropped_and_counted(start_dbs) -> None:
     assert REGISTRY.get_sample_value("onepiece_db_replication_dropped_total", {"db": db.server.name}) >= 20
 
 
-def test_peers_op_and_late_joining_peer(start_dbs) -> None:
+def test_late_joining_peer_and_replicas_are_not_forwarded(start_dbs) -> None:
     a, b = start_dbs(2, mesh=False)
-    rpc = RpcClient(a.control, timeout=1.0, retries=0)
-    try:
-        reply, _ = rpc.call("peers", peers=[b.server.data_address, a.server.data_address])
-        assert reply["peers"] == [b.server.data_address]  # itself is ignored
-    finally:
-        rpc.close()
+    a.server.set_peers([b.server.data_address, a.server.data_address, b.server.data_address])
+    assert a.server.peers == [b.server.data_address]  # itself and duplicates are ignored
     b.server.set_peers([a.server.data_address])  # from another thread, while b serves
+    replicated: list[Message] = []  # what b hands to replication, recorded on b's loop thread
+    b_replicate = b.server._replicate
+    b.server._replicate = lambda msg: (replicated.append(msg), b_replicate(msg))
     uid = new_uid()
     send(a.server.data_address, {"uid": uid, "kind": "status", "status": "in_progress", "stage": "s", "progress": 3})
     send(a.server.data_address, {"uid": uid, "kind": "failed", "stage": "s", "error": "x"})
-    wait_for(lambda: (r := get_from(b, uid)) and r["status"] == "failed", what="replica via peers op")
+    wait_for(lambda: (r := get_from(b, uid)) and r["status"] == "failed", what="replica from a")
     wait_for(lambda: a.server.counts["sent"] == 2, what="a's two sends counted")
-    # Replicas are never forwarded: b applied both (a forward would have been queued in the
-    # same loop turn, before b answered the read above) and queued, sent, dropped nothing.
-    assert b.server._outq.qsize() == 0
-    assert b.server.counts["sent"] == 0 and b.server.counts["dropped"] == 0
+    # Replicas are never forwarded: b applied both, and a forward would have been handed to
+    # replication in the same loop turn as the apply, before b answered the read above.
+    assert replicated == []
     assert a.server.counts["sent"] == 2
 
 
@@ -404,6 +415,56 @@ def test_serve_in_a_subprocess_stops_on_sigterm_and_leaves_no_ipc_files() -> Non
         for name in os.listdir(tmp):
             os.unlink(os.path.join(tmp, name))
         os.rmdir(tmp)
+
+
+@pytest.fixture
+def nm():
+    topo, wf, base = load_topology(deploy_dir() / "local.yaml")
+    topo.nm.heartbeat_s = 0.1
+    server = NodeManager(topo, wf, base, "tcp://127.0.0.1:0")
+    stop = threading.Event()
+    t = threading.Thread(target=server.run, args=(stop,), daemon=True)
+    t.start()
+    yield server
+    stop.set()
+    t.join(timeout=5)
+    server.close()
+
+
+def test_db_service_registers_metrics_and_heartbeats_a_snapshot(nm) -> None:
+    code = (
+        "import logging; logging.basicConfig(level=logging.INFO);"
+        "from onepiece.db.service import serve;"
+        f"serve({nm.address!r}, 'set0', 'tcp://127.0.0.1:0', 'tcp://127.0.0.1:0', 'tcp://127.0.0.1:0',"
+        " 60.0, 1 << 20, True)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    status = NmClient(nm.address, timeout=1.0, retries=0)
+    try:
+        def dbs() -> list[dict]:
+            return status.status()["sets"]["set0"]["dbs"]
+
+        (inst,) = wait_for(dbs, timeout=10, what="the DB registered")
+        addresses = inst["addresses"]
+        assert addresses["metrics"].startswith("http://127.0.0.1:")
+        uid = new_uid()
+        send(addresses["data"], {"uid": uid, "kind": "status", "status": "in_progress", "stage": "s", "progress": 1})
+        (inst,) = wait_for(lambda: [i for i in dbs() if i["stats"].get("records") == 1], what="stats in a heartbeat")
+        assert inst["stats"]["addresses"]["control"] == addresses["control"]
+        with urllib.request.urlopen(addresses["metrics"], timeout=5) as resp:
+            body = resp.read().decode()
+        assert 'onepiece_db_records{db="db@set0"} 1.0' in body
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert dbs() == []  # deregistered on the way out
+    finally:
+        status.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out = proc.stdout.read().decode()
+        proc.stdout.close()
+    assert "stopping" in out, out
 
 
 def test_db_does_not_import_torch() -> None:

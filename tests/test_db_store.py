@@ -150,7 +150,7 @@ def test_memory_cap_refuses_visibly_and_recovers() -> None:
     with pytest.raises(StoreFull):
         s.create({"uid": "d"})
     assert s.get("d") is None
-    assert s.delete("c") and not s.delete("c")
+    assert s.purge("c") and not s.purge("c")
     s.create({"uid": "d"})
     st_ = s.stats()
     assert st_["records"] == 3 and st_["by_status"] == {"queued": 2, "in_progress": 1, "completed": 0, "failed": 0}
@@ -307,7 +307,7 @@ def test_sweep_costs_what_is_due_and_timers_stay_bounded() -> None:
     assert s.sweep().expired == []
     assert len(s._expiry_heap) <= 20_000 and len(s._deadline_heap) <= 20_000
     for i in range(0, 20_000, 4):
-        s.delete(f"u{i}")
+        s.purge(f"u{i}")
     clock.t += 50  # past the deadline: the 15000 still running fail, once
     assert len(s.sweep().failed) == 15_000
     assert s.sweep().failed == []

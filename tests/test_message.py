@@ -82,3 +82,27 @@ def test_random_frames_never_crash_decode(frames):
         decode([MAGIC, *frames])
     except MessageError:
         pass
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False) | st.text(max_size=5),
+                     lambda inner: st.lists(inner, max_size=3), max_leaves=6)
+_part = st.fixed_dictionaries({
+    "name": st.one_of(st.sampled_from(["a", "b"]), _json),
+    "dtype": st.one_of(st.sampled_from(["float32", "bfloat16", "uint8", "bytes", "int64", "complex64"]), _json),
+    "shape": st.one_of(st.lists(st.one_of(st.integers(-2, 2**63 - 1), st.booleans(), st.floats()), max_size=9), _json),
+    "nbytes": st.one_of(st.integers(-1, 64), st.booleans(), _json),
+})
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(_part, max_size=3), st.lists(st.binary(max_size=64), max_size=4))
+def test_well_formed_headers_with_hostile_part_descriptions_never_crash(descs, payloads):
+    """Headers that parse, describing parts with any shape, dtype or size: decode either
+    returns parts whose sizes match their frames or raises MessageError, nothing else."""
+    frames = [MAGIC, orjson.dumps({"uid": "u", "parts": descs}), *payloads]
+    try:
+        msg = decode(frames)
+    except MessageError:
+        return
+    for (name, part), payload in zip(msg.parts.items(), payloads):
+        assert (part.nbytes if hasattr(part, "nbytes") else len(part)) == len(payload)

@@ -51,7 +51,14 @@ def test_register_reply_carries_workflow_and_pin(nm):
     with pytest.raises(RpcError, match="unknown stage"):
         Membership(nm.address, "stage", "set0", {"data": "x"}, stage="nope").register(timeout=1)
     with pytest.raises(RpcError, match="unknown set"):
-        Membership(nm.address, "db", "set9", {"data": "x"}).register(timeout=1)
+        Membership(nm.address, "proxy", "set9", {"http": "x"}).register(timeout=1)
+    # an instance that leaves out an address its peers need is refused, and the set's
+    # route table stays intact for everyone else
+    with pytest.raises(RpcError, match="a db must register its control, events address"):
+        Membership(nm.address, "db", "set0", {"data": "x"}).register(timeout=1)
+    client = NmClient(nm.address)
+    assert client.routes("set0")["stages"]["vae_decode"] == []
+    client.close()
 
 
 def test_only_ready_live_instances_are_routed(nm):

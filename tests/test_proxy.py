@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import re
 import socket
 import sys
 import threading
@@ -67,7 +68,7 @@ def test_create_json_builds_the_workflow_message_and_get_shows_queued(h):
     assert v["size"] == "80x48" and v["seconds"] == "1" and v["prompt"] == "a red fox"
     assert abs(v["created_at"] - time.time()) < 5 and v["completed_at"] is None and v["error"] is None
     uid = uid_of(v)
-    assert len(uid) == 32 and int(uid, 16) >= 0
+    assert re.fullmatch(r"[0-9a-f]{32}", uid), uid
 
     msg = recv_uid(h, uid)
     hd = msg.header
@@ -85,6 +86,13 @@ def test_create_json_builds_the_workflow_message_and_get_shows_queued(h):
     got = g.json()
     assert got["status"] == "queued" and got["progress"] == 0 and got["id"] == v["id"] and got["size"] == "80x48"
     assert h.http.get(f"/v1/videos/{uid}").json()["id"] == v["id"]  # the bare uid works too
+
+
+def test_ids_are_32_hex_digits_and_unique(h):
+    ids = [h.create(prompt=f"id {i}").json()["id"] for i in range(100)]
+    uids = [uid_of({"id": i}) for i in ids]
+    assert all(re.fullmatch(r"[0-9a-f]{32}", u) for u in uids), uids
+    assert len(set(uids)) == len(uids)
 
 
 def test_defaults_and_random_seed(h):
@@ -329,6 +337,45 @@ def test_healthz_and_metrics(h):
     assert "onepiece_proxy_submit_seconds_bucket" in text
     models = h.http.get("/v1/models").json()
     assert {m["id"] for m in models["data"]} == {"t2v", "i2v"}
+
+
+def test_heartbeat_stats_count_accepted_and_rejected():
+    from onepiece.status import render
+
+    h = Harness(max_inflight=1)
+    try:
+        state = h.proxy.app.state.proxy
+        assert state.stats() == {"inflight": 0, "max_inflight": 1, "accepted": 0, "rejected": 0}
+        assert h.create(prompt="a").status_code == 200
+        assert h.create(prompt="b").status_code == 429  # full
+        assert h.create(prompt="c", size="1x1").status_code == 400  # invalid
+        stats = state.stats()
+        assert stats == {"inflight": 1, "max_inflight": 1, "accepted": 1, "rejected": 2}
+        proxy = {"id": "proxy0", "role": "proxy", "ready": True, "silent_s": 0.1, "stats": stats,
+                 "addresses": {"http": h.url}}
+        line = render({"sets": {"set0": {"stages": {}, "idle": [], "dbs": [], "proxies": [proxy]}}})
+        assert "inflight 1/1 accepted 1 rejected 2" in line
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("error, code", [("full", "db_full"), ("refused", "db_unavailable"),
+                                         ("unavailable", "db_unavailable")])
+def test_db_errors_on_create_are_503_and_free_the_slot(h, monkeypatch, error, code):
+    from onepiece.db.client import DbError, DbFull, DbUnavailable
+
+    exc = {"full": DbFull, "refused": DbError, "unavailable": DbUnavailable}[error](f"create: {error}")
+
+    async def create(record):
+        raise exc
+
+    state = h.proxy.app.state.proxy
+    monkeypatch.setattr(state.dbs, "create", create)
+    before = h.healthz()["inflight"]
+    r = h.create(prompt="x")
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == code and f"create: {error}" in r.json()["error"]["message"]
+    assert h.healthz()["inflight"] == before
 
 
 # --- admission ------------------------------------------------------------------------------------

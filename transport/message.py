@@ -10,6 +10,7 @@ a message up: a malformed or truncated message raises :class:`MessageError`, nev
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 import uuid
@@ -178,16 +179,18 @@ def _decode_part(desc: Any, buf: memoryview) -> tuple[str, Part]:
     name, dtype, shape, nbytes = (desc.get(k) for k in ("name", "dtype", "shape", "nbytes"))
     if not isinstance(name, str) or not name:
         raise MessageError("part has no name")
-    if not isinstance(nbytes, int) or nbytes != buf.nbytes:
+    if type(nbytes) is not int or nbytes != buf.nbytes:
         raise MessageError(f"part {name!r}: header says {nbytes} bytes, frame has {buf.nbytes}")
     if dtype == "bytes":
         return name, buf
     itemsize = ITEMSIZE.get(dtype) if isinstance(dtype, str) else None
     if itemsize is None:
         raise MessageError(f"part {name!r}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or len(shape) > 8 or not all(isinstance(d, int) and d >= 0 for d in shape):
+    # bool is an int to Python; a shape of booleans is malformed, not a shape.
+    if (not isinstance(shape, list) or len(shape) > 8
+            or not all(type(d) is int and d >= 0 for d in shape)):
         raise MessageError(f"part {name!r}: bad shape {shape!r}")
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    count = math.prod(shape)  # Python ints: no overflow to wrap a huge shape to 0 bytes
     if count * itemsize != nbytes:
         raise MessageError(f"part {name!r}: shape {shape} of {dtype} needs {count * itemsize} bytes, got {nbytes}")
     if dtype == "bfloat16":

@@ -69,9 +69,12 @@ class ZmqReceiver(Receiver):
             try:
                 return decode(frames)
             except MessageError as e:
-                self.rejected += 1
-                log.warning("dropped malformed message on %s: %s", self.address, e)
-                deadline_ms = 0
+                reason = str(e)
+            except Exception as e:  # a decoder gap must not take the receiver down
+                reason = f"undecodable ({type(e).__name__}: {e})"
+            self.rejected += 1
+            log.warning("dropped malformed message on %s: %s", self.address, reason)
+            deadline_ms = 0
         return None
 
     def close(self) -> None:

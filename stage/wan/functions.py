@@ -288,7 +288,6 @@ class WanDenoise(SteppedTask):
         steps: int,
         image_embeds: torch.Tensor | None = None,
         condition: torch.Tensor | None = None,
-        report: Any = None,
     ) -> None:
         self.kind = kind
         self.transformer = transformer
@@ -299,7 +298,6 @@ class WanDenoise(SteppedTask):
         self.guidance = guidance
         self.image_embeds = image_embeds
         self.condition = condition
-        self.report = report
         self.device = latents.device
         self.scheduler.set_timesteps(steps, device=self.device)
         self.timesteps = self.scheduler.timesteps
@@ -355,8 +353,6 @@ class WanDenoise(SteppedTask):
             self.latents = self.scheduler.step(noise_pred, t, self.latents, return_dict=False)[0]
         self.i += 1
         self.progress = self.i / len(self.timesteps)
-        if self.report is not None:
-            self.report(self.progress)
         return self.done
 
     def result(self) -> Parts:
@@ -423,7 +419,6 @@ def _denoise(ctx: StageContext, msg: Message, kind: str) -> WanDenoise:
         steps=steps,
         image_embeds=image_embeds,
         condition=condition,
-        report=ctx.progress,
     )
 
 
