@@ -9,7 +9,6 @@ a failure, "hold..." makes it keep the request unanswered.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import threading
 from pathlib import Path
@@ -22,17 +21,7 @@ from onepiece import generate
 from onepiece.client import Client, RequestFailed, RequestRejected, Timeout
 
 
-def _harness():
-    name = "onepiece_tests_proxy_harness"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_proxy_harness.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-H = _harness()
+import proxy_harness as H  # noqa: E402  (tests/ is on pytest's pythonpath)
 
 
 def fake_mp4(header: dict) -> bytes:

@@ -6,7 +6,6 @@ DB's data address, as a stage's ResultDeliver does."""
 from __future__ import annotations
 
 import base64
-import importlib.util
 import re
 import socket
 import sys
@@ -21,17 +20,7 @@ import pytest
 from onepiece.proxy.validation import build_job
 
 
-def _harness():
-    name = "onepiece_tests_proxy_harness"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_proxy_harness.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-H = _harness()
+import proxy_harness as H  # noqa: E402  (tests/ is on pytest's pythonpath)
 WORKFLOW, Harness, png, wait_for = H.WORKFLOW, H.Harness, H.png, H.wait_for
 
 

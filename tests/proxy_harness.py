@@ -3,7 +3,7 @@
 A real ``DbServer`` on a thread, a real ZMQ PULL receiver standing in for the entrance
 instance, and the real proxy (uvicorn + uvloop) on a thread, all on 127.0.0.1 ephemeral
 ports. Tests write ``status``/``result``/``failed`` messages to the DB's data address the way
-a stage does. Loaded by path from the test modules (tests/ is not a package).
+a stage does. Imported by name (pytest puts tests/ on the path).
 """
 
 from __future__ import annotations
