@@ -65,6 +65,7 @@ class Membership:
         self.on_routes, self.stats, self.ready = on_routes, stats, ready
         self.id: str | None = None
         self.routes: dict[str, Any] = {"version": 0, "stages": {}, "dbs": [], "proxies": []}
+        self.monitor: dict[str, Any] | None = None  # proxies: the set's capacity view
         self.heartbeat_s = 1.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -109,6 +110,8 @@ class Membership:
                                         version=self.routes["version"])
                 if "routes" in reply:
                     self._apply(reply["routes"])
+                if "monitor" in reply:
+                    self.monitor = reply["monitor"]
             except Exception as e:  # the heartbeat goes on whatever one round hit
                 if not isinstance(e, RpcError):
                     log.exception("heartbeat round failed")

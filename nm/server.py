@@ -72,6 +72,8 @@ class NodeManager:
         reply: dict[str, Any] = {"version": self.state.version}
         if version != self.state.version:
             reply["routes"] = self.state.routes(inst.set)
+        if inst.role == "proxy":  # the request monitor's view, fresh every heartbeat
+            reply["monitor"] = self.state.monitor(inst.set)
         return reply
 
     def _deregister(self, req: dict, _: Any) -> dict:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from onepiece.config import Topology, Workflow
+from onepiece.nm.capacity import estimate
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,14 @@ class ClusterState:
             "proxies": [i.addresses["http"] for i in live if i.role == "proxy"],
         }
 
+    def monitor(self, set_name: str) -> dict[str, Any]:
+        """What a proxy's request monitor needs: the set's capacity per application (from the
+        stages' measured service times) and how many proxies share it."""
+        now = time.monotonic()
+        members = [i.view(now) for i in self.instances.values() if i.set == set_name]
+        return {"apps": estimate(self.workflow, members),
+                "proxies": sum(1 for i in members if i["role"] == "proxy" and i["ready"])}
+
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
         out = {}
@@ -145,5 +154,6 @@ class ClusterState:
                 "idle": [i.view(now) for i in members if i.role == "stage" and i.stage is None],
                 "dbs": [i.view(now) for i in members if i.role == "db"],
                 "proxies": [i.view(now) for i in members if i.role == "proxy"],
+                "capacity": self.monitor(name)["apps"],
             }
         return {"sets": out, "version": self.version, "events": self.events[-20:]}

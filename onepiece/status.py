@@ -24,6 +24,29 @@ def _instance(i: dict[str, Any]) -> str:
     return f"    {i['id']:10s} {health:10s} {addr}{extra}"
 
 
+def _rate(r: float | None) -> str:
+    return "unmeasured" if r is None else f"{r:.2f}/s"
+
+
+def _capacity(apps: dict[str, Any]) -> list[str]:
+    """Per application: the admitted capacity, its bottleneck, and per stage the measured rate
+    and whether it meets Theorem 1's instance count for keeping up with the stage before it."""
+    lines = []
+    for app, est in apps.items():
+        head = f"  capacity {app}: {_rate(est['capacity'])}"
+        if est["bottleneck"]:
+            head += f", bottleneck {est['bottleneck']}"
+        lines.append(head)
+        for stage, s in est["stages"].items():
+            t = "-" if s["service_s"] is None else f"{s['service_s'] * 1000:.0f} ms"
+            keep = "" if s["needed"] is None else (
+                f", Theorem 1: needs {s['needed']} instance(s) to keep up, has {s['instances']}"
+                + ("" if s["keeps_up"] else " (falls behind)"))
+            lines.append(f"    {stage:14s} rate {_rate(s['rate'])} service {t} workers {s['workers']}"
+                         f" queue {s['queue']}{keep}")
+    return lines
+
+
 def render(status: dict[str, Any]) -> str:
     lines = []
     for name, st in status["sets"].items():
@@ -37,6 +60,7 @@ def render(status: dict[str, Any]) -> str:
             if st[key]:
                 lines.append(f"  {label}:")
                 lines += [_instance(i) for i in st[key]]
+        lines += _capacity(st.get("capacity") or {})
     if status.get("events"):
         lines.append("recent events:")
         lines += [f"  {e}" for e in status["events"]]

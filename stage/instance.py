@@ -47,8 +47,8 @@ class StageMetrics:
         c.add_metric([self.stage, "failed"], s.failed)
         yield c
         g = GaugeMetricFamily("onepiece_stage_service_seconds", "recent mean service time", labels=["stage", "app"])
-        for app, t in s.service_s.items():
-            g.add_metric([self.stage, app], t)
+        for app, t in s.service.items():
+            g.add_metric([self.stage, app], t["mean_s"])
         yield g
 
 

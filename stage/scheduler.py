@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 import zmq
 
+from onepiece.stage.service_times import ServiceTimes, shape_key
 from onepiece.transport.base import Receiver
 from onepiece.transport.message import Message, MessageError, decode, encode, now_ns
 
@@ -34,6 +35,7 @@ class Held:
     uid: str
     app: str
     since: float
+    shape: str
     deadline: int | None = None
 
 
@@ -51,7 +53,8 @@ class SchedulerStats:
     completed: int = 0
     failed: int = 0
     rejected_frames: int = 0
-    service_s: dict[str, float] = field(default_factory=dict)  # recent mean per application
+    # measured service times: {app: {"mean_s", "recent", "shapes": {shape: mean_s}}}
+    service: dict[str, dict] = field(default_factory=dict)
 
 
 class RequestScheduler:
@@ -71,7 +74,8 @@ class RequestScheduler:
         self.hung: queue.Queue = queue.Queue(maxsize=256)  # identities for the TaskManager to kill
         self.stats = stats or SchedulerStats()
         self.stats.capacity = capacity
-        self._service: dict[str, collections.deque[float]] = collections.defaultdict(lambda: collections.deque(maxlen=32))
+        self._service = ServiceTimes()
+        self._reported = 0.0
 
     # --- outcomes go to the ResultDeliver's mailbox ---------------------------------------
     def _emit(self, item: tuple) -> None:
@@ -137,7 +141,8 @@ class RequestScheduler:
                 self._fail(msg.uid, app, f"deadline exceeded before stage {self.stage}")
                 continue
             ident = self.idle.popleft()
-            self.held[ident] = Held(msg.uid, app, time.monotonic(), deadline if isinstance(deadline, int) else None)
+            self.held[ident] = Held(msg.uid, app, time.monotonic(), shape_key(msg.header.get("params") or {}),
+                                    deadline if isinstance(deadline, int) else None)
             self.workers.send_multipart([ident, b"task", *encode(msg)], copy=False)
             self._emit(("progress", msg.uid, app, 0.0))
 
@@ -161,7 +166,6 @@ class RequestScheduler:
                 self._idle(ident)
                 if held is None:
                     continue
-                self._service[held.app].append(time.monotonic() - held.since)
                 if tag == b"failed":
                     self._fail(held.uid, held.app, orjson.loads(frames[2].bytes)["error"])
                     continue
@@ -171,6 +175,7 @@ class RequestScheduler:
                     self._fail(held.uid, held.app, f"worker returned a malformed result: {e}")
                     continue
                 self.stats.completed += 1
+                self._service.add(held.app, held.shape, time.monotonic() - held.since)
                 self._emit(("result", msg))
 
     def _idle(self, ident: bytes) -> None:
@@ -208,7 +213,9 @@ class RequestScheduler:
         s = self.stats
         s.queue, s.ready, s.busy = len(self.pending), len(self.known), len(self.held)
         s.rejected_frames = getattr(self.receiver, "rejected", 0)
-        s.service_s = {app: sum(d) / len(d) for app, d in self._service.items() if d}
+        if time.monotonic() - self._reported >= 0.5:  # the heartbeat reads it about once a second
+            s.service = self._service.report()
+            self._reported = time.monotonic()
 
     def close(self) -> None:
         """Fail everything this instance still has (queued, held by workers, or waiting in the

@@ -1,0 +1,106 @@
+"""The rate a workflow set can sustain, from its live state (DESIGN §8; the paper's §5, §3.2).
+
+A stage with k ready workers whose measured service time for an application is t completes
+k/t of its requests per second. A stage shared by several applications splits that among them
+by the recent mix: at mix m (fractions per application) it completes k / Σ m_a·t_a requests a
+second, of which the share m_a is application a's. An application's capacity is the least of
+its stages' rates, and that stage is its bottleneck.
+
+Theorem 1 of the paper: stage i keeps up with the stage before it when its rate is at least
+that stage's, i.e. with N_i ≥ N_{i-1}·T_i/T_{i-1} instances (equal workers per instance);
+``needed`` is that count, shown by `onepiece status`.
+
+Everything here is a pure function of instance views, so it is tested without processes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+from onepiece.config import Workflow
+
+
+def _stage_views(members: Iterable[dict[str, Any]], stage: str) -> list[dict[str, Any]]:
+    return [i for i in members if i["role"] == "stage" and i["stage"] == stage and i["ready"]]
+
+
+def _mean(pairs: list[tuple[float, float]]) -> float | None:
+    """Weighted mean of (value, weight) pairs; None when nothing was measured."""
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if total else None
+
+
+def stage_state(workflow: Workflow, stage: str, members: list[dict[str, Any]]) -> dict[str, Any]:
+    """Workers, queue and measured service times of one stage across its ready instances."""
+    views = _stage_views(members, stage)
+    apps = [a for a, spec in workflow.applications.items() if stage in spec.stages]
+    workers = sum(int(v["stats"].get("ready", 0)) for v in views)
+    queue = sum(int(v["stats"].get("queue", 0)) for v in views)
+    service, shapes, recent = {}, {}, {}
+    for app in apps:
+        # Instances that served more of the app recently weigh more (weight ≥ 1 once measured).
+        rows = [(v["stats"].get("service") or {}).get(app) for v in views]
+        rows = [r for r in rows if r]
+        service[app] = _mean([(r["mean_s"], 1 + r.get("recent", 0)) for r in rows])
+        recent[app] = sum(r.get("recent", 0) for r in rows)
+        merged: dict[str, list[tuple[float, float]]] = {}
+        for r in rows:
+            for shape, t in (r.get("shapes") or {}).items():
+                merged.setdefault(shape, []).append((t, 1))
+        shapes[app] = {s: _mean(p) for s, p in merged.items()}
+    # The mix, with one pseudo-arrival per application so an idle app still gets a share.
+    total = sum(recent.values()) + len(apps)
+    mix = {a: (recent[a] + 1) / total for a in apps}
+    known = {a: t for a, t in service.items() if t}
+    per_request = sum(mix[a] * t for a, t in known.items()) / sum(mix[a] for a in known) if known else None
+    rates = {}
+    for app in apps:
+        if not workers or per_request is None or service[app] is None:
+            rates[app] = 0.0 if not workers else None  # no workers: nothing gets through
+        elif len(apps) == 1:
+            rates[app] = workers / service[app]
+        else:
+            rates[app] = mix[app] * workers / per_request
+    return {"instances": len(views), "workers": workers, "queue": queue, "service_s": service,
+            "shapes_s": shapes, "mix": mix, "rate": rates}
+
+
+def estimate(workflow: Workflow, members: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per application of one set: capacity (requests/s, None until every stage has been
+    measured), bottleneck, predicted latency, and per stage its rate and Theorem 1's count."""
+    stages = {s: stage_state(workflow, s, members) for s in workflow.stages}
+    out: dict[str, Any] = {}
+    for app, spec in workflow.applications.items():
+        rows, prev_rate = {}, None
+        for st in spec.stages:
+            s = stages[st]
+            rate, t = s["rate"][app], s["service_s"][app]
+            per_instance = s["workers"] / s["instances"] if s["instances"] else 0
+            needed = None
+            if prev_rate is not None and t and per_instance:
+                needed = max(1, math.ceil(prev_rate * t / per_instance - 1e-9))
+            rows[st] = {"rate": rate, "service_s": t, "shapes_s": s["shapes_s"][app], "instances": s["instances"],
+                        "workers": s["workers"], "queue": s["queue"], "needed": needed,
+                        "keeps_up": needed is None or s["instances"] >= needed}
+            prev_rate = rate
+        rates = [(r["rate"], st) for st, r in rows.items()]
+        if any(r is None for r, _ in rates):
+            capacity, bottleneck = None, None  # not every stage measured yet: no estimate
+        else:
+            capacity, bottleneck = min(rates)
+        out[app] = {"capacity": capacity, "bottleneck": bottleneck, "stages": rows}
+    return out
+
+
+def predicted_latency(app_estimate: dict[str, Any], shape: str) -> float | None:
+    """Seconds a new request of ``shape`` would take, from ``estimate(...)[app]``: at each
+    stage the queue ahead drained by its workers, plus its own service time (the shape's if
+    measured, else the application's). Cheap: the proxy calls it on every create."""
+    total = 0.0
+    for s in app_estimate["stages"].values():
+        t = s["shapes_s"].get(shape) or s["service_s"]
+        if t is None or not s["workers"]:
+            return None
+        total += t * (1 + s["queue"] / s["workers"])
+    return total
