@@ -28,12 +28,12 @@ from typing import Any
 
 import zmq
 
+from onepiece.bench.common import PROMPT, T2V_STAGES, parse_shape, tiny_models
+
 DEFAULT_CASES = "64x64x9:10,256x256x17:10"
-PROMPT = "a cat surfing a wave"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("which", choices=["e2e"], help="benchmark to run")
     p.add_argument("--cases", default=DEFAULT_CASES, help="comma-separated WxHxFRAMES:STEPS")
     p.add_argument("--requests", type=int, default=10, help="measured requests per case (after 1 warm-up)")
     p.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
@@ -42,15 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cases(spec: str) -> list[tuple[int, int, int, int]]:
-    out = []
-    for item in spec.split(","):
-        try:
-            size, steps = item.split(":")
-            w, h, f = (int(x) for x in size.lower().split("x"))
-            out.append((w, h, f, int(steps)))
-        except ValueError:
-            raise SystemExit(f"bad --cases entry {item!r}: expected WxHxFRAMES:STEPS, e.g. 64x64x9:10") from None
-    return out
+    return [parse_shape(item) for item in spec.split(",")]
 
 
 def _stats(xs: list[float]) -> dict[str, float]:
@@ -115,7 +107,7 @@ def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder
     from onepiece.nm.client import NmClient
 
     dep = Deployment(write_topology(folder, models, free_tcp_address(), dbs=1, transport=transport, heartbeat_s=1.0,
-                                    stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1}),
+                                    stages=dict(T2V_STAGES)),
                      folder / "logs")
     out: dict[str, Any] = {}
     try:
@@ -162,16 +154,10 @@ def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder
 
 
 def run(args: argparse.Namespace) -> int:
-    from onepiece.stage.wan.tiny import build_tiny
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cases = _cases(args.cases)
     with tempfile.TemporaryDirectory(prefix="onepiece-bench-") as tmp:
-        base = Path(args.models) if args.models else Path(tmp) / "models"
-        models = {}
-        for kind in ("t2v", "i2v"):
-            path = base / f"wan2.1-{kind}-tiny"
-            models[kind] = path if (path / "model_index.json").exists() else build_tiny(kind, path, 0)
+        models = tiny_models(Path(args.models) if args.models else Path(tmp) / "models")
         print(f"measuring {len(cases)} cases x {args.requests} requests (monolithic and onepiece alternate) ...",
               flush=True)
         res = measure(models, cases, args.requests, args.transport, Path(tmp))

@@ -14,21 +14,33 @@ RPC ops (request fields -> reply fields; errors come back as ``{"ok": false, "er
   <status>"``;
 - ``delete`` ``{uid}`` -> ``{deleted: bool}`` (peers are told to purge too);
 - ``stats`` -> ``{stats: {records, bytes, max_bytes, content_bytes, by_status, tombstones,
-  name, addresses, peers, replication: {queued, sent, dropped}, refused, malformed}}``;
+  name, addresses, peers, replication: {factor, queued, sent, dropped, short}, refused,
+  malformed}}``;
 - ``ping`` -> ``{name, data_address, control_address, events_address}``.
 
-Replication peers are set in-process with :meth:`DbServer.set_peers` (``db/service.py`` keeps
-them equal to the other live DBs of the set, from the NM's routes).
+Replication peers are set in-process with :meth:`DbServer.set_peers`, as the set's DB address
+dicts (``{"data", "control", ...}``; ``db/service.py`` keeps them equal to the NM's route table).
 
 ``DbServer.snapshot`` is the ``stats`` dict as of the last sweep, taken on the loop thread:
 other threads (the NM heartbeat) read that, never the store, which only the loop touches.
 
 Replication has no consensus: every local change (and purge) is put on a bounded queue that a
-separate thread sends to every peer's data address with a short timeout. A full queue or a
-peer that does not take a message drops it (counted, logged); a peer that failed is skipped
-for ``peer_backoff_s`` so one dead peer cannot slow replication to the live ones. What arrives
-as ``replica``/``purge`` is applied and never forwarded, so there are no loops; the merge rules
-of ``db/store.py`` make peers converge whatever order copies arrive in.
+separate thread sends to peers' data addresses with a short timeout. A change to a UID goes to
+the first ``replication`` DBs of the set in the UID's placement order
+(``db.placement.order_dbs``, ranked by control address), this DB counting as one holder where
+it ranks: readers ask in that same order, so the DBs they ask first are the ones that hold it,
+and the traffic per change is ``replication - 1`` messages, not one per DB. A peer that is down
+is passed over for the next one in order, so a result still reaches ``replication`` live DBs
+while the NM has not yet dropped the dead one. A purge (fetched or deleted) goes to every peer:
+it is header-only, and a record may sit on a DB outside the current first ``replication``
+(a substitute while a peer was down, a write that fell over to a later DB, a set that changed
+since), where the purge's tombstone also stops late copies from bringing it back.
+
+A full queue or a peer that does not take a message drops it (counted, logged); a peer that
+failed is skipped for ``peer_backoff_s`` so one dead peer cannot slow replication to the live
+ones; a change that reached fewer than ``replication`` holders is counted as ``short``. What
+arrives as ``replica``/``purge`` is applied and never forwarded, so there are no loops; the
+merge rules of ``db/store.py`` make peers converge whatever order copies arrive in.
 """
 
 from __future__ import annotations
@@ -38,13 +50,14 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import orjson
 import zmq
 from prometheus_client import Counter, Gauge
 
+from onepiece.db.placement import order_dbs
 from onepiece.db.protocol import CONTENT
 from onepiece.db.store import Change, InvalidUpdate, NotFound, ResultStore, StoreFull
 from onepiece.supervise import stop_on_signals
@@ -69,6 +82,8 @@ DEADLINE_FAILED = Counter("onepiece_db_deadline_failed", "Requests failed by the
 REPL_SENT = Counter("onepiece_db_replication_sent", "Replication messages handed to a peer", ["db"])
 REPL_DROPPED = Counter("onepiece_db_replication_dropped",
                        "Replication messages dropped (queue full, peer down)", ["db"])
+REPL_SHORT = Counter("onepiece_db_replication_short",
+                     "Changes that reached fewer DBs than the replication factor", ["db"])
 
 DRAIN_S = 1.0  # how long a stopping DB keeps sending queued replication messages
 DATA_BATCH = 256  # data messages handled per loop turn before the control socket is looked at
@@ -85,7 +100,8 @@ class DbServer:
         purge_after_fetch: bool = True,
         name: str = "db",
         *,
-        peers: Iterable[str] = (),
+        peers: Iterable[Mapping[str, str]] = (),
+        replication: int = 2,
         sweep_interval_s: float = 0.25,
         deadline_grace_s: float = 0.5,
         replication_queue: int = 10_000,
@@ -93,14 +109,17 @@ class DbServer:
         peer_backoff_s: float = 1.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        if not isinstance(replication, int) or replication < 1:
+            raise ValueError(f"replication must be a positive int (got {replication!r})")
         self.name = name
+        self.replication = replication  # holders per result, this DB included
         self.store = ResultStore(ttl_s, max_bytes, purge_after_fetch, clock=clock,
                                  deadline_grace_s=deadline_grace_s)
         self.sweep_interval_s = sweep_interval_s
         self.replication_timeout_s = replication_timeout_s
         self.peer_backoff_s = peer_backoff_s
         self._outq: queue.Queue[Message] = queue.Queue(maxsize=replication_queue)
-        self._peers: list[str] = []
+        self._peers: list[dict[str, str]] = []
         self._peers_lock = threading.Lock()
         self._closing = threading.Event()
         self._idle = threading.Event()  # set while run() is not executing
@@ -108,7 +127,7 @@ class DbServer:
         self._closed = False
         self._replicator: threading.Thread | None = None
         self._repl_stop = threading.Event()
-        self.counts = {"sent": 0, "dropped": 0, "refused": 0, "malformed": 0}
+        self.counts = {"sent": 0, "dropped": 0, "short": 0, "refused": 0, "malformed": 0}
         self._counts_lock = threading.Lock()  # the loop and the replicator both count
         self._last_drop_log = float("-inf")
         self._ipc_paths: list[str] = []
@@ -133,22 +152,42 @@ class DbServer:
             raise
         self._ipc_paths = [a[len("ipc://"):] for a in (self.data_address, self.control_address,
                                                         self.events_address) if a.startswith("ipc://")]
+        # This DB as a placement entry: it ranks among its peers by its control address.
+        self._me = {"data": self.data_address, "control": self.control_address}
         self.set_peers(peers)
         self.snapshot: dict[str, Any] = self.stats()
 
     # ---- peers (callable from any thread) --------------------------------------------------
 
-    def set_peers(self, peers: Iterable[str]) -> None:
-        """Replace the data addresses this DB replicates to (its own address is ignored)."""
-        peers = [p for p in dict.fromkeys(peers) if isinstance(p, str) and p and p != self.data_address]
+    def set_peers(self, peers: Iterable[Mapping[str, str]]) -> None:
+        """Replace the set's other DBs, as address dicts with at least ``data`` (where copies
+        go) and ``control`` (the placement key). This DB itself, duplicates and entries
+        lacking either address are left out, so the NM's whole DB list may be passed."""
+        out: dict[str, dict[str, str]] = {}  # by control address: the placement key
+        for p in peers:
+            if not isinstance(p, Mapping):
+                continue
+            data, control = p.get("data"), p.get("control")
+            if not (isinstance(data, str) and data and isinstance(control, str) and control):
+                continue
+            if data == self.data_address or control == self.control_address:
+                continue
+            out.setdefault(control, {"data": data, "control": control})
         with self._peers_lock:
-            self._peers = peers
-        log.info("db %s: replication peers %s", self.name, peers)
+            self._peers = list(out.values())
+        log.info("db %s: replication peers %s (factor %d)", self.name, [p["data"] for p in out.values()],
+                 self.replication)
 
     @property
-    def peers(self) -> list[str]:
+    def peers(self) -> list[dict[str, str]]:
+        """The other DBs of the set (``{"data", "control"}`` each)."""
         with self._peers_lock:
-            return list(self._peers)
+            return [dict(p) for p in self._peers]
+
+    def holders(self, uid: str) -> list[dict[str, str]]:
+        """The DBs of the set (this one included) that should hold ``uid`` when all are up:
+        the first ``replication`` in its placement order."""
+        return order_dbs(uid, [self._me, *self.peers])[:self.replication]
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -341,8 +380,9 @@ class DbServer:
             "name": self.name,
             "addresses": {"data": self.data_address, "control": self.control_address,
                           "events": self.events_address},
-            "peers": self.peers,
-            "replication": {"queued": self._outq.qsize(), "sent": counts["sent"], "dropped": counts["dropped"]},
+            "peers": [p["data"] for p in self.peers],
+            "replication": {"factor": self.replication, "queued": self._outq.qsize(), "sent": counts["sent"],
+                            "dropped": counts["dropped"], "short": counts["short"]},
             "refused": counts["refused"],
             "malformed": counts["malformed"],
         }
@@ -350,7 +390,9 @@ class DbServer:
     # ---- replication (its own thread; owns the peer senders) ---------------------------------
 
     def _replicate(self, msg: Message) -> None:
-        if not self.peers:
+        # With a factor of 1 only purges travel: nobody else should hold copies, but a DB that
+        # got one while the set was configured differently must still drop it.
+        if not self.peers or (self.replication < 2 and msg.kind != "purge"):
             return
         try:
             self._outq.put_nowait(msg)
@@ -389,6 +431,25 @@ class DbServer:
         senders: dict[str, Sender] = {}
         down_until: dict[str, float] = {}
         drain_until: float | None = None
+
+        def send(peer: str, msg: Message) -> bool:
+            """Hand ``msg`` to ``peer`` (a data address); False if it is down or did not take it."""
+            if down_until.get(peer, 0.0) > time.monotonic():
+                self._dropped(msg.uid, f"peer {peer} is down", loud=False)
+                return False
+            try:
+                sender = senders.get(peer)
+                if sender is None:
+                    sender = senders[peer] = registry.connect(peer)
+                sender.send(msg, timeout=self.replication_timeout_s)
+            except (TransportError, ValueError, zmq.ZMQError) as e:
+                down_until[peer] = time.monotonic() + self.peer_backoff_s
+                self._dropped(msg.uid, f"peer {peer}: {e}")
+                return False
+            self._count("sent")
+            REPL_SENT.labels(self.name).inc()
+            return True
+
         try:
             while True:
                 if self._repl_stop.is_set():
@@ -405,23 +466,23 @@ class DbServer:
                         break
                     continue
                 peers = self.peers
-                for gone in set(senders) - set(peers):
+                for gone in set(senders) - {p["data"] for p in peers}:
                     senders.pop(gone).close()
-                for peer in peers:
-                    if down_until.get(peer, 0.0) > time.monotonic():
-                        self._dropped(msg.uid, f"peer {peer} is down", loud=False)
-                        continue
-                    try:
-                        sender = senders.get(peer)
-                        if sender is None:
-                            sender = senders[peer] = registry.connect(peer)
-                        sender.send(msg, timeout=self.replication_timeout_s)
-                    except (TransportError, ValueError, zmq.ZMQError) as e:
-                        down_until[peer] = time.monotonic() + self.peer_backoff_s
-                        self._dropped(msg.uid, f"peer {peer}: {e}")
-                        continue
-                    self._count("sent")
-                    REPL_SENT.labels(self.name).inc()
+                if msg.kind == "purge":
+                    for peer in peers:
+                        send(peer["data"], msg)
+                    continue
+                # The UID's placement order; this DB counts as a holder where it ranks, and a
+                # peer that is down is passed over for the next one (see the module doc).
+                have = 0
+                for db in order_dbs(msg.uid, [self._me, *peers]):
+                    if have >= self.replication:
+                        break
+                    if db["control"] == self._me["control"] or send(db["data"], msg):
+                        have += 1
+                if have < min(self.replication, len(peers) + 1):
+                    self._count("short")
+                    REPL_SHORT.labels(self.name).inc()
         finally:
             for sender in senders.values():
                 sender.close()
@@ -487,7 +548,7 @@ def serve(
     max_bytes: int = 1 << 30,
     purge_after_fetch: bool = True,
     name: str = "db",
-    peers: Iterable[str] = (),
+    peers: Iterable[Mapping[str, str]] = (),
     on_ready: Callable[[DbServer], None] | None = None,
     **options: Any,
 ) -> None:

@@ -1,6 +1,6 @@
 """A DB as a cluster member: registers its addresses (and its Prometheus endpoint) with the NM
 once bound, and keeps its replication peers equal to the other live DBs of its set as the NM's
-routes change."""
+routes change (each result goes to ``replication`` of them, see ``db/server.py``)."""
 
 from __future__ import annotations
 
@@ -16,16 +16,15 @@ log = logging.getLogger(__name__)
 
 
 def serve(nm_address: str, set_name: str, data: str, control: str, events: str, ttl_s: float, max_bytes: int,
-          purge_after_fetch: bool) -> None:
+          purge_after_fetch: bool, replication: int = 2) -> None:
     metrics, _ = start_http_server(0, addr="127.0.0.1")
     member: Membership | None = None
 
     def on_ready(server: DbServer) -> None:
         nonlocal member
-        own = server.data_address
-
         def on_routes(routes: dict) -> None:
-            server.set_peers([d["data"] for d in routes["dbs"] if d["data"] != own])
+            # Whole address dicts: replication ranks DBs by their control address, as readers do.
+            server.set_peers(routes["dbs"])
 
         member = Membership(
             nm_address, "db", set_name,
@@ -39,7 +38,8 @@ def serve(nm_address: str, set_name: str, data: str, control: str, events: str, 
         member.start()
 
     try:
-        serve_db(data, control, events, ttl_s, max_bytes, purge_after_fetch, name=f"db@{set_name}", on_ready=on_ready)
+        serve_db(data, control, events, ttl_s, max_bytes, purge_after_fetch, name=f"db@{set_name}", on_ready=on_ready,
+                 replication=replication)
     finally:
         if member is not None:
             member.stop()

@@ -42,7 +42,7 @@ def stage_state(workflow: Workflow, stage: str, members: list[dict[str, Any]]) -
         # Instances that served more of the app recently weigh more (weight ≥ 1 once measured).
         rows = [(v["stats"].get("service") or {}).get(app) for v in views]
         rows = [r for r in rows if r]
-        service[app] = _mean([(r["mean_s"], 1 + r.get("recent", 0)) for r in rows])
+        service[app] = _mean([(r["median_s"], 1 + r.get("recent", 0)) for r in rows])
         recent[app] = sum(r.get("recent", 0) for r in rows)
         merged: dict[str, list[tuple[float, float]]] = {}
         for r in rows:

@@ -49,7 +49,7 @@ def cmd_db(args: argparse.Namespace) -> int:
 
     setup_logging("db", args.log_level)
     serve(args.nm, args.set, args.listen, args.control, args.events, args.ttl, args.max_bytes,
-          not args.keep_after_fetch)
+          not args.keep_after_fetch, replication=args.replication)
     return 0
 
 
@@ -58,7 +58,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     from onepiece.supervise import setup_logging
 
     setup_logging("proxy", args.log_level)
-    serve(args.nm, args.set, args.host, args.port, args.max_inflight, args.max_body_bytes)
+    serve(args.nm, args.set, args.host, args.port, args.max_inflight, args.max_body_bytes, monitor=args.monitor)
     return 0
 
 
@@ -116,9 +116,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from onepiece.bench.e2e import run
+    if args.which == "overload":
+        from onepiece.bench.overload import run
+    else:
+        from onepiece.bench.e2e import run
 
     return run(args)
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {n})")
+    return n
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,12 +172,16 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--ttl", type=float, default=3600.0, help="seconds a result is kept")
             sp.add_argument("--max-bytes", type=int, default=1 << 30, help="memory cap of the store")
             sp.add_argument("--keep-after-fetch", action="store_true", help="do not purge a result once fetched")
+            sp.add_argument("--replication", type=_positive_int, default=2,
+                            help="DBs of the set that hold each result, this one included (default 2)")
             sp.set_defaults(fn=cmd_db)
         else:
             sp.add_argument("--host", default="127.0.0.1")
             sp.add_argument("--port", type=int, default=8000, help="0 picks a free port")
             sp.add_argument("--max-inflight", type=int, default=64)
             sp.add_argument("--max-body-bytes", type=int, default=16 << 20)
+            sp.add_argument("--no-monitor", dest="monitor", action="store_false",
+                            help="admit by the in-flight bound only: no capacity or deadline refusals")
             sp.set_defaults(fn=cmd_proxy)
 
     sp = sub.add_parser("status", help="print sets, stages, instances, health and queues")
@@ -185,10 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_generate)
 
     sp = sub.add_parser("bench", help="benchmarks (see bench/)")
-    from onepiece.bench.e2e import add_arguments as bench_arguments
+    benches = sp.add_subparsers(dest="which", required=True, metavar="BENCHMARK")
+    from onepiece.bench import e2e, overload
 
-    bench_arguments(sp)
-    sp.set_defaults(fn=cmd_bench)
+    bp = benches.add_parser("e2e", help="end-to-end latency against the monolithic pipeline")
+    e2e.add_arguments(bp)
+    bp.set_defaults(fn=cmd_bench)
+    bp = benches.add_parser("overload", help="open-loop load at multiples of capacity, request monitor on and off")
+    overload.add_arguments(bp)
+    bp.set_defaults(fn=cmd_bench)
     return p
 
 

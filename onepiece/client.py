@@ -1,11 +1,18 @@
 """A Python client for onepiece proxies (the OpenAI-shaped videos API), on httpx.
 
-``Client(urls)`` takes one proxy URL or several (of different sets): a create that is refused
-(429) or cannot connect goes on to the next proxy at once, as DESIGN §1 asks of clients. Later
-reads of a video go to the proxy that accepted it (its set's DBs hold the result).
+``Client(urls)`` takes one proxy URL or several (of different sets), or ``{set: [urls]}``;
+``Client.from_nm(address)`` asks the node manager for every set's proxies. A create that is
+refused (429, 503) or cannot connect goes on to the next proxy at once, as DESIGN §1 asks of
+clients; when every proxy refused, the client waits (jittered exponential backoff, at least the
+smallest Retry-After, capped) and goes round again, a bounded number of ``rounds``, before it
+raises RequestRejected. The video object names the set that accepted it (``"set"``); later
+reads of the video go to the proxy that accepted it, or another proxy of the same set, since
+only that set's DBs hold the result.
 
     with Client("http://127.0.0.1:8000") as c:
         c.generate("a cat on a surfboard", "cat.mp4", model="t2v", size="64x64", seconds=1)
+    with Client.from_nm("tcp://127.0.0.1:7700") as c:
+        video = c.submit("a cat on a surfboard")   # video["set"]: the set that took it
 """
 
 from __future__ import annotations
@@ -13,9 +20,10 @@ from __future__ import annotations
 import itertools
 import mimetypes
 import os
+import random
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import httpx
 
@@ -67,17 +75,67 @@ def _retry_after(resp: httpx.Response) -> float | None:
         return None
 
 
+def _interleave(sets: Mapping[str, Sequence[str]]) -> list[tuple[str, str]]:
+    """(url, set) pairs taking one proxy of each set in turn, so that the proxy tried after a
+    refusal is of another set (a set's proxies share its admission, so they refuse together)."""
+    lists = [[(u.rstrip("/"), name) for u in urls] for name, urls in sets.items()]
+    out = []
+    for i in range(max((len(x) for x in lists), default=0)):
+        out += [x[i] for x in lists if i < len(x)]
+    return out
+
+
 class Client:
-    def __init__(self, base_url: str | Sequence[str] = DEFAULT_URL, timeout: float = 30.0,
-                 api_key: str | None = None) -> None:
-        urls = [base_url] if isinstance(base_url, str) else list(base_url)
-        if not urls:
+    def __init__(self, base_url: str | Sequence[str] | Mapping[str, Sequence[str]] = DEFAULT_URL,
+                 timeout: float = 30.0, api_key: str | None = None, *, rounds: int = 3,
+                 backoff_s: float = 0.25, backoff_cap_s: float = 5.0) -> None:
+        """``base_url``: one proxy URL, several, or ``{set name: [urls]}``. A create refused by
+        every proxy is tried again ``rounds - 1`` more times; between rounds the client waits
+        ``backoff_s`` doubling per round, jittered, at least the smallest Retry-After, at most
+        ``backoff_cap_s``."""
+        if rounds < 1 or backoff_s < 0 or backoff_cap_s < 0:
+            raise ValueError("rounds must be at least 1 and the backoff times not negative")
+        if isinstance(base_url, Mapping):
+            pairs = _interleave(base_url)
+        else:
+            pairs = [(u.rstrip("/"), None) for u in ([base_url] if isinstance(base_url, str) else base_url)]
+        if not pairs:
             raise ValueError("give at least one proxy URL")
-        self.urls = [u.rstrip("/") for u in urls]
+        self.urls = list(dict.fromkeys(u for u, _ in pairs))
+        # proxy URL -> its set: from the mapping, and learnt from the video objects proxies answer
+        self._set_of_url: dict[str, str] = {u: name for u, name in pairs if name is not None}
+        self.rounds, self.backoff_s, self.backoff_cap_s = rounds, backoff_s, backoff_cap_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(timeout=timeout, headers=headers)
         self._home: dict[str, str] = {}  # video id -> the proxy that accepted it
+        self._set_of: dict[str, str] = {}  # video id -> the set that accepted it
         self._rr = itertools.count()
+        self.last_refusals: list[str] = []  # what the latest submit was refused with, in order
+
+    @classmethod
+    def from_nm(cls, nm_address: str, nm_timeout: float = 2.0, **kwargs: Any) -> "Client":
+        """A client over every set's proxies, as the node manager at ``nm_address`` lists
+        them now. ``kwargs`` go to the constructor. Raises RequestFailed (code
+        ``nm_unreachable`` or ``no_proxy``) when the NM does not answer or lists no proxy."""
+        # Imported here: the client itself needs only httpx, the NM speaks ZMQ.
+        from onepiece.nm.client import NmClient
+        from onepiece.transport.rpc import RpcError
+
+        nm = NmClient(nm_address, timeout=nm_timeout, retries=0)
+        try:
+            proxies = nm.proxies()
+        except RpcError as e:
+            raise RequestFailed(f"no node manager answers at {nm_address}: {e}", code="nm_unreachable") from None
+        finally:
+            nm.close()
+        proxies = {name: urls for name, urls in proxies.items() if urls}
+        if not proxies:
+            raise RequestFailed(f"the node manager at {nm_address} lists no proxy in any set", code="no_proxy")
+        return cls(proxies, **kwargs)
+
+    def set_of(self, video_id: str) -> str | None:
+        """The workflow set that accepted ``video_id`` (None if unknown to this client)."""
+        return self._set_of.get(video_id)
 
     # --- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -95,7 +153,11 @@ class Client:
         """Create a video job; returns the video object (``id``, ``status`` "queued", ...).
 
         ``extra``: num_frames, steps, guidance, seed, negative_prompt, timeout_s.
-        Raises RequestRejected when every proxy is full, RequestFailed on a refused request."""
+        Every proxy is offered the request in turn, for up to ``rounds`` rounds with a pause
+        between them. Raises RequestRejected when every proxy still refused (429/503) in the last
+        round, RequestFailed (code ``unreachable``) when none could be reached, RequestFailed
+        at once on a request a proxy found bad (4xx). The video object's ``set`` names the
+        set that accepted it."""
         fields: dict[str, Any] = {"prompt": prompt, "model": model, "size": size}
         if seconds is not None:
             fields["seconds"] = str(seconds)
@@ -109,6 +171,35 @@ class Client:
             mime = mimetypes.guess_type(name)[0] or "application/octet-stream"
             files = {"input_reference": (name, data, mime)}
 
+        self.last_refusals = []
+        rejected: list[RequestRejected] = []
+        for rnd in range(self.rounds):
+            if rnd:
+                time.sleep(self._pause(rnd, rejected))
+            video, rejected, unreachable = self._submit_round(fields, files)
+            if video is not None:
+                return video
+        if rejected:
+            waits = [r.retry_after for r in rejected if r.retry_after is not None]
+            raise RequestRejected("; ".join(r.message for r in rejected + [RequestRejected(u) for u in unreachable])
+                                  + (f" (after {self.rounds} rounds)" if self.rounds > 1 else ""),
+                                  min(waits) if waits else None, rejected[0].code)
+        raise RequestFailed(f"no proxy reachable: {'; '.join(unreachable)}", code="unreachable")
+
+    def _pause(self, rnd: int, rejected: list[RequestRejected]) -> float:
+        """Seconds to wait before round ``rnd`` (1, 2, ...): exponential, jittered (half to all
+        of it) so that clients refused together do not all come back together, but never less
+        than the smallest Retry-After the proxies asked for; capped."""
+        delay = random.uniform(0.5, 1.0) * self.backoff_s * 2 ** (rnd - 1)
+        waits = [r.retry_after for r in rejected if r.retry_after is not None and r.retry_after >= 0]
+        if waits:
+            delay = max(delay, min(waits))
+        return min(delay, self.backoff_cap_s)
+
+    def _submit_round(self, fields: dict[str, Any], files: dict | None
+                      ) -> tuple[dict | None, list[RequestRejected], list[str]]:
+        """Offer the request to every proxy once, from the next in rotation: the video object
+        of the first that accepts, else the refusals and the unreachable proxies."""
         start = next(self._rr)
         rejected: list[RequestRejected] = []
         unreachable: list[str] = []
@@ -125,18 +216,21 @@ class Client:
                 continue
             if resp.status_code == 200:
                 video = resp.json()
+                set_name = video.get("set") or self._set_of_url.get(url)
+                if set_name is not None:
+                    video["set"] = set_name  # a proxy that does not say: the set the NM listed it in
+                    self._set_of_url[url] = set_name
+                    self._set_of[video["id"]] = set_name
                 self._home[video["id"]] = url
-                return video
+                return video, rejected, unreachable
             message, code, param = _error_of(resp)
             if resp.status_code in (429, 503):  # full or without an entrance: another set may take it
-                rejected.append(RequestRejected(f"{url}: {message}", _retry_after(resp), code))
+                where = f"{url} (set {self._set_of_url[url]})" if url in self._set_of_url else url
+                rejected.append(RequestRejected(f"{where}: {message}", _retry_after(resp), code))
+                self.last_refusals.append(rejected[-1].message)
                 continue
             raise RequestFailed(message, status_code=resp.status_code, code=code, param=param)
-        if rejected:
-            waits = [r.retry_after for r in rejected if r.retry_after is not None]
-            raise RequestRejected("; ".join(r.message for r in rejected + [RequestRejected(u) for u in unreachable]),
-                                  min(waits) if waits else None, rejected[0].code)
-        raise RequestFailed(f"no proxy reachable: {'; '.join(unreachable)}", code="unreachable")
+        return None, rejected, unreachable
 
     def status(self, video_id: str) -> dict:
         """The video object now (status, progress, error...)."""
@@ -210,9 +304,18 @@ class Client:
         return path
 
     def delete(self, video_id: str) -> bool:
-        url = self._home.get(video_id, self.urls[0])
-        resp = self._http.delete(f"{url}/v1/videos/{video_id}")
-        return resp.status_code == 200
+        """Drop the video on its set's DBs; True if it was held. Asks the proxy that accepted
+        it, or another of the same set when that one cannot be reached."""
+        home = self._home.get(video_id)
+        errors = []
+        for url in [home, *self._same_set(video_id, home)] if home else self.urls[:1]:
+            try:
+                resp = self._http.delete(f"{url}/v1/videos/{video_id}")
+            except httpx.TransportError as e:
+                errors.append(f"{url}: {e}")
+                continue
+            return resp.status_code == 200
+        raise RequestFailed(f"no proxy reachable: {'; '.join(errors)}", code="unreachable")
 
     def generate(self, prompt: str, path: str | os.PathLike, model: str = "t2v",
                  image: str | os.PathLike | bytes | None = None, size: str = "64x64",
@@ -234,7 +337,7 @@ class Client:
         of them only counts when every proxy answered and none knows the video; while the
         proxy that accepted it (or any other) is unreachable, that is the error."""
         home = self._home.get(video_id)
-        urls = ([home] if home else []) + [u for u in self.urls if u != home]
+        urls = self._read_order(video_id)
         errors: list[str] = []
         not_found: httpx.Response | None = None
         for url in urls:
@@ -251,11 +354,28 @@ class Client:
                 continue
             if url != home and resp.status_code == 200:
                 self._home[video_id] = url  # a proxy of the video's set: read from it from now on
+                if video_id not in self._set_of and url in self._set_of_url:
+                    self._set_of[video_id] = self._set_of_url[url]
             return resp
         if not_found is not None and not errors:
             return not_found
         also = "; the others do not know the video" if not_found is not None else ""
         raise RequestFailed(f"no proxy reachable: {'; '.join(errors)}{also}", code="unreachable")
+
+
+    def _same_set(self, video_id: str, home: str | None) -> list[str]:
+        """The other proxies known to serve the set that accepted ``video_id``."""
+        set_name = self._set_of.get(video_id) or (self._set_of_url.get(home) if home else None)
+        if set_name is None:
+            return []
+        return [u for u in self.urls if u != home and self._set_of_url.get(u) == set_name]
+
+    def _read_order(self, video_id: str) -> list[str]:
+        """Where to read ``video_id`` from: the proxy that accepted it, then the other proxies
+        of its set (they read the same DBs), then the rest, whose sets may not know it."""
+        home = self._home.get(video_id)
+        same = self._same_set(video_id, home)
+        return ([home] if home else []) + same + [u for u in self.urls if u != home and u not in same]
 
 
 def _transient(e: RequestFailed) -> bool:

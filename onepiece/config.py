@@ -117,6 +117,9 @@ class NmSpec(_Strict):
 
 class DbSpec(_Strict):
     count: int = Field(2, gt=0, le=16)
+    # Each result is copied to this many DBs of the set (the first ones in its placement
+    # order, which readers ask first); more than `count` just means every DB.
+    replication: int = Field(2, gt=0, le=16, description="DBs that hold each result (capped at count)")
     ttl_s: float = Field(3600.0, gt=0)
     max_bytes: int = Field(1 << 30, gt=0)
     purge_after_fetch: bool = True
@@ -128,10 +131,13 @@ class ProxySpec(_Strict):
     port: int = Field(8000, ge=0, le=65535, description="first proxy's port; others take the next ones (0: any)")
     max_inflight: int = Field(64, gt=0, le=100_000)
     max_body_bytes: int = Field(16 << 20, gt=0)
+    monitor: bool = Field(True, description="admit at the set's measured capacity and refuse requests predicted "
+                                            "to miss their deadline (off: only the max_inflight bound)")
 
 
 class SetSpec(_Strict):
-    name: str = "set0"
+    # Names end up in process names, log files and ipc socket paths: keep them plain and short.
+    name: str = Field("set0", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
     proxy: ProxySpec = ProxySpec()
     db: DbSpec = DbSpec()
     stages: dict[str, int] = Field(description="instances per stage")
@@ -150,6 +156,29 @@ class Topology(_Strict):
     nm: NmSpec = NmSpec()
     sets: list[SetSpec] = Field(min_length=1)
     transport: Literal["tcp", "ipc"] = "ipc"
+
+    @model_validator(mode="after")
+    def _sets_apart(self) -> "Topology":
+        """Set names are unique (the NM and clients know sets by name) and fixed proxy ports do
+        not collide: a set's proxies take ``port`` .. ``port + count - 1`` (port 0: any free)."""
+        seen: dict[str, int] = {}
+        taken: dict[int, str] = {}  # port -> the set whose proxy takes it
+        for i, s in enumerate(self.sets):
+            if s.name in seen:
+                raise ValueError(f"sets.{i}.name: set name {s.name!r} is already used by sets.{seen[s.name]}")
+            seen[s.name] = i
+            if s.proxy.port == 0:
+                continue
+            last = s.proxy.port + s.proxy.count - 1
+            if last > 65535:
+                raise ValueError(f"sets.{s.name}.proxy.port: {s.proxy.count} proxies from port {s.proxy.port} "
+                                 f"run past 65535")
+            for port in range(s.proxy.port, last + 1):
+                if port in taken:
+                    raise ValueError(f"sets.{s.name}.proxy.port: proxy port {port} (ports {s.proxy.port}-{last}) "
+                                     f"is also taken by set {taken[port]!r}; give each set its own ports or 0")
+                taken[port] = s.name
+        return self
 
 
 def resolve_path(p: str, base: Path) -> Path:
@@ -173,7 +202,11 @@ def _explain(path: Path, err: ValidationError) -> ConfigError:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
-        lines.append(f"{path}: {key}: {e['msg']}{got}")
+        msg = e["msg"]
+        if not e["loc"] and e["type"] == "value_error":
+            # A model-level check names its own key ("sets.b.proxy.port: ..."): show just that.
+            key, msg, got = "", msg.removeprefix("Value error, "), ""
+        lines.append(f"{path}: {key + ': ' if key else ''}{msg}{got}")
     return ConfigError("\n".join(lines))
 
 

@@ -2,6 +2,7 @@
 
     onepiece generate --model t2v --prompt "a cat surfing" --size 64x64 --seconds 1 -o cat.mp4
     onepiece generate --model i2v --prompt "it moves" --image cat.png --frames 9 -o cat.mp4
+    onepiece generate --nm tcp://127.0.0.1:7700 --prompt "a cat surfing" -o cat.mp4   # any set
 
 Imports stay light at module level: the CLI builds its parser from ``add_arguments`` on every
 invocation, whatever the subcommand.
@@ -30,9 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="denoising steps")
     parser.add_argument("--guidance", type=float, help="classifier-free guidance scale")
     parser.add_argument("--seed", type=int, help="random seed (default: random)")
-    parser.add_argument("--url", action="append",
-                        help=f"proxy URL; repeat (or separate by commas) to fall back to other sets "
-                             f"(default ${URL_ENV} or {DEFAULT_URL})")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--url", action="append",
+                       help=f"proxy URL; repeat (or separate by commas) to fall back to other sets "
+                            f"(default ${URL_ENV} or {DEFAULT_URL})")
+    where.add_argument("--nm", metavar="ADDR",
+                       help="node manager address (e.g. tcp://127.0.0.1:7700): use every set's proxies, "
+                            "going on to another set when one refuses")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="times to go round all proxies while they refuse, with backoff (default 3)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the video")
     parser.add_argument("-o", "--output", required=True, help="where to save the MP4")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -64,10 +71,14 @@ def run(args: argparse.Namespace) -> int:
         else:
             bar.refresh()
 
+    rounds = max(1, args.rounds)
     try:
-        with Client(_urls(args.url)) as client:
+        client = Client.from_nm(args.nm, rounds=rounds) if args.nm else Client(_urls(args.url), rounds=rounds)
+        with client:
             video = client.submit(args.prompt, model=args.model, image=args.image, size=args.size,
                                   seconds=args.seconds, **extra)
+            if client.last_refusals and not args.quiet:
+                bar.write(f"refused first by: {'; '.join(client.last_refusals)}", file=sys.stderr)
             on_progress(video)
             client.wait(video["id"], timeout=args.timeout, on_progress=on_progress)
             path = client.download(video["id"], args.output)
@@ -89,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     bar.close()
-    print(f"{video['id']} -> {path}")
+    served = f" (set {video['set']})" if video.get("set") else ""
+    print(f"{video['id']} -> {path}{served}")
     return 0
 
 

@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from onepiece.config import SetSpec, load_topology
 from onepiece.nm.client import NmClient
@@ -81,7 +82,8 @@ class Deployment:
             name = f"{s.name}-db{i}"
             argv = _cli("db", "--nm", nm, "--set", s.name, "--listen", self._address(name),
                         "--control", self._address(name + "-ctl"), "--events", self._address(name + "-ev"),
-                        "--ttl", str(s.db.ttl_s), "--max-bytes", str(s.db.max_bytes))
+                        "--ttl", str(s.db.ttl_s), "--max-bytes", str(s.db.max_bytes),
+                        "--replication", str(min(s.db.replication, s.db.count)))
             if not s.db.purge_after_fetch:
                 argv.append("--keep-after-fetch")
             out.append(Child(name, argv, self.log_dir / f"{name}.log"))
@@ -94,10 +96,11 @@ class Deployment:
         for i in range(s.proxy.count):
             name = f"{s.name}-proxy{i}"
             port = s.proxy.port + i if s.proxy.port else 0
-            out.append(Child(name, _cli("proxy", "--nm", nm, "--set", s.name, "--host", s.proxy.host,
-                                        "--port", str(port), "--max-inflight", str(s.proxy.max_inflight),
-                                        "--max-body-bytes", str(s.proxy.max_body_bytes)),
-                             self.log_dir / f"{name}.log"))
+            argv = _cli("proxy", "--nm", nm, "--set", s.name, "--host", s.proxy.host, "--port", str(port),
+                        "--max-inflight", str(s.proxy.max_inflight), "--max-body-bytes", str(s.proxy.max_body_bytes))
+            if not s.proxy.monitor:
+                argv.append("--no-monitor")
+            out.append(Child(name, argv, self.log_dir / f"{name}.log"))
         return out
 
     def start(self) -> None:
@@ -233,10 +236,16 @@ def up(topology: Path, log_dir: Path | None = None, ready_timeout: float = 300.0
 
 def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, dbs: int = 2,
                    transport: str = "ipc", stages: dict[str, int] | None = None, heartbeat_s: float = 0.25,
-                   **set_options: object) -> Path:
-    """A one-set deployment of the shipped workflow with its models at ``models`` ({"t2v": dir,
-    "i2v": dir}), written into ``folder`` (for tests and benchmarks). The proxy takes any free
-    port; the NM listens at ``nm_address``. Returns the topology file."""
+                   sets: list[dict[str, Any]] | None = None, **set_options: Any) -> Path:
+    """A deployment of the shipped workflow with its models at ``models`` ({"t2v": dir,
+    "i2v": dir}), written into ``folder`` (for tests and benchmarks). Returns the topology file.
+
+    By default one set, ``set0``, with one proxy on any free port, ``dbs`` DBs, ``stages``
+    (default: one instance of every stage) and ``set_options`` (more SetSpec keys). ``sets``
+    declares several instead: each entry's keys go over those defaults (``proxy`` and ``db``
+    merged key by key), and an entry without a name is called ``set<i>``. E.g.
+    ``sets=[{"name": "a", "proxy": {"max_inflight": 1}}, {"name": "b", "db": {"count": 3}}]``.
+    The NM listens at ``nm_address``."""
     import yaml
 
     from onepiece.config import deploy_dir
@@ -245,15 +254,22 @@ def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, db
     for spec in wf["models"].values():
         spec["path"] = str(models[spec["tiny"]])
     (folder / "workflow.yaml").write_text(yaml.safe_dump(wf))
+    base: dict[str, Any] = {"proxy": {"count": 1, "port": 0}, "db": {"count": dbs},
+                            "stages": stages or {s: 1 for s in wf["stages"]}, **set_options}
+    out_sets = []
+    for i, over in enumerate(sets or [{"name": "set0"}]):
+        spec = {**base, "name": f"set{i}", **over}
+        for key in ("proxy", "db"):  # merged, so {"proxy": {"max_inflight": 1}} keeps port 0
+            spec[key] = {**base.get(key, {}), **over.get(key, {})}
+        out_sets.append(spec)
     topo = {
         "workflow": "workflow.yaml",
         "transport": transport,
         "nm": {"address": nm_address, "heartbeat_s": heartbeat_s, "dead_after_s": 6 * heartbeat_s},
-        "sets": [{"name": "set0", "proxy": {"count": 1, "port": 0}, "db": {"count": dbs},
-                  "stages": stages or {s: 1 for s in wf["stages"]}, **set_options}],
+        "sets": out_sets,
     }
     path = folder / "topology.yaml"
-    path.write_text(yaml.safe_dump(topo))
+    path.write_text(yaml.safe_dump(topo, sort_keys=False))
     return path
 
 

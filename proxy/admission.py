@@ -1,21 +1,31 @@
-"""The request monitor (DESIGN §8), for now a bounded in-flight count.
+"""The request monitor (DESIGN §8): admission at the set's measured capacity, a deadline
+check, and a bounded in-flight count as the hard cap.
 
-An accepted request holds a slot until its terminal event arrives from a DB (``done`` on the
-DB's events socket) or its deadline passes, whichever comes first, so a lost event can never
-leak capacity for longer than one request timeout. Everything here runs on the proxy's event
-loop, so reserve-then-insert needs no lock.
+Capacity (``CapacityAdmission``) comes from the NM's view of the set, refreshed with every
+heartbeat: a token bucket per application at this proxy's share of the set's rate, and a
+refusal for requests predicted to miss their deadline. Both are decided in memory, before the
+proxy touches a DB or a stage.
+
+In flight (``InflightTracker``): an accepted request holds a slot until its terminal event
+arrives from a DB (``done`` on the DB's events socket) or its deadline passes, whichever comes
+first, so a lost event can never leak capacity for longer than one request timeout.
+Everything here runs on the proxy's event loop, so reserve-then-insert needs no lock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import orjson
 import zmq
 import zmq.asyncio
+
+from onepiece.nm.capacity import predicted_latency
 
 log = logging.getLogger(__name__)
 
@@ -126,3 +136,202 @@ class DoneWatcher:
             except (asyncio.CancelledError, Exception):
                 pass
         self.sock.close(linger=0)
+
+
+# --- the request monitor: admission at the set's measured capacity ----------------------------
+@dataclass
+class Refusal:
+    """Why a create is refused, in the words of the 429 it becomes."""
+
+    code: str  # "over_capacity" | "deadline" | "no_capacity" | "inflight_full"
+    message: str
+    retry_after_s: int  # whole seconds (HTTP Retry-After), at least 1
+
+
+class TokenBucket:
+    """A token bucket on an injected monotonic clock (seconds): ``rate`` tokens a second up to
+    ``burst``. It starts full, so an idle set takes a burst at once."""
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate, self.burst = rate, burst
+        self.tokens = burst
+        self.stamp = now
+
+    def _refill(self, now: float) -> None:
+        if now > self.stamp:
+            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = max(self.stamp, now)
+
+    def rerate(self, rate: float, burst: float, now: float) -> None:
+        """Change the rate: what accrued so far accrued at the old one; the level is kept
+        (clamped to the new burst), so re-rating never hands out a fresh burst."""
+        self._refill(now)
+        self.rate, self.burst = rate, burst
+        self.tokens = min(self.tokens, burst)
+
+    def try_take(self, now: float) -> bool:
+        self._refill(now)
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+    def give_back(self) -> None:
+        """Undo a take (the request was refused later for another reason)."""
+        self.tokens = min(self.burst, self.tokens + 1.0)
+
+    def wait_s(self, now: float) -> float:
+        """Seconds until a token is there (inf at rate 0)."""
+        self._refill(now)
+        if self.tokens >= 1.0:
+            return 0.0
+        return (1.0 - self.tokens) / self.rate if self.rate > 0 else math.inf
+
+
+def standalone_latency(app_estimate: dict[str, Any], shape: str) -> float | None:
+    """Seconds a request of ``shape`` takes through an idle set (no queue anywhere): the sum of
+    the stages' service times, the shape's where measured, else the application's mean."""
+    total = 0.0
+    for s in app_estimate["stages"].values():
+        t = s["shapes_s"].get(shape) or s["service_s"]
+        if t is None:
+            return None
+        total += t
+    return total
+
+
+def deadline_refusal(app_estimate: dict[str, Any], shape: str, timeout_s: float, explicit: bool,
+                     factor: float) -> Refusal | None:
+    """Refuse a request predicted to finish after its deadline.
+
+    The deadline is the request's own ``timeout_s`` when it gave one; otherwise ``factor`` ×
+    the standalone time of its shape, unless the application's limit (``timeout_s`` then) is
+    tighter. Both sides use the same service times, so for a default deadline this reads
+    "refuse when the queues ahead would stretch the request beyond factor × its idle time",
+    whatever the shape. No prediction (a stage unmeasured or without workers) admits.
+    """
+    predicted = predicted_latency(app_estimate, shape)
+    if predicted is None:
+        return None
+    deadline = timeout_s
+    if not explicit and factor > 0:
+        alone = standalone_latency(app_estimate, shape)
+        if alone is not None:
+            deadline = min(deadline, factor * alone)
+    if predicted <= deadline:
+        return None
+    # The queue ahead must drain by the excess before a request like this one fits.
+    return Refusal("deadline", f"predicted completion in {predicted:.2f}s exceeds the deadline of {deadline:.2f}s",
+                   max(1, math.ceil(predicted - deadline)))
+
+
+class CapacityAdmission:
+    """Admits creates at this proxy's fair share of the set's capacity, from the NM's view.
+
+    Per application: a token bucket refilled at ``capacity / proxies`` requests a second (the
+    set's rate split evenly over its ready proxies; clients spread over proxies round-robin)
+    with a burst of ``max(1, rate × burst_s)``: a burst adds at most about ``burst_s`` of
+    queueing at the bottleneck, which drains at the capacity, while a slow set (rate ≪ 1/s)
+    still admits one request at a time; and a proxy with nothing in flight always admits
+    (see ``check``). The buckets are re-rated whenever a new view arrives
+    (every heartbeat). Capacity None (some stage not measured yet): no rate limit; capacity 0
+    (a stage without workers): refuse. All in memory, no I/O: a refusal costs microseconds.
+    Runs on the proxy's event loop only, so no lock.
+    """
+
+    def __init__(self, burst_s: float = 0.5, deadline_factor: float = 5.0,
+                 no_capacity_retry_s: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
+        self.burst_s, self.deadline_factor = burst_s, deadline_factor
+        self.no_capacity_retry_s = no_capacity_retry_s
+        self.clock = clock
+        self.view: dict[str, Any] | None = None
+        self.buckets: dict[str, TokenBucket] = {}
+        self.proxies = 1
+
+    def observe(self, view: dict[str, Any] | None) -> None:
+        """Take the NM's latest view; re-rate the buckets if it is a new one (cheap to call on
+        every create: the view is replaced whole, so identity says whether it changed)."""
+        if view is self.view:
+            return
+        self.view = view if isinstance(view, dict) else None
+        now = self.clock()
+        try:
+            self.proxies = max(1, int((self.view or {}).get("proxies") or 1))
+        except (TypeError, ValueError):
+            self.proxies = 1
+        for app in self.apps():
+            cap = self._capacity(app)
+            if cap is None or cap <= 0:
+                continue  # bucket kept as it was: it is not consulted while unknown or zero
+            rate = cap / self.proxies
+            burst = max(1.0, rate * self.burst_s)
+            bucket = self.buckets.get(app)
+            if bucket is None:
+                self.buckets[app] = TokenBucket(rate, burst, now)
+            elif bucket.rate != rate or bucket.burst != burst:
+                bucket.rerate(rate, burst, now)
+
+    def apps(self) -> dict[str, Any]:
+        """The view's per-application estimates ({} when none or malformed)."""
+        apps = (self.view or {}).get("apps")
+        return apps if isinstance(apps, dict) else {}
+
+    def app_view(self, app: str) -> dict[str, Any] | None:
+        est = self.apps().get(app)
+        return est if isinstance(est, dict) else None
+
+    def _capacity(self, app: str) -> float | None:
+        est = self.app_view(app)
+        cap = est.get("capacity") if est is not None else None
+        return float(cap) if isinstance(cap, (int, float)) and not isinstance(cap, bool) else None
+
+    def rate(self, app: str) -> float | None:
+        """This proxy's admitted rate for ``app`` now (None: not limited by capacity)."""
+        cap = self._capacity(app)
+        return None if cap is None else cap / self.proxies
+
+    def check(self, app: str, shape: str, timeout_s: float, explicit_timeout: bool,
+              idle: bool = False) -> Refusal | None:
+        """Admit (takes a token; None) or say why not. ``give_back(app)`` undoes an admission
+        that a later check (the in-flight cap) refused.
+
+        ``idle``: this proxy has nothing in flight. Then an empty bucket still admits: one
+        request cannot overload the set, and a client that waits for each result before the
+        next is never refused because the estimate is still pessimistic (the first requests
+        through a fresh worker are slow, and they stay in the measured window for a while).
+        Under overload a proxy is never idle, so this changes nothing there."""
+        est = self.app_view(app)
+        if est is None:
+            return None
+        cap = self._capacity(app)
+        # A stage without workers stops the app even while other stages are still unmeasured
+        # (capacity None): nothing would get through, so say so now rather than queue.
+        stages = est.get("stages")
+        stopped = [s for s, row in stages.items() if isinstance(row, dict) and row.get("workers") == 0] \
+            if isinstance(stages, dict) else []
+        if stopped or (cap is not None and cap <= 0):
+            stage = stopped[0] if stopped else est.get("bottleneck") or "?"
+            return Refusal("no_capacity", f"stage {stage!r} of model {app!r} has no worker up in this set",
+                           self.no_capacity_retry_s)
+        try:
+            refusal = deadline_refusal(est, shape, timeout_s, explicit_timeout, self.deadline_factor)
+        except (KeyError, TypeError, AttributeError):  # a malformed view must not fail requests
+            refusal = None
+        if refusal is not None:
+            return refusal
+        bucket = self.buckets.get(app)
+        if cap is None or bucket is None:
+            return None
+        now = self.clock()
+        if bucket.try_take(now) or idle:
+            return None
+        wait = bucket.wait_s(now)
+        return Refusal("over_capacity",
+                       f"model {app!r} is at this set's capacity ({cap:.2f} requests/s over {self.proxies} "
+                       f"prox{'y' if self.proxies == 1 else 'ies'})",
+                       max(1, math.ceil(wait)) if math.isfinite(wait) else self.no_capacity_retry_s)
+
+    def give_back(self, app: str) -> None:
+        bucket = self.buckets.get(app)
+        if bucket is not None:
+            bucket.give_back()

@@ -1,7 +1,8 @@
 """The proxy's HTTP routes (DESIGN §8), shaped like the OpenAI videos API.
 
-``POST /v1/videos`` validates, admits (bounded in-flight), stores the queued record in the DB
-(so ``GET`` works at once), and hands the workflow message to an entrance instance. Reads go
+``POST /v1/videos`` validates, admits (the request monitor: the set's capacity, the deadline,
+the in-flight cap; a refusal is decided in memory before any I/O), stores the queued record in
+the DB (so ``GET`` works at once), and hands the workflow message to an entrance instance. Reads go
 to the DBs. Every error a client can cause is an OpenAI-style JSON error with a 4xx status;
 anything unexpected is a 500 JSON error for that request only.
 """
@@ -26,13 +27,14 @@ from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Sen
 
 from onepiece.db import protocol
 from onepiece.db.client import DbError, DbFull, DbUnavailable, NotReady
-from onepiece.proxy.admission import DoneWatcher, InflightTracker
+from onepiece.proxy.admission import CapacityAdmission, DoneWatcher, InflightTracker, Refusal
 from onepiece.proxy.cluster import Cluster
 from onepiece.proxy.dbs import DbAccess
 from onepiece.proxy.dispatch import Dispatcher, NoEntrance, SendFailed
 from onepiece.proxy.errors import ApiError, JsonResponse, bad_request
 from onepiece.proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
 from onepiece.proxy.validation import VideoJob, build_job, decode_base64_image, decode_image
+from onepiece.stage.service_times import shape_key
 from onepiece.transport.message import Message, MessageError, new_uid
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,11 @@ class ProxyOptions:
     db_timeout: float = 1.0
     refresh_s: float = 0.5  # how often the cluster's lists are re-read
     retry_after_s: int = 1
+    # The request monitor (DESIGN §8): admit at the set's measured capacity and refuse requests
+    # predicted to miss their deadline. Off: only the in-flight cap (to show what it prevents).
+    monitor: bool = True
+    burst_s: float = 0.5  # token-bucket burst, in seconds of this proxy's admitted rate
+    deadline_factor: float = 5.0  # default deadline = factor × standalone time (0: limit only)
 
 
 class ProxyState:
@@ -62,6 +69,10 @@ class ProxyState:
         self.metrics = ProxyMetrics()
         self.metrics.max_inflight.set(opts.max_inflight)
         self.tracker = InflightTracker(opts.max_inflight)
+        self.admission: CapacityAdmission | None = (
+            CapacityAdmission(burst_s=opts.burst_s, deadline_factor=opts.deadline_factor,
+                              no_capacity_retry_s=opts.retry_after_s) if opts.monitor else None)
+        self.metrics.watch(self.monitor_snapshot)
         self.dbs = DbAccess(timeout=opts.db_timeout)
         self.dispatcher = Dispatcher(
             cluster.entrances, send_timeout=opts.send_timeout, total_timeout=opts.send_total_timeout,
@@ -93,6 +104,27 @@ class ProxyState:
         return {"inflight": len(self.tracker), "max_inflight": self.tracker.max_inflight,
                 "accepted": self.metrics.accepted_total(), "rejected": self.metrics.rejected_total()}
 
+    def observe_monitor(self) -> None:
+        """Feed the cluster's latest capacity view to admission (re-rates on a new view)."""
+        if self.admission is None:
+            return
+        try:
+            view = self.cluster.monitor()
+        except Exception:  # a flaky cluster view must not fail requests; keep the last one
+            log.warning("cluster.monitor() failed", exc_info=True)
+            return
+        self.admission.observe(view)
+
+    def monitor_snapshot(self) -> dict[str, Any]:
+        """For /metrics and /healthz: the view admission works from and its rates; read from
+        the serving loop (a scrape), so plain attribute reads suffice."""
+        adm = self.admission
+        if adm is None:
+            return {"enabled": False, "set": self.cluster.set_name, "view": None, "rates": {}}
+        rates = {app: adm.rate(app) for app in self.cluster.workflow.applications}
+        return {"enabled": True, "set": self.cluster.set_name, "view": adm.view, "proxies": adm.proxies,
+                "rates": rates}
+
     def _on_done(self, uid: str, status: str) -> None:
         if self.tracker.release(uid):
             log.debug("uid=%s terminal (%s): slot freed", uid, status)
@@ -110,8 +142,9 @@ class ProxyState:
             self.watcher.update([d.get("events", "") for d in dbs if isinstance(d, dict)])
 
     def refresh(self) -> None:
-        """Follow the DB list and drop slots whose deadline passed."""
+        """Follow the DB list and the capacity view, and drop slots whose deadline passed."""
         self.follow_dbs()
+        self.observe_monitor()
         self.tracker.sweep()
         self.metrics.inflight.set(len(self.tracker))
 
@@ -135,23 +168,37 @@ class ProxyState:
         # client with other sets to try goes there at once anyway.
         return {"Retry-After": str(self.opts.retry_after_s)}
 
+    def _refuse(self, r: Refusal) -> ApiError:
+        self.metrics.rejected.labels(r.code).inc()
+        return ApiError(429, f"set {self.cluster.set_name!r}: {r.message}; retry later or use another set",
+                        code=r.code, headers={"Retry-After": str(r.retry_after_s)})
+
     async def submit(self, job: VideoJob) -> dict[str, Any]:
         wf = self.cluster.workflow
         first_stage = wf.applications[job.app].stages[0]
+        params = job.params()
+        # Admission first, all in memory: a refusal never waits on a DB, a stage or the NM.
+        adm = self.admission
+        if adm is not None:
+            self.observe_monitor()
+            refusal = adm.check(job.app, shape_key(params), job.timeout_s, job.timeout_given,
+                                idle=len(self.tracker) == 0)
+            if refusal is not None:
+                raise self._refuse(refusal)
         self.follow_dbs()  # cheap (set compares): a DB that just joined is used at once
         if not self.cluster.entrances(job.app):
+            if adm is not None:
+                adm.give_back(job.app)
             raise ApiError(503, f"no instance of stage {first_stage!r} (entrance of model {job.app!r}) is up; "
                                 f"try again later or another set", code="no_entrance", headers=self._retry())
         uid = new_uid()
         ts = time.time_ns()
         deadline = ts + int(job.timeout_s * 1e9)
         if not self.tracker.try_admit(uid, deadline):
-            self.metrics.rejected.labels("inflight_full").inc()
-            raise ApiError(
-                429, f"set {self.cluster.set_name!r} is full ({self.tracker.max_inflight} requests in flight); "
-                     f"retry later or use another set", code="inflight_full",
-                headers=self._retry(),
-            )
+            if adm is not None:
+                adm.give_back(job.app)  # the token was not used
+            raise self._refuse(Refusal("inflight_full", f"full ({self.tracker.max_inflight} requests in flight)",
+                                       self.opts.retry_after_s))
         self.metrics.inflight.set(len(self.tracker))
         try:
             image = None
@@ -171,7 +218,7 @@ class ProxyState:
                                headers=self._retry()) from None
             header = {
                 "uid": uid, "ts": ts, "app": job.app, "stage": first_stage, "set": self.cluster.set_name,
-                "deadline": deadline, "kind": "task", "params": job.params(), "trace": [],
+                "deadline": deadline, "kind": "task", "params": params, "trace": [],
             }
             msg = Message(header, {"image": image} if image is not None else {})
             msg.mark("proxy", "leave")
@@ -223,6 +270,7 @@ def video_object(record: dict[str, Any]) -> dict[str, Any]:
         "prompt": record.get("prompt"),
         "remixed_from_video_id": None,
         "stage": record.get("stage"),
+        "set": record.get("set"),  # the workflow set that accepted it (its DBs hold the result)
     }
 
 
@@ -508,6 +556,7 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
         return JsonResponse({
             "status": "ok", "set": st.cluster.set_name, "inflight": len(st.tracker),
             "max_inflight": st.tracker.max_inflight, "dbs": st.dbs.count, "entrances": apps,
+            "monitor": st.admission is not None, "admission": _admission_health(st),
         })
 
     @app.get("/metrics")
@@ -515,6 +564,17 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _admission_health(st: ProxyState) -> dict[str, Any]:
+    """What the request monitor admits now, per application: the set's capacity (requests/s,
+    None until measured), this proxy's admitted rate and the bottleneck stage."""
+    snap = st.monitor_snapshot()
+    apps = st.admission.apps() if st.admission is not None else {}
+    return {"enabled": snap["enabled"], "proxies": snap.get("proxies"), "apps": {
+        app: {"capacity": (apps.get(app) or {}).get("capacity"), "rate": rate,
+              "bottleneck": (apps.get(app) or {}).get("bottleneck")}
+        for app, rate in snap["rates"].items()}}
 
 
 async def _db(coro: Any) -> Any:

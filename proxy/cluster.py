@@ -25,22 +25,34 @@ class Cluster(Protocol):
         """The set's DB instances, each ``{"data": addr, "control": addr, "events": addr}``."""
         ...
 
+    def monitor(self) -> dict | None:
+        """The NM's capacity view of the set (``{"apps": {app: {"capacity", "bottleneck",
+        "stages"}}, "proxies": n}``, see nm/capacity.py), or None when there is none."""
+        ...
+
 
 @dataclass
 class StaticCluster:
     """A fixed (but mutable by its owner) view, for tests and single-host setups.
 
     ``entrance_map`` maps an application id to its entrance addresses; ``db_list`` holds the
-    DB address dicts. Tests mutate them to simulate instances coming and going.
+    DB address dicts; ``monitor_view`` is what ``monitor()`` returns (None: no capacity view,
+    admission by the in-flight cap only). Tests mutate them to simulate instances coming and
+    going, or the set's capacity changing (assign a new view: admission re-rates on a new
+    object, as it does on each heartbeat's fresh view from the NM).
     """
 
     workflow: Workflow
     set_name: str = "set0"
     entrance_map: dict[str, list[str]] = field(default_factory=dict)
     db_list: list[dict] = field(default_factory=list)
+    monitor_view: dict | None = None
 
     def entrances(self, app: str) -> list[str]:
         return list(self.entrance_map.get(app, []))
 
     def dbs(self) -> list[dict]:
         return [dict(d) for d in self.db_list]
+
+    def monitor(self) -> dict | None:
+        return self.monitor_view

@@ -3,8 +3,14 @@ process (tests, `onepiece up` in-process) never collide on metric names."""
 
 from __future__ import annotations
 
+import logging
+from typing import Any, Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ProxyMetrics", "CONTENT_TYPE_LATEST"]
 
@@ -32,6 +38,11 @@ class ProxyMetrics:
             "onepiece_proxy_send_failures", "Sends to an entrance instance that failed", ["address"], registry=r,
         )
 
+    def watch(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        """Export the request monitor's view (capacity, admitted rate, per-stage service time
+        and rate) from ``snapshot()`` at each scrape; see ``MonitorCollector``."""
+        self.registry.register(MonitorCollector(snapshot))
+
     def accepted_total(self) -> int:
         """Requests accepted so far, all apps together."""
         return _total(self.accepted)
@@ -47,3 +58,68 @@ class ProxyMetrics:
 def _total(counter: Counter) -> int:
     # Summed over every label value; collect() takes the counter's lock, so any thread may call it.
     return int(sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")))
+
+
+class MonitorCollector:
+    """Gauges read from the request monitor's current view at scrape time, so series of
+    applications or stages that left the view disappear with it.
+
+    ``snapshot()`` returns ``{"enabled", "set", "view": the NM's monitor view or None,
+    "rates": {app: this proxy's admitted rate or None}}`` (ProxyState.monitor_snapshot).
+    """
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.snapshot = snapshot
+
+    def describe(self) -> list[Metric]:
+        return []  # collected lazily; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            snap = self.snapshot()
+        except Exception:  # a scrape must never fail on the monitor's state
+            log.warning("request monitor snapshot failed", exc_info=True)
+            return
+        set_name = str(snap.get("set", ""))
+        enabled = GaugeMetricFamily("onepiece_proxy_monitor_enabled",
+                                    "1 when the request monitor (capacity and deadline admission) is on")
+        enabled.add_metric([], 1.0 if snap.get("enabled") else 0.0)
+        yield enabled
+        apps = (snap.get("view") or {}).get("apps")
+        apps = apps if isinstance(apps, dict) else {}
+        cap = GaugeMetricFamily("onepiece_proxy_capacity",
+                                "The set's estimated capacity per application (requests/s; absent until measured)",
+                                labels=["set", "app"])
+        bottleneck = GaugeMetricFamily("onepiece_proxy_bottleneck", "1 for the stage that limits an application",
+                                       labels=["set", "app", "stage"])
+        svc = GaugeMetricFamily("onepiece_proxy_stage_service_seconds",
+                                "Measured mean service time per stage and application, from the NM's view",
+                                labels=["set", "app", "stage"])
+        rate = GaugeMetricFamily("onepiece_proxy_stage_rate",
+                                 "Requests/s a stage sustains for an application (its workers / service time)",
+                                 labels=["set", "app", "stage"])
+        workers = GaugeMetricFamily("onepiece_proxy_stage_workers", "Ready workers per stage, from the NM's view",
+                                    labels=["set", "app", "stage"])
+        for app, est in apps.items():
+            if not isinstance(est, dict):
+                continue
+            if isinstance(est.get("capacity"), (int, float)):
+                cap.add_metric([set_name, app], float(est["capacity"]))
+            if est.get("bottleneck"):
+                bottleneck.add_metric([set_name, app, str(est["bottleneck"])], 1.0)
+            for stage, row in (est.get("stages") or {}).items():
+                if not isinstance(row, dict):
+                    continue
+                if isinstance(row.get("service_s"), (int, float)):
+                    svc.add_metric([set_name, app, stage], float(row["service_s"]))
+                if isinstance(row.get("rate"), (int, float)):
+                    rate.add_metric([set_name, app, stage], float(row["rate"]))
+                if isinstance(row.get("workers"), int):
+                    workers.add_metric([set_name, app, stage], float(row["workers"]))
+        admitted = GaugeMetricFamily("onepiece_proxy_admit_rate",
+                                     "This proxy's admitted rate per application (requests/s: its share of the "
+                                     "set's capacity; absent while not rate-limited)", labels=["set", "app"])
+        for app, r in (snap.get("rates") or {}).items():
+            if r is not None:
+                admitted.add_metric([set_name, app], float(r))
+        yield from (cap, bottleneck, admitted, svc, rate, workers)

@@ -63,7 +63,7 @@ class ProxyServer:
         max_body_bytes: int = 16 << 20,
         log_level: str = "warning",
         max_connections: int = 4096,
-        **options: float,
+        **options: float | bool,
     ) -> None:
         self.host = host
         self.opts = ProxyOptions(max_inflight=max_inflight, max_body_bytes=max_body_bytes, **options)  # type: ignore[arg-type]

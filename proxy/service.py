@@ -5,6 +5,8 @@ heartbeat."""
 from __future__ import annotations
 
 import logging
+import time
+from typing import Any
 
 from onepiece.config import Workflow
 from onepiece.nm.client import Membership, NmClient
@@ -18,6 +20,8 @@ class NmCluster:
 
     def __init__(self, workflow: Workflow, member: Membership) -> None:
         self.workflow, self.member, self.set_name = workflow, member, member.set
+        self._view: dict[str, Any] | None = None
+        self._seen = 0.0
 
     def entrances(self, app: str) -> list[str]:
         first = self.workflow.applications[app].stages[0]
@@ -26,8 +30,23 @@ class NmCluster:
     def dbs(self) -> list[dict]:
         return list(self.member.routes["dbs"])
 
+    def monitor(self) -> dict[str, Any] | None:
+        """The NM's capacity view from the latest heartbeat. A view no heartbeat has renewed
+        for a while (the NM unreachable) is dropped, so the proxy falls back to the in-flight
+        cap instead of admitting forever at a rate that may no longer hold."""
+        view = self.member.monitor
+        now = time.monotonic()
+        if view is not self._view:
+            self._view, self._seen = view, now
+        if view is not None and now - self._seen > max(5.0, 10 * self.member.heartbeat_s):
+            return None
+        return view
 
-def serve(nm_address: str, set_name: str, host: str, port: int, max_inflight: int, max_body_bytes: int) -> None:
+
+def serve(nm_address: str, set_name: str, host: str, port: int, max_inflight: int, max_body_bytes: int,
+          monitor: bool = True) -> None:
+    """Run a proxy of ``set_name`` until SIGTERM; ``monitor=False`` admits by the in-flight cap
+    only (no capacity or deadline refusals)."""
     nm = NmClient(nm_address, timeout=1.0, retries=0)
     workflow = nm.workflow()
     nm.close()
@@ -39,7 +58,8 @@ def serve(nm_address: str, set_name: str, host: str, port: int, max_inflight: in
         return server.app.state.proxy.stats()
 
     member = Membership(nm_address, "proxy", set_name, {}, stats=stats)
-    server = ProxyServer(NmCluster(workflow, member), host, port, max_inflight, max_body_bytes, log_level="info")
+    server = ProxyServer(NmCluster(workflow, member), host, port, max_inflight, max_body_bytes, log_level="info",
+                         monitor=monitor)
 
     def on_bound(bound_host: str, bound_port: int) -> None:
         member.addresses = {"http": server.url}

@@ -84,6 +84,7 @@ class VideoJob:
     max_sequence_length: int
     timeout_s: float
     image_bytes: bytes | None = None
+    timeout_given: bool = False  # the client set timeout_s (else: the app's limit, and admission's default)
 
     @property
     def size(self) -> str:
@@ -243,7 +244,7 @@ def build_job(workflow: Workflow, raw: dict[str, Any], image_bytes: bytes | None
     return VideoJob(
         app=app, prompt=prompt, negative_prompt=negative, width=width, height=height, num_frames=num_frames,
         steps=steps, guidance=float(guidance), seed=seed, fps=d.fps, max_sequence_length=d.max_sequence_length,
-        timeout_s=timeout_s, image_bytes=image_bytes,
+        timeout_s=timeout_s, image_bytes=image_bytes, timeout_given=fields.timeout_s is not None,
     )
 
 

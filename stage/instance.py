@@ -48,7 +48,7 @@ class StageMetrics:
         yield c
         g = GaugeMetricFamily("onepiece_stage_service_seconds", "recent mean service time", labels=["stage", "app"])
         for app, t in s.service.items():
-            g.add_metric([self.stage, app], t["mean_s"])
+            g.add_metric([self.stage, app], t["median_s"])
         yield g
 
 

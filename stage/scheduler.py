@@ -53,7 +53,7 @@ class SchedulerStats:
     completed: int = 0
     failed: int = 0
     rejected_frames: int = 0
-    # measured service times: {app: {"mean_s", "recent", "shapes": {shape: mean_s}}}
+    # measured service times: {app: {"median_s", "recent", "shapes": {shape: median_s}}}
     service: dict[str, dict] = field(default_factory=dict)
 
 

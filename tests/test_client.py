@@ -12,6 +12,7 @@ import argparse
 import sys
 import threading
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import orjson
@@ -142,7 +143,7 @@ def test_rejection_and_failover_across_proxies(tmp_path):
     good = H.Harness(max_inflight=10)
     worker = FakeWorker(good)
     try:
-        with Client(full.url) as c:
+        with Client(full.url, rounds=1) as c:
             c.submit("hold: takes the only slot")
             with pytest.raises(RequestRejected) as e:
                 c.submit("refused")
@@ -176,9 +177,9 @@ def test_download_and_status_fall_back_when_the_home_proxy_is_unreachable(h, tmp
         assert out.read_bytes().startswith(b"FAKEMP4")
 
 
-def mock_client(urls, handler) -> Client:
+def mock_client(urls, handler, **kw) -> Client:
     """A Client whose HTTP goes to ``handler(request) -> httpx.Response`` (or raises)."""
-    c = Client(urls)
+    c = Client(urls, **kw)
     c._http.close()
     c._http = httpx.Client(transport=httpx.MockTransport(handler))
     return c
@@ -272,6 +273,83 @@ def test_another_sets_404_is_not_final_while_the_home_proxy_is_unreachable(tmp_p
             c.status(VID)
         assert e.value.status_code == 404
     assert not (tmp_path / "x.mp4").exists()
+
+
+def test_proxies_of_several_sets_are_tried_alternately():
+    c = Client({"a": ["http://a1/", "http://a2"], "b": ["http://b1"], "c": []})
+    assert c.urls == ["http://a1", "http://b1", "http://a2"]
+    c.close()
+
+
+def refusing(plan: dict[str, list], posts: list[str]) -> Callable[[httpx.Request], httpx.Response]:
+    """A handler whose proxy ``host`` answers POSTs with ``plan[host]`` in turn: an int is an
+    error status (with Retry-After from ``plan["retry_after"]``), "ok" the video object."""
+    answers = {host: iter(a) for host, a in plan.items() if host != "retry_after"}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method != "POST":
+            return httpx.Response(200, json=video("queued"))
+        posts.append(request.url.host)
+        a = next(answers[request.url.host])
+        if a == "ok":
+            return httpx.Response(200, json=video("queued"))
+        return httpx.Response(a, headers={"Retry-After": plan["retry_after"]},
+                              json={"error": {"message": "full", "code": "inflight_full"}})
+    return handler
+
+
+def test_submit_goes_round_again_after_a_jittered_pause_of_at_least_retry_after(monkeypatch):
+    pauses: list[float] = []
+    monkeypatch.setattr("onepiece.client.time.sleep", pauses.append)
+    posts: list[str] = []
+    handler = refusing({"a": [429, 429, 429], "b": [503, 429, "ok"], "retry_after": "0.3"}, posts)
+    with mock_client({"a": ["http://a"], "b": ["http://b"]}, handler, backoff_s=0.2, backoff_cap_s=2.0) as c:
+        v = c.submit("x")
+        assert v["set"] == "b" and c.set_of(VID) == "b"  # the proxy did not say; the NM's listing does
+        assert posts == ["a", "b", "b", "a", "a", "b"]  # each round starts at the next proxy
+        assert len(c.last_refusals) == 5 and "(set a)" in c.last_refusals[0]
+        # round 1: 0.1-0.2 s of backoff, but Retry-After asks for 0.3; round 2: 0.2-0.4 s, at least 0.3
+        assert pauses[0] == 0.3 and 0.3 <= pauses[1] <= 0.4
+
+
+def test_submit_gives_up_after_the_rounds_with_the_smallest_retry_after(monkeypatch):
+    pauses: list[float] = []
+    monkeypatch.setattr("onepiece.client.time.sleep", pauses.append)
+    posts: list[str] = []
+    handler = refusing({"a": [429] * 4, "b": [429] * 4, "retry_after": "30"}, posts)
+    with mock_client(["http://a", "http://b"], handler, rounds=4, backoff_cap_s=1.5) as c:
+        with pytest.raises(RequestRejected) as e:
+            c.submit("x")
+    assert len(posts) == 8 and pauses == [1.5, 1.5, 1.5]  # Retry-After honoured, but capped
+    assert e.value.retry_after == 30 and e.value.code == "inflight_full" and "after 4 rounds" in e.value.message
+
+
+def test_reads_stay_within_the_set_that_accepted_the_video(tmp_path):
+    asked: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if request.method == "POST":
+            return httpx.Response(200, json=video("queued", set="a"))
+        asked.append(host)
+        if host == "a1":  # the proxy that accepted it went away
+            raise httpx.ConnectError("connection refused", request=request)
+        if host == "a2":
+            return httpx.Response(200, json=video("completed", 100, set="a"))
+        return error(404, "video_not_found")  # set b never saw it
+
+    with mock_client({"b": ["http://b1"], "a": ["http://a1", "http://a2"]}, handler) as c:
+        c._rr = iter([1])  # start the rotation at a1
+        assert c.submit("x")["set"] == "a"
+        assert c.status(VID)["status"] == "completed"
+        assert asked == ["a1", "a2"]  # the other proxy of set a, before set b's
+        assert c._home[VID] == "http://a2"
+
+
+def test_from_nm_without_a_node_manager_says_so():
+    with pytest.raises(RequestFailed) as e:
+        Client.from_nm("tcp://127.0.0.1:9", nm_timeout=0.2)
+    assert e.value.code == "nm_unreachable"
 
 
 def test_generate_command(h, tmp_path, capsys):

@@ -70,3 +70,73 @@ def test_cli_reports_config_errors_and_bad_flags(tmp_path):
     out = subprocess.run([sys.executable, "-m", "onepiece", "up", "--ready-timeout", "soon"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "invalid float value: 'soon'" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "sets, expected",
+    [
+        ("  - {name: a, stages: {}}\n  - {name: a, stages: {}}\n", r"sets\.1\.name: set name 'a' is already used by sets\.0"),
+        ("  - {name: a, proxy: {port: 8000, count: 2}, stages: {}}\n  - {name: b, proxy: {port: 8001}, stages: {}}\n",
+         r"sets\.b\.proxy\.port: proxy port 8001 \(ports 8001-8001\) is also taken by set 'a'"),
+        ("  - {name: a, stages: {}}\n  - {name: b, stages: {}}\n",  # both on the default port 8000
+         r"sets\.b\.proxy\.port: proxy port 8000"),
+        ("  - {name: a, proxy: {port: 65535, count: 2}, stages: {}}\n", r"sets\.a\.proxy\.port: 2 proxies from port 65535"),
+        ("  - {name: 'a/b', stages: {}}\n", r"sets\.0\.name: String should match pattern"),
+        ("  - {name: a, db: {replication: 0}, stages: {}}\n", r"sets\.0\.db\.replication: Input should be greater than 0"),
+    ],
+)
+def test_bad_sets_name_the_key(tmp_path, sets, expected):
+    write(tmp_path, GOOD)
+    path = write(tmp_path, "workflow: wf.yaml\nsets:\n" + sets, "topo.yaml")
+    with pytest.raises(ConfigError, match=f"topo.yaml: {expected}"):
+        load_topology(path)
+
+
+def test_several_sets_with_ports_apart_or_any_free_port_load(tmp_path):
+    write(tmp_path, GOOD)
+    path = write(tmp_path, "workflow: wf.yaml\nsets:\n"
+                 "  - {name: a, proxy: {port: 8000, count: 2}, db: {count: 1, replication: 3}, stages: {}}\n"
+                 "  - {name: b, proxy: {port: 8002}, stages: {}}\n"
+                 "  - {name: c, proxy: {port: 0, count: 3}, stages: {}}\n"
+                 "  - {name: d, proxy: {port: 0}, stages: {}}\n", "topo.yaml")
+    topo, _, _ = load_topology(path)
+    assert [s.name for s in topo.sets] == ["a", "b", "c", "d"]
+    assert topo.sets[0].db.replication == 3 and topo.sets[1].db.replication == 2  # capped at count when run
+
+
+def test_write_topology_declares_several_sets_and_the_launcher_runs_them(tmp_path):
+    from onepiece.launcher import Deployment, write_topology
+
+    models = {"t2v": tmp_path / "t2v", "i2v": tmp_path / "i2v"}
+    one = write_topology(tmp_path, models, "tcp://127.0.0.1:7799", dbs=1, stages={"text_encode": 1})
+    topo, _, _ = load_topology(one)
+    assert [s.name for s in topo.sets] == ["set0"] and topo.sets[0].proxy.port == 0
+    path = write_topology(tmp_path, models, "tcp://127.0.0.1:7799", stages={"text_encode": 1}, sets=[
+        {"name": "a", "proxy": {"max_inflight": 1}, "db": {"count": 1}},
+        {"db": {"count": 3, "replication": 2}, "stages": {"vae_decode": 2}},
+    ])
+    topo, _, _ = load_topology(path)
+    a, b = topo.sets
+    assert (a.name, a.proxy.port, a.proxy.max_inflight, a.db.count, a.stages) == ("a", 0, 1, 1, {"text_encode": 1})
+    assert (b.name, b.db.count, b.db.replication, b.stages) == ("set1", 3, 2, {"vae_decode": 2})
+    dep = Deployment(path, tmp_path / "logs")
+    try:
+        argv = {c.name: c.argv for c in dep.plan()}
+    finally:
+        dep.stop()
+    assert sorted(argv) == ["a-db0", "a-proxy0", "a-text_encode0", "nm", "set1-db0", "set1-db1", "set1-db2",
+                            "set1-proxy0", "set1-vae_decode0", "set1-vae_decode1"]
+    db = argv["a-db0"]
+    assert db[db.index("--replication") + 1] == "1"  # 2 asked, capped at the set's one DB
+    db = argv["set1-db2"]
+    assert db[db.index("--replication") + 1] == "2" and db[db.index("--set") + 1] == "set1"
+
+
+def test_db_command_takes_a_replication_factor(capsys):
+    from onepiece.cli import build_parser
+
+    assert build_parser().parse_args(["db"]).replication == 2
+    assert build_parser().parse_args(["db", "--replication", "3"]).replication == 3
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["db", "--replication", "0"])
+    assert "must be at least 1" in capsys.readouterr().err

@@ -60,6 +60,12 @@ class Running:
     def control(self) -> str:
         return self.server.control_address
 
+    @property
+    def entry(self) -> dict[str, str]:
+        """This DB as the NM's route table lists it (what ``set_peers`` takes)."""
+        return {"data": self.server.data_address, "control": self.server.control_address,
+                "events": self.server.events_address}
+
 
 _names = iter(range(10**6))
 
@@ -77,7 +83,7 @@ def start_dbs():
             group.append(Running(server))
         if mesh:
             for r in group:
-                r.server.set_peers([o.server.data_address for o in group])
+                r.server.set_peers([o.entry for o in group])
         running.extend(group)
         return group
 
@@ -158,6 +164,80 @@ def test_write_to_any_db_is_readable_from_every_db_and_purge_reaches_all(start_d
         wait_for(lambda d=d: get_from(d, uid) is None, what=f"purge on {d.server.name}")
     # two changes to two peers, plus the purge to two peers
     wait_for(lambda: sum(d.server.counts["sent"] for d in dbs) >= 6, what="sends counted")
+
+
+def ranked(dbs: list[Running], uid: str) -> list[Running]:
+    """``dbs`` in ``uid``'s placement order (by control address, as readers and writers rank)."""
+    by_control = {d.control: d for d in dbs}
+    return [by_control[a] for a in order(uid, list(by_control))]
+
+
+def test_replication_factor_puts_copies_on_the_first_dbs_in_placement_order(start_dbs) -> None:
+    dbs = start_dbs(3, replication=2)
+    uid = new_uid()
+    first, second, third = ranked(dbs, uid)
+    assert [h["control"] for h in first.server.holders(uid)] == [first.control, second.control]
+    send(first.server.data_address, {"uid": uid, "kind": "status", "status": "in_progress", "stage": "s",
+                                     "progress": 5})
+    send(first.server.data_address, {"uid": uid, "kind": "result"}, {"content": b"mp4"})
+    wait_for(lambda: (r := get_from(second, uid)) and r["status"] == "completed", what="copy on the second DB")
+    # Two changes, one copy each, all to the second DB: nothing was ever sent to the third.
+    wait_for(lambda: first.server.counts["sent"] == 2, what="two sends")
+    assert third.server.counts["sent"] == second.server.counts["sent"] == 0
+    assert get_from(third, uid) is None and third.server.store.stats()["tombstones"] == 0
+    assert first.server.counts["short"] == 0 and first.server.snapshot["replication"]["factor"] == 2
+    with DbClient([d.control for d in dbs]) as client:
+        rec, data = client.content(uid)  # read from the first, which purges its copies
+    assert data == b"mp4"
+    wait_for(lambda: get_from(second, uid) is None, what="purge on the second DB")
+    assert get_from(first, uid) is None
+
+
+def test_replication_passes_over_a_down_peer_for_the_next_in_order(start_dbs) -> None:
+    dbs = start_dbs(3, replication=2)
+    uid = new_uid()
+    first, second, third = ranked(dbs, uid)
+    second.shutdown()  # still in the peer lists, as until the NM notices
+    send(first.server.data_address, {"uid": uid, "kind": "result"}, {"content": b"kept"})
+    wait_for(lambda: (r := get_from(third, uid)) and r["status"] == "completed", what="copy on the third DB")
+    assert first.server.counts["dropped"] >= 1 and first.server.counts["short"] == 0
+    with DbClient([d.control for d in dbs], timeout=0.3) as client:
+        first.shutdown()  # and now the holder the reader asks first is gone too
+        rec, data = client.content(uid)  # the reader asks the next, then the next
+    assert data == b"kept"
+
+
+def test_reader_asks_the_next_db_when_the_first_lacks_the_result(start_dbs) -> None:
+    dbs = start_dbs(2, mesh=False)  # no replication: only the second in order will hold it
+    uid = new_uid()
+    first, second = ranked(dbs, uid)
+    send(second.server.data_address, {"uid": uid, "kind": "result"}, {"content": b"late"})
+    wait_for(lambda: get_from(second, uid) is not None, what="result on the second DB")
+    with DbClient([d.control for d in dbs]) as client:
+        assert get_from(first, uid) is None and client.get(uid)["status"] == "completed"
+        assert client.content(uid)[1] == b"late"
+
+
+def test_replication_factor_one_copies_nothing_and_a_factor_above_the_set_means_every_db(start_dbs) -> None:
+    solo = start_dbs(2, replication=1)
+    uid = new_uid()
+    first, second = ranked(solo, uid)
+    assert first.server.holders(uid) == [first.server._me]
+    send(first.server.data_address, {"uid": uid, "kind": "result"}, {"content": b"one"})
+    wait_for(lambda: get_from(first, uid) is not None, what="result stored")
+    with DbClient([first.control]) as client:
+        assert client.content(uid)[1] == b"one"
+    wait_for(lambda: first.server.counts["sent"] == 1, what="the purge sent")  # purges still travel
+    assert get_from(second, uid) is None and first.server.counts["short"] == 0
+
+    every = start_dbs(3, replication=5)
+    uid = new_uid()
+    send(every[0].server.data_address, {"uid": uid, "kind": "result"}, {"content": b"all"})
+    for d in every:
+        wait_for(lambda d=d: get_from(d, uid) is not None, what=f"copy on {d.server.name}")
+    assert every[0].server.counts["short"] == 0
+    with pytest.raises(ValueError, match="replication"):
+        DbServer("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", replication=0)
 
 
 def test_failed_report_replicates_and_publishes_done(start_dbs) -> None:
@@ -312,7 +392,7 @@ def test_malformed_data_and_rpc_are_dropped_with_a_log_line(start_dbs, caplog) -
 
 def test_replication_to_a_dead_peer_is_dropped_and_counted(start_dbs) -> None:
     (db,) = start_dbs(1, mesh=False)
-    db.server.set_peers(["tcp://127.0.0.1:1"])  # nobody listens there
+    db.server.set_peers([{"data": "tcp://127.0.0.1:1", "control": "tcp://127.0.0.1:2"}])  # nobody listens there
     with DbClient([db.control]) as client:
         t0 = time.monotonic()
         for _ in range(20):
@@ -325,9 +405,10 @@ def test_replication_to_a_dead_peer_is_dropped_and_counted(start_dbs) -> None:
 
 def test_late_joining_peer_and_replicas_are_not_forwarded(start_dbs) -> None:
     a, b = start_dbs(2, mesh=False)
-    a.server.set_peers([b.server.data_address, a.server.data_address, b.server.data_address])
-    assert a.server.peers == [b.server.data_address]  # itself and duplicates are ignored
-    b.server.set_peers([a.server.data_address])  # from another thread, while b serves
+    a.server.set_peers([b.entry, a.entry, b.entry, {"data": "tcp://127.0.0.1:1"}, "tcp://127.0.0.1:3"])
+    # itself, duplicates and entries without a data and a control address are ignored
+    assert a.server.peers == [{"data": b.server.data_address, "control": b.control}]
+    b.server.set_peers([a.entry])  # from another thread, while b serves
     replicated: list[Message] = []  # what b hands to replication, recorded on b's loop thread
     b_replicate = b.server._replicate
     b.server._replicate = lambda msg: (replicated.append(msg), b_replicate(msg))

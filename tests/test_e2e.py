@@ -24,7 +24,7 @@ import pytest
 import zmq
 from PIL import Image
 
-from onepiece.client import Client, RequestFailed
+from onepiece.client import Client, RequestFailed, RequestRejected
 from onepiece.db.client import DbClient
 from onepiece.launcher import free_tcp_address
 from onepiece.nm.client import NmClient
@@ -236,7 +236,17 @@ def test_killed_worker_fails_its_request_and_comes_back(up):
             except (AssertionError, psutil.NoSuchProcess):
                 pass
             time.sleep(0.2)
-        v2 = c.submit("after the crash", model="t2v", size="32x32", num_frames=5, steps=2)
+        # Until the new worker has loaded its model the stage has no worker, and the request
+        # monitor refuses t2v at once (429 no_capacity) instead of queueing it.
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                v2 = c.submit("after the crash", model="t2v", size="32x32", num_frames=5, steps=2)
+                break
+            except RequestRejected as e:
+                if e.code != "no_capacity" or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         assert c.wait(v2["id"], timeout=90)["status"] == "completed"
 
 

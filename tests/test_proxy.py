@@ -400,6 +400,164 @@ def test_deadline_frees_the_slot_and_fails_the_request():
         h.close()
 
 
+# --- the request monitor: capacity and deadline admission (views as the NM sends them) -------------
+def capacity_view(denoise_s: float = 0.5, denoise_workers: int = 1, queue: int = 0, proxies: int = 1) -> dict:
+    """A monitor view of a t2v set limited by denoise_t2v: capacity denoise_workers/denoise_s."""
+    from onepiece.nm.capacity import estimate
+
+    def stage(name: str, t: float, workers: int = 1, queue: int = 0) -> dict:
+        return {"role": "stage", "stage": name, "ready": True,
+                "stats": {"ready": workers, "queue": queue, "service": {"t2v": {"median_s": t, "recent": 10}}}}
+
+    members = [stage("text_encode", 0.01), stage("denoise_t2v", denoise_s, denoise_workers, queue),
+               stage("vae_decode", 0.05)]
+    return {"apps": estimate(WORKFLOW, members), "proxies": proxies}
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return None
+
+
+def drain(h) -> int:
+    n = 0
+    while h.entrance.recv(0.05) is not None:
+        n += 1
+    return n
+
+
+def test_over_capacity_gets_a_steady_share_of_429s_with_retry_after():
+    h = Harness(max_inflight=10_000)
+    try:
+        h.cluster.monitor_view = capacity_view(denoise_s=0.5)  # the set does 2 requests/s
+        wait_for(lambda: h.healthz()["admission"]["apps"]["t2v"]["rate"] == pytest.approx(2.0),
+                 what="the proxy to take the view")
+        start, results = time.monotonic(), []
+        for i in range(40):  # 20/s for 2 s, ten times the capacity
+            time.sleep(max(0.0, start + i * 0.05 - time.monotonic()))
+            results.append((time.monotonic() - start, h.create(prompt=f"p{i}")))
+        ok = [t for t, r in results if r.status_code == 200]
+        refused = [r for _, r in results if r.status_code != 200]
+        # a burst of 1 (max(1, 2/s × 0.5 s)) then 2/s: about 1 + 2 × 2 s
+        assert 3 <= len(ok) <= 7, [t for t in ok]
+        assert ok[-1] > 1.0  # steady: admitted through the run, not one burst and then nothing
+        for r in refused:
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            err = r.json()["error"]
+            assert err["code"] == "over_capacity" and err["type"] == "rate_limit_error"
+            assert "capacity" in err["message"] and "2.00 requests/s" in err["message"]
+        assert drain(h) == len(ok)  # refused requests never reached the pipeline
+        text = h.http.get("/metrics").text
+        assert metric(text, "onepiece_proxy_rejected_total", reason="over_capacity") == len(refused)
+        assert metric(text, "onepiece_proxy_accepted_total", app="t2v") == len(ok)
+        assert metric(text, "onepiece_proxy_capacity", set="set0", app="t2v") == pytest.approx(2.0)
+        assert metric(text, "onepiece_proxy_admit_rate", set="set0", app="t2v") == pytest.approx(2.0)
+        assert metric(text, "onepiece_proxy_stage_service_seconds", app="t2v",
+                      stage="denoise_t2v") == pytest.approx(0.5)
+        assert metric(text, "onepiece_proxy_stage_rate", app="t2v", stage="denoise_t2v") == pytest.approx(2.0)
+        assert metric(text, "onepiece_proxy_bottleneck", app="t2v", stage="denoise_t2v") == 1.0
+        assert metric(text, "onepiece_proxy_monitor_enabled") == 1.0
+
+        # two proxies in the set: this one admits half
+        h.cluster.monitor_view = capacity_view(denoise_s=0.5, proxies=2)
+        wait_for(lambda: h.healthz()["admission"]["apps"]["t2v"]["rate"] == pytest.approx(1.0),
+                 what="re-rated to a fair share")
+        assert metric(h.http.get("/metrics").text, "onepiece_proxy_admit_rate", app="t2v") == pytest.approx(1.0)
+    finally:
+        h.close()
+
+
+def test_retry_after_says_when_the_next_token_comes():
+    h = Harness(max_inflight=10_000)
+    try:
+        h.cluster.monitor_view = capacity_view(denoise_s=4.0)  # 0.25/s: a token every 4 s
+        assert h.create(prompt="a").status_code == 200
+        r = h.create(prompt="b")
+        assert r.status_code == 429 and r.json()["error"]["code"] == "over_capacity"
+        assert int(r.headers["retry-after"]) in (3, 4)
+    finally:
+        h.close()
+
+
+def test_no_workers_at_a_stage_is_no_capacity():
+    h = Harness(max_inflight=10_000)
+    try:
+        h.cluster.monitor_view = capacity_view(denoise_workers=0)
+        r = h.create(prompt="a")
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "no_capacity" and "denoise_t2v" in r.json()["error"]["message"]
+        assert drain(h) == 0
+        h.cluster.monitor_view = capacity_view(denoise_workers=1)  # a worker is back
+        assert h.create(prompt="a").status_code == 200
+        assert metric(h.http.get("/metrics").text, "onepiece_proxy_rejected_total", reason="no_capacity") == 1
+    finally:
+        h.close()
+
+
+def test_predicted_completion_past_the_deadline_is_refused():
+    h = Harness(max_inflight=10_000)
+    try:
+        # 6 requests queue at denoise (0.5 s, 1 worker): predicted 0.01 + 0.5 × 7 + 0.05 = 3.56 s
+        h.cluster.monitor_view = capacity_view(denoise_s=0.5, queue=6)
+        r = h.create(prompt="a", timeout_s=2)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "deadline"
+        assert r.headers["retry-after"] == "2"  # 1.56 s too late
+        assert "3.56s" in r.json()["error"]["message"]
+        # no deadline given: 5 × the standalone 0.56 s = 2.8 s, still too late
+        r = h.create(prompt="b")
+        assert r.status_code == 429 and r.json()["error"]["code"] == "deadline"
+        # a client that can wait is admitted
+        assert h.create(prompt="c", timeout_s=10).status_code == 200
+        assert drain(h) == 1
+        assert metric(h.http.get("/metrics").text, "onepiece_proxy_rejected_total", reason="deadline") == 2
+    finally:
+        h.close()
+
+
+def test_monitor_off_admits_by_the_inflight_cap_only():
+    h = Harness(max_inflight=2, monitor=False)
+    try:
+        h.cluster.monitor_view = capacity_view(denoise_workers=0)
+        assert h.create(prompt="a").status_code == 200 and h.create(prompt="b").status_code == 200
+        r = h.create(prompt="c")
+        assert r.status_code == 429 and r.json()["error"]["code"] == "inflight_full"
+        assert h.healthz()["admission"] == {"enabled": False, "proxies": None, "apps": {}}
+        text = h.http.get("/metrics").text
+        assert metric(text, "onepiece_proxy_monitor_enabled") == 0.0
+        assert metric(text, "onepiece_proxy_capacity", app="t2v") is None
+    finally:
+        h.close()
+
+
+def test_a_refusal_is_decided_in_microseconds_without_io():
+    """The whole refusal path after the HTTP body is read (validation, the monitor's check,
+    the error), timed in process: far under a millisecond."""
+    from onepiece.proxy.validation import build_job
+
+    h = Harness(max_inflight=10_000)
+    try:
+        st = h.proxy.app.state.proxy
+        h.cluster.monitor_view = capacity_view(denoise_s=100.0)  # 0.01/s
+        assert h.create(prompt="first").status_code == 200  # takes the only token
+        st.observe_monitor()
+        n = 2000
+        t0 = time.perf_counter()
+        for i in range(n):
+            job = build_job(WORKFLOW, {"prompt": "a cat", "model": "t2v", "size": "64x64"}, None)
+            refusal = st.admission.check(job.app, "64x64x9:10", job.timeout_s, job.timeout_given)
+            err = st._refuse(refusal)
+        per = (time.perf_counter() - t0) / n
+        assert err.status == 429 and err.code == "over_capacity"
+        assert per < 0.5e-3, f"{per * 1e6:.0f} µs per refusal"
+    finally:
+        h.close()
+
+
 def test_cluster_changes_at_runtime():
     h = Harness(max_inflight=4, send_timeout=0.2, send_total_timeout=0.5)
     try:

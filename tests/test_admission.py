@@ -1,0 +1,271 @@
+"""The request monitor's admission rules, as pure code on a fake clock (no sleeps, no sockets):
+the token bucket, its re-rating when the capacity view changes, and the deadline rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from onepiece.config import deploy_dir, load_workflow
+from onepiece.nm.capacity import estimate
+from onepiece.proxy.admission import CapacityAdmission, TokenBucket, deadline_refusal, standalone_latency
+
+WF = load_workflow(deploy_dir() / "wan21.yaml")
+SHAPE = "64x64x9:10"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def stage(name: str, workers: int = 1, queue: int = 0, **service: tuple) -> dict:
+    svc = {app: {"median_s": v[0], "recent": v[1], "shapes": v[2] if len(v) > 2 else {}} for app, v in service.items()}
+    return {"role": "stage", "stage": name, "ready": True, "stats": {"ready": workers, "queue": queue, "service": svc}}
+
+
+def view(denoise_s: float = 0.5, denoise_workers: int = 1, queue: int = 0, proxies: int = 1,
+         shapes: dict | None = None) -> dict:
+    """The NM's monitor view of a t2v set whose bottleneck is denoise_t2v (capacity
+    denoise_workers / denoise_s), as nm/capacity.py computes it."""
+    members = [stage("text_encode", t2v=(0.01, 10)),
+               stage("denoise_t2v", workers=denoise_workers, queue=queue, t2v=(denoise_s, 10, shapes or {})),
+               stage("vae_decode", t2v=(0.05, 10))]
+    return {"apps": estimate(WF, members), "proxies": proxies}
+
+
+# --- the bucket ---------------------------------------------------------------------------------
+def test_bucket_starts_full_then_admits_at_its_rate():
+    b = TokenBucket(rate=2.0, burst=3.0, now=0.0)
+    assert [b.try_take(0.0) for _ in range(4)] == [True, True, True, False]
+    assert b.wait_s(0.0) == pytest.approx(0.5)
+    assert not b.try_take(0.49) and b.try_take(0.5)
+    # over 10 s of steady arrivals every 0.1 s, 2/s get through (+ what was left of the burst)
+    taken = sum(b.try_take(0.5 + 0.1 * i) for i in range(1, 101))
+    assert taken == 20
+    assert b.tokens <= b.burst
+
+
+def test_bucket_never_holds_more_than_its_burst():
+    b = TokenBucket(rate=5.0, burst=2.0, now=0.0)
+    assert b.try_take(100.0) and b.try_take(100.0) and not b.try_take(100.0)
+
+
+def test_rerate_keeps_the_level_and_accrues_at_the_old_rate_first():
+    b = TokenBucket(rate=1.0, burst=1.0, now=0.0)
+    assert b.try_take(0.0)
+    b.rerate(10.0, 5.0, now=0.5)  # half a token accrued at the old rate; no fresh burst
+    assert b.tokens == pytest.approx(0.5)
+    assert b.wait_s(0.5) == pytest.approx(0.05)
+    b.rerate(0.5, 1.0, now=10.0)  # 0.5 + 9.5 s × 10/s, clamped to the old burst then the new one
+    assert b.tokens == pytest.approx(1.0)
+
+
+def test_give_back_undoes_a_take():
+    b = TokenBucket(rate=1.0, burst=1.0, now=0.0)
+    assert b.try_take(0.0) and not b.try_take(0.0)
+    b.give_back()
+    assert b.try_take(0.0)
+
+
+def test_zero_rate_waits_forever():
+    b = TokenBucket(rate=0.0, burst=1.0, now=0.0)
+    assert b.try_take(0.0) and b.wait_s(5.0) == float("inf")
+
+
+# --- admission at capacity ----------------------------------------------------------------------
+def test_admits_a_fair_share_of_the_capacity_and_refuses_the_rest():
+    clock = Clock()
+    adm = CapacityAdmission(burst_s=0.5, clock=clock)
+    adm.observe(view(denoise_s=0.25, proxies=2))  # the set does 4/s; this proxy admits 2/s
+    assert adm.rate("t2v") == pytest.approx(2.0)
+    assert adm.buckets["t2v"].burst == pytest.approx(1.0)  # max(1, 2/s × 0.5 s)
+    outcomes = []
+    for i in range(100):  # 10/s for 10 s
+        clock.t = 1000.0 + 0.1 * i
+        outcomes.append(adm.check("t2v", SHAPE, 600.0, False))
+    admitted = [o for o in outcomes if o is None]
+    refused = [o for o in outcomes if o is not None]
+    assert len(admitted) == pytest.approx(20, abs=1)
+    assert {r.code for r in refused} == {"over_capacity"}
+    assert all(r.retry_after_s == 1 for r in refused)  # at least 1 s, the next token is < 0.5 s away
+    assert "4.00 requests/s over 2 proxies" in refused[0].message
+    # steady: every second admits the same share, not a burst then nothing
+    per_second = [sum(o is None for o in outcomes[i:i + 10]) for i in range(0, 100, 10)]
+    assert per_second[1:] == [2] * 9
+
+
+def test_retry_after_is_the_wait_for_a_token_rounded_up():
+    clock = Clock()
+    adm = CapacityAdmission(clock=clock)
+    adm.observe(view(denoise_s=4.0))  # 0.25/s, burst 1
+    assert adm.check("t2v", SHAPE, 600.0, False) is None
+    r = adm.check("t2v", SHAPE, 600.0, False)
+    assert r.code == "over_capacity" and r.retry_after_s == 4
+    clock.t += 2.5
+    assert adm.check("t2v", SHAPE, 600.0, False).retry_after_s == 2  # 1.5 s left → 2
+
+
+def test_a_new_view_re_rates_the_bucket():
+    clock = Clock()
+    adm = CapacityAdmission(clock=clock)
+    adm.observe(view(denoise_s=0.1))  # 10/s
+    assert adm.rate("t2v") == pytest.approx(10.0)
+    adm.observe(view(denoise_s=0.5))  # a denoiser died, or slowed down: 2/s
+    assert adm.rate("t2v") == pytest.approx(2.0) and adm.buckets["t2v"].rate == pytest.approx(2.0)
+    clock.t += 10
+    admitted = 0
+    for i in range(50):  # 10/s offered for 5 s
+        clock.t += 0.1
+        admitted += adm.check("t2v", SHAPE, 600.0, False) is None
+    assert admitted == pytest.approx(2 * 5 + 1, abs=1)
+    adm.observe(view(denoise_s=0.5, denoise_workers=2))  # scaled out again
+    assert adm.rate("t2v") == pytest.approx(4.0)
+
+
+def test_same_view_object_is_not_re_rated():
+    adm = CapacityAdmission(clock=Clock())
+    v = view()
+    adm.observe(v)
+    bucket = adm.buckets["t2v"]
+    v["apps"]["t2v"]["capacity"] = 100.0  # mutated in place: not a new view
+    adm.observe(v)
+    assert adm.buckets["t2v"] is bucket and bucket.rate == pytest.approx(2.0)
+
+
+def test_unknown_capacity_admits_without_a_rate_limit():
+    adm = CapacityAdmission(clock=Clock())
+    members = [stage("text_encode", t2v=(0.01, 1)), stage("denoise_t2v"), stage("vae_decode", t2v=(0.05, 1))]
+    adm.observe({"apps": estimate(WF, members), "proxies": 1})
+    assert adm.app_view("t2v")["capacity"] is None and adm.rate("t2v") is None
+    assert all(adm.check("t2v", SHAPE, 600.0, False) is None for _ in range(100))
+    adm.observe(None)  # no view at all (monitor off upstream, NM silent)
+    assert adm.check("t2v", SHAPE, 600.0, False) is None
+
+
+def test_zero_capacity_refuses_with_no_capacity():
+    adm = CapacityAdmission(no_capacity_retry_s=2, clock=Clock())
+    adm.observe(view(denoise_workers=0))
+    r = adm.check("t2v", SHAPE, 600.0, False)
+    assert r.code == "no_capacity" and r.retry_after_s == 2 and "denoise_t2v" in r.message
+    # i2v's stages have no instance in this t2v-only set at all
+    assert adm.check("i2v", SHAPE, 600.0, False).code == "no_capacity"
+
+
+def test_proxies_count_never_divides_by_zero():
+    adm = CapacityAdmission(clock=Clock())
+    adm.observe(view(denoise_s=0.5, proxies=0))
+    assert adm.rate("t2v") == pytest.approx(2.0)
+
+
+# --- the deadline rule --------------------------------------------------------------------------
+def test_standalone_time_uses_the_shape_where_measured():
+    est = view(denoise_s=0.5, shapes={SHAPE: 0.2})["apps"]["t2v"]
+    assert standalone_latency(est, SHAPE) == pytest.approx(0.01 + 0.2 + 0.05)
+    assert standalone_latency(est, "256x256x17:10") == pytest.approx(0.01 + 0.5 + 0.05)
+
+
+def test_explicit_timeout_is_the_deadline():
+    est = view(denoise_s=0.5, queue=4)["apps"]["t2v"]  # predicted 0.01 + 0.5 × 5 + 0.05 = 2.56 s
+    assert deadline_refusal(est, SHAPE, 3.0, True, factor=1.0) is None  # the factor is for defaults only
+    r = deadline_refusal(est, SHAPE, 1.0, True, factor=5.0)
+    assert r.code == "deadline" and r.retry_after_s == 2  # 1.56 s too late → 2
+    assert "2.56s" in r.message and "1.00s" in r.message
+
+
+def test_default_deadline_is_factor_times_standalone_unless_the_limit_is_tighter():
+    idle = view(denoise_s=0.5)["apps"]["t2v"]  # standalone 0.56 s
+    assert deadline_refusal(idle, SHAPE, 600.0, False, factor=2.0) is None
+    busy = view(denoise_s=0.5, queue=2)["apps"]["t2v"]  # predicted 1.56 s ≤ 2 × 0.56 = 1.12? no
+    r = deadline_refusal(busy, SHAPE, 600.0, False, factor=2.0)
+    assert r.code == "deadline" and r.retry_after_s == 1
+    assert deadline_refusal(busy, SHAPE, 600.0, False, factor=3.0) is None  # 1.68 s allowed
+    # the app's limit (timeout_s when not given) is tighter than factor × standalone
+    assert deadline_refusal(busy, SHAPE, 1.0, False, factor=3.0).code == "deadline"
+    # factor 0: the limit alone
+    assert deadline_refusal(busy, SHAPE, 600.0, False, factor=0) is None
+
+
+def test_no_prediction_admits():
+    members = [stage("text_encode", t2v=(0.01, 1)), stage("denoise_t2v"), stage("vae_decode", t2v=(0.05, 1))]
+    est = estimate(WF, members)["t2v"]
+    assert deadline_refusal(est, SHAPE, 0.001, True, factor=1.0) is None
+
+
+def test_check_orders_refusals_and_spends_no_token_on_a_deadline_refusal():
+    clock = Clock()
+    adm = CapacityAdmission(deadline_factor=2.0, clock=clock)
+    adm.observe(view(denoise_s=0.5, queue=4))
+    tokens = adm.buckets["t2v"].tokens
+    r = adm.check("t2v", SHAPE, 600.0, False)
+    assert r.code == "deadline" and adm.buckets["t2v"].tokens == tokens
+    assert adm.check("t2v", SHAPE, 10.0, True) is None  # a patient client is admitted
+    assert adm.buckets["t2v"].tokens == pytest.approx(tokens - 1)
+
+
+def test_a_malformed_view_never_fails_a_request():
+    adm = CapacityAdmission(clock=Clock())
+    adm.observe({"apps": {"t2v": {"capacity": None, "stages": "garbage"}}, "proxies": "x"})
+    assert adm.check("t2v", SHAPE, 600.0, False) is None
+    adm.observe({"apps": "garbage"})
+    assert adm.check("t2v", SHAPE, 600.0, False) is None
+
+
+def test_an_idle_proxy_admits_even_with_an_empty_bucket():
+    clock = Clock()
+    adm = CapacityAdmission(clock=clock)
+    adm.observe(view(denoise_s=10.0))  # a pessimistic 0.1/s
+    assert adm.check("t2v", SHAPE, 600.0, False) is None
+    assert adm.check("t2v", SHAPE, 600.0, False).code == "over_capacity"
+    # the first finished; a sequential client's next request finds the proxy idle
+    assert adm.check("t2v", SHAPE, 600.0, False, idle=True) is None
+    # but never past a stage without workers or a missed deadline
+    adm.observe(view(denoise_s=10.0, denoise_workers=0))
+    assert adm.check("t2v", SHAPE, 600.0, False, idle=True).code == "no_capacity"
+    adm.observe(view(denoise_s=10.0, queue=10))
+    assert adm.check("t2v", SHAPE, 600.0, False, idle=True).code == "deadline"
+
+
+# --- wiring: the NM-fed cluster view, the switch in topology and CLI ------------------------------
+def test_nm_cluster_drops_a_view_no_heartbeat_renewed(monkeypatch):
+    import types
+
+    import onepiece.proxy.service as service
+
+    now = [100.0]
+    monkeypatch.setattr(service.time, "monotonic", lambda: now[0])
+    member = types.SimpleNamespace(set="set0", heartbeat_s=0.25, monitor=None,
+                                   routes={"stages": {}, "dbs": []})
+    cluster = service.NmCluster(WF, member)
+    assert cluster.monitor() is None
+    member.monitor = v = view()
+    assert cluster.monitor() is v
+    now[0] += 4.9
+    assert cluster.monitor() is v  # the NM is slow, not gone
+    now[0] += 0.2
+    assert cluster.monitor() is None  # 5 s without a new view: fall back to the in-flight cap
+    member.monitor = v2 = view()  # heartbeats are back
+    assert cluster.monitor() is v2
+
+
+def test_topology_switches_the_monitor_off_through_the_cli(tmp_path):
+    from onepiece.cli import build_parser
+    from onepiece.launcher import Deployment, write_topology
+
+    models = {"t2v": tmp_path / "t2v", "i2v": tmp_path / "i2v"}
+    on = write_topology(tmp_path, models, "tcp://127.0.0.1:1")
+    dep = Deployment(on, tmp_path / "logs", runtime_dir=tmp_path)
+    assert dep.topo.sets[0].proxy.monitor is True
+    proxy = next(c for c in dep.plan() if c.name == "set0-proxy0")
+    assert "--no-monitor" not in proxy.argv
+    off = tmp_path / "off"
+    off.mkdir()
+    dep = Deployment(write_topology(off, models, "tcp://127.0.0.1:1", proxy={"count": 1, "port": 0, "monitor": False}),
+                     tmp_path / "logs", runtime_dir=tmp_path)
+    proxy = next(c for c in dep.plan() if c.name == "set0-proxy0")
+    assert "--no-monitor" in proxy.argv
+    args = build_parser().parse_args(proxy.argv[proxy.argv.index("proxy"):])
+    assert args.monitor is False
+    assert build_parser().parse_args(["proxy"]).monitor is True
