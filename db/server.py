@@ -170,13 +170,18 @@ class DbServer:
             data, control = p.get("data"), p.get("control")
             if not (isinstance(data, str) and data and isinstance(control, str) and control):
                 continue
-            if data == self.data_address or control == self.control_address:
+            if data == self._me["data"] or control == self._me["control"]:
                 continue
             out.setdefault(control, {"data": data, "control": control})
         with self._peers_lock:
             self._peers = list(out.values())
         log.info("db %s: replication peers %s (factor %d)", self.name, [p["data"] for p in out.values()],
                  self.replication)
+
+    def advertise_as(self, data: str, control: str) -> None:
+        """The addresses peers know this DB by, when not the bound ones (a DB bound to 0.0.0.0
+        in a container is reached by its service name): its placement key and self-check."""
+        self._me = {"data": data, "control": control}
 
     @property
     def peers(self) -> list[dict[str, str]]:

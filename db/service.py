@@ -11,17 +11,20 @@ from prometheus_client import start_http_server
 from onepiece.db.server import DbServer
 from onepiece.db.server import serve as serve_db
 from onepiece.nm.client import Membership
+from onepiece.transport.registry import host_of, with_host
 
 log = logging.getLogger(__name__)
 
 
 def serve(nm_address: str, set_name: str, data: str, control: str, events: str, ttl_s: float, max_bytes: int,
-          purge_after_fetch: bool, replication: int = 2) -> None:
-    metrics, _ = start_http_server(0, addr="127.0.0.1")
+          purge_after_fetch: bool, replication: int = 2, advertise: str | None = None) -> None:
+    metrics, _ = start_http_server(0, addr=host_of(data))
     member: Membership | None = None
 
     def on_ready(server: DbServer) -> None:
         nonlocal member
+        server.advertise_as(with_host(server.data_address, advertise), with_host(server.control_address, advertise))
+
         def on_routes(routes: dict) -> None:
             # Whole address dicts: replication ranks DBs by their control address, as readers do.
             server.set_peers(routes["dbs"])
@@ -29,7 +32,7 @@ def serve(nm_address: str, set_name: str, data: str, control: str, events: str, 
         member = Membership(
             nm_address, "db", set_name,
             {"data": server.data_address, "control": server.control_address, "events": server.events_address,
-             "metrics": f"http://127.0.0.1:{metrics.server_port}"},
+             "metrics": f"http://{host_of(data)}:{metrics.server_port}"}, advertise=advertise,
             # The heartbeat thread must not read the store, which only the DB loop touches:
             # it sends the snapshot the loop takes every sweep.
             on_routes=on_routes, stats=lambda: server.snapshot,

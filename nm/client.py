@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     from onepiece.config import Workflow
 
+from onepiece.transport.registry import with_host
 from onepiece.transport.rpc import RpcClient, RpcError, RpcTimeout
 
 log = logging.getLogger(__name__)
@@ -59,10 +60,12 @@ class Membership:
         on_routes: Callable[[dict], None] = lambda routes: None,
         stats: Callable[[], dict] = dict,
         ready: Callable[[], bool] = lambda: True,
+        advertise: str | None = None,
     ) -> None:
         self.nm = NmClient(nm_address, timeout=1.0, retries=0)
         self.role, self.set, self.addresses, self.stage = role, set_name, addresses, stage
         self.on_routes, self.stats, self.ready = on_routes, stats, ready
+        self.advertise = advertise  # the host peers reach this instance at, if not the bound one
         self.id: str | None = None
         self.routes: dict[str, Any] = {"version": 0, "stages": {}, "dbs": [], "proxies": []}
         self.monitor: dict[str, Any] | None = None  # proxies: the set's capacity view
@@ -76,8 +79,9 @@ class Membership:
         deadline = time.monotonic() + timeout
         while True:
             try:
+                addresses = {k: with_host(v, self.advertise) for k, v in self.addresses.items()}
                 reply, _ = self.nm.call(
-                    "register", role=self.role, set=self.set, addresses=self.addresses, pid=os.getpid(),
+                    "register", role=self.role, set=self.set, addresses=addresses, pid=os.getpid(),
                     host=socket.gethostname(), stage=self.stage,
                 )
                 break

@@ -39,7 +39,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     from onepiece.supervise import setup_logging
 
     setup_logging(f"stage[{args.stage or '?'}]", args.log_level)
-    serve(args.nm, args.set, args.listen, args.stage, args.runtime_dir)
+    serve(args.nm, args.set, args.listen, args.stage, args.runtime_dir, args.advertise)
     return 0
 
 
@@ -49,7 +49,7 @@ def cmd_db(args: argparse.Namespace) -> int:
 
     setup_logging("db", args.log_level)
     serve(args.nm, args.set, args.listen, args.control, args.events, args.ttl, args.max_bytes,
-          not args.keep_after_fetch, replication=args.replication)
+          not args.keep_after_fetch, replication=args.replication, advertise=args.advertise)
     return 0
 
 
@@ -58,7 +58,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     from onepiece.supervise import setup_logging
 
     setup_logging("proxy", args.log_level)
-    serve(args.nm, args.set, args.host, args.port, args.max_inflight, args.max_body_bytes, monitor=args.monitor)
+    serve(args.nm, args.set, args.host, args.port, args.max_inflight, args.max_body_bytes, monitor=args.monitor,
+          advertise=args.advertise)
     return 0
 
 
@@ -160,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp = role(name, help)
         sp.add_argument("--nm", default=DEFAULT_NM, help="node manager address")
         sp.add_argument("--set", default="set0", help="workflow set to join")
+        sp.add_argument("--advertise", metavar="HOST",
+                        help="host that peers reach this instance at (default: the bound one), e.g. a "
+                             "container's service name when binding 0.0.0.0")
         if name == "stage":
             sp.add_argument("--stage", help="serve this stage (default: whatever the NM assigns)")
             sp.add_argument("--listen", default="tcp://127.0.0.1:0", help="data address to receive on")

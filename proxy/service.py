@@ -44,7 +44,7 @@ class NmCluster:
 
 
 def serve(nm_address: str, set_name: str, host: str, port: int, max_inflight: int, max_body_bytes: int,
-          monitor: bool = True) -> None:
+          monitor: bool = True, advertise: str | None = None) -> None:
     """Run a proxy of ``set_name`` until SIGTERM; ``monitor=False`` admits by the in-flight cap
     only (no capacity or deadline refusals)."""
     nm = NmClient(nm_address, timeout=1.0, retries=0)
@@ -57,7 +57,7 @@ def serve(nm_address: str, set_name: str, host: str, port: int, max_inflight: in
             return {"inflight": 0, "max_inflight": max_inflight, "accepted": 0, "rejected": 0}
         return server.app.state.proxy.stats()
 
-    member = Membership(nm_address, "proxy", set_name, {}, stats=stats)
+    member = Membership(nm_address, "proxy", set_name, {}, stats=stats, advertise=advertise)
     server = ProxyServer(NmCluster(workflow, member), host, port, max_inflight, max_body_bytes, log_level="info",
                          monitor=monitor)
 

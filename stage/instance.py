@@ -53,16 +53,16 @@ class StageMetrics:
 
 
 def serve(nm_address: str, set_name: str, listen: str = "tcp://127.0.0.1:0", stage: str | None = None,
-          runtime_dir: str | None = None) -> None:
+          runtime_dir: str | None = None, advertise: str | None = None) -> None:
     stop = stop_on_signals()
     rdir = Path(tempfile.mkdtemp(prefix="stage-", dir=runtime_dir))
-    metrics, _ = start_http_server(0, addr="127.0.0.1")
+    metrics, _ = start_http_server(0, addr=registry.host_of(listen))
     receiver = registry.listen(listen)
     stats = SchedulerStats()
     member = Membership(
         nm_address, "stage", set_name,
-        {"data": receiver.address, "metrics": f"http://127.0.0.1:{metrics.server_port}"},
-        stage=stage, stats=lambda: vars(stats), ready=lambda: stats.serving,
+        {"data": receiver.address, "metrics": f"http://{registry.host_of(listen)}:{metrics.server_port}"},
+        stage=stage, stats=lambda: vars(stats), ready=lambda: stats.serving, advertise=advertise,
     )
     reply = member.register()
     workflow = Workflow.model_validate(reply["workflow"])

@@ -22,6 +22,30 @@ def scheme_of(address: str) -> str:
     return scheme
 
 
+def _split_host(address: str) -> tuple[str, str, str] | None:
+    """(scheme, host, port) of a host:port address (tcp://, http://...), else None (ipc://...)."""
+    scheme, _, rest = address.partition("://")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or "/" in port:
+        return None
+    return scheme, host, port
+
+
+def host_of(address: str, default: str = "127.0.0.1") -> str:
+    """The host an address binds to (``default`` for addresses without one, like ipc://)."""
+    parts = _split_host(address)
+    return parts[1] if parts else default
+
+
+def with_host(address: str, host: str | None) -> str:
+    """``address`` as peers should reach it: its host replaced by ``host`` (an instance bound to
+    0.0.0.0 inside a container advertises its service name). ipc:// addresses stay as they are."""
+    parts = _split_host(address)
+    if host is None or parts is None:
+        return address
+    return f"{parts[0]}://{host}:{parts[2]}"
+
+
 def _backend(table: dict, address: str):
     _load_builtin()
     scheme = scheme_of(address)
