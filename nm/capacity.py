@@ -8,7 +8,8 @@ its stages' rates, and that stage is its bottleneck.
 
 Theorem 1 of the paper: stage i keeps up with the stage before it when its rate is at least
 that stage's, i.e. with N_i ≥ N_{i-1}·T_i/T_{i-1} instances (equal workers per instance);
-``needed`` is that count, shown by `onepiece status`.
+``needed`` is that count, summed over the applications flowing into a shared stage, and shown
+by `onepiece status`.
 
 Everything here is a pure function of instance views, so it is tested without processes.
 """
@@ -42,7 +43,7 @@ def stage_state(workflow: Workflow, stage: str, members: list[dict[str, Any]]) -
         # Instances that served more of the app recently weigh more (weight ≥ 1 once measured).
         rows = [(v["stats"].get("service") or {}).get(app) for v in views]
         rows = [r for r in rows if r]
-        service[app] = _mean([(r["median_s"], 1 + r.get("recent", 0)) for r in rows])
+        service[app] = _mean([(r["mean_s"], 1 + r.get("recent", 0)) for r in rows])
         recent[app] = sum(r.get("recent", 0) for r in rows)
         merged: dict[str, list[tuple[float, float]]] = {}
         for r in rows:
@@ -58,8 +59,6 @@ def stage_state(workflow: Workflow, stage: str, members: list[dict[str, Any]]) -
     for app in apps:
         if not workers or per_request is None or service[app] is None:
             rates[app] = 0.0 if not workers else None  # no workers: nothing gets through
-        elif len(apps) == 1:
-            rates[app] = workers / service[app]
         else:
             rates[app] = mix[app] * workers / per_request
     return {"instances": len(views), "workers": workers, "queue": queue, "service_s": service,
@@ -71,18 +70,18 @@ def estimate(workflow: Workflow, members: list[dict[str, Any]]) -> dict[str, Any
     measured), bottleneck, predicted latency, and per stage its rate and Theorem 1's count."""
     stages = {s: stage_state(workflow, s, members) for s in workflow.stages}
     out: dict[str, Any] = {}
+    # Theorem 1 on a shared stage counts the flow of every application through it.
+    demand: dict[str, float] = {}
     for app, spec in workflow.applications.items():
         rows, prev_rate = {}, None
         for st in spec.stages:
             s = stages[st]
             rate, t = s["rate"][app], s["service_s"][app]
             per_instance = s["workers"] / s["instances"] if s["instances"] else 0
-            needed = None
-            if prev_rate is not None and t and per_instance:
-                needed = max(1, math.ceil(prev_rate * t / per_instance - 1e-9))
+            if prev_rate is not None and t:
+                demand[st] = demand.get(st, 0.0) + prev_rate * t  # busy workers this flow needs
             rows[st] = {"rate": rate, "service_s": t, "shapes_s": s["shapes_s"][app], "instances": s["instances"],
-                        "workers": s["workers"], "queue": s["queue"], "needed": needed,
-                        "keeps_up": needed is None or s["instances"] >= needed}
+                        "workers": s["workers"], "queue": s["queue"], "per_instance": per_instance}
             prev_rate = rate
         rates = [(r["rate"], st) for st, r in rows.items()]
         if any(r is None for r, _ in rates):
@@ -90,17 +89,24 @@ def estimate(workflow: Workflow, members: list[dict[str, Any]]) -> dict[str, Any
         else:
             capacity, bottleneck = min(rates)
         out[app] = {"capacity": capacity, "bottleneck": bottleneck, "stages": rows}
+    for est in out.values():
+        for st, row in est["stages"].items():
+            per_instance = row.pop("per_instance")
+            row["needed"] = (max(1, math.ceil(demand[st] / per_instance - 1e-9))
+                             if st in demand and per_instance else None)
+            row["keeps_up"] = row["needed"] is None or row["instances"] >= row["needed"]
     return out
 
 
 def predicted_latency(app_estimate: dict[str, Any], shape: str) -> float | None:
     """Seconds a new request of ``shape`` would take, from ``estimate(...)[app]``: at each
-    stage the queue ahead drained by its workers, plus its own service time (the shape's if
-    measured, else the application's). Cheap: the proxy calls it on every create."""
+    stage the queue ahead drained by its workers (at the application's mean service time: the
+    queue holds all shapes), plus its own service time (the shape's if measured, else the
+    mean). Cheap: the proxy calls it on every create."""
     total = 0.0
     for s in app_estimate["stages"].values():
-        t = s["shapes_s"].get(shape) or s["service_s"]
-        if t is None or not s["workers"]:
+        mean = s["service_s"]
+        if mean is None or not s["workers"]:
             return None
-        total += t * (1 + s["queue"] / s["workers"])
+        total += mean * s["queue"] / s["workers"] + (s["shapes_s"].get(shape) or mean)
     return total

@@ -109,7 +109,9 @@ class Client:
         self._http = httpx.Client(timeout=timeout, headers=headers)
         self._home: dict[str, str] = {}  # video id -> the proxy that accepted it
         self._set_of: dict[str, str] = {}  # video id -> the set that accepted it
-        self._rr = itertools.count()
+        # A random first proxy: every client starting at the same one would load it alone, and
+        # each proxy admits only its share of the set's capacity.
+        self._rr = itertools.count(random.randrange(1 << 16))
         self.last_refusals: list[str] = []  # what the latest submit was refused with, in order
 
     @classmethod

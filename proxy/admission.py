@@ -228,8 +228,10 @@ def deadline_refusal(app_estimate: dict[str, Any], shape: str, timeout_s: float,
 class CapacityAdmission:
     """Admits creates at this proxy's fair share of the set's capacity, from the NM's view.
 
-    Per application: a token bucket refilled at ``capacity / proxies`` requests a second (the
-    set's rate split evenly over its ready proxies; clients spread over proxies round-robin)
+    Per application: a token bucket refilled at ``headroom × capacity / proxies`` requests a
+    second (the set's rate split evenly over its ready proxies; clients spread over proxies
+    round-robin; admitting at exactly the capacity would run the bottleneck at utilisation 1,
+    where queues drift without bound, so a little is held back)
     with a burst of ``max(1, rate × burst_s)``: a burst adds at most about ``burst_s`` of
     queueing at the bottleneck, which drains at the capacity, while a slow set (rate ≪ 1/s)
     still admits one request at a time; and a proxy with nothing in flight always admits
@@ -239,9 +241,9 @@ class CapacityAdmission:
     Runs on the proxy's event loop only, so no lock.
     """
 
-    def __init__(self, burst_s: float = 0.5, deadline_factor: float = 5.0,
+    def __init__(self, burst_s: float = 0.5, deadline_factor: float = 5.0, headroom: float = 0.9,
                  no_capacity_retry_s: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
-        self.burst_s, self.deadline_factor = burst_s, deadline_factor
+        self.burst_s, self.deadline_factor, self.headroom = burst_s, deadline_factor, headroom
         self.no_capacity_retry_s = no_capacity_retry_s
         self.clock = clock
         self.view: dict[str, Any] | None = None
@@ -263,7 +265,7 @@ class CapacityAdmission:
             cap = self._capacity(app)
             if cap is None or cap <= 0:
                 continue  # bucket kept as it was: it is not consulted while unknown or zero
-            rate = cap / self.proxies
+            rate = self.headroom * cap / self.proxies
             burst = max(1.0, rate * self.burst_s)
             bucket = self.buckets.get(app)
             if bucket is None:

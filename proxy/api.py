@@ -58,6 +58,7 @@ class ProxyOptions:
     monitor: bool = True
     burst_s: float = 0.5  # token-bucket burst, in seconds of this proxy's admitted rate
     deadline_factor: float = 5.0  # default deadline = factor × standalone time (0: limit only)
+    headroom: float = 0.9  # admit at this fraction of the measured capacity
 
 
 class ProxyState:
@@ -70,7 +71,7 @@ class ProxyState:
         self.metrics.max_inflight.set(opts.max_inflight)
         self.tracker = InflightTracker(opts.max_inflight)
         self.admission: CapacityAdmission | None = (
-            CapacityAdmission(burst_s=opts.burst_s, deadline_factor=opts.deadline_factor,
+            CapacityAdmission(burst_s=opts.burst_s, deadline_factor=opts.deadline_factor, headroom=opts.headroom,
                               no_capacity_retry_s=opts.retry_after_s) if opts.monitor else None)
         self.metrics.watch(self.monitor_snapshot)
         self.dbs = DbAccess(timeout=opts.db_timeout)

@@ -46,9 +46,9 @@ class StageMetrics:
         c.add_metric([self.stage, "completed"], s.completed)
         c.add_metric([self.stage, "failed"], s.failed)
         yield c
-        g = GaugeMetricFamily("onepiece_stage_service_seconds", "recent mean service time", labels=["stage", "app"])
+        g = GaugeMetricFamily("onepiece_stage_service_seconds", "mean service time over the recent window", labels=["stage", "app"])
         for app, t in s.service.items():
-            g.add_metric([self.stage, app], t["median_s"])
+            g.add_metric([self.stage, app], t["mean_s"])
         yield g
 
 

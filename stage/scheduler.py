@@ -53,7 +53,7 @@ class SchedulerStats:
     completed: int = 0
     failed: int = 0
     rejected_frames: int = 0
-    # measured service times: {app: {"median_s", "recent", "shapes": {shape: median_s}}}
+    # measured service times: {app: {"mean_s", "recent", "shapes": {shape: mean_s}}}
     service: dict[str, dict] = field(default_factory=dict)
 
 
@@ -69,6 +69,7 @@ class RequestScheduler:
         self.pending: collections.deque[Message] = collections.deque()
         self.idle: collections.deque[bytes] = collections.deque()
         self.known: set[bytes] = set()  # workers that said ready at least once
+        self.fresh: set[bytes] = set()  # workers whose first request (JIT, allocator warm-up) is not a sample
         self.held: dict[bytes, Held] = {}
         self.control: queue.Queue = queue.Queue(maxsize=256)  # ("died", identity, reason) from the TaskManager
         self.hung: queue.Queue = queue.Queue(maxsize=256)  # identities for the TaskManager to kill
@@ -155,6 +156,7 @@ class RequestScheduler:
             ident, tag = frames[0].bytes, frames[1].bytes
             if tag == b"ready":
                 self.known.add(ident)
+                self.fresh.add(ident)
                 self.stats.serving = True
                 self._idle(ident)
             elif tag == b"progress":
@@ -175,7 +177,10 @@ class RequestScheduler:
                     self._fail(held.uid, held.app, f"worker returned a malformed result: {e}")
                     continue
                 self.stats.completed += 1
-                self._service.add(held.app, held.shape, time.monotonic() - held.since)
+                if ident in self.fresh:
+                    self.fresh.discard(ident)
+                else:
+                    self._service.add(held.app, held.shape, time.monotonic() - held.since)
                 self._emit(("result", msg))
 
     def _idle(self, ident: bytes) -> None:

@@ -1,9 +1,9 @@
 """Measured service times of one stage instance, per application and request shape.
 
 The request monitor (DESIGN §8) derives capacity from these, so they are measured, never
-configured: the median of a moving window of the last requests per application and per shape
-(the median, so that a worker's slow first request after a (re)start does not skew capacity
-for the next 32 requests), and a count
+configured: the mean of a moving window of the last requests per application and per shape
+(the mean, because throughput is workers / mean service time even when shapes are mixed; the
+scheduler leaves out each worker's slow first request after a (re)start), and a count
 of what arrived recently per application (the mix, for stages shared between applications).
 Everything is bounded: the windows, the number of shapes kept, the recent-arrivals log.
 """
@@ -44,16 +44,16 @@ class ServiceTimes:
         self._recent.append((self.clock(), app))
 
     def report(self) -> dict[str, dict[str, Any]]:
-        """{app: {"median_s", "recent" (count in the last MIX_WINDOW_S), "shapes": {shape: median_s}}}"""
+        """{app: {"mean_s", "recent" (count in the last MIX_WINDOW_S), "shapes": {shape: mean_s}}}"""
         horizon = self.clock() - MIX_WINDOW_S
         while self._recent and self._recent[0][0] < horizon:
             self._recent.popleft()
         recent = collections.Counter(app for _, app in self._recent)
         return {
             app: {
-                "median_s": statistics.median(w),
+                "mean_s": statistics.fmean(w),
                 "recent": recent.get(app, 0),
-                "shapes": {s: statistics.median(d) for s, d in self._shape[app].items()},
+                "shapes": {s: statistics.fmean(d) for s, d in self._shape[app].items()},
             }
             for app, w in self._app.items()
         }

@@ -22,7 +22,7 @@ class Clock:
 
 
 def stage(name: str, workers: int = 1, queue: int = 0, **service: tuple) -> dict:
-    svc = {app: {"median_s": v[0], "recent": v[1], "shapes": v[2] if len(v) > 2 else {}} for app, v in service.items()}
+    svc = {app: {"mean_s": v[0], "recent": v[1], "shapes": v[2] if len(v) > 2 else {}} for app, v in service.items()}
     return {"role": "stage", "stage": name, "ready": True, "stats": {"ready": workers, "queue": queue, "service": svc}}
 
 
@@ -78,7 +78,7 @@ def test_zero_rate_waits_forever():
 # --- admission at capacity ----------------------------------------------------------------------
 def test_admits_a_fair_share_of_the_capacity_and_refuses_the_rest():
     clock = Clock()
-    adm = CapacityAdmission(burst_s=0.5, clock=clock)
+    adm = CapacityAdmission(burst_s=0.5, headroom=1.0, clock=clock)
     adm.observe(view(denoise_s=0.25, proxies=2))  # the set does 4/s; this proxy admits 2/s
     assert adm.rate("t2v") == pytest.approx(2.0)
     assert adm.buckets["t2v"].burst == pytest.approx(1.0)  # max(1, 2/s × 0.5 s)
@@ -99,7 +99,7 @@ def test_admits_a_fair_share_of_the_capacity_and_refuses_the_rest():
 
 def test_retry_after_is_the_wait_for_a_token_rounded_up():
     clock = Clock()
-    adm = CapacityAdmission(clock=clock)
+    adm = CapacityAdmission(headroom=1.0, clock=clock)
     adm.observe(view(denoise_s=4.0))  # 0.25/s, burst 1
     assert adm.check("t2v", SHAPE, 600.0, False) is None
     r = adm.check("t2v", SHAPE, 600.0, False)
@@ -110,7 +110,7 @@ def test_retry_after_is_the_wait_for_a_token_rounded_up():
 
 def test_a_new_view_re_rates_the_bucket():
     clock = Clock()
-    adm = CapacityAdmission(clock=clock)
+    adm = CapacityAdmission(headroom=1.0, clock=clock)
     adm.observe(view(denoise_s=0.1))  # 10/s
     assert adm.rate("t2v") == pytest.approx(10.0)
     adm.observe(view(denoise_s=0.5))  # a denoiser died, or slowed down: 2/s
@@ -126,7 +126,7 @@ def test_a_new_view_re_rates_the_bucket():
 
 
 def test_same_view_object_is_not_re_rated():
-    adm = CapacityAdmission(clock=Clock())
+    adm = CapacityAdmission(headroom=1.0, clock=Clock())
     v = view()
     adm.observe(v)
     bucket = adm.buckets["t2v"]
@@ -136,7 +136,7 @@ def test_same_view_object_is_not_re_rated():
 
 
 def test_unknown_capacity_admits_without_a_rate_limit():
-    adm = CapacityAdmission(clock=Clock())
+    adm = CapacityAdmission(headroom=1.0, clock=Clock())
     members = [stage("text_encode", t2v=(0.01, 1)), stage("denoise_t2v"), stage("vae_decode", t2v=(0.05, 1))]
     adm.observe({"apps": estimate(WF, members), "proxies": 1})
     assert adm.app_view("t2v")["capacity"] is None and adm.rate("t2v") is None
@@ -146,7 +146,7 @@ def test_unknown_capacity_admits_without_a_rate_limit():
 
 
 def test_zero_capacity_refuses_with_no_capacity():
-    adm = CapacityAdmission(no_capacity_retry_s=2, clock=Clock())
+    adm = CapacityAdmission(no_capacity_retry_s=2, headroom=1.0, clock=Clock())
     adm.observe(view(denoise_workers=0))
     r = adm.check("t2v", SHAPE, 600.0, False)
     assert r.code == "no_capacity" and r.retry_after_s == 2 and "denoise_t2v" in r.message
@@ -155,7 +155,7 @@ def test_zero_capacity_refuses_with_no_capacity():
 
 
 def test_proxies_count_never_divides_by_zero():
-    adm = CapacityAdmission(clock=Clock())
+    adm = CapacityAdmission(headroom=1.0, clock=Clock())
     adm.observe(view(denoise_s=0.5, proxies=0))
     assert adm.rate("t2v") == pytest.approx(2.0)
 
@@ -196,7 +196,7 @@ def test_no_prediction_admits():
 
 def test_check_orders_refusals_and_spends_no_token_on_a_deadline_refusal():
     clock = Clock()
-    adm = CapacityAdmission(deadline_factor=2.0, clock=clock)
+    adm = CapacityAdmission(deadline_factor=2.0, headroom=1.0, clock=clock)
     adm.observe(view(denoise_s=0.5, queue=4))
     tokens = adm.buckets["t2v"].tokens
     r = adm.check("t2v", SHAPE, 600.0, False)
@@ -206,7 +206,7 @@ def test_check_orders_refusals_and_spends_no_token_on_a_deadline_refusal():
 
 
 def test_a_malformed_view_never_fails_a_request():
-    adm = CapacityAdmission(clock=Clock())
+    adm = CapacityAdmission(headroom=1.0, clock=Clock())
     adm.observe({"apps": {"t2v": {"capacity": None, "stages": "garbage"}}, "proxies": "x"})
     assert adm.check("t2v", SHAPE, 600.0, False) is None
     adm.observe({"apps": "garbage"})
@@ -215,7 +215,7 @@ def test_a_malformed_view_never_fails_a_request():
 
 def test_an_idle_proxy_admits_even_with_an_empty_bucket():
     clock = Clock()
-    adm = CapacityAdmission(clock=clock)
+    adm = CapacityAdmission(headroom=1.0, clock=clock)
     adm.observe(view(denoise_s=10.0))  # a pessimistic 0.1/s
     assert adm.check("t2v", SHAPE, 600.0, False) is None
     assert adm.check("t2v", SHAPE, 600.0, False).code == "over_capacity"
@@ -269,3 +269,11 @@ def test_topology_switches_the_monitor_off_through_the_cli(tmp_path):
     args = build_parser().parse_args(proxy.argv[proxy.argv.index("proxy"):])
     assert args.monitor is False
     assert build_parser().parse_args(["proxy"]).monitor is True
+
+
+def test_headroom_admits_below_the_measured_capacity():
+    """Admitting at exactly the capacity runs the bottleneck at utilisation 1; by default a
+    tenth is held back."""
+    adm = CapacityAdmission(clock=Clock())
+    adm.observe(view(denoise_s=0.1, proxies=2))  # capacity 10/s
+    assert adm.buckets["t2v"].rate == pytest.approx(0.9 * 10.0 / 2)

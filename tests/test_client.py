@@ -301,6 +301,7 @@ def refusing(plan: dict[str, list], posts: list[str]) -> Callable[[httpx.Request
 def test_submit_goes_round_again_after_a_jittered_pause_of_at_least_retry_after(monkeypatch):
     pauses: list[float] = []
     monkeypatch.setattr("onepiece.client.time.sleep", pauses.append)
+    monkeypatch.setattr("onepiece.client.random.randrange", lambda n: 0)  # start at the first proxy
     posts: list[str] = []
     handler = refusing({"a": [429, 429, 429], "b": [503, 429, "ok"], "retry_after": "0.3"}, posts)
     with mock_client({"a": ["http://a"], "b": ["http://b"]}, handler, backoff_s=0.2, backoff_cap_s=2.0) as c:

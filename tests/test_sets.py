@@ -114,8 +114,9 @@ def holders(sets: TwoSets, uid: str) -> list[bool]:
             for d in order_dbs(uid, sets.dbs("b"))]
 
 
-def test_a_client_refused_by_one_set_completes_on_another(sets, tmp_path, capsys):
+def test_a_client_refused_by_one_set_completes_on_another(sets, tmp_path, capsys, monkeypatch):
     (a_url,), (b_url,) = sets.proxies["a"], sets.proxies["b"]
+    monkeypatch.setattr("onepiece.client.random.randrange", lambda n: 0)  # offer it to set a first
     # Set a's one slot is taken by a request that cannot finish: its entrance worker is stopped.
     sets.freeze_worker("a-text_encode0")
     hold = httpx.post(f"{a_url}/v1/videos", json={"prompt": "hold the only slot", **SMALL}, timeout=10)
