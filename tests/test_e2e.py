@@ -147,16 +147,25 @@ def test_openai_package_works_unchanged(up, tmp_path):
 
 
 def test_status_command_shows_every_stage(up):
-    out = subprocess.run([sys.executable, "-m", "onepiece", "status", "--nm", up.nm], capture_output=True,
-                         text=True, timeout=30)
-    assert out.returncode == 0, out.stderr
+    def status() -> str:
+        out = subprocess.run([sys.executable, "-m", "onepiece", "status", "--nm", up.nm], capture_output=True,
+                             text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    text = status()
     for stage in ("text_encode", "image_encode", "vae_encode", "denoise_t2v", "denoise_i2v", "vae_decode"):
-        assert f"stage {stage}: 1/1 ready" in out.stdout
-    assert "dbs:" in out.stdout and "proxies:" in out.stdout
+        assert f"stage {stage}: 1/1 ready" in text
+    assert "dbs:" in text and "proxies:" in text
     # two t2v requests ran above, so every t2v stage has a sample (each worker's first request
-    # is left out); the i2v-only stages have served one request, so i2v is not measured yet
-    assert re.search(r"capacity t2v: [0-9.]+/s, bottleneck \w+", out.stdout), out.stdout
-    assert "capacity i2v: unmeasured" in out.stdout, out.stdout
+    # is left out), which reaches the NM with a heartbeat or two; the i2v-only stages have
+    # served one request, so i2v is not measured yet
+    deadline = time.monotonic() + 10
+    while not re.search(r"capacity t2v: [0-9.]+/s, bottleneck \w+", text) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        text = status()
+    assert re.search(r"capacity t2v: [0-9.]+/s, bottleneck \w+", text), text
+    assert "capacity i2v: unmeasured" in text, text
 
 
 def _db_client(up) -> DbClient:
