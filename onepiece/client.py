@@ -17,6 +17,7 @@ only that set's DBs hold the result.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import mimetypes
 import os
@@ -85,6 +86,18 @@ def _interleave(sets: Mapping[str, Sequence[str]]) -> list[tuple[str, str]]:
     return out
 
 
+class _Bounded(collections.OrderedDict):
+    """A dict that keeps only its newest ``limit`` entries."""
+
+    limit = 10_000
+
+    def __setitem__(self, key: str, value: str) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+
 class Client:
     def __init__(self, base_url: str | Sequence[str] | Mapping[str, Sequence[str]] = DEFAULT_URL,
                  timeout: float = 30.0, api_key: str | None = None, *, rounds: int = 3,
@@ -107,8 +120,10 @@ class Client:
         self.rounds, self.backoff_s, self.backoff_cap_s = rounds, backoff_s, backoff_cap_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(timeout=timeout, headers=headers)
-        self._home: dict[str, str] = {}  # video id -> the proxy that accepted it
-        self._set_of: dict[str, str] = {}  # video id -> the set that accepted it
+        # Bounded (least recently added dropped first): a long-lived client must not grow
+        # without end; a forgotten video is still found by asking every proxy.
+        self._home: _Bounded = _Bounded()  # video id -> the proxy that accepted it
+        self._set_of: _Bounded = _Bounded()  # video id -> the set that accepted it
         # A random first proxy: every client starting at the same one would load it alone, and
         # each proxy admits only its share of the set's capacity.
         self._rr = itertools.count(random.randrange(1 << 16))

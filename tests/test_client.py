@@ -375,3 +375,13 @@ def test_generate_command(h, tmp_path, capsys):
                           "--quiet"]) == 1
     with pytest.raises(SystemExit):  # argparse: --seconds and --frames exclude each other
         parser.parse_args(["--prompt", "x", "--seconds", "1", "--frames", "9", "-o", "y"])
+
+
+def test_the_client_remembers_a_bounded_number_of_videos(monkeypatch):
+    from onepiece.client import _Bounded
+
+    monkeypatch.setattr(_Bounded, "limit", 3)
+    m = _Bounded()
+    for i in range(5):
+        m[f"v{i}"] = "http://a"
+    assert list(m) == ["v2", "v3", "v4"]
