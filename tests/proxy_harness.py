@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import io
 import threading
-import time
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 from PIL import Image
@@ -22,20 +21,10 @@ from onepiece.proxy.cluster import StaticCluster
 from onepiece.proxy.server import ProxyServer
 from onepiece.transport import registry
 from onepiece.transport.message import Message
+from waiting import wait_for  # noqa: F401  (the proxy and client tests use it from here)
 
 WORKFLOW: Workflow = load_workflow(deploy_dir() / "wan21.yaml")
 
-
-def wait_for(cond: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
-    """Poll ``cond`` until it returns something truthy (no fixed sleeps)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        out = cond()
-        if out:
-            return out
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
 
 
 def png(w: int = 40, h: int = 30, color: tuple[int, int, int] = (200, 10, 30)) -> bytes:

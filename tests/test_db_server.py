@@ -12,7 +12,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from typing import Any, Callable
+from typing import Any
 
 import orjson
 import pytest
@@ -28,19 +28,11 @@ from onepiece.nm.server import NodeManager
 from onepiece.transport import registry
 from onepiece.transport.message import Message, new_uid, now_ns
 from onepiece.transport.rpc import RpcClient, RpcError
+from waiting import wait_for
 
 FAST = {"sweep_interval_s": 0.05, "deadline_grace_s": 0.0, "replication_timeout_s": 0.2,
         "peer_backoff_s": 0.2}
 
-
-def wait_for(cond: Callable[[], Any], timeout: float = 3.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class Running:

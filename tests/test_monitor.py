@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from onepiece.launcher import Deployment, free_tcp_address
+from waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -39,15 +40,6 @@ def healthz(url: str) -> dict:
 def t2v_admission(url: str) -> dict:
     return healthz(url)["admission"]["apps"]["t2v"]
 
-
-def wait_for(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        out = cond()
-        if out:
-            return out
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def run_one(http: httpx.Client, prompt: str, timeout: float = 30.0) -> dict:

@@ -1,7 +1,6 @@
 """The embedded node manager over real sockets: registration, assignment, routes, expiry."""
 
 import threading
-import time
 
 import pytest
 
@@ -9,6 +8,7 @@ from onepiece.config import load_topology, deploy_dir
 from onepiece.nm.client import Membership, NmClient
 from onepiece.nm.server import NodeManager
 from onepiece.transport.rpc import RpcError
+from waiting import wait_for
 
 
 @pytest.fixture
@@ -25,14 +25,6 @@ def nm():
     t.join()
     server.close()
 
-
-def wait_for(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_stage_instances_get_the_stage_with_the_biggest_deficit(nm):

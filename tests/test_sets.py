@@ -15,9 +15,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable
 
 import httpx
 import imageio.v3 as iio
@@ -30,20 +28,12 @@ from onepiece.db.placement import order_dbs
 from onepiece.launcher import Deployment, free_tcp_address, write_topology
 from onepiece.nm.client import NmClient
 from onepiece.transport.rpc import RpcClient, RpcError
+from waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 SMALL = {"model": "t2v", "size": "32x32", "num_frames": 5, "steps": 2}
 
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class TwoSets:
