@@ -47,6 +47,8 @@ class StageSpec(_Strict):
     mode: Literal["individual"] = "individual"
     queue: int = Field(64, gt=0, le=100_000, description="bounded queue of the instance's scheduler")
     threads: int = Field(0, ge=0, le=256, description="torch threads per worker (0: all cores)")
+    data: Literal["zmq", "ring"] = Field("zmq", description="how the stage receives its data: ZeroMQ, or the "
+                                                             "one-sided ring buffer (shm on one host, TCP agent across)")
 
 
 class Defaults(_Strict):
@@ -76,10 +78,31 @@ class AppSpec(_Strict):
     limits: Limits = Limits()
 
 
+class RingSpec(_Strict):
+    """Size of each ring a receiver creates: ``slots`` entries and ``bytes`` of buffer (both
+    powers of two; a message must fit in ``bytes``)."""
+
+    slots: int = Field(1024, ge=2, le=1 << 20)
+    bytes: int = Field(64 << 20, ge=4096, le=1 << 34)
+
+    @field_validator("slots", "bytes")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"expected a power of two, got {v}")
+        return v
+
+
+class DbDataSpec(_Strict):
+    data: Literal["zmq", "ring"] = Field("zmq", description="how the DBs receive results and progress")
+
+
 class Workflow(_Strict):
     models: dict[str, ModelSpec]
     stages: dict[str, StageSpec]
     applications: dict[str, AppSpec] = Field(min_length=1)
+    db: DbDataSpec = DbDataSpec()
+    ring: RingSpec = RingSpec()
 
     @model_validator(mode="after")
     def _references(self) -> "Workflow":

@@ -68,6 +68,16 @@ class Deployment:
             return f"ipc://{self.runtime}/{name}.sock"
         return "tcp://127.0.0.1:0"
 
+    def _data_address(self, name: str, data: str) -> str:
+        """Where a stage or DB receives its data: ZeroMQ, or a ring (shared memory when the
+        topology is one host, the TCP agent otherwise)."""
+        if data != "ring":
+            return self._address(name)
+        size = f"?slots={self.workflow.ring.slots}&bytes={self.workflow.ring.bytes}"
+        if self.topo.transport == "ipc":
+            return f"shm://{self.runtime.name}-{name}{size}"
+        return f"ring+tcp://127.0.0.1:0{size}"
+
     def plan(self) -> list[Child]:
         """The processes of the topology, NM first."""
         nm = self.nm_address
@@ -80,7 +90,7 @@ class Deployment:
         out = []
         for i in range(s.db.count):
             name = f"{s.name}-db{i}"
-            argv = _cli("db", "--nm", nm, "--set", s.name, "--listen", self._address(name),
+            argv = _cli("db", "--nm", nm, "--set", s.name, "--listen", self._data_address(name, self.workflow.db.data),
                         "--control", self._address(name + "-ctl"), "--events", self._address(name + "-ev"),
                         "--ttl", str(s.db.ttl_s), "--max-bytes", str(s.db.max_bytes),
                         "--replication", str(min(s.db.replication, s.db.count)))
@@ -91,7 +101,8 @@ class Deployment:
             for i in range(n):
                 name = f"{s.name}-{stage}{i}"
                 out.append(Child(name, _cli("stage", "--nm", nm, "--set", s.name, "--stage", stage,
-                                            "--listen", self._address(name), "--runtime-dir", str(self.runtime)),
+                                            "--listen", self._data_address(name, self.workflow.stages[stage].data),
+                                            "--runtime-dir", str(self.runtime)),
                                  self.log_dir / f"{name}.log"))
         for i in range(s.proxy.count):
             name = f"{s.name}-proxy{i}"
@@ -208,6 +219,9 @@ class Deployment:
                 c.proc.kill()
                 c.proc.wait()
         shutil.rmtree(self.runtime, ignore_errors=True)
+        # Rings of processes that were killed (a clean close removes its own).
+        for ring in Path("/dev/shm").glob(f"{self.runtime.name}-*"):
+            ring.unlink(missing_ok=True)
 
 
 def up(topology: Path, log_dir: Path | None = None, ready_timeout: float = 300.0) -> int:
@@ -236,7 +250,7 @@ def up(topology: Path, log_dir: Path | None = None, ready_timeout: float = 300.0
 
 def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, dbs: int = 2,
                    transport: str = "ipc", stages: dict[str, int] | None = None, heartbeat_s: float = 0.25,
-                   sets: list[dict[str, Any]] | None = None, **set_options: Any) -> Path:
+                   sets: list[dict[str, Any]] | None = None, data: str = "zmq", **set_options: Any) -> Path:
     """A deployment of the shipped workflow with its models at ``models`` ({"t2v": dir,
     "i2v": dir}), written into ``folder`` (for tests and benchmarks). Returns the topology file.
 
@@ -245,7 +259,8 @@ def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, db
     declares several instead: each entry's keys go over those defaults (``proxy`` and ``db``
     merged key by key), and an entry without a name is called ``set<i>``. E.g.
     ``sets=[{"name": "a", "proxy": {"max_inflight": 1}}, {"name": "b", "db": {"count": 3}}]``.
-    The NM listens at ``nm_address``."""
+    The NM listens at ``nm_address``. ``data="ring"`` makes every stage and DB receive its
+    data over the ring buffer instead of ZeroMQ."""
     import yaml
 
     from onepiece.config import deploy_dir
@@ -253,6 +268,9 @@ def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, db
     wf = yaml.safe_load((deploy_dir() / "wan21.yaml").read_text())
     for spec in wf["models"].values():
         spec["path"] = str(models[spec["tiny"]])
+    for spec in wf["stages"].values():
+        spec["data"] = data
+    wf["db"] = {"data": data}
     (folder / "workflow.yaml").write_text(yaml.safe_dump(wf))
     base: dict[str, Any] = {"proxy": {"count": 1, "port": 0}, "db": {"count": dbs},
                             "stages": stages or {s: 1 for s in wf["stages"]}, **set_options}

@@ -111,7 +111,8 @@ class RequestScheduler:
                 else:
                     poller.unregister(handle)
                 reading = want_read
-            events = dict(poller.poll(50))
+            # A receiver without a socket (the ring) is polled in memory, so the turn is short.
+            events = dict(poller.poll(50 if handle is not None else 1))
             if self.workers in events:
                 self._from_workers()
             if want_read and (handle is None or handle in events):

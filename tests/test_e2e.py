@@ -5,24 +5,18 @@ SIGTERM and checks that nothing is left behind."""
 
 from __future__ import annotations
 
-import io
 import os
-import queue
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
-import imageio.v3 as iio
-import numpy as np
 import psutil
 import pytest
 import zmq
-from PIL import Image
 
 from onepiece.client import Client, RequestFailed, RequestRejected
 from onepiece.db.client import DbClient
@@ -31,43 +25,9 @@ from onepiece.nm.client import NmClient
 from onepiece.transport import registry
 from onepiece.transport.message import Message, new_uid
 
+from deployment import Up, decode_mp4, png
+
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
-
-
-class Up:
-    """`onepiece up` as a subprocess, with its output collected line by line."""
-
-    def __init__(self, topology: Path, logs: Path, nm: str) -> None:
-        self.nm, self.logs = nm, logs
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "onepiece", "up", "--topology", str(topology), "--logs", str(logs)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.output: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.5)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            self.output.append(line)
-            m = re.search(pattern, line)
-            if m:
-                return m
-        raise AssertionError(f"no line matching {pattern!r} in {timeout}s; output:\n{''.join(self.output)}")
-
-    def log(self, name: str) -> str:
-        return (self.logs / f"{name}.log").read_text(errors="replace")
 
 
 @pytest.fixture(scope="module")
@@ -97,18 +57,6 @@ def routes(up) -> dict:
         return client.routes("set0")
     finally:
         client.close()
-
-
-def decode_mp4(data: bytes) -> np.ndarray:
-    return iio.imread(data, extension=".mp4")
-
-
-def png(width: int, height: int) -> bytes:
-    rng = np.random.default_rng(0)
-    img = Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def test_text_to_video_through_http(up, tmp_path):

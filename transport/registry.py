@@ -68,3 +68,4 @@ def listen(address: str) -> Receiver:
 def _load_builtin() -> None:
     # Importing a backend module registers its schemes.
     from onepiece.transport import zmq_transport  # noqa: F401
+    from onepiece.transport.ring import agent, shm  # noqa: F401

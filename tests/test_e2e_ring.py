@@ -1,0 +1,80 @@
+"""T2V and I2V end to end with every stage and DB receiving its data over the ring buffer:
+shared memory when the deployment is one host (ipc topology), the TCP agent when it is not
+(tcp topology). Real `onepiece up`, real HTTP, real MP4s."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+
+from onepiece.client import Client
+from onepiece.launcher import free_tcp_address
+from onepiece.nm.client import NmClient
+
+from deployment import Up, decode_mp4, png
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+
+
+@pytest.fixture(scope="module", params=["ipc", "tcp"])
+def up(request, tiny_models, tmp_path_factory, make_topology):
+    folder = tmp_path_factory.mktemp(f"ring-{request.param}")
+    nm = free_tcp_address()
+    topology = make_topology(folder, tiny_models, nm, transport=request.param, data="ring", dbs=2)
+    dep = Up(topology, folder / "logs", nm)
+    try:
+        dep.url = dep.wait_for(r"serves the API at (http://\S+)", timeout=240).group(1)
+        dep.scheme = "shm://" if request.param == "ipc" else "ring+tcp://"
+        yield dep
+    finally:
+        if dep.proc.poll() is None:
+            dep.proc.send_signal(signal.SIGTERM)
+            try:
+                dep.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                for child in psutil.Process(dep.proc.pid).children(recursive=True):
+                    child.kill()
+                dep.proc.kill()
+
+
+def _routes(up) -> dict:
+    client = NmClient(up.nm)
+    try:
+        return client.routes("set0")
+    finally:
+        client.close()
+
+
+def test_every_data_address_is_a_ring(up):
+    r = _routes(up)
+    addresses = [a for addrs in r["stages"].values() for a in addrs] + [d["data"] for d in r["dbs"]]
+    assert len(addresses) == 6 + 2
+    assert all(a.startswith(up.scheme) for a in addresses), addresses
+
+
+def test_text_to_video_over_the_ring(up, tmp_path):
+    with Client(up.url) as c:
+        path = c.generate("a red fox in snow", tmp_path / "fox.mp4", model="t2v", size="64x48",
+                          num_frames=9, steps=3, timeout=120)
+    assert decode_mp4(path.read_bytes()).shape == (9, 48, 64, 3)
+
+
+def test_image_to_video_over_the_ring(up, tmp_path):
+    with Client(up.url) as c:
+        path = c.generate("the picture comes alive", tmp_path / "alive.mp4", model="i2v", image=png(80, 60),
+                          size="32x32", num_frames=9, steps=3, timeout=120)
+    assert decode_mp4(path.read_bytes()).shape == (9, 32, 32, 3)
+
+
+def test_sigterm_removes_the_rings(up):
+    shm = sorted(Path("/dev/shm").glob("onepiece-*"))
+    if up.scheme == "shm://":
+        assert shm, "the shared-memory rings should exist while the deployment runs"
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(60) == 0
+    left = [p for p in shm if p.exists()]
+    assert not left, f"rings left behind: {left}"

@@ -1,0 +1,153 @@
+"""The sender's side of the ring protocol (DESIGN §5), written once against ``Region``.
+
+Steps, as numbered here, in ring.pml (the model checked by spin) and in the fault tests:
+
+1. take the lock: CAS the lock word from 0 to a token of this acquisition; a waiter that sees
+   the same holder token for longer than the lock timeout, on its own clock, takes the lock
+   over with CAS from that token;
+2. read the header words (generation, state, lock, tails, heads) in one read;
+3. check room: an entry counter and enough bytes must be free, else release and report full;
+4. if the size slot at the tail is already busy for this lap, a sender died after publishing
+   but before moving the tail: move the tail past that entry (CAS on the tails word), go to 2;
+5. write the entry (checksummed header and payload) at the buffer tail, wrapping at the end;
+6. publish: CAS the size slot from "free, this lap" to "busy, this lap, length"; it fails if
+   a late sender published there first (then go to 2 if the lock is still ours);
+7. move both tails with one CAS from the value read in step 2; if it fails, a later sender
+   already moved them past this entry (step 4), which is just as good;
+8. release the lock with CAS from our token, which does nothing if it was taken over.
+
+Nothing here waits on the receiver, and every wait is bounded by the caller's deadline.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Callable
+
+from onepiece.transport.base import Full, TransportError
+from onepiece.transport.ring import entry, layout
+from onepiece.transport.ring.region import PeerGone, Region
+
+# Re-reads of the header within one lock holding (steps 4 and 6 send us back to 2): each
+# repair consumes one entry, so a small bound suffices; past it, report full and let go.
+MAX_ROUNDS = 16
+
+
+class LostLock(TransportError):
+    """This sender stalled past the lock timeout and another took the lock: its entry was not
+    published (it may have torn a neighbour, which the checksum will catch)."""
+
+
+class TooBig(TransportError):
+    """The message can never fit in this ring."""
+
+
+class _Full(Exception):
+    """Internal: no room right now."""
+
+
+class RingWriter:
+    def __init__(self, region: Region, lock_timeout: float = 2.0,
+                 step_hook: Callable[[int], None] | None = None) -> None:
+        self.region = region
+        self.geometry = region.geometry
+        self.lock_timeout = lock_timeout
+        self.step = step_hook or (lambda n: None)
+        self._token_base = (random.getrandbits(31) | 1) << 32
+        self._counter = 0
+        # The lock value we have been watching and since when: kept across sends, so a dead
+        # holder is taken over even when each send's own timeout is shorter than the lock's.
+        self._seen, self._since = 0, 0.0
+        self.takeovers = self.repairs = 0
+
+    def write(self, frames: list, timeout: float) -> None:
+        """Publish one entry holding ``frames`` or raise (Full, LostLock, PeerGone, TooBig)
+        within ``timeout`` seconds."""
+        g = self.geometry
+        deadline = time.monotonic() + timeout
+        prepared = entry.Prepared(frames)
+        if prepared.total > g.buf_size:
+            raise TooBig(f"entry of {prepared.total} bytes exceeds the ring's {g.buf_size}")
+        pause = 20e-6
+        while True:
+            self.step(1)
+            token = self._acquire(deadline)
+            try:
+                self._publish(prepared, token)
+                return
+            except _Full:
+                pass
+            finally:
+                self.step(8)
+                self.region.cas(layout.W_LOCK, token, 0)
+            if time.monotonic() >= deadline:
+                raise Full(f"ring full for {timeout:.2f}s ({g.nslots} slots, {g.buf_size} bytes)")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    # --- step 1 -------------------------------------------------------------------------------
+    def _acquire(self, deadline: float) -> int:
+        self._counter = (self._counter + 1) & 0xFFFFFFFF
+        token = self._token_base | self._counter
+        pause = 0.0
+        while True:
+            found = self.region.cas(layout.W_LOCK, 0, token)
+            if found == 0:
+                return token
+            now = time.monotonic()
+            if found != self._seen:
+                self._seen, self._since = found, now
+            elif now - self._since >= self.lock_timeout:
+                if self.region.cas(layout.W_LOCK, found, token) == found:
+                    self.takeovers += 1
+                    self._seen = 0
+                    return token
+            if now >= deadline:
+                raise Full(f"ring lock held by another sender (token {found:#x})")
+            time.sleep(pause)
+            pause = min(max(pause * 2, 10e-6), 1e-3)
+
+    # --- steps 2 to 7 -------------------------------------------------------------------------
+    def _publish(self, prepared: entry.Prepared, token: int) -> None:
+        g, region = self.geometry, self.region
+        for _ in range(MAX_ROUNDS):
+            self.step(2)
+            gen, state, _, _, _, tails, heads = region.read_words(layout.W_GEN, 7)
+            if state != layout.OPEN or gen != region.generation:
+                raise PeerGone("the ring's receiver closed or replaced it")
+            btail, stail = layout.unpack_ptrs(tails)
+            bhead, shead = layout.unpack_ptrs(heads)
+            total = prepared.total
+
+            self.step(3)
+            if layout.seq_used(stail, shead) >= g.nslots:
+                raise _Full()
+            slot_off = g.slot_offset(stail)
+            lap = layout.lap_of(stail, g.nslots)
+
+            self.step(4)
+            busy, slot_lap, length = layout.slot_fields(region.read_words(slot_off, 1)[0])
+            if busy:
+                if slot_lap != lap:
+                    raise _Full()  # the receiver has not cleared it yet
+                region.cas(layout.W_TAILS, tails, layout.pack_ptrs(btail + length, stail + 1))
+                self.repairs += 1
+                continue
+            if layout.buf_used(btail, bhead) + total > g.buf_size:
+                raise _Full()
+
+            self.step(5)
+            region.write(entry.split(prepared.at(stail, region.generation), g.spans(btail, total)))
+
+            self.step(6)
+            free = layout.slot_free(lap)
+            if region.cas(slot_off, free, layout.slot_busy(lap, total)) != free:
+                if region.read_words(layout.W_LOCK, 1)[0] != token:
+                    raise LostLock("lock taken over while this sender stalled; entry not published")
+                continue  # a late sender published here first: look again
+
+            self.step(7)
+            region.cas(layout.W_TAILS, tails, layout.pack_ptrs(btail + total, stail + 1))
+            return
+        raise _Full()
