@@ -58,7 +58,11 @@ def two_hosts():
         ip("link", "del", a_if)
 
 
-def test_stages_on_another_host_serve_through_proxy_and_db_on_this_one(two_hosts, tiny_models, make_topology, tmp_path):
+@pytest.mark.parametrize("data", ["tcp", "ring+tcp"])
+def test_stages_on_another_host_serve_through_proxy_and_db_on_this_one(data, two_hosts, tiny_models, make_topology,
+                                                                      tmp_path):
+    """``data``: how the stages and the DB receive their data, ZeroMQ or the ring buffer
+    through its TCP agent (one-sided operations across the veth pair)."""
     host_a, host_b, ns = two_hosts
     nm = f"tcp://{host_a}:7791"
     topology = make_topology(tmp_path, tiny_models, nm, dbs=1, transport="tcp",
@@ -76,11 +80,11 @@ def test_stages_on_another_host_serve_through_proxy_and_db_on_this_one(two_hosts
 
     try:
         start("nm", "nm", "--topology", str(topology), "--address", nm)
-        start("db", "db", "--nm", nm, "--listen", f"tcp://{host_a}:0", "--control", f"tcp://{host_a}:0",
+        start("db", "db", "--nm", nm, "--listen", f"{data}://{host_a}:0", "--control", f"tcp://{host_a}:0",
               "--events", f"tcp://{host_a}:0", "--replication", "1")
         start("proxy", "proxy", "--nm", nm, "--host", host_a, "--port", "0")
         for stage in STAGES:
-            start(stage, "stage", "--nm", nm, "--stage", stage, "--listen", f"tcp://{host_b}:0", netns=ns)
+            start(stage, "stage", "--nm", nm, "--stage", stage, "--listen", f"{data}://{host_b}:0", netns=ns)
 
         client = NmClient(nm, timeout=1.0, retries=0)
         deadline = time.monotonic() + 120
@@ -97,7 +101,7 @@ def test_stages_on_another_host_serve_through_proxy_and_db_on_this_one(two_hosts
             time.sleep(0.2)
         client.close()
         for s in STAGES:  # the stages registered addresses on host B
-            assert routes["stages"][s] and routes["stages"][s][0].startswith(f"tcp://{host_b}:"), routes
+            assert routes["stages"][s] and routes["stages"][s][0].startswith(f"{data}://{host_b}:"), routes
         assert routes["proxies"][0].startswith(f"http://{host_a}:")
 
         with Client(routes["proxies"], rounds=10) as c:
