@@ -68,4 +68,5 @@ def listen(address: str) -> Receiver:
 def _load_builtin() -> None:
     # Importing a backend module registers its schemes.
     from onepiece.transport import zmq_transport  # noqa: F401
-    from onepiece.transport.ring import agent, shm  # noqa: F401
+    # rdma imports pyverbs only when used, so it registers here even where pyverbs is missing.
+    from onepiece.transport.ring import agent, rdma, shm  # noqa: F401

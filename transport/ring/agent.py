@@ -144,7 +144,7 @@ class AgentRegion(Region):
         self.sock = self._socket()
         self.generation = 0
         try:
-            nslots, buf_size, gen = struct.unpack("<QQQ", self._call(b"H", b""))
+            nslots, buf_size, gen = struct.unpack("<QQQ", self.call(b"H", b""))
             self.geometry = layout.Geometry(nslots, buf_size)
         except (ValueError, struct.error) as e:
             self.close()
@@ -161,7 +161,8 @@ class AgentRegion(Region):
         sock.connect(self.endpoint)
         return sock
 
-    def _call(self, op: bytes, args: bytes, data: Iterable = ()) -> bytes:
+    def call(self, op: bytes, args: bytes, data: Iterable = ()) -> bytes:
+        """One operation (also the rdma backend's queue-pair exchange); bounded by op_timeout."""
         self._rid += 1
         rid = _U64.pack(self._rid)
         deadline = time.monotonic() + self.op_timeout
@@ -190,19 +191,19 @@ class AgentRegion(Region):
         raise PeerGone(f"ring agent at {self.endpoint} did not answer within {self.op_timeout:.1f}s")
 
     def read(self, off: int, n: int) -> bytes:
-        return self._call(b"R", struct.pack("<QQQ", self.generation, off, n))
+        return self.call(b"R", struct.pack("<QQQ", self.generation, off, n))
 
     def read_words(self, off: int, n: int) -> list[int]:
-        body = self._call(b"L", struct.pack("<QQQ", self.generation, off, n))
+        body = self.call(b"L", struct.pack("<QQQ", self.generation, off, n))
         return list(struct.unpack(f"<{n}Q", body))
 
     def write(self, pieces: Iterable[tuple[int, memoryview | bytes]]) -> None:
         pieces = list(pieces)
         args = struct.pack(f"<{1 + len(pieces)}Q", self.generation, *(off for off, _ in pieces))
-        self._call(b"W", args, [data for _, data in pieces])
+        self.call(b"W", args, [data for _, data in pieces])
 
     def cas(self, off: int, expected: int, desired: int) -> int:
-        return _U64.unpack(self._call(b"C", struct.pack("<QQQQ", self.generation, off, expected, desired)))[0]
+        return _U64.unpack(self.call(b"C", struct.pack("<QQQQ", self.generation, off, expected, desired)))[0]
 
     def close(self) -> None:
         self.sock.close(linger=0)
