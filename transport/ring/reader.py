@@ -1,6 +1,10 @@
 """The receiver's side of the ring protocol (DESIGN §5): wait-free, its own memory only.
 
-1. load the size slot at the head; nothing to do unless it is busy for this lap;
+1. load the size slot at the head; nothing to do unless it is busy for this lap and the
+   tails' entry counter has moved past the head (a sender that published at step 6 but died
+   before its step 7 leaves its entry to the next sender's step-4 repair; consuming it first
+   would put the heads past the tails, and every later sender would find the ring "full"
+   for ever);
 2. copy the entry (the slot's length) out of the buffer at the buffer head, wrapping;
 3. verify it (magic, entry counter, length, checksum); a failing entry is counted and dropped,
    never handed up;
@@ -41,6 +45,8 @@ class RingReader:
         busy, lap, length = layout.slot_fields(region.load(slot_off))  # 1
         if not busy or lap != layout.lap_of(self.shead, g.nslots):
             return None
+        if layout.unpack_ptrs(region.load(layout.W_TAILS))[1] == self.shead:
+            return None  # published, but the tails have not passed it yet
         frames: list[memoryview] | bool = False
         if length <= g.buf_size:
             out = memoryview(bytearray(length))  # 2

@@ -30,7 +30,8 @@ def parse_address(address: str, default: layout.Geometry = DEFAULT_GEOMETRY) -> 
     what follows ``scheme://``; ``slots`` and ``bytes`` in the query set the geometry."""
     scheme, _, rest = address.partition("://")
     where, _, query = rest.partition("?")
-    params = parse_qs(query, strict_parsing=bool(query))
+    # keep_blank_values: "slots=" is an error, not silently the default geometry
+    params = parse_qs(query, keep_blank_values=True, strict_parsing=bool(query))
     unknown = set(params) - {"slots", "bytes"}
     if unknown:
         raise ValueError(f"{address!r}: unknown ring option(s) {sorted(unknown)} (known: slots, bytes)")

@@ -5,13 +5,20 @@ Steps, as numbered here, in ring.pml (the model checked by spin) and in the faul
 1. take the lock: CAS the lock word from 0 to a token of this acquisition; a waiter that sees
    the same holder token for longer than the lock timeout, on its own clock, takes the lock
    over with CAS from that token;
-2. read the header words (generation, state, lock, tails, heads) in one read;
+2. read the header words (generation, state, lock, tails, heads) in one read; if the lock
+   word is no longer our token, we stalled past the timeout and were taken over: write
+   nothing (LostLock);
 3. check room: an entry counter and enough bytes must be free, else release and report full;
 4. if the size slot at the tail is already busy for this lap, a sender died after publishing
    but before moving the tail: move the tail past that entry (CAS on the tails word), go to 2;
+   if it is free for a later lap, a stalled sender moved the tails past it after our step 2
+   and the receiver consumed it: go to 2;
 5. write the entry (checksummed header and payload) at the buffer tail, wrapping at the end;
 6. publish: CAS the size slot from "free, this lap" to "busy, this lap, length"; it fails if
-   a late sender published there first (then go to 2 if the lock is still ours);
+   a late sender published there first: if the lock is no longer ours, LostLock; if it is,
+   go to 2 only when the slot is busy with another length (our bytes under it can never pass
+   as an entry there), else raise Unconfirmed, since our entry may be handed up in that
+   slot and writing it again could deliver it twice;
 7. move both tails with one CAS from the value read in step 2; if it fails, a later sender
    already moved them past this entry (step 4), which is just as good;
 8. release the lock with CAS from our token, which does nothing if it was taken over.
@@ -35,8 +42,15 @@ MAX_ROUNDS = 16
 
 
 class LostLock(TransportError):
-    """This sender stalled past the lock timeout and another took the lock: its entry was not
-    published (it may have torn a neighbour, which the checksum will catch)."""
+    """This sender stalled past the lock timeout and another took the lock: it did not publish
+    its entry. If it had written it already (raised at step 6), its late write may have torn
+    the entries published after the take-over, which the checksum catches, or, exactly as
+    long as the one it overwrote, replaced it whole: then it is handed up in that one's place."""
+
+
+class Unconfirmed(TransportError):
+    """A stalled sender published its stale size slot over this sender's entry, of the same
+    length: the entry may or may not be handed up; it is not written again (no duplicates)."""
 
 
 class TooBig(TransportError):
@@ -62,7 +76,7 @@ class RingWriter:
         self.takeovers = self.repairs = 0
 
     def write(self, frames: list, timeout: float) -> None:
-        """Publish one entry holding ``frames`` or raise (Full, LostLock, PeerGone, TooBig)
+        """Publish one entry holding ``frames`` or raise (Full, LostLock, Unconfirmed, PeerGone, TooBig)
         within ``timeout`` seconds."""
         g = self.geometry
         deadline = time.monotonic() + timeout
@@ -113,9 +127,11 @@ class RingWriter:
         g, region = self.geometry, self.region
         for _ in range(MAX_ROUNDS):
             self.step(2)
-            gen, state, _, _, _, tails, heads = region.read_words(layout.W_GEN, 7)
+            gen, state, _, _, lock, tails, heads = region.read_words(layout.W_GEN, 7)
             if state != layout.OPEN or gen != region.generation:
                 raise PeerGone("the ring's receiver closed or replaced it")
+            if lock != token:
+                raise LostLock("lock taken over while this sender stalled; nothing written")
             btail, stail = layout.unpack_ptrs(tails)
             bhead, shead = layout.unpack_ptrs(heads)
             total = prepared.total
@@ -134,6 +150,8 @@ class RingWriter:
                 region.cas(layout.W_TAILS, tails, layout.pack_ptrs(btail + length, stail + 1))
                 self.repairs += 1
                 continue
+            if slot_lap != lap:
+                continue  # consumed already: the tails we read are stale, look again
             if layout.buf_used(btail, bhead) + total > g.buf_size:
                 raise _Full()
 
@@ -142,10 +160,15 @@ class RingWriter:
 
             self.step(6)
             free = layout.slot_free(lap)
-            if region.cas(slot_off, free, layout.slot_busy(lap, total)) != free:
+            found = region.cas(slot_off, free, layout.slot_busy(lap, total))
+            if found != free:
                 if region.read_words(layout.W_LOCK, 1)[0] != token:
-                    raise LostLock("lock taken over while this sender stalled; entry not published")
-                continue  # a late sender published here first: look again
+                    raise LostLock("lock taken over while this sender stalled; its size slot not published")
+                # A stalled sender with the same stale tail published here after step 4.
+                fbusy, flap, flength = layout.slot_fields(found)
+                if fbusy and flap == lap and flength != total:
+                    continue  # the slot's length rules our bytes out as its entry: look again
+                raise Unconfirmed("a stalled sender published over this entry; it may or may not be delivered")
 
             self.step(7)
             region.cas(layout.W_TAILS, tails, layout.pack_ptrs(btail + total, stail + 1))
