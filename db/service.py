@@ -5,6 +5,7 @@ routes change (each result goes to ``replication`` of them, see ``db/server.py``
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from prometheus_client import start_http_server
 
@@ -13,11 +14,15 @@ from onepiece.db.server import serve as serve_db
 from onepiece.nm.client import Membership
 from onepiece.transport.registry import host_of, with_host
 
+if TYPE_CHECKING:
+    from onepiece.nm.zk import ZkSettings
+
 log = logging.getLogger(__name__)
 
 
 def serve(nm_address: str, set_name: str, data: str, control: str, events: str, ttl_s: float, max_bytes: int,
-          purge_after_fetch: bool, replication: int = 2, advertise: str | None = None) -> None:
+          purge_after_fetch: bool, replication: int = 2, advertise: str | None = None,
+          zk: "ZkSettings | None" = None) -> None:
     metrics, _ = start_http_server(0, addr=host_of(data))
     member: Membership | None = None
 
@@ -36,6 +41,7 @@ def serve(nm_address: str, set_name: str, data: str, control: str, events: str, 
             # The heartbeat thread must not read the store, which only the DB loop touches:
             # it sends the snapshot the loop takes every sweep.
             on_routes=on_routes, stats=lambda: server.snapshot,
+            zk=zk, capacity={"max_bytes": max_bytes, "replication": replication},
         )
         member.register()
         member.start()

@@ -1,29 +1,128 @@
 """How instances and clients talk to the node manager.
 
+``NmClient`` calls the primary NM. It is given one address (the embedded NM) or several
+(``tcp://a:7700,tcp://b:7701``: NMs on ZooKeeper, one primary and backups); a backup answers
+``not primary; primary at <address>``, which it follows, and an NM that does not answer is
+passed over for the next. Optionally ``locate()`` names the primary first (an instance on
+ZooKeeper watches the ``primary`` node). Every call is bounded: each address is tried at most
+once per round, plus a few redirects.
+
 ``Membership`` registers an instance and keeps it alive with heartbeats from a background
 thread, handing every new route table to a callback. The data path never waits on the NM:
-if the NM is unreachable the instance keeps its last routes and keeps trying.
+if the NM is unreachable (or, on ZooKeeper, no primary is elected for a while) the instance
+keeps its last routes and keeps trying. On ZooKeeper (``zk=ZkSettings``) it also holds the
+instance's ephemeral member node (its liveness: nm/ephemeral.py), learns where the primary is
+from the ``primary`` node, and takes route tables straight from the set's routes node as the
+primary writes them, without waiting for the next heartbeat.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from onepiece.config import Workflow
+    from onepiece.nm.zk import ZkSettings
 
-from onepiece.transport.registry import with_host
+from onepiece.transport.registry import scheme_of, with_host
 from onepiece.transport.rpc import RpcClient, RpcError, RpcTimeout
 
 log = logging.getLogger(__name__)
 
+NOT_PRIMARY = "not primary"  # how a backup NM's refusal starts (nm/ha.py)
+_REDIRECT = re.compile(r"primary at (\S+)")
+MAX_REDIRECTS = 3
+DOWN_S = 3.0  # an NM that did not answer is tried last for this long
 
-class NmClient(RpcClient):
+
+class NoPrimary(RpcTimeout):
+    """No NM answered as primary (all down, or an election in progress): try again later."""
+
+
+def split_addresses(value: str | Sequence[str] | None, allow_empty: bool = False) -> list[str]:
+    """NM addresses from ``a,b,c`` (or a list), in order, without duplicates."""
+    items = (value or "").split(",") if isinstance(value, str) or value is None else list(value)
+    out = list(dict.fromkeys(a.strip() for a in items if a and a.strip()))
+    if not out and not allow_empty:
+        raise ValueError("no node manager address given (expected e.g. tcp://127.0.0.1:7700[,tcp://...])")
+    for a in out:
+        scheme_of(a)  # ValueError naming the address when it has no scheme
+    return out
+
+
+class NmClient:
+    def __init__(self, address: str | Sequence[str] | None, timeout: float = 2.0, retries: int = 2,
+                 locate: Callable[[], str | None] | None = None) -> None:
+        self.addresses = split_addresses(address, allow_empty=locate is not None)
+        self.address = ",".join(self.addresses) or "(ZooKeeper)"
+        self.timeout, self.retries, self.locate = timeout, retries, locate
+        self._clients: dict[str, RpcClient] = {}
+        self._current = self.addresses[0] if self.addresses else None
+        self._down_until: dict[str, float] = {}
+
+    def _client(self, address: str, retries: int) -> RpcClient:
+        c = self._clients.get(address)
+        if c is None:
+            c = self._clients[address] = RpcClient(address, timeout=self.timeout, retries=retries)
+        return c
+
+    def call(self, op: str, blobs: Sequence[Any] = (), timeout: float | None = None,
+             **args: Any) -> tuple[dict, list[bytes]]:
+        if len(self.addresses) == 1 and self.locate is None:
+            # One NM (the embedded default): exactly the plain RPC client's behaviour.
+            return self._client(self.addresses[0], self.retries).call(op, blobs, timeout, **args)
+        errors: list[str] = []
+        for rnd in range(self.retries + 1):
+            if rnd:
+                time.sleep(0.05)  # bounded pause between rounds: an election may be under way
+            located = self.locate() if self.locate else None
+            todo = self._order([a for a in (located, self._current, *self.addresses) if a])
+            tried: set[str] = set()
+            hops = 0
+            while todo:
+                addr = todo.pop(0)
+                if addr in tried:
+                    continue
+                tried.add(addr)
+                try:
+                    out = self._client(addr, 0).call(op, blobs, timeout, **args)
+                except RpcError as e:
+                    text = str(e)
+                    if isinstance(e, RpcTimeout):
+                        self._down_until[addr] = time.monotonic() + DOWN_S
+                    elif NOT_PRIMARY in text:
+                        m = _REDIRECT.search(text)
+                        if m and hops < MAX_REDIRECTS and not self._down(m.group(1)):
+                            todo.insert(0, m.group(1))  # a redirect to an NM that just timed out is stale
+                            hops += 1
+                    else:
+                        self._current = addr
+                        raise  # the primary answered, with an error: that is the answer
+                    errors.append(f"{addr}: {text}")
+                    continue
+                self._current = addr
+                self._down_until.pop(addr, None)
+                return out
+        raise NoPrimary(f"{op}: no primary node manager answered ({'; '.join(errors[-4:]) or 'none known'})")
+
+    def _down(self, addr: str) -> bool:
+        return self._down_until.get(addr, 0.0) > time.monotonic()
+
+    def _order(self, addrs: list[str]) -> list[str]:
+        """Candidates in order, those that recently did not answer last."""
+        return [a for a in addrs if not self._down(a)] + [a for a in addrs if self._down(a)]
+
+    @property
+    def primary(self) -> str | None:
+        """The NM that answered last (the primary, as far as this client knows)."""
+        return self._current
+
     def routes(self, set_name: str) -> dict[str, Any]:
         return self.call("routes", set=set_name)[0]["routes"]
 
@@ -47,12 +146,18 @@ class NmClient(RpcClient):
             except RpcTimeout:
                 if time.monotonic() > deadline:
                     raise
+                time.sleep(0.1)
+
+    def close(self) -> None:
+        for c in self._clients.values():
+            c.close()
+        self._clients.clear()
 
 
 class Membership:
     def __init__(
         self,
-        nm_address: str,
+        nm_address: str | Sequence[str] | None,
         role: str,
         set_name: str,
         addresses: dict[str, str],
@@ -61,42 +166,143 @@ class Membership:
         stats: Callable[[], dict] = dict,
         ready: Callable[[], bool] = lambda: True,
         advertise: str | None = None,
+        zk: "ZkSettings | None" = None,
+        capacity: dict[str, Any] | None = None,
     ) -> None:
-        self.nm = NmClient(nm_address, timeout=1.0, retries=0)
+        self.zk_settings = zk
+        self._primary: str | None = None  # from the ZooKeeper ``primary`` node
+        self.nm = NmClient(nm_address, timeout=1.0, retries=0, locate=(lambda: self._primary) if zk else None)
         self.role, self.set, self.addresses, self.stage = role, set_name, addresses, stage
         self.on_routes, self.stats, self.ready = on_routes, stats, ready
         self.advertise = advertise  # the host peers reach this instance at, if not the bound one
+        self.capacity = dict(capacity or {})
         self.id: str | None = None
         self.routes: dict[str, Any] = {"version": 0, "stages": {}, "dbs": [], "proxies": []}
         self.monitor: dict[str, Any] | None = None  # proxies: the set's capacity view
         self.heartbeat_s = 1.0
+        self.zk = None
+        self.member = None  # EphemeralMember, on ZooKeeper
+        self._session_lost = threading.Event()
+        self._routes_lock = threading.Lock()  # heartbeat and ZooKeeper watch threads both apply
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    # ---- ZooKeeper ---------------------------------------------------------------------------
+
+    def _connect(self, timeout: float) -> None:
+        from onepiece.nm.zk import Paths
+        from onepiece.nm.zk_store import read_primary, read_routes
+
+        if self.zk is not None:
+            return
+        paths = Paths(self.zk_settings.root)
+        self.zk = self.zk_settings.connect(timeout=max(1.0, timeout))
+        self.zk.add_listener(self._on_zk_state)
+        self.zk.DataWatch(paths.primary, lambda data, stat: setattr(self, "_primary", read_primary(data)))
+
+        def on_routes(data: bytes | None, stat: Any) -> None:
+            routes = read_routes(data)
+            if routes is not None:
+                self._apply(routes, newer_only=True)
+
+        self.zk.DataWatch(paths.set_routes(self.set), on_routes)
+
+    def _on_zk_state(self, state: str) -> None:
+        from kazoo.protocol.states import KazooState
+
+        if state == KazooState.LOST and not self._stop.is_set():
+            # The member node went with the session: the primary has dropped this instance.
+            log.warning("ZooKeeper session of %s lost; joining again with a new member node", self.id)
+            self._session_lost.set()
+
+    def _join_zk(self, timeout: float) -> None:
+        """Connect (once), and hold a member node: the existing one while the session lives,
+        else a new one (a new id)."""
+        from onepiece.nm.ephemeral import EphemeralMember
+        from onepiece.nm.zk import Paths
+
+        self._connect(timeout)
+        if self.member is not None and not self._session_lost.is_set() and self.member.exists():
+            return
+        self._session_lost.clear()
+        self.member = EphemeralMember(self.zk, Paths(self.zk_settings.root), self.role)
+        self.id = self.member.create(self._describe())
+
+    def _describe(self) -> dict[str, Any]:
+        return {"role": self.role, "set": self.set, "stage": self.stage, "capacity": self.capacity,
+                "addresses": self._advertised(), "pid": os.getpid(), "host": socket.gethostname()}
+
+    def _advertised(self) -> dict[str, str]:
+        return {k: with_host(v, self.advertise) for k, v in self.addresses.items()}
+
+    def set_capacity(self, capacity: dict[str, Any]) -> None:
+        """What this instance can take (workers, queue...), shown in its member node."""
+        self.capacity = dict(capacity)
+        if self.member is not None:
+            try:
+                self.member.update(capacity=self.capacity, stage=self.stage)
+            except Exception as e:  # advisory: never worth failing the instance for
+                log.warning("could not update member node %s: %r", self.id, e)
+
+    def workflow(self, timeout: float = 30.0) -> "Workflow":
+        """The cluster's workflow: from ZooKeeper's config node on ZooKeeper (no primary needed),
+        else from the NM; waits (bounded) for it to be there."""
+        if self.zk_settings is None:
+            return self.nm.workflow(timeout)
+        import orjson
+
+        from onepiece.config import Workflow
+        from onepiece.nm.zk import Paths, wait
+
+        deadline = time.monotonic() + timeout
+        self._connect(timeout)
+        path = Paths(self.zk_settings.root).config
+        while True:
+            try:
+                data, _ = wait(self.zk.get_async(path), 2.0)
+                if data:
+                    return Workflow.model_validate(orjson.loads(data)["workflow"])
+            except Exception as e:  # not written yet (no primary so far) or ZooKeeper busy
+                if time.monotonic() > deadline:
+                    raise RpcTimeout(f"no workflow in ZooKeeper at {path} after {timeout:.0f}s: {e!r}") from None
+            if time.monotonic() > deadline:
+                raise RpcTimeout(f"no workflow in ZooKeeper at {path} after {timeout:.0f}s")
+            time.sleep(0.1)
+
+    # ---- registration and heartbeats -----------------------------------------------------------
 
     def register(self, timeout: float = 30.0) -> dict[str, Any]:
         """Register, retrying until the NM answers or ``timeout`` passes; the reply carries the
         workflow, this instance's stage and the set's routes."""
         deadline = time.monotonic() + timeout
+        if self.zk_settings is not None:
+            self._join_zk(max(1.0, deadline - time.monotonic()))
         while True:
             try:
-                addresses = {k: with_host(v, self.advertise) for k, v in self.addresses.items()}
-                reply, _ = self.nm.call(
-                    "register", role=self.role, set=self.set, addresses=addresses, pid=os.getpid(),
-                    host=socket.gethostname(), stage=self.stage,
-                )
+                args: dict[str, Any] = {"role": self.role, "set": self.set, "addresses": self._advertised(),
+                                        "pid": os.getpid(), "host": socket.gethostname(), "stage": self.stage}
+                if self.zk_settings is not None:
+                    args["instance"] = self.id
+                reply, _ = self.nm.call("register", **args)
                 break
-            except RpcTimeout:  # the NM is not up yet; a refusal (RpcError) is final
+            except RpcTimeout:  # the NM is not up yet (or no primary yet); a refusal (RpcError) is final
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
         self.id, self.stage = reply["instance"], reply.get("stage")
         self.heartbeat_s = float(reply.get("heartbeat_s", 1.0))
-        self._apply(reply["routes"])
+        self._apply(reply["routes"], newer_only=self.zk_settings is not None)
+        if self.member is not None and self.member.data.get("stage") != self.stage:
+            self.set_capacity(self.capacity)  # the node says which stage it was given
         return reply
 
-    def _apply(self, routes: dict) -> None:
-        self.routes = routes  # swapped whole: readers in other threads see old or new, never half
-        self.on_routes(routes)
+    def _apply(self, routes: dict, newer_only: bool = False) -> None:
+        with self._routes_lock:
+            # On ZooKeeper versions only grow (they live there), and two paths deliver tables.
+            if newer_only and routes.get("version", 0) < self.routes.get("version", 0):
+                return
+            self.routes = routes  # swapped whole: readers in other threads see old or new, never half
+            self.on_routes(routes)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name=f"membership-{self.id}", daemon=True)
@@ -104,6 +310,15 @@ class Membership:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
+            if self._session_lost.is_set():
+                try:
+                    self.register(timeout=max(self.heartbeat_s, 2.0))
+                    log.info("joined again as %s", self.id)
+                except Exception as e:
+                    log.warning("re-joining failed: %r", e)
+                continue
+            if self.zk_settings is not None and self._primary is None and not self.nm.addresses:
+                continue  # no primary right now; the routes we have stay in force
             try:
                 stats = self.stats()
             except Exception as e:  # stats are advisory; the heartbeat itself must go on
@@ -113,7 +328,7 @@ class Membership:
                 reply, _ = self.nm.call("heartbeat", instance=self.id, ready=self.ready(), stats=stats,
                                         version=self.routes["version"])
                 if "routes" in reply:
-                    self._apply(reply["routes"])
+                    self._apply(reply["routes"], newer_only=self.zk_settings is not None)
                 if "monitor" in reply:
                     self.monitor = reply["monitor"]
             except Exception as e:  # the heartbeat goes on whatever one round hit
@@ -127,6 +342,8 @@ class Membership:
                         self.register(timeout=self.heartbeat_s)
                     except Exception as e2:
                         log.warning("re-registration failed: %s", e2)
+                elif isinstance(e, NoPrimary):
+                    log.info("heartbeat: %s", e)  # an election: expected, and harmless here
                 else:
                     log.warning("heartbeat to node manager failed: %s", e)
 
@@ -135,10 +352,26 @@ class Membership:
             return
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=2 * self.heartbeat_s + 1)
-        if self.id is not None:
+            # A heartbeat round may try every NM (and follow redirects) before giving up.
+            attempts = max(1, len(self.nm.addresses)) + (MAX_REDIRECTS + 1 if self.zk_settings else 0)
+            self._thread.join(timeout=self.heartbeat_s + attempts * self.nm.timeout + 1)
+        if self._thread is not None and self._thread.is_alive():
+            # Its RPC sockets are not ours to touch from this thread (ZMQ sockets are not
+            # thread-safe): skip the goodbye, the NM drops us anyway (our member node goes
+            # with the session below, or, embedded, after the heartbeat timeout).
+            log.warning("heartbeat thread of %s still busy; leaving without deregistering", self.id)
+        elif self.id is not None:
             try:
                 self.nm.call("deregister", instance=self.id, timeout=0.5)
             except RpcError:
-                pass  # the NM drops us after the heartbeat timeout anyway
-        self.nm.close()
+                pass  # the NM drops us after the heartbeat timeout (or when our member node goes)
+        if self.zk is not None:
+            try:
+                if self.member is not None:
+                    self.member.delete()
+                self.zk.stop()
+                self.zk.close()
+            except Exception as e:  # closing the session drops the node anyway
+                log.debug("closing ZooKeeper: %r", e)
+        if self._thread is None or not self._thread.is_alive():
+            self.nm.close()

@@ -3,6 +3,11 @@
 Ops: ``register``, ``heartbeat``, ``deregister`` (instances); ``routes``, ``proxies``, ``dbs``,
 ``workflow`` (clients and instances); ``status`` (operators). Instances get the workflow and their
 assignment in the ``register`` reply, so nothing but the NM address is configured on them.
+
+Stage instances list the requests they hold in their heartbeats; when one is dropped without
+leaving (silent for ``dead_after_s`` here, its ZooKeeper session gone in nm/ha.py) those
+requests are reported failed to the set's DBs (nm/reaper.py). The NM on ZooKeeper
+(``HaNodeManager``) subclasses this one through the ``_handlers``/``_saved``/``_tick`` hooks.
 """
 
 from __future__ import annotations
@@ -10,16 +15,20 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 from onepiece.config import Topology, Workflow
-from onepiece.nm.state import ClusterState
+from onepiece.nm.reaper import Reaper
+from onepiece.nm.state import ClusterState, Instance
 from onepiece.supervise import stop_on_signals
 from onepiece.transport.rpc import RpcServer
+
+if TYPE_CHECKING:
+    from onepiece.nm.zk import ZkSettings
 
 log = logging.getLogger(__name__)
 
@@ -28,17 +37,49 @@ class NodeManager:
     def __init__(self, topology: Topology, workflow: Workflow, base_dir: Path, address: str | None = None) -> None:
         self.topology, self.workflow, self.base_dir = topology, workflow, base_dir
         self.state = ClusterState(topology, workflow)
-        self.rpc = RpcServer(address or topology.nm.address, {
+        self.reaper = Reaper(workflow)
+        self.rpc = RpcServer(address or topology.nm.address, self._handlers())
+        self.address = self.rpc.address
+
+    def _handlers(self) -> dict:
+        return {
             "register": self._register,
             "heartbeat": self._heartbeat,
             "deregister": self._deregister,
             "routes": lambda req, _: {"routes": self.state.routes(self._set(req))},
             "proxies": lambda req, _: {"proxies": self._all("proxies", req)},
             "dbs": lambda req, _: {"dbs": self._all("dbs", req)},
-            "status": lambda req, _: self.state.status(),
+            "status": lambda req, _: {**self.state.status(), "nm": self._nm_status()},
             "workflow": lambda req, _: {"workflow": self.workflow.model_dump(mode="json"), "base_dir": str(self.base_dir)},
-        })
-        self.address = self.rpc.address
+        }
+
+    def _nm_status(self) -> dict[str, Any]:
+        return {"mode": "embedded", "address": self.address}
+
+    # ---- hooks for the NM on ZooKeeper -------------------------------------------------------
+
+    def _instance_id(self, req: dict) -> str | None:
+        """The id a registering instance brings (None: this NM names it)."""
+        return None
+
+    def _saved(self) -> None:
+        """Called after the state changed, before the reply: the HA NM writes it to ZooKeeper."""
+        self.state.dirty.clear()
+
+    def _monitor_ready(self, set_name: str) -> bool:
+        """Whether the capacity view of the set rests on fresh stats (see nm/ha.py)."""
+        return True
+
+    def _tick(self) -> None:
+        """Periodic work of the loop: here, dropping silent instances."""
+        for inst in self.state.expire(self.topology.nm.dead_after_s):
+            self._dropped(inst, f"no heartbeat for {self.topology.nm.dead_after_s:.1f}s")
+        self._saved()
+
+    def _dropped(self, inst: Instance, reason: str) -> None:
+        """An instance died (it did not leave): report what it held as failed."""
+        if inst.role == "stage" and inst.holding:
+            self.reaper.submit(inst.id, inst.stage, inst.holding, self.state.routes(inst.set)["dbs"], reason)
 
     def _set(self, req: dict) -> str:
         name = req.get("set")
@@ -55,7 +96,9 @@ class NodeManager:
         if not isinstance(addresses, dict) or not all(isinstance(v, str) for v in addresses.values()):
             raise ValueError("register: 'addresses' must map names to address strings")
         inst = self.state.register(str(req.get("role")), str(req.get("set")), addresses,
-                                   int(req.get("pid", 0)), str(req.get("host", "")), req.get("stage"))
+                                   int(req.get("pid", 0)), str(req.get("host", "")), req.get("stage"),
+                                   inst_id=self._instance_id(req))
+        self._saved()
         return {
             "instance": inst.id,
             "stage": inst.stage,
@@ -67,17 +110,24 @@ class NodeManager:
 
     def _heartbeat(self, req: dict, _: Any) -> dict:
         version = req.get("version")
-        inst = self.state.heartbeat(str(req.get("instance")), bool(req.get("ready")), req.get("stats") or {},
-                                    version if isinstance(version, int) else 0)
+        stats = req.get("stats")
+        stats = dict(stats) if isinstance(stats, dict) else {}
+        holding = stats.pop("holding", None)  # kept apart: status shows only its length
+        if not (isinstance(holding, list) and all(isinstance(u, str) for u in holding)):
+            holding = None
+        inst = self.state.heartbeat(str(req.get("instance")), bool(req.get("ready")), stats,
+                                    version if isinstance(version, int) else 0, holding)
+        self._saved()
         reply: dict[str, Any] = {"version": self.state.version}
         if version != self.state.version:
             reply["routes"] = self.state.routes(inst.set)
-        if inst.role == "proxy":  # the request monitor's view, fresh every heartbeat
-            reply["monitor"] = self.state.monitor(inst.set)
+        if inst.role == "proxy" and self._monitor_ready(inst.set):
+            reply["monitor"] = self.state.monitor(inst.set)  # the request monitor's view, fresh every heartbeat
         return reply
 
     def _deregister(self, req: dict, _: Any) -> dict:
         self.state.deregister(str(req.get("instance")), "left")
+        self._saved()
         return {}
 
     def run(self, stop: threading.Event) -> None:
@@ -87,17 +137,22 @@ class NodeManager:
         while not stop.is_set():
             if poller.poll(tick_ms):
                 self.rpc.handle()
-            self.state.expire(self.topology.nm.dead_after_s)
+            self._tick()
 
     def close(self) -> None:
         self.rpc.close()
+        self.reaper.close()
 
 
 class NmMetrics:
     """Prometheus view of the cluster state, read at scrape time."""
 
-    def __init__(self, state: ClusterState) -> None:
-        self.state = state
+    def __init__(self, nm: "NodeManager") -> None:
+        self.nm = nm
+
+    @property
+    def state(self) -> ClusterState:
+        return self.nm.state  # a new primary restores into the same object, but read it fresh anyway
 
     def collect(self):
         g = GaugeMetricFamily("onepiece_nm_instances", "registered instances", labels=["set", "role", "stage", "ready"])
@@ -111,13 +166,22 @@ class NmMetrics:
         v = GaugeMetricFamily("onepiece_nm_routes_version", "route table version")
         v.add_metric([], self.state.version)
         yield v
+        p = GaugeMetricFamily("onepiece_nm_primary", "1 while this NM serves as primary")
+        p.add_metric([], 1 if getattr(self.nm, "primary", True) else 0)
+        yield p
 
 
 def serve(topology: Topology, workflow: Workflow, base_dir: Path, address: str | None = None,
-          metrics_port: int = 0) -> None:
+          metrics_port: int = 0, zk: "ZkSettings | None" = None, advertise: str | None = None) -> None:
+    """Run an NM until SIGTERM: embedded, or with ``zk`` one of several on ZooKeeper."""
     stop = stop_on_signals()
-    nm = NodeManager(topology, workflow, base_dir, address)
-    REGISTRY.register(NmMetrics(nm.state))
+    if zk is None:
+        nm = NodeManager(topology, workflow, base_dir, address)
+    else:
+        from onepiece.nm.ha import HaNodeManager
+
+        nm = HaNodeManager(topology, workflow, base_dir, zk, address, advertise)
+    REGISTRY.register(NmMetrics(nm))
     metrics, _ = start_http_server(metrics_port, addr="127.0.0.1")
     log.info("node manager serving at %s, metrics at http://127.0.0.1:%d/metrics", nm.address, metrics.server_port)
     try:

@@ -2,7 +2,14 @@
 
 Per workflow set: the instances with their roles and addresses, which stage each stage
 instance serves, and the route table derived from them. Only live, ready instances are routed
-to; an instance silent for longer than ``dead_after_s`` is dropped and the routes change.
+to; an instance silent for longer than ``dead_after_s`` is dropped and the routes change
+(embedded NM), or one whose ZooKeeper member node vanished (NM on ZooKeeper).
+
+What a new primary needs to route exactly as the old one did is each instance's ``record()``
+(identity, addresses, assignment, readiness) and ``version``; the sets whose records changed
+are collected in ``dirty`` until the NM on ZooKeeper has written them (nm/zk_store.py). Stats,
+the requests an instance last said it holds, and its last-seen time are soft: they come back
+with the next heartbeat.
 """
 
 from __future__ import annotations
@@ -36,14 +43,27 @@ class Instance:
     stats: dict[str, Any] = field(default_factory=dict)
     registered_at: float = field(default_factory=time.time)
     last_seen: float = field(default_factory=time.monotonic)
+    # UIDs the instance held at its last heartbeat: what to report failed if it dies.
+    holding: list[str] = field(default_factory=list)
+    heard: bool = False  # heartbeated to this NM (a new primary has no stats until then)
+
+    PERSISTENT = ("id", "role", "set", "addresses", "pid", "host", "stage", "ready", "registered_at")
 
     def view(self, now: float) -> dict[str, Any]:
         return {
             "id": self.id, "role": self.role, "set": self.set, "stage": self.stage, "ready": self.ready,
             "addresses": self.addresses, "pid": self.pid, "host": self.host, "stats": self.stats,
-            "routes_version": self.routes_version,
+            "routes_version": self.routes_version, "holding": len(self.holding),
             "age_s": round(time.time() - self.registered_at, 1), "silent_s": round(now - self.last_seen, 2),
         }
+
+    def record(self) -> dict[str, Any]:
+        """The fields a new primary needs (JSON-able)."""
+        return {k: getattr(self, k) for k in self.PERSISTENT}
+
+    @classmethod
+    def from_record(cls, rec: dict[str, Any]) -> "Instance":
+        return cls(**{k: rec[k] for k in cls.PERSISTENT if k in rec})
 
 
 class ClusterState:
@@ -54,13 +74,34 @@ class ClusterState:
         self.version = 1  # bumped whenever any route table changes
         self._ids = itertools.count(1)
         self.events: list[str] = []  # recent decisions, shown by `onepiece status`
+        self.dirty: set[str] = set()  # sets whose instance records changed since last saved
+
+    def _changed(self, set_name: str) -> None:
+        self.version += 1
+        self.dirty.add(set_name)
+
+    def restore(self, records: list[dict[str, Any]], version: int) -> None:
+        """Replace the instances with saved records (a new primary taking over)."""
+        self.instances = {}
+        for rec in records:
+            inst = Instance.from_record(rec)
+            if inst.set in self.sets:
+                self.instances[inst.id] = inst
+        self.version = max(self.version, version)
+        self.dirty.clear()
+
+    def export(self, set_name: str) -> list[dict[str, Any]]:
+        return [i.record() for i in sorted(self.instances.values(), key=lambda i: i.id) if i.set == set_name]
 
     def _event(self, text: str) -> None:
         log.info(text)
         self.events = (self.events + [f"{time.strftime('%H:%M:%S')} {text}"])[-50:]
 
     def register(self, role: str, set_name: str, addresses: dict[str, str], pid: int = 0, host: str = "",
-                 stage: str | None = None) -> Instance:
+                 stage: str | None = None, inst_id: str | None = None) -> Instance:
+        """A new instance, with the stage it serves (its pin, else the set's biggest deficit, else
+        the idle pool). ``inst_id``: the id it already has (its ZooKeeper member node); the
+        same id registering again (a retried request) keeps its assignment."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r} (expected one of {sorted(ROLES)})")
         missing = [k for k in ROLES[role] if not addresses.get(k)]
@@ -71,12 +112,22 @@ class ClusterState:
         if role == "stage":
             if stage is not None and stage not in self.workflow.stages:
                 raise ValueError(f"unknown stage {stage!r} (known: {sorted(self.workflow.stages)})")
+        old = self.instances.get(inst_id) if inst_id else None
+        if old is not None:
+            if (old.role, old.set) != (role, set_name):
+                raise ValueError(f"instance {inst_id} is already a {old.role} of set {old.set}")
+            if (old.addresses, old.pid, old.host) != (addresses, pid, host):
+                old.addresses, old.pid, old.host = addresses, pid, host
+                self._changed(set_name)
+            return old
+        if role == "stage":
             stage = stage or self._stage_with_deficit(set_name)
-        inst = Instance(f"{role}-{next(self._ids)}", role, set_name, addresses, pid, host, stage)
+        inst = Instance(inst_id or f"{role}-{next(self._ids)}", role, set_name, addresses, pid, host, stage)
         # DBs and proxies serve as soon as they registered; stages once their workers loaded.
         inst.ready = role != "stage"
+        inst.heard = True
         self.instances[inst.id] = inst
-        self.version += 1
+        self._changed(set_name)
         self._event(f"registered {inst.id} ({role}{' ' + stage if stage else ''}) in {set_name} at {addresses}")
         return inst
 
@@ -90,31 +141,34 @@ class ClusterState:
         short = [(have[s] - n, s) for s, n in want.items() if have[s] < n]
         return min(short)[1] if short else None
 
-    def heartbeat(self, inst_id: str, ready: bool, stats: dict[str, Any], routes_version: int = 0) -> Instance:
+    def heartbeat(self, inst_id: str, ready: bool, stats: dict[str, Any], routes_version: int = 0,
+                  holding: list[str] | None = None) -> Instance:
         inst = self.instances.get(inst_id)
         if inst is None:
             raise LookupError(f"unknown instance {inst_id}")
         inst.last_seen = time.monotonic()
         inst.stats = stats
         inst.routes_version = routes_version
+        inst.holding = holding or []
+        inst.heard = True
         if ready != inst.ready:
             inst.ready = ready
-            self.version += 1
+            self._changed(inst.set)
             self._event(f"{inst.id} is {'ready' if ready else 'not ready'}")
         return inst
 
-    def deregister(self, inst_id: str, reason: str) -> None:
+    def deregister(self, inst_id: str, reason: str) -> Instance | None:
+        """Drop an instance from the routes; the dropped instance (None if unknown)."""
         inst = self.instances.pop(inst_id, None)
         if inst is not None:
-            self.version += 1
+            self._changed(inst.set)
             self._event(f"dropped {inst.id} ({inst.role}{' ' + inst.stage if inst.stage else ''}): {reason}")
+        return inst
 
-    def expire(self, dead_after_s: float) -> list[str]:
+    def expire(self, dead_after_s: float) -> list[Instance]:
         now = time.monotonic()
         dead = [i.id for i in self.instances.values() if now - i.last_seen > dead_after_s]
-        for d in dead:
-            self.deregister(d, f"no heartbeat for {dead_after_s:.1f}s")
-        return dead
+        return [i for d in dead if (i := self.deregister(d, f"no heartbeat for {dead_after_s:.1f}s")) is not None]
 
     def routes(self, set_name: str) -> dict[str, Any]:
         """Where each stage's data goes in a set: the live, ready instances per stage, the DBs

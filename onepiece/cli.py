@@ -6,8 +6,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from onepiece.config import ConfigError, deploy_dir
+
+if TYPE_CHECKING:
+    from onepiece.config import NmSpec
+    from onepiece.nm.zk import ZkSettings
 
 DEFAULT_TOPOLOGY = "local.yaml"
 DEFAULT_NM = "tcp://127.0.0.1:7700"
@@ -23,6 +28,20 @@ def cmd_up(args: argparse.Namespace) -> int:
     return up(_topology(args.topology), Path(args.logs) if args.logs else None, args.ready_timeout)
 
 
+def _zk(args: argparse.Namespace, spec: "NmSpec | None" = None) -> "ZkSettings | None":
+    """ZooKeeper settings from the --zk* flags, over the topology's nm.zk* (None: no ZooKeeper)."""
+    from onepiece.nm.zk import DEFAULT_ROOT, ZkSettings
+
+    hosts = args.zk or (spec.zk if spec is not None else None)
+    if not hosts:
+        if args.zk_auth or args.zk_root:
+            raise ConfigError("--zk-root and --zk-auth need --zk (the ZooKeeper address)")
+        return None
+    return ZkSettings(hosts, args.zk_root or (spec.zk_root if spec is not None else DEFAULT_ROOT),
+                      args.zk_auth or (spec.zk_auth if spec is not None else None),
+                      args.zk_session or (spec.zk_session_s if spec is not None else 4.0))
+
+
 def cmd_nm(args: argparse.Namespace) -> int:
     from onepiece.config import load_topology
     from onepiece.nm.server import serve
@@ -30,7 +49,7 @@ def cmd_nm(args: argparse.Namespace) -> int:
 
     setup_logging("nm", args.log_level)
     topo, wf, base = load_topology(_topology(args.topology))
-    serve(topo, wf, base, args.address, args.metrics_port)
+    serve(topo, wf, base, args.address, args.metrics_port, zk=_zk(args, topo.nm), advertise=args.advertise)
     return 0
 
 
@@ -39,7 +58,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     from onepiece.supervise import setup_logging
 
     setup_logging(f"stage[{args.stage or '?'}]", args.log_level)
-    serve(args.nm, args.set, args.listen, args.stage, args.runtime_dir, args.advertise)
+    serve(args.nm, args.set, args.listen, args.stage, args.runtime_dir, args.advertise, zk=_zk(args))
     return 0
 
 
@@ -49,7 +68,7 @@ def cmd_db(args: argparse.Namespace) -> int:
 
     setup_logging("db", args.log_level)
     serve(args.nm, args.set, args.listen, args.control, args.events, args.ttl, args.max_bytes,
-          not args.keep_after_fetch, replication=args.replication, advertise=args.advertise)
+          not args.keep_after_fetch, replication=args.replication, advertise=args.advertise, zk=_zk(args))
     return 0
 
 
@@ -59,7 +78,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
     setup_logging("proxy", args.log_level)
     serve(args.nm, args.set, args.host, args.port, args.max_inflight, args.max_body_bytes, monitor=args.monitor,
-          advertise=args.advertise)
+          advertise=args.advertise, zk=_zk(args))
     return 0
 
 
@@ -79,6 +98,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     finally:
         client.close()
     print(orjson.dumps(status, option=orjson.OPT_INDENT_2).decode() if args.json else render(status))
+    nm = status.get("nm") or {}
+    if not args.json and nm.get("mode") == "zookeeper":
+        backups = [c for c in nm.get("contenders", []) if c != nm.get("address")]
+        print(f"node manager: primary {nm.get('address')} (epoch {nm.get('epoch')}) on ZooKeeper "
+              f"{nm.get('zookeeper')}{nm.get('root')}; backups: {', '.join(backups) or 'none'}")
     return 0
 
 
@@ -119,6 +143,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.which == "overload":
         from onepiece.bench.overload import run
+    elif args.which == "failover":
+        from onepiece.bench.failover import run
+    elif args.which == "transport":
+        from onepiece.bench.transport import run
     else:
         from onepiece.bench.e2e import run
 
@@ -133,6 +161,50 @@ def _positive_int(value: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 (got {n})")
     return n
+
+
+def _checked(parse, what: str):
+    """An argparse type from a validator that raises ValueError (usage error naming the flag)."""
+    def check(value: str) -> str:
+        try:
+            return parse(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{what}: {e}") from None
+    check.__name__ = what
+    return check
+
+
+def _session_s(value: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {value!r}") from None
+    if not 1.0 <= s <= 600:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 600 seconds (got {s})")
+    return s
+
+
+def _zk_flags(sp: argparse.ArgumentParser) -> None:
+    from onepiece.nm.zk import parse_auth, parse_hosts, parse_root
+
+    g = sp.add_argument_group("ZooKeeper (highly available node managers)")
+    g.add_argument("--zk", metavar="HOST:PORT[,...]", type=_checked(parse_hosts, "ZooKeeper address"),
+                   help="ZooKeeper ensemble the node managers run on")
+    g.add_argument("--zk-root", metavar="PATH", type=_checked(parse_root, "znode root"),
+                   help="znode under which the cluster lives (default /onepiece)")
+    g.add_argument("--zk-auth", metavar="USER:PASSWORD", type=_checked(parse_auth, "credentials"),
+                   help="digest credentials: the cluster's znodes get ACLs for this user only")
+    g.add_argument("--zk-session", metavar="S", type=_session_s,
+                   help="ZooKeeper session timeout in seconds (default 4): how soon a dead process is noticed")
+
+
+def _nm_addresses(value: str) -> str:
+    from onepiece.nm.client import split_addresses
+
+    try:
+        return ",".join(split_addresses(value))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,13 +226,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--topology", help="topology YAML")
     sp.add_argument("--address", help="bind address (default: the topology's)")
     sp.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (default: any free one)")
+    sp.add_argument("--advertise", metavar="HOST", help="host that clients reach this NM at (default: the bound one)")
+    _zk_flags(sp)
     sp.set_defaults(fn=cmd_nm)
 
     for name, help in (("stage", "run one workflow instance"), ("db", "run one result store"),
                        ("proxy", "run one HTTP proxy")):
         sp = role(name, help)
-        sp.add_argument("--nm", default=DEFAULT_NM, help="node manager address")
+        sp.add_argument("--nm", default=DEFAULT_NM, type=_nm_addresses,
+                        help="node manager address, or several (a,b,c: the primary is found among them)")
         sp.add_argument("--set", default="set0", help="workflow set to join")
+        _zk_flags(sp)
         sp.add_argument("--advertise", metavar="HOST",
                         help="host that peers reach this instance at (default: the bound one), e.g. a "
                              "container's service name when binding 0.0.0.0")
@@ -189,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
             sp.set_defaults(fn=cmd_proxy)
 
     sp = sub.add_parser("status", help="print sets, stages, instances, health and queues")
-    sp.add_argument("--nm", default=DEFAULT_NM)
+    sp.add_argument("--nm", default=DEFAULT_NM, type=_nm_addresses, help="node manager address(es), a,b,c")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_status)
 
@@ -207,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("bench", help="benchmarks (see bench/)")
     benches = sp.add_subparsers(dest="which", required=True, metavar="BENCHMARK")
-    from onepiece.bench import e2e, overload
+    from onepiece.bench import e2e, failover, overload, transport
 
     bp = benches.add_parser("e2e", help="end-to-end latency against the monolithic pipeline")
     e2e.add_arguments(bp)
@@ -215,16 +291,27 @@ def build_parser() -> argparse.ArgumentParser:
     bp = benches.add_parser("overload", help="open-loop load at multiples of capacity, request monitor on and off")
     overload.add_arguments(bp)
     bp.set_defaults(fn=cmd_bench)
+    bp = benches.add_parser("transport", help="transport throughput and one-way latency against memcpy")
+    transport.add_arguments(bp)
+    bp.set_defaults(fn=cmd_bench)
+    bp = benches.add_parser("failover", help="node manager failover on ZooKeeper: SIGKILL and graceful handover times")
+    failover.add_arguments(bp)
+    bp.set_defaults(fn=cmd_bench)
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
+    from onepiece.nm.zk import ZkUnavailable
+
     args = build_parser().parse_args(argv)
     try:
         code = args.fn(args)
     except ConfigError as e:
         print(f"configuration error:\n{e}", file=sys.stderr)
         code = 2
+    except ZkUnavailable as e:  # say which servers are unreachable, without a traceback
+        print(f"onepiece {args.command}: {e}", file=sys.stderr)
+        code = 1
     except KeyboardInterrupt:
         code = 130
     sys.exit(code)

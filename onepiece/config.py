@@ -7,12 +7,15 @@ e.g. ``deploy/wan21.yaml: stages.denoise_t2v.workers: Input should be greater th
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+if TYPE_CHECKING:
+    from onepiece.nm.zk import ZkSettings
 
 
 def deploy_dir() -> Path:
@@ -133,9 +136,64 @@ class Workflow(_Strict):
 
 
 class NmSpec(_Strict):
-    address: str = "tcp://127.0.0.1:7700"
+    address: str = Field("tcp://127.0.0.1:7700", description="the (first) NM's RPC address; with count > 1 the "
+                                                             "others take the next ports")
     heartbeat_s: float = Field(1.0, gt=0, le=60)
-    dead_after_s: float = Field(4.0, gt=0, le=600)
+    dead_after_s: float = Field(4.0, gt=0, le=600, description="embedded NM: silence after which an instance is dropped")
+    # High availability (nm/ha.py): without zk, one NM keeps the state in memory (the default).
+    zk: str | None = Field(None, description="ZooKeeper host:port[,host:port...]: the NMs elect a primary there "
+                                             "and keep the cluster state in it; instances hold member nodes there")
+    zk_root: str = Field("/onepiece", description="the znode under which everything of this cluster lives")
+    zk_auth: str | None = Field(None, description="user:password: digest ACLs on every znode, for this user only")
+    zk_session_s: float = Field(4.0, ge=1, le=600, description="ZooKeeper session timeout: how soon a dead NM or "
+                                                               "instance is noticed (the server may bound it)")
+    count: int = Field(1, ge=1, le=9, description="NM processes `onepiece up` starts: one primary, the rest backups")
+
+    @field_validator("zk")
+    @classmethod
+    def _zk(cls, v: str | None) -> str | None:
+        from onepiece.nm.zk import parse_hosts
+
+        return None if v is None else parse_hosts(v)
+
+    @field_validator("zk_root")
+    @classmethod
+    def _zk_root(cls, v: str) -> str:
+        from onepiece.nm.zk import parse_root
+
+        return parse_root(v)
+
+    @field_validator("zk_auth")
+    @classmethod
+    def _zk_auth(cls, v: str | None) -> str | None:
+        from onepiece.nm.zk import parse_auth
+
+        return None if v is None else parse_auth(v)
+
+    @field_validator("count")
+    @classmethod
+    def _count(cls, v: int, info) -> int:
+        if v > 1:
+            if not info.data.get("zk"):
+                raise ValueError(f"{v} node managers need nm.zk (a ZooKeeper address) to elect a primary")
+            address = info.data.get("address", "")
+            m = re.match(r"^tcp://([^:/]+):(\d+)$", address)
+            if not m or not 0 < int(m.group(2)) <= 65536 - v:
+                raise ValueError(f"{v} node managers take consecutive ports from nm.address, which must then be "
+                                 f"tcp://host:port with a fixed port (got {address!r})")
+        return v
+
+    def addresses(self) -> list[str]:
+        """Every NM's RPC address: ``address`` and, with count > 1, the next ports."""
+        if self.count == 1:
+            return [self.address]
+        host, port = self.address.rsplit(":", 1)
+        return [f"{host}:{int(port) + i}" for i in range(self.count)]
+
+    def zk_settings(self) -> "ZkSettings | None":
+        from onepiece.nm.zk import ZkSettings
+
+        return ZkSettings(self.zk, self.zk_root, self.zk_auth, self.zk_session_s) if self.zk else None
 
 
 class DbSpec(_Strict):

@@ -1,9 +1,11 @@
 """`onepiece up`: a whole deployment from a topology file, as supervised local processes.
 
-Starts the NM, then per set the DBs, the stage instances and the proxies, each with its log
-in the run's log folder; waits until every instance is registered and ready; prints where the
-API listens; restarts a role process that dies (bounded backoff); and on Ctrl-C or SIGTERM
-stops everything, children first, leaving no processes, sockets or runtime files behind.
+Starts the NM (or, with ``nm.zk`` and ``nm.count``, several NMs on ZooKeeper, one primary and
+backups, each role then given all their addresses and the ZooKeeper settings), then per set the
+DBs, the stage instances and the proxies, each with its log in the run's log folder; waits
+until every instance is registered and ready; prints where the API listens; restarts a role
+process that dies (bounded backoff); and on Ctrl-C or SIGTERM stops everything, children
+first, leaving no processes, sockets or runtime files behind.
 """
 
 from __future__ import annotations
@@ -61,7 +63,10 @@ class Deployment:
         # ipc socket paths must stay short (108 bytes), so the runtime folder lives in /tmp.
         self.runtime = Path(tempfile.mkdtemp(prefix="onepiece-", dir=runtime_dir))
         self.children: list[Child] = []
-        self.nm_address = self.topo.nm.address
+        self.nm_addresses = self.topo.nm.addresses()
+        self.nm_address = ",".join(self.nm_addresses)  # every role finds the primary among them
+        self.zk = self.topo.nm.zk_settings()
+        self.nm_count = len(self.nm_addresses)
 
     def _address(self, name: str) -> str:
         if self.topo.transport == "ipc":
@@ -79,11 +84,15 @@ class Deployment:
         return f"ring+tcp://127.0.0.1:0{size}"
 
     def plan(self) -> list[Child]:
-        """The processes of the topology, NM first."""
-        nm = self.nm_address
-        out = [Child("nm", _cli("nm", "--topology", str(self.topology_path), "--address", nm), self.log_dir / "nm.log")]
+        """The processes of the topology, NMs first."""
+        zk = self.zk.args() if self.zk else []
+        out = []
+        for i, address in enumerate(self.nm_addresses):
+            name = "nm" if self.nm_count == 1 else f"nm{i}"
+            out.append(Child(name, _cli("nm", "--topology", str(self.topology_path), "--address", address, *zk),
+                             self.log_dir / f"{name}.log"))
         for s in self.topo.sets:
-            out += self._set_children(s, nm)
+            out += [Child(c.name, c.argv + zk, c.log_path) for c in self._set_children(s, self.nm_address)]
         return out
 
     def _set_children(self, s: SetSpec, nm: str) -> list[Child]:
@@ -120,8 +129,9 @@ class Deployment:
         for path in ensure_models(self.workflow, self.base_dir):
             print(f"built tiny random-weight model at {path}", flush=True)
         self.children = self.plan()
-        nm, rest = self.children[0], self.children[1:]
-        nm.start()
+        nms, rest = self.children[:self.nm_count], self.children[self.nm_count:]
+        for nm in nms:
+            nm.start()
         self._wait_nm()
         for c in rest:
             c.start()
@@ -142,9 +152,9 @@ class Deployment:
         raise RuntimeError(f"node manager did not answer at {self.nm_address} within {timeout:.0f}s")
 
     def _check_nm_alive(self) -> None:
-        nm = self.children[0]
-        if nm.proc is not None and nm.proc.poll() is not None:
-            raise RuntimeError(f"node manager exited with {nm.proc.returncode}; see {nm.log_path}")
+        for nm in self.children[:self.nm_count]:
+            if nm.proc is not None and nm.proc.poll() is not None:
+                raise RuntimeError(f"node manager {nm.name} exited with {nm.proc.returncode}; see {nm.log_path}")
 
     def missing(self, status: dict) -> list[str]:
         """What the deployment still lacks before it can serve: empty when ready."""
@@ -203,8 +213,8 @@ class Deployment:
                     c.start()
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """Stop everything: roles first, the NM last, then the runtime folder."""
-        order = self.children[1:] + self.children[:1]
+        """Stop everything: roles first, the NMs last, then the runtime folder."""
+        order = self.children[self.nm_count:] + self.children[:self.nm_count]
         for c in order:
             if c.proc is not None and c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)
@@ -250,7 +260,8 @@ def up(topology: Path, log_dir: Path | None = None, ready_timeout: float = 300.0
 
 def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, dbs: int = 2,
                    transport: str = "ipc", stages: dict[str, int] | None = None, heartbeat_s: float = 0.25,
-                   sets: list[dict[str, Any]] | None = None, data: str = "zmq", **set_options: Any) -> Path:
+                   sets: list[dict[str, Any]] | None = None, data: str = "zmq", nm: dict[str, Any] | None = None,
+                   **set_options: Any) -> Path:
     """A deployment of the shipped workflow with its models at ``models`` ({"t2v": dir,
     "i2v": dir}), written into ``folder`` (for tests and benchmarks). Returns the topology file.
 
@@ -260,7 +271,8 @@ def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, db
     merged key by key), and an entry without a name is called ``set<i>``. E.g.
     ``sets=[{"name": "a", "proxy": {"max_inflight": 1}}, {"name": "b", "db": {"count": 3}}]``.
     The NM listens at ``nm_address``. ``data="ring"`` makes every stage and DB receive its
-    data over the ring buffer instead of ZeroMQ."""
+    data over the ring buffer instead of ZeroMQ. ``nm`` adds NmSpec keys, e.g. ``{"zk": hosts,
+    "count": 3}`` for three NMs on ZooKeeper (at ``nm_address`` and the next two ports)."""
     import yaml
 
     from onepiece.config import deploy_dir
@@ -283,7 +295,7 @@ def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, db
     topo = {
         "workflow": "workflow.yaml",
         "transport": transport,
-        "nm": {"address": nm_address, "heartbeat_s": heartbeat_s, "dead_after_s": 6 * heartbeat_s},
+        "nm": {"address": nm_address, "heartbeat_s": heartbeat_s, "dead_after_s": 6 * heartbeat_s, **(nm or {})},
         "sets": out_sets,
     }
     path = folder / "topology.yaml"

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from onepiece.config import Workflow
-from onepiece.nm.client import Membership, NmClient
+from onepiece.nm.client import Membership
 from onepiece.proxy.server import ProxyServer
+
+if TYPE_CHECKING:
+    from onepiece.nm.zk import ZkSettings
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +47,9 @@ class NmCluster:
 
 
 def serve(nm_address: str, set_name: str, host: str, port: int, max_inflight: int, max_body_bytes: int,
-          monitor: bool = True, advertise: str | None = None) -> None:
+          monitor: bool = True, advertise: str | None = None, zk: "ZkSettings | None" = None) -> None:
     """Run a proxy of ``set_name`` until SIGTERM; ``monitor=False`` admits by the in-flight cap
-    only (no capacity or deadline refusals)."""
-    nm = NmClient(nm_address, timeout=1.0, retries=0)
-    workflow = nm.workflow()
-    nm.close()
+    only (no capacity or deadline refusals). ``zk``: the NMs run on ZooKeeper."""
     server: ProxyServer | None = None
 
     def stats() -> dict:
@@ -57,7 +57,9 @@ def serve(nm_address: str, set_name: str, host: str, port: int, max_inflight: in
             return {"inflight": 0, "max_inflight": max_inflight, "accepted": 0, "rejected": 0}
         return server.app.state.proxy.stats()
 
-    member = Membership(nm_address, "proxy", set_name, {}, stats=stats, advertise=advertise)
+    member = Membership(nm_address, "proxy", set_name, {}, stats=stats, advertise=advertise, zk=zk,
+                        capacity={"max_inflight": max_inflight})
+    workflow = member.workflow()
     server = ProxyServer(NmCluster(workflow, member), host, port, max_inflight, max_body_bytes, log_level="info",
                          monitor=monitor)
 

@@ -12,17 +12,22 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from onepiece.config import Workflow
 from onepiece.nm.client import Membership
+from onepiece.nm.holdings import Holdings, TrackingMailbox, TrackingReceiver
 from onepiece.stage.deliver import ResultDeliver
 from onepiece.stage.scheduler import RequestScheduler, SchedulerStats
 from onepiece.stage.task_manager import TaskManager
 from onepiece.supervise import stop_on_signals
 from onepiece.transport import registry
+
+if TYPE_CHECKING:
+    from onepiece.nm.zk import ZkSettings
 
 log = logging.getLogger(__name__)
 
@@ -53,28 +58,35 @@ class StageMetrics:
 
 
 def serve(nm_address: str, set_name: str, listen: str = "tcp://127.0.0.1:0", stage: str | None = None,
-          runtime_dir: str | None = None, advertise: str | None = None) -> None:
+          runtime_dir: str | None = None, advertise: str | None = None, zk: "ZkSettings | None" = None) -> None:
     stop = stop_on_signals()
     rdir = Path(tempfile.mkdtemp(prefix="stage-", dir=runtime_dir))
     metrics, _ = start_http_server(0, addr=registry.host_of(listen))
-    receiver = registry.listen(listen)
+    # What this instance holds goes out with every heartbeat: if it dies, the NM reports those
+    # requests failed (nm/reaper.py).
+    holdings = Holdings()
+    receiver = TrackingReceiver(registry.listen(listen), holdings)
     stats = SchedulerStats()
     member = Membership(
         nm_address, "stage", set_name,
         {"data": receiver.address, "metrics": f"http://{registry.host_of(listen)}:{metrics.server_port}"},
-        stage=stage, stats=lambda: vars(stats), ready=lambda: stats.serving, advertise=advertise,
+        stage=stage, stats=lambda: {**vars(stats), "holding": holdings.snapshot()}, ready=lambda: stats.serving,
+        advertise=advertise, zk=zk,
     )
     reply = member.register()
     workflow = Workflow.model_validate(reply["workflow"])
-    member.start()
     my_stage = reply["stage"]
+    if my_stage is not None:
+        spec = workflow.stages[my_stage]
+        member.set_capacity({"workers": spec.workers, "queue": spec.queue})
+    member.start()
     try:
         if my_stage is None:
             log.info("%s joined the idle pool", member.id)
             stop.wait()
             return
         log.info("%s serves stage %s, data at %s", member.id, my_stage, receiver.address)
-        _run_stage(member, my_stage, workflow, Path(reply["base_dir"]), receiver, rdir, stats, stop)
+        _run_stage(member, my_stage, workflow, Path(reply["base_dir"]), receiver, rdir, stats, stop, holdings)
     finally:
         member.stop()
         receiver.close()
@@ -83,8 +95,8 @@ def serve(nm_address: str, set_name: str, listen: str = "tcp://127.0.0.1:0", sta
 
 
 def _run_stage(member: Membership, stage: str, workflow: Workflow, base_dir: Path, receiver, rdir: Path,
-               stats: SchedulerStats, stop: threading.Event) -> None:
-    mailbox: queue.Queue = queue.Queue(maxsize=1024)
+               stats: SchedulerStats, stop: threading.Event, holdings: Holdings | None = None) -> None:
+    mailbox: queue.Queue = TrackingMailbox(1024, holdings) if holdings is not None else queue.Queue(maxsize=1024)
     scheduler = RequestScheduler(stage, receiver, f"ipc://{rdir}/workers.sock", workflow.stages[stage].queue,
                                  mailbox, stats)
     deliver = ResultDeliver(stage, workflow, mailbox, routes=lambda: member.routes)

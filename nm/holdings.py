@@ -1,0 +1,80 @@
+"""What a stage instance holds right now, for its heartbeat: the UIDs it received and has not
+yet handed on (queued, at a worker, or finished and waiting in the deliverer's mailbox).
+
+If the instance dies, the NM reports exactly these as failed (nm/reaper.py). They are
+observed at the instance's two edges, so neither the scheduler nor the deliverer changes:
+``TrackingReceiver`` wraps the transport receiver (a UID enters when ``recv`` returns its
+message) and ``TrackingMailbox`` is the scheduler-to-deliverer queue (a UID leaves when the
+deliverer takes its ``result`` or ``failed`` item). Both sides run on other threads than the
+heartbeat, hence the lock; the work under it is a dict operation.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from onepiece.transport.message import Message
+
+
+class Holdings:
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit  # bounded: a UID that never leaves (a bug) cannot grow it forever
+        self._uids: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, uid: str) -> None:
+        with self._lock:
+            self._uids[uid] = None
+            if len(self._uids) > self.limit:
+                self._uids.popitem(last=False)
+
+    def discard(self, uid: str) -> None:
+        with self._lock:
+            self._uids.pop(uid, None)
+
+    def snapshot(self, cap: int = 1024) -> list[str]:
+        """The newest ``cap`` UIDs held (what a heartbeat carries)."""
+        with self._lock:
+            uids = list(self._uids)
+        return uids[-cap:]
+
+    def __len__(self) -> int:
+        return len(self._uids)
+
+
+class TrackingReceiver:
+    """A transport receiver that records each message's UID as held. Everything else (the
+    ``sock`` the scheduler polls, ``address``, ``close``, counters) is the wrapped one's."""
+
+    def __init__(self, inner: Any, holdings: Holdings) -> None:
+        self._inner, self._holdings = inner, holdings
+
+    def recv(self, timeout: float) -> Message | None:
+        msg = self._inner.recv(timeout)
+        if msg is not None and isinstance(msg.header.get("uid"), str):
+            self._holdings.add(msg.header["uid"])
+        return msg
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class TrackingMailbox(queue.Queue):
+    """The scheduler-to-deliverer mailbox; a UID stops being held when the deliverer takes its
+    ``("result", msg)`` or ``("failed", uid, ...)`` item. ``_get`` is Queue's documented
+    extension point (called with the queue's lock held)."""
+
+    def __init__(self, maxsize: int, holdings: Holdings) -> None:
+        super().__init__(maxsize)
+        self._holdings = holdings
+
+    def _get(self) -> Any:
+        item = super()._get()
+        if item[0] == "result":
+            self._holdings.discard(item[1].header.get("uid"))
+        elif item[0] == "failed":
+            self._holdings.discard(item[1])
+        return item
