@@ -35,6 +35,9 @@ NUMPY_DTYPES = {
     for n in ("float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 }
 ITEMSIZE = {**{n: d.itemsize for n, d in NUMPY_DTYPES.items()}, "bfloat16": 2}
+# dtype -> wire name by lookup: ``ndarray.dtype.name`` builds its string anew on every call
+# (microseconds); dtypes that miss (another byte order) fall back to it as before.
+_WIRE_NAME = {d: n for n, d in NUMPY_DTYPES.items()}
 
 Part = Union[bytes, bytearray, memoryview, np.ndarray, "torch.Tensor"]
 
@@ -117,11 +120,19 @@ def encode(msg: Message) -> list[Any]:
     frames: list[Any] = []
     for name, part in msg.parts.items():
         if isinstance(part, np.ndarray):
-            dtype = part.dtype.name
-            if dtype not in NUMPY_DTYPES:
-                raise MessageError(f"part {name!r}: dtype {dtype} cannot travel")
+            dtype = _WIRE_NAME.get(part.dtype)
+            if dtype is None:
+                dtype = part.dtype.name
+                if dtype not in NUMPY_DTYPES:
+                    raise MessageError(f"part {name!r}: dtype {dtype} cannot travel")
             arr = np.ascontiguousarray(part)
-            buf = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b"")
+            if not arr.size:
+                buf = memoryview(b"")
+            else:
+                try:  # the raw bytes, no copy (contiguous now)
+                    buf = memoryview(arr).cast("B")
+                except (TypeError, ValueError):  # a format memoryview cannot cast (non-native order)
+                    buf = memoryview(arr.reshape(-1).view(np.uint8))
             descs.append({"name": name, "dtype": dtype, "shape": list(arr.shape), "nbytes": buf.nbytes})
         elif _is_torch(part):
             dtype, shape, buf = _tensor_desc(part)
@@ -145,7 +156,7 @@ def decode(frames: Sequence[Any]) -> Message:
     """Rebuild a message from frames, or raise MessageError saying why it is rejected."""
     if len(frames) < 2:
         raise MessageError(f"expected at least 2 frames, got {len(frames)}")
-    if bytes(_frame_bytes(frames[0])) != MAGIC:
+    if _frame_bytes(frames[0]) != MAGIC:  # (a memoryview compares with bytes by content)
         raise MessageError("bad magic frame")
     raw = _frame_bytes(frames[1])
     if raw.nbytes > MAX_HEADER_BYTES:
@@ -176,7 +187,7 @@ def decode(frames: Sequence[Any]) -> Message:
 def _decode_part(desc: Any, buf: memoryview) -> tuple[str, Part]:
     if not isinstance(desc, dict):
         raise MessageError("part description is not an object")
-    name, dtype, shape, nbytes = (desc.get(k) for k in ("name", "dtype", "shape", "nbytes"))
+    name, dtype, shape, nbytes = desc.get("name"), desc.get("dtype"), desc.get("shape"), desc.get("nbytes")
     if not isinstance(name, str) or not name:
         raise MessageError("part has no name")
     if type(nbytes) is not int or nbytes != buf.nbytes:
@@ -187,10 +198,13 @@ def _decode_part(desc: Any, buf: memoryview) -> tuple[str, Part]:
     if itemsize is None:
         raise MessageError(f"part {name!r}: unknown dtype {dtype!r}")
     # bool is an int to Python; a shape of booleans is malformed, not a shape.
-    if (not isinstance(shape, list) or len(shape) > 8
+    if type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0:
+        count = shape[0]  # the common 1-D case, checked without a generator
+    elif (not isinstance(shape, list) or len(shape) > 8
             or not all(type(d) is int and d >= 0 for d in shape)):
         raise MessageError(f"part {name!r}: bad shape {shape!r}")
-    count = math.prod(shape)  # Python ints: no overflow to wrap a huge shape to 0 bytes
+    else:
+        count = math.prod(shape)  # Python ints: no overflow to wrap a huge shape to 0 bytes
     if count * itemsize != nbytes:
         raise MessageError(f"part {name!r}: shape {shape} of {dtype} needs {count * itemsize} bytes, got {nbytes}")
     if dtype == "bfloat16":
@@ -200,4 +214,5 @@ def _decode_part(desc: Any, buf: memoryview) -> tuple[str, Part]:
             warnings.simplefilter("ignore", UserWarning)  # read-only frame, see Message.tensor
             raw = torch.from_numpy(np.frombuffer(buf, dtype=np.int16))
         return name, raw.view(torch.bfloat16).reshape(shape)
-    return name, np.frombuffer(buf, dtype=NUMPY_DTYPES[dtype]).reshape(shape)
+    arr = np.frombuffer(buf, NUMPY_DTYPES[dtype])  # (positional: twice as fast as dtype=)
+    return name, arr if len(shape) == 1 else arr.reshape(shape)  # 1-D: frombuffer's shape already

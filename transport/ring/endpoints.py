@@ -13,7 +13,7 @@ from typing import Callable
 from onepiece.transport.base import Full, Receiver, Sender
 from onepiece.transport.message import Message, MessageError, decode, encode
 from onepiece.transport.ring import layout
-from onepiece.transport.ring.reader import RingReader
+from onepiece.transport.ring.reader import Loan, RingReader
 from onepiece.transport.ring.region import MappedRegion, PeerGone, Region
 from onepiece.transport.ring.writer import RingWriter
 
@@ -64,8 +64,52 @@ class RingSender(Sender):
         self._detach()
 
 
+class Borrowed:
+    """A message received without a copy (``RingReceiver.borrow``): its parts are read-only
+    views into the ring, valid until ``release()``, which frees the entry's slot. Until then no
+    other receive proceeds and senders cannot reuse those bytes; release re-verifies them and
+    returns False if a stalled sender wrote over them meanwhile (then what was read may be torn;
+    the receiver logs it and counts it in ``torn``). A context manager: ``with rx.borrow(t) as b:
+    use(b.message)`` releases on exit (check ``b.intact`` after it)."""
+
+    __slots__ = ("message", "_loan", "_receiver")
+
+    def __init__(self, message: Message, loan: Loan, receiver: "RingReceiver") -> None:
+        self.message = message
+        self._loan = loan
+        self._receiver = receiver
+
+    @property
+    def intact(self) -> bool | None:
+        """None until released; then whether the bytes were still the verified ones."""
+        return self._loan.intact
+
+    @property
+    def in_ring(self) -> bool:
+        """Whether the parts are views into the ring (False: an entry that wrapped around the
+        ring's end, copied out and freed at once)."""
+        return self._loan.in_ring
+
+    def release(self) -> bool:
+        if not self._loan.in_ring:
+            return bool(self._loan.intact)
+        intact = self._loan.release()
+        if not intact:
+            log.warning("ring %s: a borrowed message (uid %s) was written over before its release; "
+                        "what was read of it may be torn", self._receiver.address, self.message.header.get("uid"))
+        return intact
+
+    def __enter__(self) -> "Borrowed":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class RingReceiver(Receiver):
-    """Polls its own memory; ``sock`` is None, so callers poll ``recv(0)`` on a short turn."""
+    """Polls its own memory; ``sock`` is None, so callers poll ``recv(0)`` on a short turn.
+    ``recv`` copies each message out of the ring (fused with its checksum); ``borrow`` hands it
+    up without a copy, for consumers that are done with it before the next receive."""
 
     sock = None
 
@@ -77,25 +121,45 @@ class RingReceiver(Receiver):
         self._undecodable = 0
         self.rejected = 0
 
+    @property
+    def torn(self) -> int:
+        """Borrowed messages found written over at their release."""
+        return self.reader.torn
+
     def recv(self, timeout: float) -> Message | None:
+        return self._receive(timeout, False)
+
+    def borrow(self, timeout: float) -> Borrowed | None:
+        """The next valid message without a copy (see ``Borrowed``), or None after ``timeout``.
+        Release it before the next ``recv`` or ``borrow`` (which raise RuntimeError until then)."""
+        return self._receive(timeout, True)
+
+    def _receive(self, timeout: float, borrow: bool):
         deadline = time.monotonic() + timeout
         pause = 20e-6
+        reader = self.reader
         while True:
-            dropped = self.reader.dropped
-            frames = self.reader.poll()
-            if self.reader.dropped != dropped:
-                log.warning("ring %s dropped %d invalid entr%s: %s", self.address, self.reader.dropped - dropped,
-                            "y" if self.reader.dropped - dropped == 1 else "ies", self.reader.last_error)
+            dropped = reader.dropped
+            if borrow:
+                loan = reader.borrow()
+                frames = None if loan is None else loan.frames
+            else:
+                frames = reader.poll()
+            if reader.dropped != dropped:
+                log.warning("ring %s dropped %d invalid entr%s: %s", self.address, reader.dropped - dropped,
+                            "y" if reader.dropped - dropped == 1 else "ies", reader.last_error)
             if frames is not None:
                 try:
                     msg = decode(frames)
-                    self.rejected = self.reader.dropped + self._undecodable
-                    return msg
+                    self.rejected = reader.dropped + self._undecodable
+                    return Borrowed(msg, loan, self) if borrow else msg
                 except MessageError as e:
+                    if borrow:
+                        loan.release()
                     self._undecodable += 1
                     log.warning("ring %s dropped an undecodable message: %s", self.address, e)
                 continue
-            self.rejected = self.reader.dropped + self._undecodable
+            self.rejected = reader.dropped + self._undecodable
             left = deadline - time.monotonic()
             if left <= 0:
                 return None

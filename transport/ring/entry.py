@@ -4,19 +4,23 @@
     4   nframes   u32
     8   seq       u64  the entry counter it was written for
     16  length    u64  payload bytes (frame table + frames)
-    24  checksum  u64  xxh3-64 of bytes 0..24 and the payload's own xxh3-64, seeded with the
-                       region generation (the payload is hashed once, before the lock is taken)
+    24  checksum  u64  RH64 (the compiled module's ``ring_hash_*``, see _atomics_build.py) seeded
+                       with the region generation, of the payload (bytes 32 .. 32+length) followed
+                       by bytes 0..24 of this header
     32  frame table: nframes u64 lengths, then the frames back to back; padded to 8 bytes
 
 The checksum covers the header, so a length or counter torn by a late writer fails it too, and
 the seed makes an entry left over from an earlier incarnation of the region invalid in a new one.
+The payload comes first in the hashed stream so that it can be hashed once, before the lock is
+taken (``Prepared``) or in the same pass that copies it into the ring (the compiled fast path),
+and the header, known only once the entry's place is, last. The padding is not covered.
 """
 
 from __future__ import annotations
 
 import struct
 
-import xxhash
+from onepiece.transport.ring._atomics import ffi, lib
 
 ENTRY_MAGIC = int.from_bytes(b"ENT1", "little")
 HEAD = struct.Struct("<IIQQ")
@@ -36,19 +40,24 @@ class Prepared:
     """A message's payload, hashed once outside the lock; only the header depends on where
     the entry lands."""
 
-    __slots__ = ("nframes", "pieces", "length", "digest")
+    __slots__ = ("nframes", "pieces", "length", "_state", "_generation")
 
-    def __init__(self, frames: list) -> None:
+    def __init__(self, frames: list, generation: int | None = None) -> None:
         if len(frames) > MAX_FRAMES:
             raise ValueError(f"{len(frames)} frames exceed {MAX_FRAMES}")
         views = [memoryview(f).cast("B") for f in frames]
         table = struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
-        h = xxhash.xxh3_64(table)
-        for v in views:
-            h.update(v)
         self.nframes, self.pieces = len(views), [table, *views]
         self.length = len(table) + sum(v.nbytes for v in views)
-        self.digest = h.intdigest()
+        self._state = self._generation = None
+        if generation is not None:
+            self._hash(generation)
+
+    def _hash(self, generation: int):
+        if self._generation != generation:
+            self._state = _payload_state(self.pieces, generation)
+            self._generation = generation
+        return self._state
 
     @property
     def total(self) -> int:
@@ -57,11 +66,29 @@ class Prepared:
     def at(self, seq: int, generation: int) -> list:
         """The pieces to write back to back for entry counter ``seq``."""
         head = HEAD.pack(ENTRY_MAGIC, self.nframes, seq, self.length)
-        return [head + _checksum(head, self.digest, generation).to_bytes(8, "little"), *self.pieces]
+        return [head + _finish(self._hash(generation), head).to_bytes(8, "little"), *self.pieces]
 
 
-def _checksum(head: bytes | memoryview, payload_digest: int, generation: int) -> int:
-    return xxhash.xxh3_64_intdigest(bytes(head) + payload_digest.to_bytes(8, "little"), seed=generation)
+def _payload_state(pieces, generation: int):
+    """RH64's state after the payload pieces."""
+    state = ffi.new("ring_hash *")
+    lib.ring_hash_init(state, generation)
+    for piece in pieces:
+        if len(piece):
+            lib.ring_hash_update(state, ffi.from_buffer(piece), len(piece))
+    return state
+
+
+def _finish(state, head: bytes | memoryview) -> int:
+    """The checksum: the payload's state, then header bytes 0..24 (the state is not changed)."""
+    h = ffi.new("ring_hash *", state[0])
+    lib.ring_hash_update(h, ffi.from_buffer(head), 24)
+    return lib.ring_hash_final(h)
+
+
+def checksum(payload: bytes | memoryview, head: bytes | memoryview, generation: int) -> int:
+    """The checksum of an entry with this payload and header (its bytes 0..24)."""
+    return _finish(_payload_state([memoryview(payload).cast("B")], generation), head)
 
 
 def parse(entry: memoryview, seq: int, generation: int) -> list[memoryview]:
@@ -76,7 +103,7 @@ def parse(entry: memoryview, seq: int, generation: int) -> list[memoryview]:
     if padded(ENTRY_HEADER + length) != entry.nbytes:
         raise EntryError(f"entry says {length} payload bytes but its slot holds {entry.nbytes}")
     payload = entry[ENTRY_HEADER: ENTRY_HEADER + length]
-    if _checksum(entry[:24], xxhash.xxh3_64_intdigest(payload), generation) != int.from_bytes(entry[24:32], "little"):
+    if checksum(payload, entry[:24], generation) != int.from_bytes(entry[24:32], "little"):
         raise EntryError("checksum mismatch")
     # The checksum passed, so the table is what the sender wrote; still check it fits.
     if nframes > MAX_FRAMES or 8 * nframes > length:

@@ -19,7 +19,9 @@ are powers of two that divide those moduli, so "counter mod ring size" stays rig
 counters' own wrap. A size slot carries the lap of the entry it describes (the entry counter
 divided by nslots): a sender publishes with CAS from "free, this lap" to "busy, this lap,
 length", so a late sender whose entry counter is stale can never publish into a slot that has
-been reused (no ABA), and only the receiver clears a busy slot, to "free, next lap".
+been reused (no ABA, unless a sender stalls across exactly a multiple of 2**24 entries, which
+the spin model shows is the only way left), and only the receiver clears a busy slot, to
+"free, next lap".
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def parse_rdma_address(address: str):
     """(location, query-less address, geometry, Options) of an ``rdma://`` address."""
     scheme, _, rest = address.partition("://")
     where, _, query = rest.partition("?")
-    params = parse_qs(query, strict_parsing=bool(query))
+    params = parse_qs(query, keep_blank_values=True, strict_parsing=bool(query))
     unknown = set(params) - {"slots", "bytes", *_OPTIONS}
     if unknown:
         raise ValueError(f"{address!r}: unknown rdma option(s) {sorted(unknown)} "

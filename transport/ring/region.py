@@ -102,7 +102,11 @@ class MappedRegion(Region):
 
     def read_words(self, off: int, n: int) -> list[int]:
         self._check(off, 8 * n)
-        return [lib.ring_load(self.base, off + 8 * i) for i in range(n)]
+        if n == 1:
+            return [lib.ring_load(self.base, off)]
+        out = ffi.new("uint64_t[]", n)
+        lib.ring_load_n(self.base, off, out, n)  # each word atomically, in order, in one call
+        return ffi.unpack(out, n)
 
     # --- bytes ----------------------------------------------------------------------------
     def read(self, off: int, n: int) -> bytes:

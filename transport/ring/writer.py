@@ -24,17 +24,31 @@ Steps, as numbered here, in ring.pml (the model checked by spin) and in the faul
 8. release the lock with CAS from our token, which does nothing if it was taken over.
 
 Nothing here waits on the receiver, and every wait is bounded by the caller's deadline.
+
+The Promela model of this protocol, ring.pml next to this file (checked by spin in
+tests/test_ring_model.py), labels each of its steps "writer.py step N" with the numbers above;
+its header lists what it abstracts and what it found.
+
+Two implementations of the same steps: this Python code, the reference, which runs whenever a
+step hook is set (the fault tests stop senders at a step through it) or the region is remote
+(the TCP agent, RDMA); and ``ring_send`` in the compiled module (_atomics_build.py), which runs
+steps 1-8 in one call on a region mapped here (shared memory) when no hook is set: step 1 there
+is one CAS, and only when the lock is held does Python's bounded wait and take-over below run.
+The C code mirrors this file step by step and returns a status that ``_FAST_ERRORS`` maps to the
+same exceptions; tests/test_ring_fastpath.py runs both on the same workloads and compares.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from typing import Callable
 
 from onepiece.transport.base import Full, TransportError
 from onepiece.transport.ring import entry, layout
-from onepiece.transport.ring.region import PeerGone, Region
+from onepiece.transport.ring._atomics import ffi, lib
+from onepiece.transport.ring.region import MappedRegion, PeerGone, Region
 
 # Re-reads of the header within one lock holding (steps 4 and 6 send us back to 2): each
 # repair consumes one entry, so a small bound suffices; past it, report full and let go.
@@ -61,13 +75,44 @@ class _Full(Exception):
     """Internal: no room right now."""
 
 
+_FAST_ERRORS = {
+    lib.RS_PEER_GONE: (PeerGone, "the ring's receiver closed or replaced it"),
+    lib.RS_LOST_LOCK_2: (LostLock, "lock taken over while this sender stalled; nothing written"),
+    lib.RS_LOST_LOCK_6: (LostLock, "lock taken over while this sender stalled; its size slot not published"),
+    lib.RS_UNCONFIRMED: (Unconfirmed, "a stalled sender published over this entry; it may or may not be delivered"),
+}
+assert lib.RING_MAX_ROUNDS == MAX_ROUNDS and lib.RING_MAX_FRAMES == entry.MAX_FRAMES
+
+# ONEPIECE_RING_FAST=0 in a process's environment makes its senders and receivers run the
+# Python reference even where the compiled path could (to compare, or to debug; the soak test
+# runs two of every three sender processes so).
+FAST_DEFAULT = os.environ.get("ONEPIECE_RING_FAST", "1") != "0"
+
+
+def geometry_struct(region: MappedRegion):
+    """The compiled code's view of a mapped region; valid until ``region.close()`` (callers
+    check ``region.base`` first)."""
+    g = region.geometry
+    return ffi.new("ring_geom *", {"base": region.base, "nslots": g.nslots, "buf_size": g.buf_size,
+                                   "buf_off": g.buf_offset, "generation": region.generation})
+
+
 class RingWriter:
     def __init__(self, region: Region, lock_timeout: float = 2.0,
-                 step_hook: Callable[[int], None] | None = None) -> None:
+                 step_hook: Callable[[int], None] | None = None, fast: bool | None = None) -> None:
+        """``fast``: use the compiled steps (None: whenever possible, i.e. no step hook and a
+        region mapped here, unless ONEPIECE_RING_FAST=0; True insists, False never)."""
         self.region = region
         self.geometry = region.geometry
         self.lock_timeout = lock_timeout
         self.step = step_hook or (lambda n: None)
+        possible = step_hook is None and isinstance(region, MappedRegion)
+        if fast and not possible:
+            raise ValueError("the compiled fast path needs a region mapped here and no step hook")
+        self.fast = (possible and FAST_DEFAULT) if fast is None else fast
+        if self.fast:
+            self._g = geometry_struct(region)
+            self._info = ffi.new("ring_send_info *")
         self._token_base = (random.getrandbits(31) | 1) << 32
         self._counter = 0
         # The lock value we have been watching and since when: kept across sends, so a dead
@@ -78,9 +123,11 @@ class RingWriter:
     def write(self, frames: list, timeout: float) -> None:
         """Publish one entry holding ``frames`` or raise (Full, LostLock, Unconfirmed, PeerGone, TooBig)
         within ``timeout`` seconds."""
+        if self.fast:
+            return self._write_fast(frames, timeout)
         g = self.geometry
         deadline = time.monotonic() + timeout
-        prepared = entry.Prepared(frames)
+        prepared = entry.Prepared(frames, self.region.generation)
         if prepared.total > g.buf_size:
             raise TooBig(f"entry of {prepared.total} bytes exceeds the ring's {g.buf_size}")
         pause = 20e-6
@@ -95,6 +142,42 @@ class RingWriter:
             finally:
                 self.step(8)
                 self.region.cas(layout.W_LOCK, token, 0)
+            if time.monotonic() >= deadline:
+                raise Full(f"ring full for {timeout:.2f}s ({g.nslots} slots, {g.buf_size} bytes)")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def _write_fast(self, frames: list, timeout: float) -> None:
+        """``write`` through the compiled steps 1-8 (``ring_send``); the same outcomes."""
+        if len(frames) > entry.MAX_FRAMES:
+            raise ValueError(f"{len(frames)} frames exceed {entry.MAX_FRAMES}")
+        if self.region.base is None:
+            raise PeerGone("the ring region was closed here")
+        try:
+            bufs = [ffi.from_buffer(f) for f in frames]
+        except ValueError as e:  # not contiguous: the TypeError memoryview.cast raises there
+            raise TypeError(str(e)) from None
+        lens = [len(b) for b in bufs]
+        total = (entry.ENTRY_HEADER + 8 * len(bufs) + sum(lens) + 7) & ~7
+        g = self.geometry
+        if total > g.buf_size:
+            raise TooBig(f"entry of {total} bytes exceeds the ring's {g.buf_size}")
+        deadline = time.monotonic() + timeout
+        info = self._info
+        pause = 20e-6
+        while True:
+            self._counter = (self._counter + 1) & 0xFFFFFFFF
+            rc = lib.ring_send(self._g, self._token_base | self._counter, 1, len(bufs), bufs, lens, info)  # 1-8
+            if rc == lib.RS_LOCKED:  # held: wait (bounded) and maybe take it over, then 2-8
+                token = self._acquire(deadline)
+                rc = lib.ring_send(self._g, token, 0, len(bufs), bufs, lens, info)
+            if info.repairs:
+                self.repairs += info.repairs
+            if rc == lib.RS_OK:
+                return
+            if rc != lib.RS_FULL:
+                kind, why = _FAST_ERRORS[rc]
+                raise kind(why)
             if time.monotonic() >= deadline:
                 raise Full(f"ring full for {timeout:.2f}s ({g.nslots} slots, {g.buf_size} bytes)")
             time.sleep(pause)
