@@ -69,7 +69,9 @@ class ProxyServer:
         self.opts = ProxyOptions(max_inflight=max_inflight, max_body_bytes=max_body_bytes, **options)  # type: ignore[arg-type]
         self.app = create_app(cluster, self.opts)
         self.config = uvicorn.Config(
-            self.app, host=host, port=port, loop="uvloop", lifespan="on", log_level=log_level,
+            # httptools (C) parses HTTP several times faster than h11, which matters for the
+            # time a refused client waits for its 429.
+            self.app, host=host, port=port, loop="uvloop", http="httptools", lifespan="on", log_level=log_level,
             access_log=False, timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024,
             # Bounded: each open request may buffer up to max_body_bytes; beyond this, 503.
             limit_concurrency=max_connections,
