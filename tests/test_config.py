@@ -17,6 +17,22 @@ def test_shipped_files_load_and_share_stages():
     assert set(topo.sets[0].stages) == set(wf.stages)
 
 
+def test_shipped_ha_topology_runs_three_node_managers_on_zookeeper(tmp_path):
+    from onepiece.launcher import Deployment
+
+    topo, _, _ = load_topology(deploy_dir() / "ha.yaml")
+    local, _, _ = load_topology(deploy_dir() / "local.yaml")
+    assert topo.nm.zk == "127.0.0.1:2181" and topo.nm.addresses() == [
+        "tcp://127.0.0.1:7700", "tcp://127.0.0.1:7701", "tcp://127.0.0.1:7702"]
+    assert topo.sets == local.sets
+    dep = Deployment(deploy_dir() / "ha.yaml", log_dir=tmp_path)
+    try:
+        nms = [c for c in dep.plan() if c.name.startswith("nm")]
+    finally:
+        dep.stop()
+    assert len(nms) == 3 and all("--zk" in c.argv for c in nms)
+
+
 def write(tmp_path, text, name="wf.yaml"):
     p = tmp_path / name
     p.write_text(text)
