@@ -33,7 +33,8 @@ def _base_key() -> list[int]:
     return out
 
 
-CDEF = """
+# Constants and structs that Python and C both see, written once for cdef and source.
+SHARED = """
 #define RING_MAX_ROUNDS 16
 #define RING_MAX_FRAMES 1024
 
@@ -65,8 +66,6 @@ CDEF = """
 #define RE_TABLE 7
 #define RE_SLOT_LENGTH 8
 
-typedef struct { ...; } ring_hash;
-
 typedef struct {
     char *base;
     uint64_t nslots;
@@ -76,18 +75,22 @@ typedef struct {
 } ring_geom;
 
 typedef struct {
-    uint64_t found;
-    uint64_t repairs;
+    uint64_t found;    /* RS_LOCKED: the lock word found by step 1's CAS */
+    uint64_t repairs;  /* step-4 tail repairs done by this call */
 } ring_send_info;
 
 typedef struct {
-    uint64_t length;
-    uint64_t eseq;
-    uint64_t elen;
-    uint64_t checksum;
+    uint64_t length;    /* the slot's length: how far the heads move */
+    uint64_t eseq;      /* the entry's own counter (RE_SEQ) */
+    uint64_t elen;      /* the entry's payload length */
+    uint64_t checksum;  /* the entry's checksum, as verified (ring_release compares) */
     uint32_t nframes;
-    int32_t error;
+    int32_t error;      /* RE_*: why it was dropped */
 } ring_recv_info;
+"""
+
+CDEF = SHARED + """
+typedef struct { ...; } ring_hash;
 
 uint64_t ring_load(char *base, size_t off);
 void ring_store(char *base, size_t off, uint64_t value);
@@ -476,55 +479,7 @@ static uint64_t ring_hash_final(const ring_hash *h) {
 
 #define ENTRY_MAGIC 0x31544E45ULL  /* "ENT1" little-endian */
 #define ENTRY_HEADER 32
-#define RING_MAX_FRAMES 1024
-#define RING_MAX_ROUNDS 16
-
-#define RS_OK 0
-#define RS_FULL 1
-#define RS_LOCKED 2
-#define RS_PEER_GONE 3
-#define RS_LOST_LOCK_2 4
-#define RS_LOST_LOCK_6 5
-#define RS_UNCONFIRMED 6
-
-#define RR_NONE 0
-#define RR_OK 1
-#define RR_DROPPED 2
-#define RR_NEED 3
-#define RR_COPY 0
-#define RR_IN_PLACE 1
-
-#define RE_NONE 0
-#define RE_SHORT 1
-#define RE_MAGIC 2
-#define RE_SEQ 3
-#define RE_LENGTH 4
-#define RE_CHECKSUM 5
-#define RE_NFRAMES 6
-#define RE_TABLE 7
-#define RE_SLOT_LENGTH 8
-
-typedef struct {
-    char *base;
-    uint64_t nslots;
-    uint64_t buf_size;
-    uint64_t buf_off;
-    uint64_t generation;
-} ring_geom;
-
-typedef struct {
-    uint64_t found;    /* RS_LOCKED: the lock word found by step 1's CAS */
-    uint64_t repairs;  /* step-4 tail repairs done by this call */
-} ring_send_info;
-
-typedef struct {
-    uint64_t length;    /* the slot's length: how far the heads move */
-    uint64_t eseq;      /* the entry's own counter (RE_SEQ) */
-    uint64_t elen;      /* the entry's payload length */
-    uint64_t checksum;  /* the entry's checksum, as verified (ring_release compares) */
-    uint32_t nframes;
-    int32_t error;      /* RE_*: why it was dropped */
-} ring_recv_info;
+@SHARED@
 
 /* Tests only (tests/test_ring_fastpath.py): called before each sender step, as writer.py's
    step hook, so a test can interfere at a step exactly as with the reference. NULL otherwise. */
@@ -841,7 +796,7 @@ ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
 ffibuilder.set_source(
     "onepiece.transport.ring._atomics",
-    SOURCE.replace("@BASE_KEY@", ", ".join(f"0x{w:016X}ULL" for w in _base_key())),
+    SOURCE.replace("@SHARED@", SHARED).replace("@BASE_KEY@", ", ".join(f"0x{w:016X}ULL" for w in _base_key())),
     extra_compile_args=["-O3"],
 )
 
