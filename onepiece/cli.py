@@ -141,16 +141,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.which == "overload":
-        from onepiece.bench.overload import run
-    elif args.which == "failover":
-        from onepiece.bench.failover import run
-    elif args.which == "transport":
-        from onepiece.bench.transport import run
-    else:
-        from onepiece.bench.e2e import run
-
-    return run(args)
+    return args.bench.run(args)
 
 
 def _positive_int(value: str) -> int:
@@ -285,18 +276,15 @@ def build_parser() -> argparse.ArgumentParser:
     benches = sp.add_subparsers(dest="which", required=True, metavar="BENCHMARK")
     from onepiece.bench import e2e, failover, overload, transport
 
-    bp = benches.add_parser("e2e", help="end-to-end latency against the monolithic pipeline")
-    e2e.add_arguments(bp)
-    bp.set_defaults(fn=cmd_bench)
-    bp = benches.add_parser("overload", help="open-loop load at multiples of capacity, request monitor on and off")
-    overload.add_arguments(bp)
-    bp.set_defaults(fn=cmd_bench)
-    bp = benches.add_parser("transport", help="transport throughput and one-way latency against memcpy")
-    transport.add_arguments(bp)
-    bp.set_defaults(fn=cmd_bench)
-    bp = benches.add_parser("failover", help="node manager failover on ZooKeeper: SIGKILL and graceful handover times")
-    failover.add_arguments(bp)
-    bp.set_defaults(fn=cmd_bench)
+    for module, help_text in (
+        (e2e, "end-to-end latency against the monolithic pipeline"),
+        (overload, "open-loop load at multiples of capacity, request monitor on and off"),
+        (transport, "transport throughput and one-way latency against memcpy"),
+        (failover, "node manager failover on ZooKeeper: SIGKILL and graceful handover times"),
+    ):
+        bp = benches.add_parser(module.__name__.rsplit(".", 1)[1], help=help_text)
+        module.add_arguments(bp)
+        bp.set_defaults(fn=cmd_bench, bench=module)
     return p
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import imageio.v3 as iio
 import numpy as np
+import psutil
 from PIL import Image
 
 
@@ -50,6 +52,26 @@ class Up:
 
     def log(self, name: str) -> str:
         return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def routes(self, set_name: str = "set0") -> dict:
+        from onepiece.nm.client import NmClient
+
+        client = NmClient(self.nm)
+        try:
+            return client.routes(set_name)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        """SIGTERM, then (after a bounded wait) kill whatever is left."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                for child in psutil.Process(self.proc.pid).children(recursive=True):
+                    child.kill()
+                self.proc.kill()
 
 
 def decode_mp4(data: bytes) -> np.ndarray:

@@ -21,7 +21,6 @@ import zmq
 from onepiece.client import Client, RequestFailed, RequestRejected
 from onepiece.db.client import DbClient
 from onepiece.launcher import free_tcp_address
-from onepiece.nm.client import NmClient
 from onepiece.transport import registry
 from onepiece.transport.message import Message, new_uid
 
@@ -41,22 +40,7 @@ def up(tiny_models, tmp_path_factory, make_topology):
         dep.url = m.group(1)
         yield dep
     finally:
-        if dep.proc.poll() is None:
-            dep.proc.send_signal(signal.SIGTERM)
-            try:
-                dep.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                for child in psutil.Process(dep.proc.pid).children(recursive=True):
-                    child.kill()
-                dep.proc.kill()
-
-
-def routes(up) -> dict:
-    client = NmClient(up.nm)
-    try:
-        return client.routes("set0")
-    finally:
-        client.close()
+        dep.stop()
 
 
 def test_text_to_video_through_http(up, tmp_path):
@@ -117,13 +101,13 @@ def test_status_command_shows_every_stage(up):
 
 
 def _db_client(up) -> DbClient:
-    return DbClient([d["control"] for d in routes(up)["dbs"]])
+    return DbClient([d["control"] for d in up.routes()["dbs"]])
 
 
 def test_exception_in_a_stage_function_fails_only_that_request(up):
     """A message the denoise stage cannot use (no text embeddings) is sent straight to its data
     address: that request fails with the reason, and the stage keeps serving."""
-    r = routes(up)
+    r = up.routes()
     uid = new_uid()
     db = _db_client(up)
     db.create({"uid": uid, "app": "t2v", "set": "set0", "status": "queued", "progress": 0})
@@ -145,7 +129,7 @@ def test_exception_in_a_stage_function_fails_only_that_request(up):
 
 
 def test_malformed_frames_into_a_stage_are_dropped_with_a_log_line(up):
-    addr = routes(up)["stages"]["text_encode"][0]
+    addr = up.routes()["stages"]["text_encode"][0]
     raw = zmq.Context.instance().socket(zmq.PUSH)
     raw.connect(addr)
     raw.send_multipart([b"OP1", b"{not json"])
@@ -221,7 +205,7 @@ def test_sigterm_stops_everything(up):
     """Last: SIGTERM to `onepiece up` stops every process and removes its runtime folder."""
     descendants = psutil.Process(up.proc.pid).children(recursive=True)
     assert len(descendants) >= 1 + 2 + 6 * 2 + 1  # nm, dbs, stages and their workers, proxy
-    runtime = Path(routes(up)["dbs"][0]["data"].removeprefix("ipc://")).parent
+    runtime = Path(up.routes()["dbs"][0]["data"].removeprefix("ipc://")).parent
     assert runtime.is_dir()
     up.proc.send_signal(signal.SIGTERM)
     assert up.proc.wait(60) == 0

@@ -5,15 +5,12 @@ shared memory when the deployment is one host (ipc topology), the TCP agent when
 from __future__ import annotations
 
 import signal
-import subprocess
 from pathlib import Path
 
-import psutil
 import pytest
 
 from onepiece.client import Client
 from onepiece.launcher import free_tcp_address
-from onepiece.nm.client import NmClient
 
 from deployment import Up, decode_mp4, png
 
@@ -31,26 +28,11 @@ def up(request, tiny_models, tmp_path_factory, make_topology):
         dep.scheme = "shm://" if request.param == "ipc" else "ring+tcp://"
         yield dep
     finally:
-        if dep.proc.poll() is None:
-            dep.proc.send_signal(signal.SIGTERM)
-            try:
-                dep.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                for child in psutil.Process(dep.proc.pid).children(recursive=True):
-                    child.kill()
-                dep.proc.kill()
-
-
-def _routes(up) -> dict:
-    client = NmClient(up.nm)
-    try:
-        return client.routes("set0")
-    finally:
-        client.close()
+        dep.stop()
 
 
 def test_every_data_address_is_a_ring(up):
-    r = _routes(up)
+    r = up.routes()
     addresses = [a for addrs in r["stages"].values() for a in addrs] + [d["data"] for d in r["dbs"]]
     assert len(addresses) == 6 + 2
     assert all(a.startswith(up.scheme) for a in addresses), addresses

@@ -18,11 +18,7 @@ Bounded everywhere: every wait has a deadline, every request a timeout.
 
 from __future__ import annotations
 
-import queue
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -35,6 +31,7 @@ import zk_harness
 from onepiece.client import Client, RequestFailed, RequestRejected
 from onepiece.nm.client import NmClient
 from onepiece.transport.rpc import RpcError
+from deployment import Up
 from waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
@@ -44,37 +41,14 @@ HEARTBEAT_S = 0.25
 SMALL = {"model": "t2v", "size": "32x32", "num_frames": 5, "steps": 2}
 
 
-class HaUp:
+class HaUp(Up):
     """`onepiece up` as a subprocess, on a ZooKeeper ensemble."""
 
     def __init__(self, topology: Path, logs: Path, nm: str, ensemble: zk_harness.ZkEnsemble) -> None:
-        self.nm, self.logs, self.ensemble = nm, logs, ensemble
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "onepiece", "up", "--topology", str(topology), "--logs", str(logs)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.output: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        super().__init__(topology, logs, nm)
+        self.ensemble = ensemble
         self.client = NmClient(nm, timeout=0.5, retries=0)
         self.url = ""
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-
-    def wait_for_line(self, pattern: str, timeout: float) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.5)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            self.output.append(line)
-            if m := re.search(pattern, line):
-                return m
-        raise AssertionError(f"no line matching {pattern!r} in {timeout}s; output:\n{''.join(self.output)}")
 
     def status(self) -> dict | None:
         try:
@@ -94,14 +68,7 @@ class HaUp:
 
     def stop(self) -> None:
         self.client.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                for child in psutil.Process(self.proc.pid).children(recursive=True):
-                    child.kill()
-                self.proc.kill()
+        super().stop()
 
 
 class Stream:
@@ -185,7 +152,7 @@ def ha(tiny_models, tmp_path_factory, make_topology):
         wf_path.write_text(yaml.safe_dump(wf))
         nms = ",".join(f"tcp://127.0.0.1:{base + i}" for i in range(3))
         up = HaUp(topology, folder / "logs", nms, ensemble)
-        up.url = up.wait_for_line(r"serves the API at (http://\S+)", timeout=240).group(1)
+        up.url = up.wait_for(r"serves the API at (http://\S+)", timeout=240).group(1)
         yield up
     finally:
         if up is not None:
@@ -227,7 +194,8 @@ def test_primary_nm_sigkilled_five_times_under_load(ha):
             # State intact: the same instances, addresses and route version, nothing replayed.
             assert ha.client.routes("set0") == before, f"kill {k + 1}"
             assert instance_ids(ha) == ids, f"kill {k + 1}"
-        time.sleep(1.0)  # requests that were in flight at the last kill finish
+        # Requests keep flowing after the last failover (stop() then waits out those in flight).
+        wait_for(lambda: stream.completed(since=windows[-1][1]) >= 2, 30, "requests after the last failover")
     finally:
         stream.stop()
     stream.assert_nothing_lost()
