@@ -10,7 +10,9 @@ once per round, plus a few redirects.
 ``Membership`` registers an instance and keeps it alive with heartbeats from a background
 thread, handing every new route table to a callback. The data path never waits on the NM:
 if the NM is unreachable (or, on ZooKeeper, no primary is elected for a while) the instance
-keeps its last routes and keeps trying. On ZooKeeper (``zk=ZkSettings``) it also holds the
+keeps its last routes and keeps trying. A stage instance also reports which stage it serves
+right now, and learns from each reply which stage it is assigned (the NM moves instances:
+nm/elastic.py); ``on_assign`` hears of a change. On ZooKeeper (``zk=ZkSettings``) it also holds the
 instance's ephemeral member node (its liveness: nm/ephemeral.py), learns where the primary is
 from the ``primary`` node, and takes route tables straight from the set's routes node as the
 primary writes them, without waiting for the next heartbeat.
@@ -168,12 +170,19 @@ class Membership:
         advertise: str | None = None,
         zk: "ZkSettings | None" = None,
         capacity: dict[str, Any] | None = None,
+        serving: Callable[[], str | None] | None = None,
+        on_assign: Callable[[str | None], None] = lambda stage: None,
+        idle: bool = False,
     ) -> None:
         self.zk_settings = zk
         self._primary: str | None = None  # from the ZooKeeper ``primary`` node
         self.nm = NmClient(nm_address, timeout=1.0, retries=0, locate=(lambda: self._primary) if zk else None)
         self.role, self.set, self.addresses, self.stage = role, set_name, addresses, stage
         self.on_routes, self.stats, self.ready = on_routes, stats, ready
+        # Which stage it serves now; by default the one assigned, while ready.
+        self.serving = serving or (lambda: self.stage if self.ready() else None)
+        self.on_assign = on_assign
+        self.idle = idle  # a stage instance without a pin that asks for the idle pool
         self.advertise = advertise  # the host peers reach this instance at, if not the bound one
         self.capacity = dict(capacity or {})
         self.id: str | None = None
@@ -283,18 +292,26 @@ class Membership:
                                         "pid": os.getpid(), "host": socket.gethostname(), "stage": self.stage}
                 if self.zk_settings is not None:
                     args["instance"] = self.id
+                if self.idle:
+                    args["idle"] = True
                 reply, _ = self.nm.call("register", **args)
                 break
             except RpcTimeout:  # the NM is not up yet (or no primary yet); a refusal (RpcError) is final
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        self.id, self.stage = reply["instance"], reply.get("stage")
+        self.id = reply["instance"]
+        self._assign(reply.get("stage"))
         self.heartbeat_s = float(reply.get("heartbeat_s", 1.0))
         self._apply(reply["routes"], newer_only=self.zk_settings is not None)
         if self.member is not None and self.member.data.get("stage") != self.stage:
             self.set_capacity(self.capacity)  # the node says which stage it was given
         return reply
+
+    def _assign(self, stage: str | None) -> None:
+        if stage != self.stage:
+            self.stage = stage
+            self.on_assign(stage)
 
     def _apply(self, routes: dict, newer_only: bool = False) -> None:
         with self._routes_lock:
@@ -325,8 +342,11 @@ class Membership:
                 log.debug("stats unavailable: %s", e)
                 stats = {}
             try:
+                extra = {"serving": self.serving()} if self.role == "stage" else {}
                 reply, _ = self.nm.call("heartbeat", instance=self.id, ready=self.ready(), stats=stats,
-                                        version=self.routes["version"])
+                                        version=self.routes["version"], **extra)
+                if self.role == "stage" and "stage" in reply:
+                    self._assign(reply["stage"])
                 if "routes" in reply:
                     self._apply(reply["routes"], newer_only=self.zk_settings is not None)
                 if "monitor" in reply:

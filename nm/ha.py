@@ -41,6 +41,7 @@ import zmq
 
 from onepiece.config import Topology, Workflow
 from onepiece.nm.client import NOT_PRIMARY
+from onepiece.nm.elastic import Elastic
 from onepiece.nm.election import PrimaryElection
 from onepiece.nm.server import NodeManager
 from onepiece.nm.state import ClusterState
@@ -168,6 +169,11 @@ class HaNodeManager(NodeManager):
                 self._saved()
             except NotPrimary as e:
                 log.warning("%s", e)
+        if self.primary and not self.suspended and self.elastic.tick(self.state):
+            try:
+                self._saved()
+            except NotPrimary as e:  # the move stays pending in state.dirty; saved on a later turn
+                log.warning("%s", e)
         if self.primary and not self.suspended and time.monotonic() >= self._next_audit:
             # A safety net under the members watch: compare with the member nodes now and then.
             self._next_audit = time.monotonic() + AUDIT_S
@@ -293,6 +299,10 @@ class HaNodeManager(NodeManager):
         gone = [i for i in self.state.instances if i not in snap.members]
         for iid in gone:  # died while no primary watched: their held requests are unknown here
             self.state.deregister(iid, "its ZooKeeper session ended while no primary was serving")
+        # Utilization is soft state: the new primary judges moves on windows of its own, and
+        # not before a cooldown (a move the old primary started may still be under way).
+        self.elastic = Elastic(self.topology.nm.elastic)
+        self.elastic.last_move = {s: time.monotonic() for s in self.state.sets}
         self.epoch, self.primary, self.elected_at = epoch, True, time.monotonic()
         if token is not self._lead_token:  # lost between the check above and now
             self.primary = False

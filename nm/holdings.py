@@ -64,8 +64,9 @@ class TrackingReceiver:
 
 class TrackingMailbox(queue.Queue):
     """The scheduler-to-deliverer mailbox; a UID stops being held when the deliverer takes its
-    ``("result", msg)`` or ``("failed", uid, ...)`` item. ``_get`` is Queue's documented
-    extension point (called with the queue's lock held)."""
+    ``("result", msg)``, ``("forward", msg)`` or ``("failed", uid, ...)`` item. ``_get`` is Queue's documented
+    extension point (called with the queue's lock held). A forwarded message leaves too: the
+    instance it goes to holds it next."""
 
     def __init__(self, maxsize: int, holdings: Holdings) -> None:
         super().__init__(maxsize)
@@ -73,7 +74,7 @@ class TrackingMailbox(queue.Queue):
 
     def _get(self) -> Any:
         item = super()._get()
-        if item[0] == "result":
+        if item[0] in ("result", "forward"):
             self._holdings.discard(item[1].header.get("uid"))
         elif item[0] == "failed":
             self._holdings.discard(item[1])

@@ -1,7 +1,9 @@
 """The embedded node manager: one process, state in memory, served over ZMQ RPC.
 
 Ops: ``register``, ``heartbeat``, ``deregister`` (instances); ``routes``, ``proxies``, ``dbs``,
-``workflow`` (clients and instances); ``status`` (operators). Instances get the workflow and their
+``workflow`` (clients and instances); ``status`` and ``move`` (operators). Stage instances
+report their utilization in their heartbeats and learn their assignment from the replies; the
+NM moves them between stages (nm/elastic.py). Instances get the workflow and their
 assignment in the ``register`` reply, so nothing but the NM address is configured on them.
 
 Stage instances list the requests they hold in their heartbeats; when one is dropped without
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +25,7 @@ from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 from onepiece.config import Topology, Workflow
+from onepiece.nm.elastic import Elastic, Move
 from onepiece.nm.reaper import Reaper
 from onepiece.nm.state import ClusterState, Instance
 from onepiece.supervise import stop_on_signals
@@ -38,6 +42,7 @@ class NodeManager:
         self.topology, self.workflow, self.base_dir = topology, workflow, base_dir
         self.state = ClusterState(topology, workflow)
         self.reaper = Reaper(workflow)
+        self.elastic = Elastic(topology.nm.elastic)
         self.rpc = RpcServer(address or topology.nm.address, self._handlers())
         self.address = self.rpc.address
 
@@ -49,7 +54,9 @@ class NodeManager:
             "routes": lambda req, _: {"routes": self.state.routes(self._set(req))},
             "proxies": lambda req, _: {"proxies": self._all("proxies", req)},
             "dbs": lambda req, _: {"dbs": self._all("dbs", req)},
-            "status": lambda req, _: {**self.state.status(), "nm": self._nm_status()},
+            "status": lambda req, _: {**self.state.status(), "nm": self._nm_status(),
+                                      "elastic": self.elastic.view(self.state)},
+            "move": self._move,
             "workflow": lambda req, _: {"workflow": self.workflow.model_dump(mode="json"), "base_dir": str(self.base_dir)},
         }
 
@@ -71,13 +78,16 @@ class NodeManager:
         return True
 
     def _tick(self) -> None:
-        """Periodic work of the loop: here, dropping silent instances."""
+        """Periodic work of the loop: here, dropping silent instances and moving instances
+        where the load is."""
         for inst in self.state.expire(self.topology.nm.dead_after_s):
             self._dropped(inst, f"no heartbeat for {self.topology.nm.dead_after_s:.1f}s")
+        self.elastic.tick(self.state)
         self._saved()
 
     def _dropped(self, inst: Instance, reason: str) -> None:
         """An instance died (it did not leave): report what it held as failed."""
+        self.elastic.forget(inst.id)
         if inst.role == "stage" and inst.holding:
             self.reaper.submit(inst.id, inst.stage, inst.holding, self.state.routes(inst.set)["dbs"], reason)
 
@@ -97,7 +107,7 @@ class NodeManager:
             raise ValueError("register: 'addresses' must map names to address strings")
         inst = self.state.register(str(req.get("role")), str(req.get("set")), addresses,
                                    int(req.get("pid", 0)), str(req.get("host", "")), req.get("stage"),
-                                   inst_id=self._instance_id(req))
+                                   inst_id=self._instance_id(req), idle=req.get("idle") is True)
         self._saved()
         return {
             "instance": inst.id,
@@ -105,6 +115,7 @@ class NodeManager:
             "workflow": self.workflow.model_dump(mode="json"),
             "base_dir": str(self.base_dir),
             "heartbeat_s": self.topology.nm.heartbeat_s,
+            "drain_s": self.topology.nm.elastic.drain_s,
             "routes": self.state.routes(inst.set),
         }
 
@@ -115,10 +126,16 @@ class NodeManager:
         holding = stats.pop("holding", None)  # kept apart: status shows only its length
         if not (isinstance(holding, list) and all(isinstance(u, str) for u in holding)):
             holding = None
+        serving = req.get("serving")
         inst = self.state.heartbeat(str(req.get("instance")), bool(req.get("ready")), stats,
-                                    version if isinstance(version, int) else 0, holding)
+                                    version if isinstance(version, int) else 0, holding,
+                                    serving if isinstance(serving, str) else None)
+        if inst.role == "stage":
+            self.elastic.observe(inst, time.monotonic())
         self._saved()
         reply: dict[str, Any] = {"version": self.state.version}
+        if inst.role == "stage":
+            reply["stage"] = inst.stage  # its assignment: the NM may have moved it
         if version != self.state.version:
             reply["routes"] = self.state.routes(inst.set)
         if inst.role == "proxy" and self._monitor_ready(inst.set):
@@ -127,8 +144,20 @@ class NodeManager:
 
     def _deregister(self, req: dict, _: Any) -> dict:
         self.state.deregister(str(req.get("instance")), "left")
+        self.elastic.forget(str(req.get("instance")))
         self._saved()
         return {}
+
+    def _move(self, req: dict, _: Any) -> dict:
+        """An operator's move: ``instance`` to ``stage`` (null: the idle pool)."""
+        iid, stage = req.get("instance"), req.get("stage")
+        if not isinstance(iid, str) or not (stage is None or isinstance(stage, str)):
+            raise ValueError("move: expected 'instance' (an id) and 'stage' (a stage name, or null for the idle pool)")
+        inst = self.state.instances.get(iid)
+        src = inst.stage if inst is not None else None
+        self.elastic.apply(self.state, Move(iid, src, stage, "asked by an operator"), time.monotonic())
+        self._saved()
+        return {"instance": iid, "from": src, "to": stage}
 
     def run(self, stop: threading.Event) -> None:
         poller = zmq.Poller()

@@ -3,7 +3,10 @@
 Per workflow set: the instances with their roles and addresses, which stage each stage
 instance serves, and the route table derived from them. Only live, ready instances are routed
 to; an instance silent for longer than ``dead_after_s`` is dropped and the routes change
-(embedded NM), or one whose ZooKeeper member node vanished (NM on ZooKeeper).
+(embedded NM), or one whose ZooKeeper member node vanished (NM on ZooKeeper). A stage instance
+is routed only while it reports that it serves the stage it is assigned: moving it to another
+stage (``assign``, nm/elastic.py) takes it out of the old stage's routes at once, and it joins
+the new stage's once it has loaded that stage's models.
 
 What a new primary needs to route exactly as the old one did is each instance's ``record()``
 (identity, addresses, assignment, readiness) and ``version``; the sets whose records changed
@@ -46,12 +49,14 @@ class Instance:
     # UIDs the instance held at its last heartbeat: what to report failed if it dies.
     holding: list[str] = field(default_factory=list)
     heard: bool = False  # heartbeated to this NM (a new primary has no stats until then)
+    serving: str | None = None  # the stage the instance last said it serves (stage role)
 
     PERSISTENT = ("id", "role", "set", "addresses", "pid", "host", "stage", "ready", "registered_at")
 
     def view(self, now: float) -> dict[str, Any]:
         return {
             "id": self.id, "role": self.role, "set": self.set, "stage": self.stage, "ready": self.ready,
+            "serving": self.serving,
             "addresses": self.addresses, "pid": self.pid, "host": self.host, "stats": self.stats,
             "routes_version": self.routes_version, "holding": len(self.holding),
             "age_s": round(time.time() - self.registered_at, 1), "silent_s": round(now - self.last_seen, 2),
@@ -93,15 +98,20 @@ class ClusterState:
     def export(self, set_name: str) -> list[dict[str, Any]]:
         return [i.record() for i in sorted(self.instances.values(), key=lambda i: i.id) if i.set == set_name]
 
+    def note(self, text: str) -> None:
+        """An event for the log and `onepiece status`."""
+        self._event(text)
+
     def _event(self, text: str) -> None:
         log.info(text)
         self.events = (self.events + [f"{time.strftime('%H:%M:%S')} {text}"])[-50:]
 
     def register(self, role: str, set_name: str, addresses: dict[str, str], pid: int = 0, host: str = "",
-                 stage: str | None = None, inst_id: str | None = None) -> Instance:
-        """A new instance, with the stage it serves (its pin, else the set's biggest deficit, else
-        the idle pool). ``inst_id``: the id it already has (its ZooKeeper member node); the
-        same id registering again (a retried request) keeps its assignment."""
+                 stage: str | None = None, inst_id: str | None = None, idle: bool = False) -> Instance:
+        """A new instance, with the stage it serves (its pin, else the idle pool if it asks for
+        it, else the set's biggest deficit, else the idle pool). ``inst_id``: the id it already
+        has (its ZooKeeper member node); the same id registering again (a retried request)
+        keeps its assignment."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r} (expected one of {sorted(ROLES)})")
         missing = [k for k in ROLES[role] if not addresses.get(k)]
@@ -120,7 +130,7 @@ class ClusterState:
                 old.addresses, old.pid, old.host = addresses, pid, host
                 self._changed(set_name)
             return old
-        if role == "stage":
+        if role == "stage" and not idle:
             stage = stage or self._stage_with_deficit(set_name)
         inst = Instance(inst_id or f"{role}-{next(self._ids)}", role, set_name, addresses, pid, host, stage)
         # DBs and proxies serve as soon as they registered; stages once their workers loaded.
@@ -141,11 +151,32 @@ class ClusterState:
         short = [(have[s] - n, s) for s, n in want.items() if have[s] < n]
         return min(short)[1] if short else None
 
+    def stage_instances(self, set_name: str) -> list[Instance]:
+        return [i for i in self.instances.values() if i.set == set_name and i.role == "stage"]
+
+    def assign(self, inst_id: str, stage: str | None, reason: str) -> Instance:
+        """Move a stage instance to ``stage`` (None: the idle pool). It leaves its old stage's
+        routes now and joins the new one's when it reports that it serves it."""
+        inst = self.instances.get(inst_id)
+        if inst is None or inst.role != "stage":
+            raise ValueError(f"no stage instance {inst_id!r}")
+        if stage is not None and stage not in self.workflow.stages:
+            raise ValueError(f"unknown stage {stage!r} (known: {sorted(self.workflow.stages)})")
+        if stage == inst.stage:
+            raise ValueError(f"{inst_id} is already assigned to {stage or 'the idle pool'}")
+        old, inst.stage, inst.ready = inst.stage, stage, False
+        self._changed(inst.set)
+        self._event(f"moving {inst_id} from {old or 'the idle pool'} to {stage or 'the idle pool'}: {reason}")
+        return inst
+
     def heartbeat(self, inst_id: str, ready: bool, stats: dict[str, Any], routes_version: int = 0,
-                  holding: list[str] | None = None) -> Instance:
+                  holding: list[str] | None = None, serving: str | None = None) -> Instance:
         inst = self.instances.get(inst_id)
         if inst is None:
             raise LookupError(f"unknown instance {inst_id}")
+        if inst.role == "stage":
+            inst.serving = serving
+            ready = ready and serving is not None and serving == inst.stage
         inst.last_seen = time.monotonic()
         inst.stats = stats
         inst.routes_version = routes_version

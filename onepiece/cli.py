@@ -57,8 +57,11 @@ def cmd_stage(args: argparse.Namespace) -> int:
     from onepiece.stage.instance import serve
     from onepiece.supervise import setup_logging
 
-    setup_logging(f"stage[{args.stage or '?'}]", args.log_level)
-    serve(args.nm, args.set, args.listen, args.stage, args.runtime_dir, args.advertise, zk=_zk(args))
+    if args.idle and args.stage:
+        print("onepiece stage: --idle and --stage exclude each other", file=sys.stderr)
+        return 2
+    setup_logging(f"stage[{args.stage or ('idle' if args.idle else '?')}]", args.log_level)
+    serve(args.nm, args.set, args.listen, args.stage, args.runtime_dir, args.advertise, zk=_zk(args), idle=args.idle)
     return 0
 
 
@@ -103,6 +106,22 @@ def cmd_status(args: argparse.Namespace) -> int:
         backups = [c for c in nm.get("contenders", []) if c != nm.get("address")]
         print(f"node manager: primary {nm.get('address')} (epoch {nm.get('epoch')}) on ZooKeeper "
               f"{nm.get('zookeeper')}{nm.get('root')}; backups: {', '.join(backups) or 'none'}")
+    return 0
+
+
+def cmd_move(args: argparse.Namespace) -> int:
+    from onepiece.nm.client import NmClient
+    from onepiece.transport.rpc import RpcError
+
+    client = NmClient(args.nm, timeout=2.0, retries=0)
+    try:
+        reply, _ = client.call("move", instance=args.instance, stage=None if args.stage == "idle" else args.stage)
+    except RpcError as e:
+        print(f"onepiece move: {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(f"moving {reply['instance']} from {reply['from'] or 'the idle pool'} to {reply['to'] or 'the idle pool'}")
     return 0
 
 
@@ -232,7 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="host that peers reach this instance at (default: the bound one), e.g. a "
                              "container's service name when binding 0.0.0.0")
         if name == "stage":
-            sp.add_argument("--stage", help="serve this stage (default: whatever the NM assigns)")
+            sp.add_argument("--stage", help="serve this stage first (default: whatever the NM assigns); the NM "
+                                            "may move the instance later")
+            sp.add_argument("--idle", action="store_true", help="start in the idle pool, for the NM to assign")
             sp.add_argument("--listen", default="tcp://127.0.0.1:0", help="data address to receive on")
             sp.add_argument("--runtime-dir", help="folder for worker sockets")
             sp.set_defaults(fn=cmd_stage)
@@ -260,6 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_status)
 
+    sp = sub.add_parser("move", help="move a stage instance to another stage, or to the idle pool")
+    sp.add_argument("instance", help="instance id, as `onepiece status` shows it")
+    sp.add_argument("stage", help="stage name, or 'idle' for the idle pool")
+    sp.add_argument("--nm", default=DEFAULT_NM, type=_nm_addresses, help="node manager address(es), a,b,c")
+    sp.set_defaults(fn=cmd_move)
+
     sp = sub.add_parser("models", help="build or list the models of a workflow")
     sp.add_argument("action", choices=["build", "list"])
     sp.add_argument("--workflow", help="workflow YAML (default: the shipped wan21.yaml)")
@@ -274,13 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("bench", help="benchmarks (see bench/)")
     benches = sp.add_subparsers(dest="which", required=True, metavar="BENCHMARK")
-    from onepiece.bench import e2e, failover, overload, transport
+    from onepiece.bench import e2e, elastic, failover, overload, transport
 
     for module, help_text in (
         (e2e, "end-to-end latency against the monolithic pipeline"),
         (overload, "open-loop load at multiples of capacity, request monitor on and off"),
         (transport, "transport throughput and one-way latency against memcpy"),
         (failover, "node manager failover on ZooKeeper: SIGKILL and graceful handover times"),
+        (elastic, "elastic assignment: saturation begins -> a moved instance serves the busy stage"),
     ):
         bp = benches.add_parser(module.__name__.rsplit(".", 1)[1], help=help_text)
         module.add_arguments(bp)

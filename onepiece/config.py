@@ -135,6 +135,27 @@ class Workflow(_Strict):
         return resolve_path(self.models[name].path, base)
 
 
+class ElasticSpec(_Strict):
+    """Elastic assignment (DESIGN §9, nm/elastic.py): when a stage's workers were busier than
+    ``threshold`` over ``window_s``, an instance moves there from the idle pool, or else from the
+    least busy stage above its minimum; a stage below ``low`` for a whole window gives one
+    instance back to the idle pool. After a move nothing else moves for ``cooldown_s``."""
+
+    enabled: bool = True
+    threshold: float = Field(0.85, gt=0, le=1, description="busy time over wall time that counts as saturated")
+    low: float = Field(0.2, ge=0, lt=1, description="below this for a whole window a stage returns an instance "
+                                                    "to the idle pool (0: never)")
+    window_s: float = Field(30.0, gt=0, le=3600, description="utilization is averaged over this window")
+    cooldown_s: float = Field(60.0, ge=0, le=3600, description="no move for this long after the last one")
+    drain_s: float = Field(120.0, gt=0, le=3600, description="bound on a moving instance finishing what it holds")
+
+    @model_validator(mode="after")
+    def _order(self) -> "ElasticSpec":
+        if self.low >= self.threshold:
+            raise ValueError(f"elastic.low ({self.low}) must be below elastic.threshold ({self.threshold})")
+        return self
+
+
 class NmSpec(_Strict):
     address: str = Field("tcp://127.0.0.1:7700", description="the (first) NM's RPC address; with count > 1 the "
                                                              "others take the next ports")
@@ -148,6 +169,7 @@ class NmSpec(_Strict):
     zk_session_s: float = Field(4.0, ge=1, le=600, description="ZooKeeper session timeout: how soon a dead NM or "
                                                                "instance is noticed (the server may bound it)")
     count: int = Field(1, ge=1, le=9, description="NM processes `onepiece up` starts: one primary, the rest backups")
+    elastic: ElasticSpec = ElasticSpec()
 
     @field_validator("zk")
     @classmethod
@@ -222,14 +244,20 @@ class SetSpec(_Strict):
     proxy: ProxySpec = ProxySpec()
     db: DbSpec = DbSpec()
     stages: dict[str, int] = Field(description="instances per stage")
+    idle: int = Field(0, ge=0, le=64, description="instances started in the idle pool, for the NM to assign")
+    min: dict[str, int] = Field(default_factory=dict, description="instances a stage keeps when the NM moves "
+                                                                   "some away (default 1 if it starts with any)")
 
-    @field_validator("stages")
+    @field_validator("stages", "min")
     @classmethod
     def _counts(cls, v: dict[str, int]) -> dict[str, int]:
         for k, n in v.items():
             if not isinstance(n, int) or n < 0 or n > 64:
                 raise ValueError(f"{k}: expected an instance count between 0 and 64, got {n!r}")
         return v
+
+    def min_of(self, stage: str) -> int:
+        return self.min.get(stage, 1 if self.stages.get(stage, 0) > 0 else 0)
 
 
 class Topology(_Strict):
@@ -309,7 +337,8 @@ def load_topology(path: str | Path) -> tuple[Topology, Workflow, Path]:
     wf_path = resolve_path(topo.workflow, path.parent)
     wf = load_workflow(wf_path)
     for s in topo.sets:
-        for stage in s.stages:
-            if stage not in wf.stages:
-                raise ConfigError(f"{path}: sets.{s.name}.stages.{stage}: unknown stage (known: {sorted(wf.stages)})")
+        for key in ("stages", "min"):
+            for stage in getattr(s, key):
+                if stage not in wf.stages:
+                    raise ConfigError(f"{path}: sets.{s.name}.{key}.{stage}: unknown stage (known: {sorted(wf.stages)})")
     return topo, wf, wf_path.parent

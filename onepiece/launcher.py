@@ -113,6 +113,10 @@ class Deployment:
                                             "--listen", self._data_address(name, self.workflow.stages[stage].data),
                                             "--runtime-dir", str(self.runtime)),
                                  self.log_dir / f"{name}.log"))
+        for i in range(s.idle):  # the idle pool receives over ZeroMQ whatever stage it is given
+            name = f"{s.name}-idle{i}"
+            out.append(Child(name, _cli("stage", "--nm", nm, "--set", s.name, "--idle", "--listen", self._address(name),
+                                        "--runtime-dir", str(self.runtime)), self.log_dir / f"{name}.log"))
         for i in range(s.proxy.count):
             name = f"{s.name}-proxy{i}"
             port = s.proxy.port + i if s.proxy.port else 0
@@ -165,6 +169,8 @@ class Deployment:
                 ready = sum(1 for i in st.get("stages", {}).get(stage, {}).get("instances", []) if i["ready"])
                 if ready < want:
                     out.append(f"{s.name}/{stage} {ready}/{want}")
+            if len(st.get("idle", [])) < s.idle:
+                out.append(f"{s.name}/idle pool {len(st.get('idle', []))}/{s.idle}")
             if len(st.get("dbs", [])) < s.db.count:
                 out.append(f"{s.name}/db {len(st.get('dbs', []))}/{s.db.count}")
             if len(st.get("proxies", [])) < s.proxy.count:

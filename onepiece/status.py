@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 
@@ -11,10 +12,13 @@ def _instance(i: dict[str, Any]) -> str:
     if i["silent_s"] > 2.5:
         health = f"silent {i['silent_s']:.0f}s"
     extra = ""
+    if i["role"] == "stage" and i.get("stage") != i.get("serving"):
+        health = f"moving to {i.get('stage') or 'idle pool'}" if i.get("serving") else health
     if i["role"] == "stage":
         extra = (f" queue {s.get('queue', 0)}/{s.get('capacity', '?')}"
                  f" busy {s.get('busy', 0)}/{s.get('workers', '?')}"
-                 f" done {s.get('completed', 0)} failed {s.get('failed', 0)}")
+                 f" done {s.get('completed', 0)} failed {s.get('failed', 0)}"
+                 + (f" gpu {s['gpu_util']:.0%}" if isinstance(s.get("gpu_util"), (int, float)) else ""))
     elif i["role"] == "db":
         extra = f" records {s.get('records', 0)} bytes {s.get('bytes', 0)}"
     elif i["role"] == "proxy":
@@ -47,20 +51,42 @@ def _capacity(apps: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _pct(u: float | None) -> str:
+    return "unmeasured" if u is None else f"{u:.0%}"
+
+
+def _elastic(el: dict[str, Any]) -> list[str]:
+    """The elastic policy and its recent decisions, each with the utilization it saw."""
+    if not el:
+        return []
+    p = el["policy"]
+    lines = [f"elastic assignment: {'on' if p['enabled'] else 'off'}, move at >= {p['threshold']:.0%}, "
+             f"return below {p['low']:.0%}, window {p['window_s']:g}s, cooldown {p['cooldown_s']:g}s"
+             + (f"; moving: {', '.join(el['moving'])}" if el.get("moving") else "")]
+    for d in el.get("decisions", []):
+        seen = ", ".join(f"{s} {_pct(v['util'])}x{v['instances']}" for s, v in d["inputs"].items() if v["instances"])
+        lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(d['at']))} {d['instance']} "
+                     f"{d['from'] or 'idle pool'} -> {d['to'] or 'idle pool'} (holding {d['holding']}): "
+                     f"{d['reason']} [{seen}]")
+    return lines
+
+
 def render(status: dict[str, Any]) -> str:
     lines = []
+    util = (status.get("elastic") or {}).get("utilization", {})
     for name, st in status["sets"].items():
         lines.append(f"set {name}")
         for stage, info in st["stages"].items():
             insts = info["instances"]
             ready = sum(1 for i in insts if i["ready"])
-            lines.append(f"  stage {stage}: {ready}/{info['want']} ready")
+            lines.append(f"  stage {stage}: {ready}/{info['want']} ready, busy {_pct(util.get(name, {}).get(stage))}")
             lines += [_instance(i) for i in insts]
         for label, key in (("idle pool", "idle"), ("dbs", "dbs"), ("proxies", "proxies")):
             if st[key]:
                 lines.append(f"  {label}:")
                 lines += [_instance(i) for i in st[key]]
         lines += _capacity(st.get("capacity") or {})
+    lines += _elastic(status.get("elastic") or {})
     if status.get("events"):
         lines.append("recent events:")
         lines += [f"  {e}" for e in status["events"]]

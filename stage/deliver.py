@@ -2,6 +2,9 @@
 application's next stage, round-robin over the NM's route table, and the last stage's artefact
 to the set's DB. It also reports progress and failures to the DB, so a client polling by UID
 always sees where its request is, or why it failed.
+
+It also forwards messages that reached this instance for a stage it no longer serves (their
+sender's route table predates a move) to an instance that does, at most ``MAX_HOPS`` times.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from onepiece.transport.base import Sender, TransportError
 from onepiece.transport.message import Message
 
 log = logging.getLogger(__name__)
+
+MAX_HOPS = 3  # forwards per message: route tables settle within a heartbeat, so more means a loop
 
 
 class ResultDeliver:
@@ -47,6 +52,8 @@ class ResultDeliver:
         what = item[0]
         if what == "result":
             self._deliver(item[1])
+        elif what == "forward":
+            self.forward(item[1])
         elif what == "progress":
             _, uid, app, fraction = item
             self._progress(uid, app, fraction)
@@ -68,11 +75,26 @@ class ResultDeliver:
                 log.error("uid=%s: no DB took the result", msg.uid)
             return
         msg.header["stage"] = nxt
-        targets = list(self._routes()["stages"].get(nxt, []))
+        self._to_stage(msg, nxt)
+
+    def forward(self, msg: Message) -> None:
+        """Send on a message that reached this instance for another stage."""
+        stage, hops = msg.header.get("stage"), msg.header.get("hops", 0)
+        if stage not in self.workflow.stages or msg.header.get("app") not in self.workflow.applications:
+            self._fail(msg, f"message for unknown stage {stage!r} or application {msg.header.get('app')!r}")
+        elif not isinstance(hops, int) or hops >= MAX_HOPS:
+            self._fail(msg, f"forwarded {hops} times without reaching an instance of stage {stage}")
+        else:
+            msg.header["hops"] = hops + 1
+            log.info("uid=%s: forwarding to stage %s (this instance serves %s)", msg.uid, stage, self.stage)
+            self._to_stage(msg, stage)
+
+    def _to_stage(self, msg: Message, stage: str) -> None:
+        targets = list(self._routes()["stages"].get(stage, []))
         if not targets:
-            self._fail(msg, f"no live instance of stage {nxt}")
+            self._fail(msg, f"no live instance of stage {stage}")
             return
-        start = next(self._rr.setdefault(app, itertools.count()))
+        start = next(self._rr.setdefault(msg.header["app"], itertools.count()))
         errors = []
         for k in range(len(targets)):
             addr = targets[(start + k) % len(targets)]
@@ -81,7 +103,7 @@ class ResultDeliver:
                 return
             except TransportError as e:
                 errors.append(str(e))
-        self._fail(msg, f"no instance of stage {nxt} took the request: {'; '.join(errors)}")
+        self._fail(msg, f"no instance of stage {stage} took the request: {'; '.join(errors)}")
 
     def _fail(self, msg: Message, error: str) -> None:
         log.warning("uid=%s failed after %s: %s", msg.uid, self.stage, error)

@@ -1,28 +1,38 @@
-"""One workflow instance (DESIGN §6): TaskManager, RequestScheduler, TaskWorkers and
-ResultDeliver, wired together. The parts share no mutable state: the scheduler and the
-deliverer talk through a bounded mailbox, the TaskManager reaches the scheduler through its
-control queue, and routes reach the deliverer as whole-table swaps.
+"""One stage instance (DESIGN §6, §9): a data receiver it keeps for life, its membership in
+the NM, and the StageRuntime (scheduler, TaskManager and workers, deliverer) of the stage the
+NM assigned it. The assignment can change: the NM moves instances between stages and the idle
+pool (nm/elastic.py), and the instance follows in steps (``StageInstance.run``):
+
+1. the NM takes it out of the upstream routes (it routes an instance only while the instance
+   reports it serves the stage assigned);
+2. the instance stops saying it serves, finishes what it holds, and waits at least two
+   heartbeats so every sender has the new routes (bounded by ``drain_s``);
+3. it retires the runtime (its workers exit, unloading the models) and starts the new stage's,
+   whose workers load the new models;
+4. once a worker is ready it reports that it serves the new stage, and the NM routes to it.
+
+Anything that still arrives for the old stage is forwarded to an instance that serves it,
+also while the instance waits in the idle pool.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from onepiece.config import Workflow
 from onepiece.nm.client import Membership
-from onepiece.nm.holdings import Holdings, TrackingMailbox, TrackingReceiver
+from onepiece.nm.holdings import Holdings, TrackingReceiver
 from onepiece.stage.deliver import ResultDeliver
-from onepiece.stage.scheduler import RequestScheduler, SchedulerStats
-from onepiece.stage.task_manager import TaskManager
+from onepiece.stage.runtime import StageRuntime
 from onepiece.supervise import stop_on_signals
 from onepiece.transport import registry
 
@@ -33,13 +43,16 @@ log = logging.getLogger(__name__)
 
 
 class StageMetrics:
-    """Prometheus view of the scheduler's counters, read at scrape time."""
+    """Prometheus view of the current runtime's scheduler counters, read at scrape time."""
 
-    def __init__(self, stage: str, stats: SchedulerStats) -> None:
-        self.stage, self.stats = stage, stats
+    def __init__(self, runtime: Callable[[], StageRuntime | None]) -> None:
+        self.runtime = runtime
 
     def collect(self):
-        s, labels = self.stats, [self.stage]
+        rt = self.runtime()
+        if rt is None:  # in the idle pool
+            return
+        s, labels = rt.stats, [rt.stage]
         for name, doc, value in (("queue_length", "requests waiting for a worker", s.queue),
                                  ("busy_workers", "workers running a request", s.busy),
                                  ("ready_workers", "workers loaded and serving", s.ready)):
@@ -47,18 +60,115 @@ class StageMetrics:
             g.add_metric(labels, value)
             yield g
         c = CounterMetricFamily("onepiece_stage_requests", "requests handled by this instance", labels=["stage", "outcome"])
-        c.add_metric([self.stage, "received"], s.received)
-        c.add_metric([self.stage, "completed"], s.completed)
-        c.add_metric([self.stage, "failed"], s.failed)
+        for outcome in ("received", "completed", "failed", "forwarded"):
+            c.add_metric([rt.stage, outcome], getattr(s, outcome))
+        yield c
+        c = CounterMetricFamily("onepiece_stage_worker_busy_seconds", "seconds workers held a request (over "
+                                "onepiece_stage_worker_slot_seconds: utilization)", labels=["stage"])
+        c.add_metric(labels, s.busy_s)
+        yield c
+        c = CounterMetricFamily("onepiece_stage_worker_slot_seconds", "worker slots times wall seconds", labels=["stage"])
+        c.add_metric(labels, s.slot_s)
         yield c
         g = GaugeMetricFamily("onepiece_stage_service_seconds", "mean service time over the recent window", labels=["stage", "app"])
         for app, t in s.service.items():
-            g.add_metric([self.stage, app], t["mean_s"])
+            g.add_metric([rt.stage, app], t["mean_s"])
         yield g
 
 
+class StageInstance:
+    def __init__(self, member: Membership, workflow: Workflow, base_dir: Path, receiver: Any, rdir: Path,
+                 holdings: Holdings, stop: threading.Event, drain_s: float) -> None:
+        self.member, self.workflow, self.base_dir = member, workflow, base_dir
+        self.receiver, self.rdir, self.holdings, self.stop = receiver, rdir, holdings, stop
+        self.drain_s = drain_s
+        self.runtime: StageRuntime | None = None
+        self.draining = False
+        self.moved = threading.Event()  # set by the membership thread when the assignment changes
+        # Forwards what arrives while no runtime reads the receiver (the idle pool).
+        self._forwarder = ResultDeliver("", workflow, None, routes=lambda: member.routes)  # type: ignore[arg-type]
+
+    # ---- what the heartbeat reports ----------------------------------------------------------
+
+    def serving(self) -> str | None:
+        """The stage this instance serves right now: loaded, and not moving away."""
+        rt = self.runtime
+        return rt.stage if rt is not None and rt.serving and not self.draining else None
+
+    def stats(self) -> dict[str, Any]:
+        rt = self.runtime
+        return {**(vars(rt.stats) if rt is not None else {}), "holding": self.holdings.snapshot()}
+
+    # ---- the assignment loop -----------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                target = self.member.stage
+                if self.runtime is not None and self.runtime.stage != target:
+                    self._drain_and_retire(target)
+                    continue  # the target may have changed again while draining
+                if self.runtime is None and target is not None:
+                    self._start(target)
+                if self.runtime is None:
+                    self._forward_stray()
+                elif self.moved.wait(0.5):
+                    self.moved.clear()
+        finally:
+            log.info("%s (%s) shutting down", self.member.id, self.runtime.stage if self.runtime else "idle")
+            self.member.stop()  # leave the routes first, so upstream stops sending here
+            if self.runtime is not None:
+                self.runtime.retire()
+            self._forwarder.close()
+
+    def _start(self, stage: str) -> None:
+        log.info("%s serves stage %s, data at %s", self.member.id, stage, self.receiver.address)
+        spec = self.workflow.stages[stage]
+        self.runtime = StageRuntime(self.member.id, stage, self.workflow, self.base_dir, self.receiver, self.rdir,
+                                    self.holdings, lambda: self.member.routes, self.stop.set)
+        self.runtime.start()
+        self.member.set_capacity({"workers": spec.workers, "queue": spec.queue})
+
+    def _drain_and_retire(self, target: str | None) -> None:
+        rt = self.runtime
+        where = target or "the idle pool"
+        log.info("%s moving from %s to %s: draining", self.member.id, rt.stage, where)
+        self.draining = True
+        t0 = time.monotonic()
+        # Senders learn the new routes within a heartbeat; until then they may still send here.
+        grace = 2 * self.member.heartbeat_s
+        while not self.stop.is_set():
+            if self.member.stage == rt.stage:  # the move was called off: serve on
+                log.info("%s stays at %s", self.member.id, rt.stage)
+                self.draining = False
+                return
+            waited = time.monotonic() - t0
+            if (waited >= grace and rt.drained()) or waited >= self.drain_s:
+                break
+            time.sleep(0.05)
+        if self.stop.is_set():
+            return  # shutting down: run()'s finally retires it
+        log.info("%s drained %s in %.1fs%s; unloading", self.member.id, rt.stage, time.monotonic() - t0,
+                 "" if rt.drained() else f" (gave up after drain_s={self.drain_s:.0f}s)")
+        rt.retire(moving_to=where)
+        self.runtime, self.draining = None, False
+
+    def _forward_stray(self) -> None:
+        """In the idle pool: hand on whatever still arrives (sent on old routes)."""
+        msg = self.receiver.recv(0.2)
+        if msg is None:
+            return
+        try:
+            self._forwarder.forward(msg)
+        finally:
+            self.holdings.discard(msg.uid)
+
+
 def serve(nm_address: str, set_name: str, listen: str = "tcp://127.0.0.1:0", stage: str | None = None,
-          runtime_dir: str | None = None, advertise: str | None = None, zk: "ZkSettings | None" = None) -> None:
+          runtime_dir: str | None = None, advertise: str | None = None, zk: "ZkSettings | None" = None,
+          idle: bool = False) -> None:
+    """Run a stage instance until SIGTERM: ``stage`` is its first assignment (None: what the NM
+    assigns, or with ``idle`` the idle pool); the NM may move it later."""
     stop = stop_on_signals()
     rdir = Path(tempfile.mkdtemp(prefix="stage-", dir=runtime_dir))
     metrics, _ = start_http_server(0, addr=registry.host_of(listen))
@@ -66,73 +176,25 @@ def serve(nm_address: str, set_name: str, listen: str = "tcp://127.0.0.1:0", sta
     # requests failed (nm/reaper.py).
     holdings = Holdings()
     receiver = TrackingReceiver(registry.listen(listen), holdings)
-    stats = SchedulerStats()
+    inst: StageInstance | None = None
     member = Membership(
         nm_address, "stage", set_name,
         {"data": receiver.address, "metrics": f"http://{registry.host_of(listen)}:{metrics.server_port}"},
-        stage=stage, stats=lambda: {**vars(stats), "holding": holdings.snapshot()}, ready=lambda: stats.serving,
-        advertise=advertise, zk=zk,
+        stage=stage, stats=lambda: inst.stats() if inst else {}, ready=lambda: bool(inst and inst.serving()),
+        serving=lambda: inst.serving() if inst else None, on_assign=lambda _: inst and inst.moved.set(),
+        advertise=advertise, zk=zk, idle=idle,
     )
-    reply = member.register()
-    workflow = Workflow.model_validate(reply["workflow"])
-    my_stage = reply["stage"]
-    if my_stage is not None:
-        spec = workflow.stages[my_stage]
-        member.set_capacity({"workers": spec.workers, "queue": spec.queue})
-    member.start()
     try:
-        if my_stage is None:
+        reply = member.register()
+        inst = StageInstance(member, Workflow.model_validate(reply["workflow"]), Path(reply["base_dir"]), receiver,
+                             rdir, holdings, stop, float(reply.get("drain_s", 120.0)))
+        REGISTRY.register(StageMetrics(lambda: inst.runtime))
+        if member.stage is None:
             log.info("%s joined the idle pool", member.id)
-            stop.wait()
-            return
-        log.info("%s serves stage %s, data at %s", member.id, my_stage, receiver.address)
-        _run_stage(member, my_stage, workflow, Path(reply["base_dir"]), receiver, rdir, stats, stop, holdings)
+        member.start()
+        inst.run()
     finally:
         member.stop()
         receiver.close()
         metrics.shutdown()
         shutil.rmtree(rdir, ignore_errors=True)
-
-
-def _run_stage(member: Membership, stage: str, workflow: Workflow, base_dir: Path, receiver, rdir: Path,
-               stats: SchedulerStats, stop: threading.Event, holdings: Holdings | None = None) -> None:
-    mailbox: queue.Queue = TrackingMailbox(1024, holdings) if holdings is not None else queue.Queue(maxsize=1024)
-    scheduler = RequestScheduler(stage, receiver, f"ipc://{rdir}/workers.sock", workflow.stages[stage].queue,
-                                 mailbox, stats)
-    deliver = ResultDeliver(stage, workflow, mailbox, routes=lambda: member.routes)
-    tm = TaskManager(member.id, stage, workflow, base_dir, scheduler)
-    REGISTRY.register(StageMetrics(stage, stats))
-    deliver_stop = threading.Event()
-
-    def part(name: str, fn, until: threading.Event) -> threading.Thread:
-        def run() -> None:
-            try:
-                fn(until)
-            except Exception:
-                # A part that died would leave the instance routed but deaf: stop the whole
-                # instance instead, so the NM drops it and the launcher restarts it.
-                log.exception("%s of %s died; stopping the instance", name, member.id)
-                stop.set()
-                deliver_stop.set()
-        return threading.Thread(target=run, name=name)
-
-    threads = {
-        "scheduler": part("scheduler", scheduler.run, stop),
-        "task-manager": part("task-manager", tm.supervise, stop),
-        "deliver": part("deliver", deliver.run, deliver_stop),
-    }
-    tm.start()
-    for t in threads.values():
-        t.start()
-    try:
-        stop.wait()
-    finally:
-        log.info("%s (%s) shutting down", member.id, stage)
-        member.stop()  # leave the routes first, so upstream stops sending here
-        threads["scheduler"].join(timeout=10)
-        threads["task-manager"].join(timeout=10)
-        tm.stop()
-        scheduler.close()  # fails what is still queued, through the deliverer
-        deliver_stop.set()
-        threads["deliver"].join(timeout=30)
-        deliver.close()

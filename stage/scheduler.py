@@ -5,6 +5,11 @@ request into a failure.
 
 When its queue is full it stops reading the receiver, so the transport's own bounds push back
 on senders (they see ``Full`` within their send timeout) instead of memory growing here.
+
+A message for another stage (sent on a route table from before this instance moved) is handed
+to the deliverer to forward, not failed. The scheduler also keeps the instance's utilization:
+worker-busy seconds and worker-wall seconds, both cumulative, which the NM turns into busy time
+over wall time per window (nm/utilization.py).
 """
 
 from __future__ import annotations
@@ -53,6 +58,10 @@ class SchedulerStats:
     completed: int = 0
     failed: int = 0
     rejected_frames: int = 0
+    forwarded: int = 0
+    busy_s: float = 0.0  # cumulative seconds workers held a request, summed over workers
+    slot_s: float = 0.0  # cumulative seconds of worker slots (workers x wall time)
+    gpu_util: float | None = None  # NVML, where the workers run on GPUs (stage/gpu.py)
     # measured service times: {app: {"mean_s", "recent", "shapes": {shape: mean_s}}}
     service: dict[str, dict] = field(default_factory=dict)
 
@@ -77,6 +86,7 @@ class RequestScheduler:
         self.stats.capacity = capacity
         self._service = ServiceTimes()
         self._reported = 0.0
+        self._clock = time.monotonic()
 
     # --- outcomes go to the ResultDeliver's mailbox ---------------------------------------
     def _emit(self, item: tuple) -> None:
@@ -129,7 +139,8 @@ class RequestScheduler:
                 break
             self.stats.received += 1
             if msg.header.get("stage") != self.stage:
-                self._fail(msg.uid, msg.header.get("app", ""), f"message for stage {msg.header.get('stage')!r} arrived at {self.stage!r}")
+                self.stats.forwarded += 1
+                self._emit(("forward", msg))
                 continue
             msg.mark(self.stage, "recv")
             self.pending.append(msg)
@@ -217,22 +228,38 @@ class RequestScheduler:
 
     def _update_stats(self) -> None:
         s = self.stats
+        now = time.monotonic()
+        s.busy_s += len(self.held) * (now - self._clock)
+        s.slot_s += s.workers * (now - self._clock)
+        self._clock = now
         s.queue, s.ready, s.busy = len(self.pending), len(self.known), len(self.held)
         s.rejected_frames = getattr(self.receiver, "rejected", 0)
         if time.monotonic() - self._reported >= 0.5:  # the heartbeat reads it about once a second
             s.service = self._service.report()
             self._reported = time.monotonic()
 
-    def close(self) -> None:
-        """Fail everything this instance still has (queued, held by workers, or waiting in the
-        receiver), so that shutting down loses nothing silently."""
-        reason = f"stage {self.stage} instance shut down"
+    @property
+    def idle_now(self) -> bool:
+        """Nothing queued and no worker holding a request (read from another thread: a hint)."""
+        return not self.pending and not self.held
+
+    def close(self, moving_to: str | None = None) -> None:
+        """Fail what workers still hold, so that nothing is lost silently. Shutting down also
+        fails what is queued or waiting in the receiver; moving to another stage (``moving_to``)
+        forwards the queue to this stage's other instances and leaves the receiver to the
+        next stage's scheduler, which forwards anything that was meant for this one."""
+        reason = (f"stage {self.stage} instance shut down" if moving_to is None
+                  else f"stage {self.stage} instance moved to {moving_to} before the request finished")
         for held in self.held.values():
             self._fail(held.uid, held.app, reason)
         self.held.clear()
-        while (msg := self.receiver.recv(0)) is not None:
-            self.pending.append(msg)
+        if moving_to is None:
+            while (msg := self.receiver.recv(0)) is not None:
+                self.pending.append(msg)
         for msg in self.pending:
-            self._fail(msg.uid, msg.header.get("app", ""), reason)
+            if moving_to is None:
+                self._fail(msg.uid, msg.header.get("app", ""), reason)
+            else:
+                self._emit(("forward", msg))
         self.pending.clear()
         self.workers.close(linger=0)

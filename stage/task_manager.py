@@ -1,6 +1,6 @@
-"""The TaskManager (DESIGN §6): joins the NM, learns its stage, starts and supervises one
-TaskWorker process per worker slot, and restarts a worker that dies (its request is failed by
-the scheduler, with the reason). Restarts back off (onepiece.supervise.Backoff), so a worker
+"""The TaskManager (DESIGN §6): starts and supervises one TaskWorker process per worker slot of
+its stage, and restarts a worker that dies (its request is failed by the scheduler, with the
+reason). Where the workers run on GPUs it samples their utilization (stage/gpu.py). Restarts back off (onepiece.supervise.Backoff), so a worker
 that cannot start does not spin.
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import orjson
 
 from onepiece.config import Workflow
+from onepiece.stage.gpu import GpuUtilization, cuda_indices
 from onepiece.stage.scheduler import RequestScheduler
 from onepiece.supervise import Backoff, child_preexec
 
@@ -45,6 +46,7 @@ class TaskManager:
         }
         self.slots = [WorkerSlot(f"w{i}") for i in range(spec.workers)]
         scheduler.stats.workers = spec.workers
+        self.gpu = GpuUtilization(cuda_indices(spec.device, spec.workers))
 
     def _start(self, slot: WorkerSlot) -> None:
         config = dict(self.config, identity=slot.identity)
@@ -62,8 +64,12 @@ class TaskManager:
             self._start(slot)
 
     def supervise(self, stop: threading.Event) -> None:
+        sampled = 0.0
         while not stop.wait(0.2):
             now = time.monotonic()
+            if now - sampled >= 1.0:
+                self.scheduler.stats.gpu_util = self.gpu.sample()
+                sampled = now
             self._kill_hung()
             for slot in self.slots:
                 if slot.proc is not None and slot.proc.poll() is not None:

@@ -60,7 +60,8 @@ def run_one(http: httpx.Client, prompt: str, timeout: float = 30.0) -> dict:
 def deployment(tiny_models, tmp_path_factory, make_topology):
     folder = tmp_path_factory.mktemp("monitor")
     topology = make_topology(folder, tiny_models, free_tcp_address(), dbs=1,
-                             stages={"text_encode": 1, "denoise_t2v": 2, "vae_decode": 1})
+                             stages={"text_encode": 1, "denoise_t2v": 2, "vae_decode": 1},
+                             nm={"elastic": {"enabled": False}})  # capacity changes here by kills only
     wf_path = folder / "workflow.yaml"
     wf = yaml.safe_load(wf_path.read_text())
     for spec in wf["stages"].values():

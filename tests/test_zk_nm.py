@@ -494,3 +494,27 @@ def test_zk_flags_without_an_address_are_refused(capsys):
         main(["db", "--zk-root", "/x"])
     assert e.value.code == 2
     assert "--zk-root and --zk-auth need --zk" in capsys.readouterr().err
+
+
+def test_a_move_is_kept_in_zookeeper_across_a_failover(nms_factory):
+    """An assignment is cluster state: a new primary routes a moving instance exactly as the
+    old one did (nowhere until it serves its new stage), from ZooKeeper alone."""
+    nms = nms_factory(2)
+    first = nms.primary()
+    serving = {"stage": "vae_decode"}
+    st = member(nms, "stage", {"data": "tcp://127.0.0.1:9420"}, stage="vae_decode",
+                ready=lambda: serving["stage"] is not None, serving=lambda: serving["stage"])
+    try:
+        stages = lambda: nms.client.routes("set0")["stages"]  # noqa: E731
+        wait_for(lambda: stages()["vae_decode"] == ["tcp://127.0.0.1:9420"], 5, "the stage to be routed")
+        nms.client.call("move", instance=st.id, stage="denoise_t2v")
+        wait_for(lambda: st.stage == "denoise_t2v", 5, "the instance to learn its new stage")
+        nms.procs[first].kill()
+        nms.primary(timeout=SESSION_S + 6, other_than=first)
+        assert stages()["vae_decode"] == [] and stages()["denoise_t2v"] == []
+        moved = nms.client.status()["sets"]["set0"]["stages"]["denoise_t2v"]["instances"]
+        assert [i["id"] for i in moved] == [st.id]
+        serving["stage"] = "denoise_t2v"
+        wait_for(lambda: stages()["denoise_t2v"] == ["tcp://127.0.0.1:9420"], 5, "the moved instance to be routed")
+    finally:
+        st.stop()

@@ -1,0 +1,176 @@
+"""Elastic assignment (DESIGN §9; the paper's section 8): move instances to the busiest stage.
+
+``decide`` is the policy, a pure function of per-stage utilization over a window:
+
+- the busiest stage at or above ``threshold`` gets an instance from the idle pool, or else
+  from the least busy stage that has more than its minimum and would stay below the
+  threshold without it (so the move cannot simply shift the saturation);
+- with no stage saturated, the least busy stage below ``low`` that has more than its minimum
+  gives one instance back to the idle pool.
+
+``Elastic`` runs it on the primary NM: it keeps the utilization windows (nm/utilization.py),
+applies at most one move per set at a time, waits ``cooldown_s`` after each, and waits for a
+moved instance to have served a whole window at its new stage before judging that stage
+again. Every decision is logged with its inputs and kept for ``onepiece status``. The move
+itself is the instance's protocol (stage/instance.py): the NM only changes the assignment,
+which takes the instance out of its old stage's routes at once (nm/state.py routes an instance
+only while it reports that it serves the stage assigned) and into the new stage's routes once
+it reports that it serves it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from onepiece.config import ElasticSpec
+from onepiece.nm.utilization import Utilization
+
+if TYPE_CHECKING:
+    from onepiece.nm.state import ClusterState, Instance
+
+log = logging.getLogger(__name__)
+
+MOVE_GRACE_S = 60.0  # beyond drain_s + a window, on top: loading models may take this long
+
+
+@dataclass
+class StageLoad:
+    stage: str
+    assigned: list[str]  # instances assigned to the stage (serving it or on their way)
+    util: float | None  # mean over the instances whose window is known; None if none is
+    min: int
+
+    def without_one(self) -> float:
+        """The utilization the rest would see if one instance left (the same work, fewer workers)."""
+        n = len(self.assigned)
+        return float("inf") if n <= 1 or self.util is None else self.util * n / (n - 1)
+
+
+@dataclass
+class Move:
+    instance: str
+    src: str | None  # None: the idle pool
+    dst: str | None
+    reason: str
+
+
+def decide(spec: ElasticSpec, loads: dict[str, StageLoad], idle: list[str],
+           inst_util: dict[str, float | None]) -> Move | None:
+    """At most one move for a set, or None."""
+    known = [l for l in loads.values() if l.util is not None]
+    hot = [l for l in known if l.util >= spec.threshold]
+
+    def least_busy(l: StageLoad) -> str:
+        return min(l.assigned, key=lambda i: (inst_util.get(i) if inst_util.get(i) is not None else 2.0, i))
+
+    if hot:
+        dst = max(hot, key=lambda l: l.util)
+        why = f"{dst.stage} busy {dst.util:.0%} >= {spec.threshold:.0%} with {len(dst.assigned)} instance(s)"
+        if idle:
+            return Move(sorted(idle)[0], None, dst.stage, f"{why}; from the idle pool")
+        donors = [l for l in known if l is not dst and len(l.assigned) > l.min and l.without_one() < spec.threshold]
+        if not donors:
+            return None
+        src = min(donors, key=lambda l: l.util)
+        return Move(least_busy(src), src.stage, dst.stage,
+                    f"{why}; {src.stage} busy {src.util:.0%} with {len(src.assigned)} (min {src.min}) can spare one")
+    cold = [l for l in known if l.util < spec.low and len(l.assigned) > l.min and l.without_one() < spec.threshold]
+    if cold:
+        src = min(cold, key=lambda l: l.util)
+        return Move(least_busy(src), src.stage, None,
+                    f"{src.stage} busy {src.util:.0%} < {spec.low:.0%} for a window with {len(src.assigned)} "
+                    f"instance(s) (min {src.min}); one returns to the idle pool")
+    return None
+
+
+class Elastic:
+    def __init__(self, spec: ElasticSpec) -> None:
+        self.spec = spec
+        self.util = Utilization(spec.window_s)
+        self.last_move: dict[str, float] = {}  # set -> when its last move was decided
+        self.moving: dict[str, float] = {}  # instance -> when it was moved (until it settled)
+        self.decisions: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
+
+    def observe(self, inst: "Instance", now: float) -> None:
+        """A stage instance's heartbeat: its counters count for the stage it serves, if that is
+        the one it is assigned."""
+        serving = inst.serving if inst.serving == inst.stage else None
+        self.util.observe(inst.id, serving, inst.stats, now)
+
+    def forget(self, inst_id: str) -> None:
+        self.util.forget(inst_id)
+        self.moving.pop(inst_id, None)
+
+    def loads(self, state: "ClusterState", set_name: str, now: float) -> dict[str, StageLoad]:
+        spec = state.sets[set_name]
+        out = {}
+        for stage in state.workflow.stages:
+            assigned = sorted(i.id for i in state.stage_instances(set_name) if i.stage == stage)
+            known = [u for i in assigned if (u := self.util.of(i, now)) is not None]
+            out[stage] = StageLoad(stage, assigned, sum(known) / len(known) if known else None, spec.min_of(stage))
+        return out
+
+    def tick(self, state: "ClusterState", now: float | None = None) -> list[Move]:
+        """Decide and apply at most one move per set (the primary NM calls this every turn)."""
+        now = time.monotonic() if now is None else now
+        self._settle(state, now)
+        if not self.spec.enabled:
+            return []
+        moves = []
+        for set_name in state.sets:
+            if now - self.last_move.get(set_name, float("-inf")) < self.spec.cooldown_s:
+                continue
+            members = state.stage_instances(set_name)
+            if any(i.id in self.moving for i in members):
+                continue  # one move at a time: judge again once it settled
+            loads = self.loads(state, set_name, now)
+            idle = [i.id for i in members if i.stage is None and i.heard]
+            move = decide(self.spec, loads, idle, {i.id: self.util.of(i.id, now) for i in members})
+            if move is not None:
+                self.apply(state, move, now, loads)
+                moves.append(move)
+        return moves
+
+    def apply(self, state: "ClusterState", move: Move, now: float, loads: dict[str, StageLoad] | None = None) -> None:
+        inst = state.assign(move.instance, move.dst, move.reason)
+        self.last_move[inst.set] = now
+        self.moving[inst.id] = now
+        self.util.forget(inst.id)
+        inputs = loads or self.loads(state, inst.set, now)
+        self.decisions.append({
+            "at": time.time(), "set": inst.set, "instance": inst.id, "from": move.src, "to": move.dst,
+            "reason": move.reason, "holding": len(inst.holding),
+            "inputs": {s: {"util": None if l.util is None else round(l.util, 3), "instances": len(l.assigned),
+                           "min": l.min} for s, l in inputs.items()},
+        })
+
+    def _settle(self, state: "ClusterState", now: float) -> None:
+        """A moved instance has settled once it served a whole window at its new stage (or
+        drained into the idle pool); one that takes too long is reported and let go."""
+        limit = self.spec.drain_s + self.spec.window_s + MOVE_GRACE_S
+        for iid, since in list(self.moving.items()):
+            inst = state.instances.get(iid)
+            if inst is None:
+                self.moving.pop(iid)
+            elif (inst.stage is None and inst.serving is None and not inst.holding) or \
+                    (inst.stage is not None and self.util.of(iid, now) is not None):
+                self.moving.pop(iid)
+            elif now - since > limit:
+                self.moving.pop(iid)
+                state.note(f"move of {iid} to {inst.stage or 'the idle pool'} has not completed after {now - since:.0f}s")
+
+    def view(self, state: "ClusterState", now: float | None = None) -> dict[str, Any]:
+        """What `onepiece status` shows: the policy, per-stage utilization, moves under way and
+        the recent decisions with their inputs."""
+        now = time.monotonic() if now is None else now
+        return {
+            "policy": self.spec.model_dump(),
+            "utilization": {s: {st: (None if l.util is None else round(l.util, 3))
+                                for st, l in self.loads(state, s, now).items()} for s in state.sets},
+            "moving": sorted(self.moving),
+            "decisions": list(self.decisions)[-10:],
+        }

@@ -1,0 +1,64 @@
+"""How busy each stage instance's workers were over a window (DESIGN §9).
+
+Instances report two cumulative counters with every heartbeat (stage/scheduler.py): the
+seconds their workers held a request (``busy_s``, summed over workers) and worker slots times
+wall seconds (``slot_s``). Utilization over a window is the ratio of their increases, so a
+missed heartbeat costs precision, not correctness. A window counts only once samples cover
+most of it; an instance that changed stage, or restarted its counters, starts a new window.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any
+
+COVERED = 0.8  # a window is known once samples span this share of it
+MAX_SAMPLES = 1024  # per instance: bounded whatever the heartbeat rate
+
+
+class Utilization:
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._samples: dict[str, tuple[str | None, collections.deque]] = {}
+
+    def observe(self, inst_id: str, stage: str | None, stats: dict[str, Any], now: float) -> None:
+        """Record a heartbeat's counters for the stage the instance serves (None: not serving,
+        which ends its window)."""
+        busy, slot = stats.get("busy_s"), stats.get("slot_s")
+        if stage is None or not all(_number(v) for v in (busy, slot)):
+            self._samples.pop(inst_id, None)
+            return
+        have = self._samples.get(inst_id)
+        if have is None or have[0] != stage or (have[1] and (busy < have[1][-1][1] or slot < have[1][-1][2])):
+            have = self._samples[inst_id] = (stage, collections.deque(maxlen=MAX_SAMPLES))
+        samples = have[1]
+        samples.append((now, float(busy), float(slot)))
+        # Keep one sample at or before the window's start: the base of the window's increase.
+        while len(samples) > 2 and samples[1][0] <= now - self.window_s:
+            samples.popleft()
+
+    def of(self, inst_id: str, now: float) -> float | None:
+        """The instance's utilization over the last window, or None if not covered yet."""
+        have = self._samples.get(inst_id)
+        if have is None or len(have[1]) < 2:
+            return None
+        samples = have[1]
+        last = samples[-1]
+        if now - last[0] > self.window_s / 2:  # silent meanwhile: stale
+            return None
+        base = samples[0]
+        for s in samples:
+            if s[0] > now - self.window_s:
+                break
+            base = s
+        if last[0] - base[0] < COVERED * self.window_s or last[2] <= base[2]:
+            return None
+        return min(1.0, max(0.0, (last[1] - base[1]) / (last[2] - base[2])))
+
+    def forget(self, inst_id: str) -> None:
+        self._samples.pop(inst_id, None)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0

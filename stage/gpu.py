@@ -1,0 +1,61 @@
+"""GPU utilization through NVML (nvidia-ml-py's ``pynvml``), for stages whose workers run on
+CUDA devices. It is reported beside the workers' busy time (DESIGN §9) and shown by
+`onepiece status`; the NM's elastic policy judges busy time, which also counts the host-side
+work of a request. No driver or no CUDA device means no figure, never an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def cuda_indices(device: str, workers: int) -> list[int]:
+    """The CUDA device indices a stage's workers use (one per worker when several, as the
+    TaskManager assigns them), as the process sees them."""
+    if not device.startswith("cuda"):
+        return []
+    if workers > 1:
+        return list(range(workers))
+    _, _, index = device.partition(":")
+    return [int(index) if index.isdigit() else 0]
+
+
+class GpuUtilization:
+    def __init__(self, indices: list[int]) -> None:
+        self._nvml: Any = None
+        self._handles: list[Any] = []
+        if not indices:
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handles = [self._handle(pynvml, i) for i in indices]
+            self._nvml = pynvml
+        except Exception as e:  # no driver, no library, a bad index: the figure is just absent
+            log.info("no GPU utilization from NVML: %s", e)
+
+    @staticmethod
+    def _handle(pynvml: Any, index: int) -> Any:
+        # NVML numbers every GPU of the machine; CUDA numbers the visible ones.
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        if index < len(visible):
+            v = visible[index]
+            return (pynvml.nvmlDeviceGetHandleByIndex(int(v)) if v.isdigit()
+                    else pynvml.nvmlDeviceGetHandleByUUID(v))
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+
+    def sample(self) -> float | None:
+        """Mean utilization of the devices over NVML's last sample period, in [0, 1]."""
+        if self._nvml is None:
+            return None
+        try:
+            rates = [self._nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self._handles]
+        except Exception as e:
+            log.warning("NVML utilization failed: %s", e)
+            return None
+        return sum(rates) / (100.0 * len(rates))

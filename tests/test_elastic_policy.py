@@ -1,0 +1,193 @@
+"""Elastic assignment's parts, without a deployment: the utilization window, the policy, and
+how an assignment changes the routes of a real embedded NM (ZMQ RPC, Membership threads)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from onepiece.config import ConfigError, ElasticSpec, NmSpec, Topology, load_topology
+from onepiece.nm.client import Membership, NmClient
+from onepiece.nm.elastic import Elastic, StageLoad, decide
+from onepiece.nm.utilization import Utilization
+from onepiece.transport.rpc import RpcError
+from waiting import wait_for
+
+SPEC = ElasticSpec(threshold=0.85, low=0.2, window_s=10, cooldown_s=5)
+
+
+def test_utilization_is_the_ratio_of_counter_increases_over_the_window():
+    u = Utilization(window_s=10)
+    for t in range(0, 21):  # two workers, busy 3/4 of the time for 20 s
+        u.observe("a", "denoise", {"busy_s": 1.5 * t, "slot_s": 2.0 * t}, now=float(t))
+    assert u.of("a", now=20.0) == pytest.approx(0.75)
+    # a busier second half shows in the window, not diluted by the first half
+    for t in range(21, 31):
+        u.observe("a", "denoise", {"busy_s": 30 + 2.0 * (t - 20), "slot_s": 2.0 * t}, now=float(t))
+    assert u.of("a", now=30.0) == pytest.approx(1.0)
+
+
+def test_a_window_counts_only_once_covered_and_restarts_on_a_new_stage_or_counters():
+    u = Utilization(window_s=10)
+    for t in range(0, 5):
+        u.observe("a", "denoise", {"busy_s": t, "slot_s": t}, now=float(t))
+    assert u.of("a", now=4.0) is None  # 4 s of a 10 s window
+    for t in range(5, 12):
+        u.observe("a", "denoise", {"busy_s": t, "slot_s": t}, now=float(t))
+    assert u.of("a", now=11.0) == pytest.approx(1.0)
+    assert u.of("a", now=30.0) is None  # silent since: stale
+    u.observe("a", "vae_decode", {"busy_s": 12, "slot_s": 12}, now=12.0)  # moved: a new window
+    assert u.of("a", now=12.0) is None
+    u.observe("b", "denoise", {"busy_s": 5, "slot_s": 5}, now=0.0)
+    u.observe("b", "denoise", {"busy_s": 0, "slot_s": 1}, now=9.0)  # restarted counters
+    assert u.of("b", now=9.0) is None
+    for bad in ({"busy_s": "x", "slot_s": 1}, {"busy_s": float("nan"), "slot_s": 1}, {"busy_s": True, "slot_s": 1},
+                {"busy_s": -1, "slot_s": 1}, {}):
+        u.observe("c", "denoise", bad, now=1.0)  # a malformed heartbeat is ignored
+        assert u.of("c", now=1.0) is None
+
+
+def loads(**stages: tuple[float | None, int, int]) -> dict[str, StageLoad]:
+    """stage=(util, instances, min); instance ids are <stage>-<k>."""
+    return {s: StageLoad(s, [f"{s}-{k}" for k in range(n)], u, m) for s, (u, n, m) in stages.items()}
+
+
+def test_the_busiest_saturated_stage_takes_from_the_idle_pool_first():
+    move = decide(SPEC, loads(denoise=(0.95, 1, 1), decode=(0.1, 2, 1), encode=(0.9, 1, 1)), ["idle-1"], {})
+    assert (move.instance, move.src, move.dst) == ("idle-1", None, "denoise")
+    assert "denoise busy 95% >= 85%" in move.reason and "idle pool" in move.reason
+
+
+def test_else_the_least_busy_stage_above_its_minimum_gives_its_least_busy_instance():
+    ls = loads(denoise=(0.97, 1, 1), decode=(0.30, 3, 1), encode=(0.10, 1, 1), vae=(0.2, 2, 2))
+    move = decide(SPEC, ls, [], {"decode-0": 0.4, "decode-1": 0.1, "decode-2": 0.4})
+    assert (move.instance, move.src, move.dst) == ("decode-1", "decode", "denoise")
+    # encode is less busy but at its minimum, vae at its minimum too
+
+
+def test_no_donor_that_would_saturate_without_the_instance():
+    # decode at 50% on 2 instances would run at 100% on one: moving it just shifts the problem
+    assert decide(SPEC, loads(denoise=(0.99, 1, 1), decode=(0.5, 2, 1)), [], {}) is None
+    assert decide(SPEC, loads(denoise=(0.99, 1, 1), decode=(0.4, 2, 1)), [], {}).src == "decode"
+
+
+def test_unmeasured_stages_are_neither_judged_nor_donors():
+    assert decide(SPEC, loads(denoise=(None, 1, 1), decode=(0.0, 2, 1)), [], {}).dst is None  # only a return
+    assert decide(SPEC, loads(denoise=(0.99, 1, 1), decode=(None, 2, 1)), [], {}) is None
+
+
+def test_a_cold_stage_returns_an_instance_to_the_idle_pool_and_low_zero_never_does():
+    move = decide(SPEC, loads(denoise=(0.5, 1, 1), decode=(0.05, 3, 1)), [], {})
+    assert (move.src, move.dst) == ("decode", None) and "idle pool" in move.reason
+    assert decide(ElasticSpec(low=0.0), loads(denoise=(0.5, 1, 1), decode=(0.0, 3, 1)), [], {}) is None
+    assert decide(SPEC, loads(denoise=(0.5, 1, 1), decode=(0.05, 1, 1)), [], {}) is None  # at its minimum
+
+
+def test_config_rejects_a_low_watermark_above_the_threshold_and_unknown_min_stages(tmp_path, tiny_models):
+    with pytest.raises(ValueError, match="must be below elastic.threshold"):
+        NmSpec(elastic={"threshold": 0.5, "low": 0.6})
+    with pytest.raises(ValueError):
+        NmSpec(elastic={"window_s": 0})
+    from onepiece.launcher import write_topology
+
+    path = write_topology(tmp_path, tiny_models, "tcp://127.0.0.1:7799", min={"nope": 1})
+    with pytest.raises(ConfigError, match=r"sets.set0.min.nope: unknown stage"):
+        load_topology(path)
+    topo = Topology.model_validate({"workflow": "w.yaml", "sets": [{"stages": {"a": 2, "b": 0}, "min": {"a": 2}}]})
+    assert topo.sets[0].min_of("a") == 2 and topo.sets[0].min_of("b") == 0
+
+
+@pytest.fixture
+def nm(tmp_path, tiny_models):
+    from onepiece.config import load_topology
+    from onepiece.launcher import free_tcp_address, write_topology
+    from onepiece.nm.server import NodeManager
+
+    topo, wf, base = load_topology(write_topology(tmp_path, tiny_models, free_tcp_address(), heartbeat_s=0.1,
+                                                  nm={"elastic": {"enabled": False}}))
+    nm = NodeManager(topo, wf, base)
+    stop = threading.Event()
+    t = threading.Thread(target=nm.run, args=(stop,), daemon=True)
+    t.start()
+    yield nm
+    stop.set()
+    t.join(5)
+    nm.close()
+
+
+def test_a_moved_instance_leaves_the_old_routes_at_once_and_joins_the_new_once_it_serves(nm):
+    serving: dict[str, str | None] = {"stage": "vae_decode"}
+    told: list[str | None] = []
+    m = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9400"}, stage="vae_decode",
+                   ready=lambda: serving["stage"] is not None, serving=lambda: serving["stage"], on_assign=told.append)
+    m.register()
+    m.start()
+    client = NmClient(nm.address)
+    try:
+        stages = lambda: client.routes("set0")["stages"]  # noqa: E731
+        assert wait_for(lambda: stages()["vae_decode"] == ["tcp://127.0.0.1:9400"])
+        reply, _ = client.call("move", instance=m.id, stage="denoise_t2v")
+        assert (reply["instance"], reply["from"], reply["to"]) == (m.id, "vae_decode", "denoise_t2v")
+        # out of the old stage's routes before the instance even heard of it
+        assert stages()["vae_decode"] == [] and stages()["denoise_t2v"] == []
+        wait_for(lambda: told == ["denoise_t2v"], what="the instance to learn its new stage")
+        # still saying it serves vae_decode (draining): routed nowhere
+        assert stages()["denoise_t2v"] == [] and stages()["vae_decode"] == []
+        serving["stage"] = "denoise_t2v"
+        assert wait_for(lambda: stages()["denoise_t2v"] == ["tcp://127.0.0.1:9400"])
+        status = client.status()
+        d = status["elastic"]["decisions"][-1]
+        assert (d["instance"], d["from"], d["to"], d["reason"]) == (m.id, "vae_decode", "denoise_t2v", "asked by an operator")
+        assert any("moving " + m.id in e for e in status["events"])
+        # the idle pool: no route at all, and the status lists it there
+        client.call("move", instance=m.id, stage=None)
+        serving["stage"] = None
+        wait_for(lambda: [i["id"] for i in client.status()["sets"]["set0"]["idle"]] == [m.id])
+        assert stages()["denoise_t2v"] == []
+    finally:
+        m.stop()
+        client.close()
+
+
+def test_bad_moves_get_clear_errors_and_the_nm_keeps_serving(nm):
+    client = NmClient(nm.address)
+    try:
+        m = Membership(nm.address, "db", "set0", {"data": "tcp://127.0.0.1:9401", "control": "c", "events": "e"})
+        m.register()
+        for args, match in (({"instance": "stage-99", "stage": "vae_decode"}, "no stage instance 'stage-99'"),
+                            ({"instance": m.id, "stage": "vae_decode"}, f"no stage instance '{m.id}'"),
+                            ({"instance": 7, "stage": "x"}, "expected 'instance'"),
+                            ({"instance": "stage-1", "stage": ["x"]}, "expected 'instance'")):
+            with pytest.raises(RpcError, match=match):
+                client.call("move", **args)
+        s = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9402"}, stage="vae_decode")
+        s.register()
+        with pytest.raises(RpcError, match="unknown stage 'nope'"):
+            client.call("move", instance=s.id, stage="nope")
+        with pytest.raises(RpcError, match="already assigned to vae_decode"):
+            client.call("move", instance=s.id, stage="vae_decode")
+        out = subprocess.run([sys.executable, "-m", "onepiece", "move", "stage-99", "idle", "--nm", nm.address],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "no stage instance 'stage-99'" in out.stderr
+        assert client.routes("set0")["version"] >= 1  # still answering
+    finally:
+        client.close()
+
+
+def test_gpu_utilization_is_absent_without_a_gpu_and_devices_map_like_the_task_manager():
+    from onepiece.stage.gpu import GpuUtilization, cuda_indices
+
+    assert cuda_indices("cpu", 4) == [] and cuda_indices("cuda", 1) == [0]
+    assert cuda_indices("cuda:3", 1) == [3] and cuda_indices("cuda", 2) == [0, 1]
+    assert GpuUtilization([]).sample() is None
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:  # no NVIDIA driver here: the figure is absent, not an error
+        assert GpuUtilization([0]).sample() is None
+    else:
+        assert 0.0 <= GpuUtilization([0]).sample() <= 1.0
