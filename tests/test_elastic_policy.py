@@ -191,3 +191,34 @@ def test_gpu_utilization_is_absent_without_a_gpu_and_devices_map_like_the_task_m
         assert GpuUtilization([0]).sample() is None
     else:
         assert 0.0 <= GpuUtilization([0]).sample() <= 1.0
+
+
+def test_a_message_for_a_stage_this_instance_left_is_forwarded_with_a_hop_bound(tiny_models, tmp_path):
+    """What a moved instance does with a message sent on old routes: hand it to an instance
+    that serves its stage (real ZMQ sockets), and fail it visibly once it has gone round."""
+    from onepiece.config import load_topology
+    from onepiece.launcher import write_topology
+    from onepiece.stage.deliver import MAX_HOPS, ResultDeliver
+    from onepiece.transport import registry
+    from onepiece.transport.message import Message
+
+    _, wf, _ = load_topology(write_topology(tmp_path, tiny_models, "tcp://127.0.0.1:7799"))
+    decode, db = registry.listen("tcp://127.0.0.1:0"), registry.listen("tcp://127.0.0.1:0")
+    routes = {"version": 1, "stages": {"vae_decode": [decode.address]},
+              "dbs": [{"data": db.address, "control": "c", "events": "e"}]}
+    deliver = ResultDeliver("denoise_t2v", wf, None, routes=lambda: routes)  # type: ignore[arg-type]
+    try:
+        deliver.forward(Message({"uid": "u1", "app": "t2v", "stage": "vae_decode"}, {"x": b"payload"}))
+        got = decode.recv(5.0)
+        assert got.uid == "u1" and got.header["hops"] == 1 and bytes(got.parts["x"]) == b"payload"
+        deliver.forward(Message({"uid": "u2", "app": "t2v", "stage": "vae_decode", "hops": MAX_HOPS}))
+        failed = db.recv(5.0)
+        assert (failed.uid, failed.kind) == ("u2", "failed") and "forwarded 3 times" in failed.header["error"]
+        deliver.forward(Message({"uid": "u3", "app": "t2v", "stage": "nope"}))
+        failed = db.recv(5.0)
+        assert failed.uid == "u3" and "unknown stage 'nope'" in failed.header["error"]
+        assert decode.recv(0.2) is None
+    finally:
+        deliver.close()
+        decode.close()
+        db.close()
