@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MOVE_GRACE_S = 60.0  # beyond drain_s + a window, on top: loading models may take this long
+TURN_S = 0.25  # the NM's loop turns after every RPC; the policy needs looking at only this often
 
 
 @dataclass
@@ -94,6 +95,7 @@ class Elastic:
         self.last_move: dict[str, float] = {}  # set -> when its last move was decided
         self.moving: dict[str, float] = {}  # instance -> when it was moved (until it settled)
         self.decisions: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
+        self._next_turn = 0.0
 
     def observe(self, inst: "Instance", now: float) -> None:
         """A stage instance's heartbeat: its counters count for the stage it serves, if that is
@@ -117,6 +119,9 @@ class Elastic:
     def tick(self, state: "ClusterState", now: float | None = None) -> list[Move]:
         """Decide and apply at most one move per set (the primary NM calls this every turn)."""
         now = time.monotonic() if now is None else now
+        if now < self._next_turn:
+            return []
+        self._next_turn = now + TURN_S
         self._settle(state, now)
         if not self.spec.enabled:
             return []
