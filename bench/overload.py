@@ -64,11 +64,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from onepiece.bench.common import PROMPT, T2V_STAGES, parse_shape, percentile, tiny_models
 
 DEFAULT_LEVELS = "0.5,1,2,5"
 DEFAULT_SHAPE = "64x64x9:20"
 POST_TIMEOUT_S = 30.0
+JSON = {"Content-Type": "application/json"}
 SET = "set0"
 APP = "t2v"
 
@@ -191,7 +194,7 @@ class Target:
         self.body = {"prompt": PROMPT, "model": APP, "size": f"{w}x{h}", "num_frames": f, "steps": steps, "seed": 0}
 
     async def __aenter__(self) -> "Target":
-        import httpx
+        import aiohttp
 
         from onepiece.db.client import AsyncDbClient
         from onepiece.nm.client import NmClient
@@ -201,14 +204,17 @@ class Target:
         self.db = AsyncDbClient([d["control"] for d in dbs], timeout=5.0)
         self.events = Events([d["events"] for d in dbs])
         self.events.start()
+        # aiohttp, as vLLM-Omni's serving benchmark: a refusal's round trip is the proxy's
+        # time plus this client's, and httpx's own Python costs about 1 ms a request more.
         # No client-side queueing: enough connections for every request of a level at once.
-        self.http = httpx.AsyncClient(base_url=self.url, timeout=POST_TIMEOUT_S,
-                                      limits=httpx.Limits(max_connections=2000, max_keepalive_connections=2000))
+        self.http = aiohttp.ClientSession(self.url, timeout=aiohttp.ClientTimeout(total=POST_TIMEOUT_S),
+                                          connector=aiohttp.TCPConnector(limit=2000))
+        self.post_body = orjson.dumps(self.body)
         await asyncio.sleep(0.3)  # let the SUB connect before the first event can come
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        await self.http.aclose()
+        await self.http.close()
         await self.events.close()
         self.db.close()
         self.nm.close()
@@ -216,29 +222,40 @@ class Target:
     async def status(self) -> dict[str, Any]:
         return await asyncio.to_thread(self.nm.status)
 
+    async def refusal_times(self) -> dict[float, float]:
+        """The proxy's own histogram of its time per refusal: {bucket bound s: count ≤ it}."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        async with self.http.get("/metrics") as r:
+            text = await r.text()
+        return {float(s.labels["le"]): s.value for fam in text_string_to_metric_families(text)
+                if fam.name == "onepiece_proxy_refusal_seconds" for s in fam.samples
+                if s.name.endswith("_bucket")}
+
     async def request(self) -> dict[str, Any]:
         """One request, from just before the POST until it is resolved."""
-        import httpx
+        import aiohttp
 
         rec: dict[str, Any] = {"t_send": time.time()}
         p0 = time.perf_counter()
         try:
-            r = await self.http.post("/v1/videos", json=self.body)
-        except httpx.HTTPError as e:
+            async with self.http.post("/v1/videos", data=self.post_body, headers=JSON) as r:
+                status, body = r.status, await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             rec.update(outcome="error", error=type(e).__name__, answer_s=time.perf_counter() - p0)
             return rec
         rec["answer_s"] = time.perf_counter() - p0
-        if r.status_code == 429 or r.status_code >= 300:
+        if status == 429 or status >= 300:
             try:
-                code = r.json()["error"].get("code")
+                code = orjson.loads(body)["error"].get("code")
             except Exception:
                 code = None
-            if r.status_code == 429:
+            if status == 429:
                 rec.update(outcome="rejected", reason=code or "429")
             else:
-                rec.update(outcome="error", error=f"http {r.status_code} {code or ''}".strip())
+                rec.update(outcome="error", error=f"http {status} {code or ''}".strip())
             return rec
-        uid = r.json()["id"].removeprefix("video_")
+        uid = orjson.loads(body)["id"].removeprefix("video_")
         rec["uid"] = uid
         status, t_event = await self.events.wait(uid, self.request_timeout - rec["answer_s"])
         rec["outcome"] = status if status in ("completed", "failed", "timeout") else f"status {status}"
@@ -400,7 +417,10 @@ async def session(t: Target, mode: str, cfg: argparse.Namespace, levels: list[fl
         for i, x in enumerate(levels):
             n = max(1, round(x * cfg.requests))
             log(f"[monitor {mode}] level {x:g}x: {n} requests at {x * base:.2f} req/s ...")
+            before = await t.refusal_times()
             lv = await run_level(t, x * base, n, cfg.max_duration, cfg.seed * 1000 + i)
+            after = await t.refusal_times()
+            lv["proxy_refusal_buckets"] = {str(le): after[le] - before.get(le, 0.0) for le in after}
             lv["load"] = x
             last = i + 1 == len(levels)
             # The last level need not drain: the deployment stops after it.
@@ -519,8 +539,16 @@ def summarize(lv: dict[str, Any], slo: float | None) -> dict[str, Any]:
         "reject_p99_ms": None if not rej else percentile(rej, 99) * 1000,
         "reject_reasons": reasons, "error_kinds": errors,
         "max_send_lag_ms": lv["max_send_lag_ms"], "drained": lv["drained"],
+        "proxy_refusals_within_ms": within(lv.get("proxy_refusal_buckets") or {}),
         "nm_capacity_start": lv["nm_capacity_start"], "nm_capacity_end": lv["nm_capacity_end"],
     }
+
+
+def within(buckets: dict[str, float]) -> dict[str, float]:
+    """Share of the proxy's refusals that took at most 0.25, 0.5, 1 and 5 ms of its time."""
+    total = buckets.get("inf", 0.0)
+    return {f"{le * 1000:g}": buckets[str(le)] / total for le in (0.00025, 0.0005, 0.001, 0.005)
+            if total and str(le) in buckets}
 
 
 def choose_slo(runs: list[dict[str, Any]], cfg: argparse.Namespace) -> tuple[float | None, str]:
@@ -702,6 +730,12 @@ def run(args: argparse.Namespace) -> int:
               f"(bottleneck {(r['warmup']['nm'] or {}).get('bottleneck')}), closed-loop "
               f"{_f(r['warmup']['closed_loop_rps'])} req/s" for r in runs),
           f"- SLO: {slo_text}", "", table(rows), ""]
+    shares = [(r, r["proxy_refusals_within_ms"]) for r in rows if r["run"] == "on" and r["proxy_refusals_within_ms"]]
+    if shares:
+        md += ["Proxy time per refusal (its `onepiece_proxy_refusal_seconds` histogram: the create handler's start "
+               "→ the 429), share within 0.25 / 0.5 / 1 / 5 ms: " + "; ".join(
+                   f"{r['load']:g}×: " + " / ".join(_pct(s.get(k)) for k in ("0.25", "0.5", "1", "5"))
+                   for r, s in shares), ""]
     names = {"p99_5x_over_1x": "accepted p99 at 5× / at 1× (monitor on)",
              "reject_p99_ms": "reject p99, ms (monitor on, all levels)",
              "goodput_5x_over_1x": "goodput at 5× / at 1× (monitor on)"}

@@ -81,7 +81,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
     setup_logging("proxy", args.log_level)
     serve(args.nm, args.set, args.host, args.port, args.max_inflight, args.max_body_bytes, monitor=args.monitor,
-          advertise=args.advertise, zk=_zk(args))
+          deadline_factor=args.deadline_factor, advertise=args.advertise, zk=_zk(args))
     return 0
 
 
@@ -161,6 +161,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     return args.bench.run(args)
+
+
+def _non_negative_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {value!r}") from None
+    if not 0 <= x < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number ≥ 0 (got {value})")
+    return x
 
 
 def _positive_int(value: str) -> int:
@@ -274,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--max-body-bytes", type=int, default=16 << 20)
             sp.add_argument("--no-monitor", dest="monitor", action="store_false",
                             help="admit by the in-flight bound only: no capacity or deadline refusals")
+            sp.add_argument("--deadline-factor", type=_non_negative_float, default=2.0,
+                            help="refuse a request without timeout_s that is predicted to take more than this many "
+                                 "times its standalone time (0: only the app's limit; default %(default)s)")
             sp.set_defaults(fn=cmd_proxy)
 
     sp = sub.add_parser("status", help="print sets, stages, instances, health and queues")

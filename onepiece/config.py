@@ -236,6 +236,9 @@ class ProxySpec(_Strict):
     max_body_bytes: int = Field(16 << 20, gt=0)
     monitor: bool = Field(True, description="admit at the set's measured capacity and refuse requests predicted "
                                             "to miss their deadline (off: only the max_inflight bound)")
+    deadline_factor: float = Field(2.0, ge=0, le=1000,
+                                   description="a request without timeout_s must be predicted to finish within this "
+                                               "many times its standalone time (0: only the app's limit)")
 
 
 class SetSpec(_Strict):

@@ -121,7 +121,8 @@ class Deployment:
             name = f"{s.name}-proxy{i}"
             port = s.proxy.port + i if s.proxy.port else 0
             argv = _cli("proxy", "--nm", nm, "--set", s.name, "--host", s.proxy.host, "--port", str(port),
-                        "--max-inflight", str(s.proxy.max_inflight), "--max-body-bytes", str(s.proxy.max_body_bytes))
+                        "--max-inflight", str(s.proxy.max_inflight), "--max-body-bytes", str(s.proxy.max_body_bytes),
+                        "--deadline-factor", str(s.proxy.deadline_factor))
             if not s.proxy.monitor:
                 argv.append("--no-monitor")
             out.append(Child(name, argv, self.log_dir / f"{name}.log"))

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -31,13 +32,15 @@ log = logging.getLogger(__name__)
 
 
 class InflightTracker:
-    """Accepted-but-not-terminal requests, each with its deadline (ns since epoch)."""
+    """Accepted-but-not-terminal requests, each with its deadline (ns since epoch) and
+    application (admission counts the requests ahead of a new one per application)."""
 
     def __init__(self, max_inflight: int) -> None:
         if max_inflight <= 0:
             raise ValueError("max_inflight must be positive")
         self.max_inflight = max_inflight
-        self._deadlines: dict[str, int] = {}
+        self._deadlines: dict[str, tuple[int, str]] = {}
+        self._per_app: Counter[str] = Counter()
         self._last_sweep_ns = 0
 
     def __len__(self) -> int:
@@ -46,7 +49,11 @@ class InflightTracker:
     def __contains__(self, uid: str) -> bool:
         return uid in self._deadlines
 
-    def try_admit(self, uid: str, deadline_ns: int) -> bool:
+    def count(self, app: str) -> int:
+        """Requests of ``app`` in flight."""
+        return self._per_app[app]
+
+    def try_admit(self, uid: str, deadline_ns: int, app: str = "") -> bool:
         """Reserve a slot for ``uid``; False when the set is full."""
         if len(self._deadlines) >= self.max_inflight:
             now = time.time_ns()
@@ -56,19 +63,24 @@ class InflightTracker:
                 self.sweep(now)
             if len(self._deadlines) >= self.max_inflight:
                 return False
-        self._deadlines[uid] = deadline_ns
+        self._deadlines[uid] = (deadline_ns, app)
+        self._per_app[app] += 1
         return True
 
     def release(self, uid: str) -> bool:
-        return self._deadlines.pop(uid, None) is not None
+        entry = self._deadlines.pop(uid, None)
+        if entry is None:
+            return False
+        self._per_app[entry[1]] -= 1
+        return True
 
     def sweep(self, now_ns: int | None = None) -> int:
         """Drop entries whose deadline passed; returns how many."""
         now_ns = time.time_ns() if now_ns is None else now_ns
         self._last_sweep_ns = now_ns
-        expired = [u for u, d in self._deadlines.items() if d <= now_ns]
+        expired = [u for u, (d, _) in self._deadlines.items() if d <= now_ns]
         for u in expired:
-            del self._deadlines[u]
+            self.release(u)
         return len(expired)
 
 
@@ -201,8 +213,15 @@ def standalone_latency(app_estimate: dict[str, Any], shape: str) -> float | None
 
 
 def deadline_refusal(app_estimate: dict[str, Any], shape: str, timeout_s: float, explicit: bool,
-                     factor: float) -> Refusal | None:
+                     factor: float, ahead: float = 0.0) -> Refusal | None:
     """Refuse a request predicted to finish after its deadline.
+
+    Two predictions, the later one counts: the NM's, from the stages' queues as of their last
+    heartbeats (``predicted_latency``), and a live one from ``ahead``, the requests in flight
+    in the set before this one (the proxy's own count, scaled to the set): a pipeline whose
+    bottleneck passes C requests a second finishes the last of n + 1 requests after at least
+    (n + 1) / C seconds, and never before the standalone time. The live one sees the queue a
+    burst builds before any heartbeat reports it.
 
     The deadline is the request's own ``timeout_s`` when it gave one; otherwise ``factor`` ×
     the standalone time of its shape, unless the application's limit (``timeout_s`` then) is
@@ -213,11 +232,13 @@ def deadline_refusal(app_estimate: dict[str, Any], shape: str, timeout_s: float,
     predicted = predicted_latency(app_estimate, shape)
     if predicted is None:
         return None
+    alone = standalone_latency(app_estimate, shape)
+    capacity = app_estimate.get("capacity")
+    if ahead > 0 and alone is not None and isinstance(capacity, (int, float)) and capacity > 0:
+        predicted = max(predicted, alone, (ahead + 1) / capacity)
     deadline = timeout_s
-    if not explicit and factor > 0:
-        alone = standalone_latency(app_estimate, shape)
-        if alone is not None:
-            deadline = min(deadline, factor * alone)
+    if not explicit and factor > 0 and alone is not None:
+        deadline = min(deadline, factor * alone)
     if predicted <= deadline:
         return None
     # The queue ahead must drain by the excess before a request like this one fits.
@@ -293,15 +314,17 @@ class CapacityAdmission:
         return None if cap is None else cap / self.proxies
 
     def check(self, app: str, shape: str, timeout_s: float, explicit_timeout: bool,
-              idle: bool = False) -> Refusal | None:
+              *, inflight: int) -> Refusal | None:
         """Admit (takes a token; None) or say why not. ``give_back(app)`` undoes an admission
         that a later check (the in-flight cap) refused.
 
-        ``idle``: this proxy has nothing in flight. Then an empty bucket still admits: one
-        request cannot overload the set, and a client that waits for each result before the
-        next is never refused because the estimate is still pessimistic (the first requests
-        through a fresh worker are slow, and they stay in the measured window for a while).
-        Under overload a proxy is never idle, so this changes nothing there."""
+        ``inflight``: this proxy's requests of ``app`` in flight; the set holds about that
+        many per proxy ahead of a new one (clients spread over the proxies), which the
+        deadline rule reads. With none in flight an empty bucket still admits: one request
+        cannot overload the set, and a client that waits for each result before the next is
+        never refused because the estimate is still pessimistic (the first requests through
+        a fresh worker are slow, and they stay in the measured window for a while). Under
+        overload a proxy is never idle, so this changes nothing there."""
         est = self.app_view(app)
         if est is None:
             return None
@@ -316,7 +339,8 @@ class CapacityAdmission:
             return Refusal("no_capacity", f"stage {stage!r} of model {app!r} has no worker up in this set",
                            self.no_capacity_retry_s)
         try:
-            refusal = deadline_refusal(est, shape, timeout_s, explicit_timeout, self.deadline_factor)
+            refusal = deadline_refusal(est, shape, timeout_s, explicit_timeout, self.deadline_factor,
+                                       ahead=inflight * self.proxies)
         except (KeyError, TypeError, AttributeError):  # a malformed view must not fail requests
             refusal = None
         if refusal is not None:
@@ -325,7 +349,7 @@ class CapacityAdmission:
         if cap is None or bucket is None:
             return None
         now = self.clock()
-        if bucket.try_take(now) or idle:
+        if bucket.try_take(now) or inflight == 0:
             return None
         wait = bucket.wait_s(now)
         return Refusal("over_capacity",

@@ -57,7 +57,7 @@ class ProxyOptions:
     # predicted to miss their deadline. Off: only the in-flight cap (to show what it prevents).
     monitor: bool = True
     burst_s: float = 0.5  # token-bucket burst, in seconds of this proxy's admitted rate
-    deadline_factor: float = 5.0  # default deadline = factor × standalone time (0: limit only)
+    deadline_factor: float = 2.0  # default deadline = factor × standalone time (0: limit only)
     headroom: float = 0.9  # admit at this fraction of the measured capacity
 
 
@@ -183,7 +183,7 @@ class ProxyState:
         if adm is not None:
             self.observe_monitor()
             refusal = adm.check(job.app, shape_key(params), job.timeout_s, job.timeout_given,
-                                idle=len(self.tracker) == 0)
+                                inflight=self.tracker.count(job.app))
             if refusal is not None:
                 raise self._refuse(refusal)
         self.follow_dbs()  # cheap (set compares): a DB that just joined is used at once
@@ -195,7 +195,7 @@ class ProxyState:
         uid = new_uid()
         ts = time.time_ns()
         deadline = ts + int(job.timeout_s * 1e9)
-        if not self.tracker.try_admit(uid, deadline):
+        if not self.tracker.try_admit(uid, deadline, job.app):
             if adm is not None:
                 adm.give_back(job.app)  # the token was not used
             raise self._refuse(Refusal("inflight_full", f"full ({self.tracker.max_inflight} requests in flight)",
@@ -488,7 +488,12 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
         t0 = time.perf_counter()
         raw, image_bytes = await read_create_body(request, st.opts.max_body_bytes)
         job = build_job(st.cluster.workflow, raw, image_bytes)
-        obj = await st.submit(job)
+        try:
+            obj = await st.submit(job)
+        except ApiError as e:
+            if e.status == 429:
+                st.metrics.refusal_latency.observe(time.perf_counter() - t0)
+            raise
         st.metrics.submit_latency.observe(time.perf_counter() - t0)
         return JsonResponse(obj)
 

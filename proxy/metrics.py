@@ -34,6 +34,11 @@ class ProxyMetrics:
             "onepiece_proxy_submit_seconds", "Time to accept a create request (validate, store, send)",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0), registry=r,
         )
+        self.refusal_latency = Histogram(
+            "onepiece_proxy_refusal_seconds", "Proxy time to refuse a create with 429 (body read, validation, "
+            "the monitor's check), from the handler's start", registry=r,
+            buckets=(50e-6, 100e-6, 250e-6, 500e-6, 0.001, 0.0025, 0.005, 0.01, 0.025),
+        )
         self.send_failures = Counter(
             "onepiece_proxy_send_failures", "Sends to an entrance instance that failed", ["address"], registry=r,
         )

@@ -47,7 +47,8 @@ class NmCluster:
 
 
 def serve(nm_address: str, set_name: str, host: str, port: int, max_inflight: int, max_body_bytes: int,
-          monitor: bool = True, advertise: str | None = None, zk: "ZkSettings | None" = None) -> None:
+          monitor: bool = True, deadline_factor: float = 2.0, advertise: str | None = None,
+          zk: "ZkSettings | None" = None) -> None:
     """Run a proxy of ``set_name`` until SIGTERM; ``monitor=False`` admits by the in-flight cap
     only (no capacity or deadline refusals). ``zk``: the NMs run on ZooKeeper."""
     server: ProxyServer | None = None
@@ -61,7 +62,7 @@ def serve(nm_address: str, set_name: str, host: str, port: int, max_inflight: in
                         capacity={"max_inflight": max_inflight})
     workflow = member.workflow()
     server = ProxyServer(NmCluster(workflow, member), host, port, max_inflight, max_body_bytes, log_level="info",
-                         monitor=monitor)
+                         monitor=monitor, deadline_factor=deadline_factor)
 
     def on_bound(bound_host: str, bound_port: int) -> None:
         member.addresses = {"http": server.url}

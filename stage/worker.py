@@ -28,7 +28,9 @@ log = logging.getLogger("onepiece.stage.worker")
 
 PROGRESS_EVERY_S = 0.2  # progress reports are throttled; the DB only needs a few per second
 # Model compute yields the CPU to the latency-critical roles (proxy admission, schedulers, DB,
-# NM) when cores are short; it still gets every cycle they leave idle.
+# NM) when cores are short; it still gets every cycle they leave idle. On CPU the compute is
+# the whole load, so the worker goes further: SCHED_IDLE, which any of them preempts on
+# waking (a nice value alone still lets a busy worker finish its time slice first).
 NICE = 10
 
 
@@ -57,6 +59,8 @@ def main(config: dict[str, Any]) -> None:
     name = f"{config['instance']}/{config['identity']}"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     os.nice(NICE)
+    if str(config["device"]).startswith("cpu"):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     if config.get("threads"):
         torch.set_num_threads(int(config["threads"]))
     stage, function, kinds = config["stage"], config["function"], config["kinds"]

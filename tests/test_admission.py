@@ -85,7 +85,7 @@ def test_admits_a_fair_share_of_the_capacity_and_refuses_the_rest():
     outcomes = []
     for i in range(100):  # 10/s for 10 s
         clock.t = 1000.0 + 0.1 * i
-        outcomes.append(adm.check("t2v", SHAPE, 600.0, False))
+        outcomes.append(adm.check("t2v", SHAPE, 600.0, False, inflight=1))
     admitted = [o for o in outcomes if o is None]
     refused = [o for o in outcomes if o is not None]
     assert len(admitted) == pytest.approx(20, abs=1)
@@ -101,11 +101,11 @@ def test_retry_after_is_the_wait_for_a_token_rounded_up():
     clock = Clock()
     adm = CapacityAdmission(headroom=1.0, clock=clock)
     adm.observe(view(denoise_s=4.0))  # 0.25/s, burst 1
-    assert adm.check("t2v", SHAPE, 600.0, False) is None
-    r = adm.check("t2v", SHAPE, 600.0, False)
+    assert adm.check("t2v", SHAPE, 600.0, False, inflight=1) is None
+    r = adm.check("t2v", SHAPE, 600.0, False, inflight=1)
     assert r.code == "over_capacity" and r.retry_after_s == 4
     clock.t += 2.5
-    assert adm.check("t2v", SHAPE, 600.0, False).retry_after_s == 2  # 1.5 s left → 2
+    assert adm.check("t2v", SHAPE, 600.0, False, inflight=1).retry_after_s == 2  # 1.5 s left → 2
 
 
 def test_a_new_view_re_rates_the_bucket():
@@ -119,7 +119,7 @@ def test_a_new_view_re_rates_the_bucket():
     admitted = 0
     for i in range(50):  # 10/s offered for 5 s
         clock.t += 0.1
-        admitted += adm.check("t2v", SHAPE, 600.0, False) is None
+        admitted += adm.check("t2v", SHAPE, 600.0, False, inflight=1) is None
     assert admitted == pytest.approx(2 * 5 + 1, abs=1)
     adm.observe(view(denoise_s=0.5, denoise_workers=2))  # scaled out again
     assert adm.rate("t2v") == pytest.approx(4.0)
@@ -140,18 +140,18 @@ def test_unknown_capacity_admits_without_a_rate_limit():
     members = [stage("text_encode", t2v=(0.01, 1)), stage("denoise_t2v"), stage("vae_decode", t2v=(0.05, 1))]
     adm.observe({"apps": estimate(WF, members), "proxies": 1})
     assert adm.app_view("t2v")["capacity"] is None and adm.rate("t2v") is None
-    assert all(adm.check("t2v", SHAPE, 600.0, False) is None for _ in range(100))
+    assert all(adm.check("t2v", SHAPE, 600.0, False, inflight=1) is None for _ in range(100))
     adm.observe(None)  # no view at all (monitor off upstream, NM silent)
-    assert adm.check("t2v", SHAPE, 600.0, False) is None
+    assert adm.check("t2v", SHAPE, 600.0, False, inflight=1) is None
 
 
 def test_zero_capacity_refuses_with_no_capacity():
     adm = CapacityAdmission(no_capacity_retry_s=2, headroom=1.0, clock=Clock())
     adm.observe(view(denoise_workers=0))
-    r = adm.check("t2v", SHAPE, 600.0, False)
+    r = adm.check("t2v", SHAPE, 600.0, False, inflight=1)
     assert r.code == "no_capacity" and r.retry_after_s == 2 and "denoise_t2v" in r.message
     # i2v's stages have no instance in this t2v-only set at all
-    assert adm.check("i2v", SHAPE, 600.0, False).code == "no_capacity"
+    assert adm.check("i2v", SHAPE, 600.0, False, inflight=1).code == "no_capacity"
 
 
 def test_proxies_count_never_divides_by_zero():
@@ -188,6 +188,28 @@ def test_default_deadline_is_factor_times_standalone_unless_the_limit_is_tighter
     assert deadline_refusal(busy, SHAPE, 600.0, False, factor=0) is None
 
 
+def test_requests_in_flight_predict_the_queue_before_a_heartbeat_reports_it():
+    # capacity 2/s, standalone 0.56 s; the NM's view shows empty queues (a burst just came)
+    est = view(denoise_s=0.5)["apps"]["t2v"]
+    assert deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=1) is None  # max(0.56, 2/2)=1 ≤ 1.12
+    r = deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=2)  # 3 / 2 = 1.5 s > 1.12 s
+    assert r.code == "deadline" and "1.50s" in r.message
+    assert deadline_refusal(est, SHAPE, 2.0, True, factor=2.0, ahead=2) is None  # a patient client
+    # the later of the two predictions counts: a queue the NM saw is not forgotten
+    queued = view(denoise_s=0.5, queue=4)["apps"]["t2v"]  # 2.56 s
+    assert "2.56s" in deadline_refusal(queued, SHAPE, 2.0, True, factor=2.0, ahead=1).message
+
+
+def test_check_counts_every_proxys_requests_ahead():
+    adm = CapacityAdmission(deadline_factor=2.0, headroom=1.0, clock=Clock())
+    adm.observe(view(denoise_s=0.5, proxies=1))
+    assert adm.check("t2v", SHAPE, 600.0, False, inflight=1) is None
+    assert adm.check("t2v", SHAPE, 600.0, False, inflight=2).code == "deadline"
+    # three proxies: one in flight here stands for three in the set; 4 / 2 = 2 s > 1.12 s
+    adm.observe(view(denoise_s=0.5, proxies=3))
+    assert adm.check("t2v", SHAPE, 600.0, False, inflight=1).code == "deadline"
+
+
 def test_no_prediction_admits():
     members = [stage("text_encode", t2v=(0.01, 1)), stage("denoise_t2v"), stage("vae_decode", t2v=(0.05, 1))]
     est = estimate(WF, members)["t2v"]
@@ -199,33 +221,33 @@ def test_check_orders_refusals_and_spends_no_token_on_a_deadline_refusal():
     adm = CapacityAdmission(deadline_factor=2.0, headroom=1.0, clock=clock)
     adm.observe(view(denoise_s=0.5, queue=4))
     tokens = adm.buckets["t2v"].tokens
-    r = adm.check("t2v", SHAPE, 600.0, False)
+    r = adm.check("t2v", SHAPE, 600.0, False, inflight=1)
     assert r.code == "deadline" and adm.buckets["t2v"].tokens == tokens
-    assert adm.check("t2v", SHAPE, 10.0, True) is None  # a patient client is admitted
+    assert adm.check("t2v", SHAPE, 10.0, True, inflight=1) is None  # a patient client is admitted
     assert adm.buckets["t2v"].tokens == pytest.approx(tokens - 1)
 
 
 def test_a_malformed_view_never_fails_a_request():
     adm = CapacityAdmission(headroom=1.0, clock=Clock())
     adm.observe({"apps": {"t2v": {"capacity": None, "stages": "garbage"}}, "proxies": "x"})
-    assert adm.check("t2v", SHAPE, 600.0, False) is None
+    assert adm.check("t2v", SHAPE, 600.0, False, inflight=1) is None
     adm.observe({"apps": "garbage"})
-    assert adm.check("t2v", SHAPE, 600.0, False) is None
+    assert adm.check("t2v", SHAPE, 600.0, False, inflight=1) is None
 
 
 def test_an_idle_proxy_admits_even_with_an_empty_bucket():
     clock = Clock()
     adm = CapacityAdmission(headroom=1.0, clock=clock)
     adm.observe(view(denoise_s=10.0))  # a pessimistic 0.1/s
-    assert adm.check("t2v", SHAPE, 600.0, False) is None
-    assert adm.check("t2v", SHAPE, 600.0, False).code == "over_capacity"
+    assert adm.check("t2v", SHAPE, 600.0, False, inflight=1) is None
+    assert adm.check("t2v", SHAPE, 600.0, False, inflight=1).code == "over_capacity"
     # the first finished; a sequential client's next request finds the proxy idle
-    assert adm.check("t2v", SHAPE, 600.0, False, idle=True) is None
+    assert adm.check("t2v", SHAPE, 600.0, False, inflight=0) is None
     # but never past a stage without workers or a missed deadline
     adm.observe(view(denoise_s=10.0, denoise_workers=0))
-    assert adm.check("t2v", SHAPE, 600.0, False, idle=True).code == "no_capacity"
+    assert adm.check("t2v", SHAPE, 600.0, False, inflight=0).code == "no_capacity"
     adm.observe(view(denoise_s=10.0, queue=10))
-    assert adm.check("t2v", SHAPE, 600.0, False, idle=True).code == "deadline"
+    assert adm.check("t2v", SHAPE, 600.0, False, inflight=0).code == "deadline"
 
 
 # --- wiring: the NM-fed cluster view, the switch in topology and CLI ------------------------------
@@ -269,6 +291,27 @@ def test_topology_switches_the_monitor_off_through_the_cli(tmp_path):
     args = build_parser().parse_args(proxy.argv[proxy.argv.index("proxy"):])
     assert args.monitor is False
     assert build_parser().parse_args(["proxy"]).monitor is True
+
+
+def test_topology_sets_the_default_deadline_factor_through_the_cli(tmp_path, capsys):
+    from onepiece.cli import build_parser
+    from onepiece.config import ConfigError, load_topology
+    from onepiece.launcher import Deployment, write_topology
+
+    models = {"t2v": tmp_path / "t2v", "i2v": tmp_path / "i2v"}
+    topo = write_topology(tmp_path, models, "tcp://127.0.0.1:1", proxy={"count": 1, "port": 0, "deadline_factor": 3.5})
+    proxy = next(c for c in Deployment(topo, tmp_path / "logs", runtime_dir=tmp_path).plan() if c.name == "set0-proxy0")
+    assert build_parser().parse_args(proxy.argv[proxy.argv.index("proxy"):]).deadline_factor == 3.5
+    assert build_parser().parse_args(["proxy"]).deadline_factor == 2.0
+    for bad in ("-1", "nan", "inf", "x"):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(["proxy", "--deadline-factor", bad])
+        assert e.value.code == 2
+    assert "--deadline-factor" in capsys.readouterr().err
+    text = topo.read_text().replace("deadline_factor: 3.5", "deadline_factor: -2")
+    topo.write_text(text)
+    with pytest.raises(ConfigError, match="deadline_factor"):
+        load_topology(topo)
 
 
 def test_headroom_admits_below_the_measured_capacity():

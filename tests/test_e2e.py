@@ -155,6 +155,16 @@ def _worker_pid(up, stage: str) -> int:
     return workers[0].pid
 
 
+def test_cpu_workers_yield_to_the_control_plane(up):
+    """On CPU the model compute is batch work: its workers run SCHED_IDLE (and niced), so a
+    proxy, DB, NM or scheduler that wakes up gets a core at once."""
+    worker = _worker_pid(up, "vae_decode")
+    assert os.sched_getscheduler(worker) == os.SCHED_IDLE
+    assert psutil.Process(worker).nice() == 10
+    stage = psutil.Process(worker).parent()
+    assert os.sched_getscheduler(stage.pid) == os.SCHED_OTHER and stage.nice() == 0
+
+
 def test_killed_worker_fails_its_request_and_comes_back(up):
     before = _worker_pid(up, "denoise_t2v")
     with Client(up.url) as c:

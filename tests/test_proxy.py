@@ -440,7 +440,8 @@ def test_over_capacity_gets_a_steady_share_of_429s_with_retry_after():
         start, results = time.monotonic(), []
         for i in range(40):  # 20/s for 2 s, ten times the capacity
             time.sleep(max(0.0, start + i * 0.05 - time.monotonic()))
-            results.append((time.monotonic() - start, h.create(prompt=f"p{i}")))
+            # Patient clients (nothing completes here, so the queue only grows): the rate decides.
+            results.append((time.monotonic() - start, h.create(prompt=f"p{i}", timeout_s=60)))
         ok = [t for t, r in results if r.status_code == 200]
         refused = [r for _, r in results if r.status_code != 200]
         # a burst of 1 (max(1, 2/s × 0.5 s)) then 2/s: about 1 + 2 × 2 s
@@ -519,6 +520,32 @@ def test_predicted_completion_past_the_deadline_is_refused():
         h.close()
 
 
+def test_requests_in_flight_here_count_as_the_queue_before_the_nm_sees_it():
+    """A burst: the NM's view still shows empty queues, but the proxy's own in-flight count
+    predicts the queue (n + 1 requests leave at the capacity C: the last after (n + 1) / C),
+    so a request that would miss its 0.6 s deadline is refused; a completion frees room."""
+    h = Harness(max_inflight=10_000, burst_s=5.0)  # a burst of 5 s: the bucket refuses none here
+    try:
+        view = capacity_view(denoise_s=0.5, denoise_workers=20)
+        cap = view["apps"]["t2v"]["capacity"]  # ≈ 18.3/s, vae_decode's share for t2v
+        fits = int(0.6 * cap)  # n + 1 ≤ 0.6 × C
+        h.cluster.monitor_view = view
+        uids = [uid_of(r.json()) for r in (h.create(prompt=f"p{i}", timeout_s=0.6) for i in range(fits))
+                if r.status_code == 200]
+        assert len(uids) == fits
+        r = h.create(prompt="late", timeout_s=0.6)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "deadline", r.text
+        assert f"{(fits + 1) / cap:.2f}s" in r.json()["error"]["message"]
+        assert h.create(prompt="patient", timeout_s=5).status_code == 200  # may wait: admitted
+        h.db.result(uids[0], b"mp4")
+        h.db.result(uids[1], b"mp4")
+        wait_for(lambda: h.healthz()["inflight"] == fits - 1, what="two slots freed by done events")
+        assert h.create(prompt="now", timeout_s=0.6).status_code == 200
+        assert drain(h) == fits + 2
+    finally:
+        h.close()
+
+
 def test_monitor_off_admits_by_the_inflight_cap_only():
     h = Harness(max_inflight=2, monitor=False)
     try:
@@ -549,7 +576,7 @@ def test_a_refusal_is_decided_in_microseconds_without_io():
         t0 = time.perf_counter()
         for i in range(n):
             job = build_job(WORKFLOW, {"prompt": "a cat", "model": "t2v", "size": "64x64"}, None)
-            refusal = st.admission.check(job.app, "64x64x9:10", job.timeout_s, job.timeout_given)
+            refusal = st.admission.check(job.app, "64x64x9:10", job.timeout_s, job.timeout_given, inflight=1)
             err = st._refuse(refusal)
         per = (time.perf_counter() - t0) / n
         assert err.status == 429 and err.code == "over_capacity"
