@@ -80,6 +80,7 @@ class HaNodeManager(NodeManager):
         self.elected_at = 0.0
         self.primary_address: str | None = None  # the ``primary`` node's address, for redirects
         self._stopping = False
+        self._handover_lock = threading.Lock()
         self._events: queue.Queue[tuple] = queue.Queue(maxsize=10_000)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -362,19 +363,22 @@ class HaNodeManager(NodeManager):
     def handover(self) -> None:
         """Stop being primary and let a backup take over now: closing the session deletes the
         lock and ``primary`` nodes in one step, which wakes the next contender."""
-        if self._stopping:
-            return
-        self._stopping = True
-        if self.zk is not None:
-            log.info("stopping: %s", "handing the primacy over" if self.primary else "leaving the election")
-        self.primary = False
-        if self.election is not None:
-            self.election.stop(timeout=0)
-        if self.zk is not None:
-            try:
-                self.zk.stop()
-            except Exception as e:
-                log.warning("closing the ZooKeeper session: %r", e)
+        # The handover thread (on SIGTERM) and close() both call this: the second waits for
+        # the first, since kazoo refuses to close a connection that is still stopping.
+        with self._handover_lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            if self.zk is not None:
+                log.info("stopping: %s", "handing the primacy over" if self.primary else "leaving the election")
+            self.primary = False
+            if self.election is not None:
+                self.election.stop(timeout=0)
+            if self.zk is not None:
+                try:
+                    self.zk.stop()
+                except Exception as e:
+                    log.warning("closing the ZooKeeper session: %r", e)
 
     def close(self) -> None:
         self.handover()

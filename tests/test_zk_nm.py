@@ -518,3 +518,29 @@ def test_a_move_is_kept_in_zookeeper_across_a_failover(nms_factory):
         wait_for(lambda: stages()["denoise_t2v"] == ["tcp://127.0.0.1:9420"], 5, "the moved instance to be routed")
     finally:
         st.stop()
+
+
+def test_stop_signal_and_close_racing_end_cleanly(zk, root, topology):
+    """SIGTERM hands over on a thread of its own while the main loop, seeing the same stop,
+    closes the NM; close() must wait for the handover, since kazoo refuses to close a
+    connection that is still stopping (once in a benchmark's ten SIGTERMs it did, and the NM
+    exited with status 1). The session's stop is slowed down here to make the race certain:
+    its timing cannot be caused on demand for real."""
+    from onepiece.nm.ha import HaNodeManager
+
+    nm = HaNodeManager(*load_topology(topology), ZkSettings(zk.hosts, root, None, SESSION_S), "tcp://127.0.0.1:0")
+    stop = threading.Event()
+    loop = threading.Thread(target=nm.run, args=(stop,), daemon=True)
+    loop.start()
+    try:
+        wait_for(lambda: nm.primary, 15, "the only NM to become primary")
+        real_stop = nm.zk.stop
+        nm.zk.stop = lambda: (time.sleep(0.3), real_stop())
+        stop.set()  # the run loop's handover thread starts stopping the session
+        loop.join(5)
+        assert not loop.is_alive()
+        wait_for(lambda: nm._stopping, 5, "the handover to begin")
+    finally:
+        stop.set()
+        nm.close()  # raised "Cannot close connection until it is stopped" before the fix
+    assert nm.zk.connected is False and nm.primary is False
