@@ -205,7 +205,7 @@ class Target:
         self.events = Events([d["events"] for d in dbs])
         self.events.start()
         # aiohttp, as vLLM-Omni's serving benchmark: a refusal's round trip is the proxy's
-        # time plus this client's, and httpx's own Python costs about 1 ms a request more.
+        # time plus this client's, and httpx's own Python costs about 0.8 ms a request more.
         # No client-side queueing: enough connections for every request of a level at once.
         self.http = aiohttp.ClientSession(self.url, timeout=aiohttp.ClientTimeout(total=POST_TIMEOUT_S),
                                           connector=aiohttp.TCPConnector(limit=2000))
