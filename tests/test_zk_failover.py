@@ -230,9 +230,12 @@ def test_a_sigkilled_stage_instance_leaves_routes_and_its_requests_fail(ha):
     st = ha.status()
     (inst,) = st["sets"]["set0"]["stages"]["denoise_t2v"]["instances"]
     data = inst["addresses"]["data"]
-    # Slow requests, so the denoise instance holds them (at its worker or queued) a while.
+    # Slow requests, so the denoise instance holds them (at its worker or queued) a while. They
+    # say they can wait: three at once would finish later than the default deadline (2× the
+    # standalone time), and the request monitor would refuse the third.
     with Client(ha.url, timeout=10, rounds=3) as c:
-        videos = [c.submit("hold on", model="t2v", size="64x64", num_frames=9, steps=60) for _ in range(3)]
+        videos = [c.submit("hold on", model="t2v", size="64x64", num_frames=9, steps=60, timeout_s=120)
+                  for _ in range(3)]
 
         def holding() -> int:
             s = ha.status()
