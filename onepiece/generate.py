@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="times to go round all proxies while they refuse, with backoff (default 3)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the video")
+    parser.add_argument("--deadline", type=float, metavar="SECONDS",
+                        help="the request's own deadline (timeout_s): a set admits it only if it is predicted to "
+                             "finish within it (default: twice its time through an idle set)")
     parser.add_argument("-o", "--output", required=True, help="where to save the MP4")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -58,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from onepiece.client import Client, RequestFailed, RequestRejected, Timeout
 
     extra = {"num_frames": args.frames, "steps": args.steps, "guidance": args.guidance, "seed": args.seed,
-             "negative_prompt": args.negative_prompt}
+             "negative_prompt": args.negative_prompt, "timeout_s": args.deadline}
     bar = tqdm(total=100, unit="%", desc="submitting", disable=args.quiet, file=sys.stderr,
                bar_format="{desc:>12} {percentage:3.0f}%|{bar}| {elapsed}")
 

@@ -28,7 +28,8 @@ import proxy_harness as H  # noqa: E402  (tests/ is on pytest's pythonpath)
 def fake_mp4(header: dict) -> bytes:
     """The worker's "video": the params it was given, so tests can check what travelled."""
     p = header["params"]
-    return b"FAKEMP4" + orjson.dumps({"uid": header["uid"], "app": header["app"], "params": p})
+    return b"FAKEMP4" + orjson.dumps({"uid": header["uid"], "app": header["app"], "params": p,
+                                      "deadline_s": (header["deadline"] - header["ts"]) / 1e9})
 
 
 class FakeWorker:
@@ -363,6 +364,10 @@ def test_generate_command(h, tmp_path, capsys):
     params = orjson.loads(out.read_bytes()[7:])["params"]
     assert (params["num_frames"], params["steps"], params["seed"]) == (9, 3, 4)
     assert str(out) in capsys.readouterr().out
+    assert generate.main(["--prompt", "patient", "--deadline", "42", "--url", h.url, "-o", str(out), "--quiet"]) == 0
+    assert orjson.loads(out.read_bytes()[7:])["deadline_s"] == pytest.approx(42)
+    assert generate.main(["--prompt", "x", "--deadline", "-1", "--url", h.url, "-o", str(out), "--quiet"]) == 1
+    assert "timeout_s" in capsys.readouterr().err  # the proxy's 400 names the field
 
     img = tmp_path / "in.png"
     img.write_bytes(H.png())
