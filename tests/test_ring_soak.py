@@ -155,6 +155,8 @@ def test_soak_random_sender_kills(tmp_path, record_property):
                 victim.kill()
                 kills += 1
                 if lock and receiver.region.load(layout.W_LOCK) == lock:
+                    if dead_lock:  # a live sender held the lock since: the last dead one was taken over
+                        taken_over += 1
                     holder_kills, dead_lock = holder_kills + 1, lock
                 new = SoakSender(receiver.address, len(senders) + 1, tmp_path)
                 senders.append(new)
@@ -208,7 +210,8 @@ def test_soak_random_sender_kills(tmp_path, record_property):
     print("\n" + report)
     for key, value in dict(sent=sent, acked=acked, delivered=n_delivered, lost=lost, lost_in_flight=in_flight_lost,
                            lost_send_raised=failed_lost, lost_acked=acked_lost, kills=kills,
-                           holder_kills=holder_kills, taken_over=taken_over, takeovers=takeovers, repairs=repairs, dropped=dropped,
+                           holder_kills=holder_kills, taken_over=taken_over, takeovers=takeovers, repairs=repairs,
+                           dropped=dropped,
                            corrupted=len(ledger.corrupted), duplicates=ledger.duplicates,
                            seconds=round(elapsed, 1)).items():
         record_property(f"soak_{key}", value)
