@@ -4,6 +4,7 @@ and `bench`. Bad flags get argparse's usage error; bad files a ConfigError namin
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -163,14 +164,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return args.bench.run(args)
 
 
-def _non_negative_float(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: {value!r}") from None
-    if not 0 <= x < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number ≥ 0 (got {value})")
-    return x
+def _float_between(low: float, high: float, unit: str = ""):
+    """An argparse type: a finite number in [low, high]."""
+    def parse(value: str) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number: {value!r}") from None
+        if not (math.isfinite(x) and low <= x <= high):
+            raise argparse.ArgumentTypeError(f"must be between {low:g} and {high:g}{unit} (got {value})")
+        return x
+    return parse
 
 
 def _positive_int(value: str) -> int:
@@ -194,16 +198,6 @@ def _checked(parse, what: str):
     return check
 
 
-def _session_s(value: str) -> float:
-    try:
-        s = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: {value!r}") from None
-    if not 1.0 <= s <= 600:
-        raise argparse.ArgumentTypeError(f"must be between 1 and 600 seconds (got {s})")
-    return s
-
-
 def _zk_flags(sp: argparse.ArgumentParser) -> None:
     from onepiece.nm.zk import parse_auth, parse_hosts, parse_root
 
@@ -214,7 +208,7 @@ def _zk_flags(sp: argparse.ArgumentParser) -> None:
                    help="znode under which the cluster lives (default /onepiece)")
     g.add_argument("--zk-auth", metavar="USER:PASSWORD", type=_checked(parse_auth, "credentials"),
                    help="digest credentials: the cluster's znodes get ACLs for this user only")
-    g.add_argument("--zk-session", metavar="S", type=_session_s,
+    g.add_argument("--zk-session", metavar="S", type=_float_between(1, 600, " seconds"),
                    help="ZooKeeper session timeout in seconds (default 4): how soon a dead process is noticed")
 
 
@@ -284,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--max-body-bytes", type=int, default=16 << 20)
             sp.add_argument("--no-monitor", dest="monitor", action="store_false",
                             help="admit by the in-flight bound only: no capacity or deadline refusals")
-            sp.add_argument("--deadline-factor", type=_non_negative_float, default=2.0,
+            sp.add_argument("--deadline-factor", type=_float_between(0, 1000), default=2.0,
                             help="refuse a request without timeout_s that is predicted to take more than this many "
                                  "times its standalone time (0: only the app's limit; default %(default)s)")
             sp.set_defaults(fn=cmd_proxy)

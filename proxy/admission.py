@@ -53,7 +53,7 @@ class InflightTracker:
         """Requests of ``app`` in flight."""
         return self._per_app[app]
 
-    def try_admit(self, uid: str, deadline_ns: int, app: str = "") -> bool:
+    def try_admit(self, uid: str, deadline_ns: int, app: str) -> bool:
         """Reserve a slot for ``uid``; False when the set is full."""
         if len(self._deadlines) >= self.max_inflight:
             now = time.time_ns()
