@@ -37,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", default=DEFAULT_CASES, help="comma-separated WxHxFRAMES:STEPS")
     p.add_argument("--requests", type=int, default=10, help="measured requests per case (after 1 warm-up)")
     p.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
+    p.add_argument("--device", default="cpu", help="torch device of every stage and of the monolithic pipeline (cpu, cuda)")
     p.add_argument("--models", help="folder for the tiny models (default: a temporary one)")
     p.add_argument("--out", default="bench/results", help="folder for e2e.json and e2e.md")
 
@@ -53,10 +54,10 @@ def _stats(xs: list[float]) -> dict[str, float]:
 class Monolithic:
     """The diffusers pipeline in this process, ending with the same MP4 encoding."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, device: str) -> None:
         from diffusers import WanPipeline
 
-        self.pipe = WanPipeline.from_pretrained(model_dir)
+        self.pipe = WanPipeline.from_pretrained(model_dir).to(device)
         self.pipe.set_progress_bar_config(disable=True)
 
     def __call__(self, w: int, h: int, f: int, steps: int) -> tuple[float, float]:
@@ -98,7 +99,7 @@ def _wait_done(events: "zmq.Socket", uid: str, timeout: float) -> None:
     raise TimeoutError(f"{uid} not done in {timeout:.0f}s")
 
 
-def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder: Path) -> dict[str, Any]:
+def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder: Path, device: str) -> dict[str, Any]:
     """Monolithic and onepiece runs alternate, request by request, so that drift in the
     machine's speed (a shared VM) hits both alike."""
     from onepiece.client import Client
@@ -107,7 +108,7 @@ def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder
     from onepiece.nm.client import NmClient
 
     dep = Deployment(write_topology(folder, models, free_tcp_address(), dbs=1, transport=transport, heartbeat_s=1.0,
-                                    stages=dict(T2V_STAGES)),
+                                    stages=dict(T2V_STAGES), device=device),
                      folder / "logs")
     out: dict[str, Any] = {}
     try:
@@ -121,7 +122,7 @@ def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder
         events.setsockopt(zmq.SUBSCRIBE, b"done")
         for d in dbs:
             events.connect(d["events"])
-        mono = Monolithic(models["t2v"])
+        mono = Monolithic(models["t2v"], device)
         with Client(url) as c:
             for w, h, f, steps in cases:
                 frames_t, mp4_t, lat, stages = [], [], [], []
@@ -153,6 +154,16 @@ def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder
     return out
 
 
+def _device_name(device: str) -> str:
+    import platform
+
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()
+
+
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cases = _cases(args.cases)
@@ -160,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         models = tiny_models(Path(args.models) if args.models else Path(tmp) / "models")
         print(f"measuring {len(cases)} cases x {args.requests} requests (monolithic and onepiece alternate) ...",
               flush=True)
-        res = measure(models, cases, args.requests, args.transport, Path(tmp))
+        res = measure(models, cases, args.requests, args.transport, Path(tmp), args.device)
     rows = []
     for key, r in res.items():
         rows.append({
@@ -173,11 +184,13 @@ def run(args: argparse.Namespace) -> int:
             "stages_p50_s": r["onepiece_stages_p50"],
         })
     result = {"bench": "e2e", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu_count": os.cpu_count(),
-              "requests": args.requests, "transport": args.transport, "cases": res, "rows": rows}
+              "requests": args.requests, "transport": args.transport, "device": args.device, "cases": res, "rows": rows}
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / "e2e.json").write_text(json.dumps(result, indent=2))
-    lines = ["| case (WxHxF:steps) | monolithic frames p50 | monolithic + MP4 p50 | onepiece e2e p50 | ratio vs +MP4 | ratio vs frames |",
+    lines = [f"Device: {args.device} ({_device_name(args.device)}); {os.cpu_count()} CPUs; {args.requests} requests per case; "
+             f"transport {args.transport}.", "",
+             "| case (WxHxF:steps) | monolithic frames p50 | monolithic + MP4 p50 | onepiece e2e p50 | ratio vs +MP4 | ratio vs frames |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['monolithic_frames_p50_s']*1000:.1f} ms | {r['monolithic_mp4_p50_s']*1000:.1f} ms "

@@ -140,9 +140,9 @@ class Fault:
         btail, stail = layout.unpack_ptrs(region.load(layout.W_TAILS))
         slot, lap = g.slot_offset(stail), layout.lap_of(stail, g.nslots)
         if self.what == "lock":  # taken over while we stalled
-            region.store(layout.W_LOCK, OTHER)
+            region.store(layout.W_LOCK, layout.LOCK_TAINT | OTHER)
         elif self.what == "lock+same":  # taken over, and the new holder published here
-            region.store(layout.W_LOCK, OTHER)
+            region.store(layout.W_LOCK, layout.LOCK_TAINT | OTHER)
             region.store(slot, layout.slot_busy(lap, total))
         elif self.what == "same":  # a stale sender's publish of the same length
             region.store(slot, layout.slot_busy(lap, total))
@@ -302,8 +302,8 @@ def test_compiled_and_reference_in_lockstep(c_hook, seed):
                 region = s.region
                 if region.load(layout.W_STATE) != layout.OPEN:
                     region.store(layout.W_STATE, layout.OPEN)
-                if region.load(layout.W_LOCK) == OTHER and unlock:
-                    region.store(layout.W_LOCK, 0)
+                if region.load(layout.W_LOCK) == layout.LOCK_TAINT | OTHER and unlock:
+                    region.store(layout.W_LOCK, layout.LOCK_TAINT)  # released: the taint stays
                 _repair_consumed(region)
             base = bytes(sides[0].region.view)
             for s in sides[1:]:
@@ -369,7 +369,9 @@ def test_lock_held_then_taken_over_the_same_way():
             assert s.send([b"a"], s.name == "compiled", None, 0.01).startswith("Full: ring lock held by another sender")
             assert s.send([b"b"], s.name == "compiled", None, 1.0) == "ok"  # takes it over past 0.05 s
             assert time.monotonic() - t0 >= 0.05 and w.takeovers == 1
-            assert s.region.load(layout.W_LOCK) == 0
+            assert s.region.load(layout.W_LOCK) == layout.LOCK_TAINT  # released; the take-over stays marked
+            assert s.send([b"c"], s.name == "compiled", None, 0.01) == "ok"  # acquired from the tainted free word
+            assert s.region.load(layout.W_LOCK) == layout.LOCK_TAINT
         assert bytes(pair[0].region.view) == bytes(pair[1].region.view)
     finally:
         for s in pair:
@@ -479,10 +481,13 @@ def test_borrow_hands_up_views_and_frees_the_slot_on_release():
 
 def test_borrowed_bytes_written_over_are_reported_at_release():
     """As a sender that stalled past its lock timeout with a stale tail would: it writes over
-    an entry the consumer is reading. Release re-verifies and says so."""
+    an entry the consumer is reading. Such a sender exists only after a take-over, which leaves
+    its taint in the lock word (set here as it leaves it); release then hashes the entry again
+    and says so."""
     receiver = registry.listen(shm_address(4, 1 << 16))
     sender = registry.connect(receiver.address)
     try:
+        receiver.region.store(layout.W_LOCK, layout.LOCK_TAINT)
         for uid in ("a", "b"):
             sender.send(Message({"uid": uid}, {"p": bytes(range(256)) * 4}), timeout=1)
         b = receiver.borrow(1.0)
@@ -508,6 +513,36 @@ def test_borrowed_bytes_written_over_are_reported_at_release():
         assert len(raw) <= length
         mv[start: start + len(raw)] = raw
         assert b.release() is False and receiver.torn == 2
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_release_reads_only_the_header_while_no_lock_was_ever_taken_over():
+    """No take-over, so no stale sender: nothing the protocol lets write can reach a published
+    entry, and release does not hash the payload again. Shown by writing into it directly (a
+    write no sender can make then): the payload change goes unread, a header change is caught.
+    Once a take-over has tainted the lock word, the same write is caught."""
+    receiver = registry.listen(shm_address(4, 1 << 16))
+    sender = registry.connect(receiver.address)
+    mv, base = receiver.region.view, int(ffi.cast("uintptr_t", receiver.region.base))
+    g = receiver.region.geometry
+
+    def borrow_and_flip(payload_byte: bool) -> bool:
+        sender.send(Message({"uid": "x"}, {"p": bytes(range(256)) * 4}), timeout=1)
+        b = receiver.borrow(1.0)
+        if payload_byte:
+            p = b.message.parts["p"]
+            mv[int(np.frombuffer(p, np.uint8).__array_interface__["data"][0]) - base + 100] ^= 0xFF
+        else:  # the entry header's checksum word
+            mv[g.buf_offset + receiver.reader.bhead % g.buf_size + 24] ^= 0xFF
+        return b.release()
+
+    try:
+        assert borrow_and_flip(payload_byte=True) is True and receiver.torn == 0
+        assert borrow_and_flip(payload_byte=False) is False and receiver.torn == 1
+        receiver.region.store(layout.W_LOCK, layout.LOCK_TAINT)  # a take-over happened
+        assert borrow_and_flip(payload_byte=True) is False and receiver.torn == 2
     finally:
         sender.close()
         receiver.close()

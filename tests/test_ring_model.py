@@ -150,11 +150,12 @@ def test_resend_after_step2_lostlock_is_safe(tmp_path):
 # --- and the checker finds what it should ----------------------------------------------------
 
 # (flags, which run, what pan must report).  The assertion texts are spin's rendering of the
-# model's S1..S4 expressions.
+# model's S1..S5 expressions.
 S1 = "wrote["                    # S1: the header names a real message with its length
 S2 = "(delivered[w]&(1<<e))==0"  # S2: no duplicate
 S3 = "!((sw>=128))"              # S3: no busy slot overwritten
 S4 = "(tails/16)-(heads/16)"     # S4: heads never pass tails
+S5 = "hold_n"                    # S5: no sender writes into an entry held as clean
 CYCLE = "acceptance cycle"
 
 BROKEN = {
@@ -162,6 +163,7 @@ BROKEN = {
     "broken-slot-store": (["-DBROKEN_SLOT"], SAFETY, S3),
     "broken-no-checksum": (["-DBROKEN_NOCHECK"], SAFETY, S1),
     "broken-no-takeover": (["-DBROKEN_NOTAKEOVER"], LIVENESS, CYCLE),
+    "broken-no-taint": (["-DBROKEN_TAINT"], SAFETY, S5),
     # the first version of the code, commit bf44540 (see the FINDINGS of ring.pml)
     "bf44540-step6-writes-twice": (["-DOLD_RESEND"], SAFETY, S2),
     "bf44540-heads-pass-tails": (["-DOLD_RECEIVER"], SAFETY, S4),

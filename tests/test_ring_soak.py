@@ -110,7 +110,7 @@ def stop_lock_holder(receiver, live: list[SoakSender], bound: float) -> tuple[So
             bases = {b: s for s in live if (b := s.token_base())}
             refresh = now + 0.02
         lock = receiver.region.load(layout.W_LOCK)
-        victim = bases.get(lock >> 32)
+        victim = bases.get((lock & ~layout.LOCK_TAINT) >> 32)
         if victim is None:
             continue
         os.kill(victim.proc.pid, signal.SIGSTOP)

@@ -86,6 +86,7 @@ typedef struct {
     uint64_t checksum;  /* the entry's checksum, as verified (ring_release compares) */
     uint32_t nframes;
     int32_t error;      /* RE_*: why it was dropped */
+    uint32_t clean;     /* no lock take-over before step 1: no sender can write over it (release) */
 } ring_recv_info;
 """
 
@@ -468,6 +469,7 @@ static uint64_t ring_hash_final(const ring_hash *h) {
 #define W_HEADS 56
 #define HEADER_BYTES 64
 #define ST_OPEN 1
+#define LOCK_TAINT (1ULL << 63)  /* layout.LOCK_TAINT: set by a take-over, never cleared */
 
 #define BUF_BITS 40
 #define BUF_MASK ((1ULL << 40) - 1)
@@ -581,7 +583,7 @@ static void write_entry(const ring_geom *g, uint64_t btail, uint64_t stail, uint
 static int publish(const ring_geom *g, uint64_t token, uint32_t nframes, char **frames,
                    const uint64_t *lens, uint64_t length, uint64_t total, ring_send_info *info) {
     for (int round = 0; round < RING_MAX_ROUNDS; round++) {
-        /* 2: the header words; our lock? */
+        /* 2: the header words; our lock? (token: the whole word we hold, taint included) */
         STEP(2);
         uint64_t gen = ld(g, W_GEN), state = ld(g, W_STATE), lock = ld(g, W_LOCK);
         uint64_t tails = ld(g, W_TAILS), heads = ld(g, W_HEADS);
@@ -641,8 +643,9 @@ static int publish(const ring_geom *g, uint64_t token, uint32_t nframes, char **
 }
 
 /* Steps 1 to 8 (writer.py RingWriter.write). With `acquire`, step 1 is one CAS of the lock from
-   0 to `token`; if the lock is held this returns RS_LOCKED (the word found in info->found) and
-   the caller does the bounded wait and take-over, then calls again without `acquire`. */
+   free (0, or LOCK_TAINT after a take-over, which stays) to free | `token`; if the lock is held
+   this returns RS_LOCKED (the word found in info->found) and the caller does the bounded wait
+   and take-over, then calls again without `acquire`, `token` being the word it holds. */
 static int ring_send(const ring_geom *g, uint64_t token, int acquire, uint32_t nframes,
                      char **frames, const uint64_t *lens, ring_send_info *info) {
     uint64_t length = 8ULL * nframes;
@@ -652,15 +655,20 @@ static int ring_send(const ring_geom *g, uint64_t token, int acquire, uint32_t n
     info->repairs = 0;
     if (acquire) {
         STEP(1);
-        uint64_t found = cas(g, W_LOCK, 0, token);  /* 1 */
-        if (found != 0) {
+        uint64_t free = 0, found = cas(g, W_LOCK, 0, token);  /* 1 */
+        if (found == LOCK_TAINT) {
+            free = LOCK_TAINT;
+            found = cas(g, W_LOCK, free, free | token);
+        }
+        if (found != free) {
             info->found = found;
             return RS_LOCKED;
         }
+        token |= free;
     }
     int rc = publish(g, token, nframes, frames, lens, length, total, info);
     STEP(8);
-    cas(g, W_LOCK, token, 0);  /* 8: does nothing if the lock was taken over */
+    cas(g, W_LOCK, token, token & LOCK_TAINT);  /* 8: does nothing if the lock was taken over */
     return rc;
 }
 
@@ -748,6 +756,7 @@ static int ring_recv(const ring_geom *g, uint64_t *heads, char *dst, uint64_t ca
         return RR_NONE;
     if (((ld(g, W_TAILS) >> BUF_BITS) & SEQ_MASK) == shead)
         return RR_NONE;  /* published, but the tails have not passed it yet */
+    info->clean = !(ld(g, W_LOCK) & LOCK_TAINT);
     uint64_t length = w & LEN_MASK;
     int err;
     info->length = length;
@@ -774,19 +783,24 @@ static int ring_recv(const ring_geom *g, uint64_t *heads, char *dst, uint64_t ca
     return RR_DROPPED;
 }
 
-/* The end of an in-place receive: hash the entry where it is once more and compare with the
-   checksum verified when it was handed up (so a stalled sender's late write over it meanwhile
-   is noticed, even one that left another valid entry there), then steps 4 and 5. Returns 1 if
-   the bytes were still those verified, 0 if not; it is consumed either way. */
+/* The end of an in-place receive, then steps 4 and 5. Only a sender whose lock was taken over
+   can write into a published entry (layout.py, LOCK_TAINT): if the lock word carried no taint
+   at step 1 (info->clean), no such sender can reach this entry and its header is compared only;
+   otherwise the entry is hashed where it is once more and compared with the checksum verified
+   at hand-up, so a stalled sender's late write over it meanwhile is noticed, even one that left
+   another valid entry there. Returns 1 if the bytes were still those verified, 0 if not; it is
+   consumed either way. */
 static int ring_release(const ring_geom *g, uint64_t *heads, const ring_recv_info *info) {
     uint64_t head[4];
-    ring_hash h;
     ent_get(g, heads[0], 0, (unsigned char *)head, ENTRY_HEADER, 0);
-    ring_hash_init(&h, g->generation);
-    ent_get(g, heads[0], ENTRY_HEADER, 0, info->elen, &h);
-    rh_absorb(&h, 0, (const unsigned char *)head, 24);
-    int intact = ring_hash_final(&h) == info->checksum && head[3] == info->checksum
-                 && head[2] == info->elen;
+    int intact = head[3] == info->checksum && head[2] == info->elen;
+    if (!info->clean) {
+        ring_hash h;
+        ring_hash_init(&h, g->generation);
+        ent_get(g, heads[0], ENTRY_HEADER, 0, info->elen, &h);
+        rh_absorb(&h, 0, (const unsigned char *)head, 24);
+        intact = intact && ring_hash_final(&h) == info->checksum;
+    }
     consume(g, heads, info->length);
     return intact;
 }

@@ -67,8 +67,9 @@ class RingSender(Sender):
 class Borrowed:
     """A message received without a copy (``RingReceiver.borrow``): its parts are read-only
     views into the ring, valid until ``release()``, which frees the entry's slot. Until then no
-    other receive proceeds and senders cannot reuse those bytes; release re-verifies them and
-    returns False if a stalled sender wrote over them meanwhile (then what was read may be torn;
+    other receive proceeds and senders cannot reuse those bytes; release re-verifies them (after
+    a lock take-over, by hashing them again: reader.py) and returns False if a stalled sender
+    wrote over them meanwhile (then what was read may be torn;
     the receiver logs it and counts it in ``torn``). A context manager: ``with rx.borrow(t) as b:
     use(b.message)`` releases on exit (check ``b.intact`` after it)."""
 

@@ -8,7 +8,7 @@ compare-and-swap work on them (shared memory, the TCP agent and RDMA alike)::
     16  state          OPEN, or CLOSED once the receiver has gone (a restarted one closes the old)
     24  nslots         size slots, a power of two
     32  buf_size       bytes of the buffer region, a power of two
-    40  lock           0 when free, else the holder's token; senders change it only with CAS
+    40  lock           taint bit | the holder's token (0 when free); senders change it only with CAS
     48  tails          buffer tail (low 40 bits) and size tail (high 24 bits), one CAS moves both
     56  heads          the same packing; written by the receiver only
     64  size region    nslots words: busy bit | lap | entry length
@@ -22,6 +22,13 @@ length", so a late sender whose entry counter is stale can never publish into a 
 been reused (no ABA, unless a sender stalls across exactly a multiple of 2**24 entries, which
 the spin model shows is the only way left), and only the receiver clears a busy slot, to
 "free, next lap".
+
+The lock word's top bit, LOCK_TAINT, is set by every take-over and never cleared (acquire and
+release keep it): it says that a sender whose lock was taken over may still be running with a
+stale tail and write into entries published since. Without it, only lock holders write, and
+only past the tails, so no published entry is ever written over until the receiver consumes
+it: the receiver then need not hash a borrowed entry again at its release (reader.py). It lasts
+for the region's generation; a restarted receiver's new region starts clean.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ MAGIC = int.from_bytes(b"OPRING01", "little")
 OPEN, CLOSED = 1, 2
 
 W_MAGIC, W_GEN, W_STATE, W_NSLOTS, W_BUFSIZE, W_LOCK, W_TAILS, W_HEADS = range(0, 64, 8)
+LOCK_TAINT = 1 << 63  # in the lock word: some lock was taken over in this region (see above)
 HEADER_BYTES = 64
 
 BUF_BITS, SEQ_BITS = 40, 24

@@ -25,11 +25,14 @@ compiled one copies the entry into an uninitialised buffer and checksums it in t
 
 Borrowing (``borrow``, compiled path): steps 1-3 run in place, with no copy, and the frames
 handed up are read-only views into the ring; steps 4 and 5 wait for ``Loan.release()``, so the
-senders cannot reuse those bytes meanwhile and no other receive proceeds. Release hashes the
-entry once more and compares it with the checksum verified at hand-up: a sender that stalled
-past its lock timeout with a stale tail (case 6) may write over a borrowed entry, and release
-then says so (False; counted in ``torn``): what the consumer read may have been torn. An entry
-that wraps around the buffer's end cannot be one view; it is copied out and consumed at once.
+senders cannot reuse those bytes meanwhile and no other receive proceeds. Only a sender that
+stalled past its lock timeout with a stale tail (case 6) can write over a borrowed entry, and
+only after a take-over, which taints the lock word for good (layout.LOCK_TAINT). So release
+looks at the taint read at step 1: clean, it compares the entry's header with what was verified
+(no sender can have written there: the payload is not read again); tainted, it hashes the entry
+once more and compares it with the checksum verified at hand-up, and a late write is reported
+(False; counted in ``torn``): what the consumer read may have been torn. An entry that wraps
+around the buffer's end cannot be one view; it is copied out and consumed at once.
 """
 
 from __future__ import annotations
@@ -61,9 +64,10 @@ class Loan:
         return self._reader is not None
 
     def release(self) -> bool:
-        """Re-verify the entry where it is, then free its slot and advance the heads. True if
-        its bytes were still those verified at hand-up; False if something wrote over them
-        meanwhile (the consumer may have read torn data). Releasing again does nothing."""
+        """Re-verify the entry where it is (see the module's doc), then free its slot and advance
+        the heads. True if its bytes were still those verified at hand-up; False if a stale
+        sender wrote over them meanwhile (the consumer may have read torn data). Releasing again
+        does nothing."""
         reader, self._reader = self._reader, None
         if reader is not None:
             self.intact = reader._release(self)

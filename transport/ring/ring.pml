@@ -22,7 +22,8 @@
  * across 2**24 entries); -DNE=2 -DSMOD=4 -DBMOD=8 makes them wrap.
  *
  * REGION WORDS (layout.py): globals, each read, stored or CASed atomically:
- *   lock      0 or the holder's token; CAS only
+ *   lock      TAINT (layout.LOCK_TAINT) if a lock was ever taken over, plus the holder's token
+ *             (0: free); CAS only
  *   tails     PACK(buffer counter, entry counter); moved by CAS only, both at once
  *   heads     the same packing; stored by the receiver only
  *   slots[]   busy bit | lap | length  (SLOT_BUSY / SLOT_FREE below)
@@ -82,7 +83,13 @@
  *     S3 a busy size slot is never overwritten by a sender before the receiver clears it
  *        (asserted at the sender's publish and at the receiver's clear);
  *     S4 heads never pass tails: 0 <= tails - heads <= NS entries and <= NB cells, asserted
- *        at every store or CAS of either word.
+ *        at every store or CAS of either word;
+ *     S5 no sender writes into an entry the receiver is holding (from its step 1 until its
+ *        step 4: verifying it, and, borrowed, while the consumer reads it in place) if the
+ *        lock word carried no TAINT at that step 1, asserted at every cell a sender writes.
+ *        This is what lets ring_release (_atomics_build.py) skip hashing a borrowed entry
+ *        again when no take-over has happened: only a sender whose lock was taken over can
+ *        write over a published entry.
  *   Liveness (ltl "live"; -DLIVENESS_RUN, pan built without -DSAFETY, run with -a -f):
  *     <> (every sender has finished or crashed, and heads == tails)
  *     i.e. the ring never wedges: every write() of every sender that does not crash returns
@@ -131,6 +138,8 @@
  *   -DBROKEN_NOCHECK     the receiver hands up whatever it copied: S1 fails;
  *   -DBROKEN_NOTAKEOVER  no lock take-over after the timeout: a crashed holder blocks
  *                        everyone, "live" fails;
+ *   -DBROKEN_TAINT       a take-over does not set TAINT: the stale holder's late write lands
+ *                        in an entry held as clean, S5 fails;
  *   -DOLD_RECEIVER -DNO_S4   the old receiver with S4 switched off: "live" fails (the wedge).
  */
 
@@ -190,6 +199,15 @@
 #define CW(c)   ((c) / 2048)
 #define GARBAGE 0
 
+/* the lock word: TAINT (sticky, set by a take-over) + the holder's token (1..NW; 0: free) */
+#define TAINT        4
+#define HOLDER(l)    ((l) % TAINT)
+#ifdef BROKEN_TAINT
+#define TAKEN(l, t)  ((l) - HOLDER(l) + (t))      /* BROKEN: the take-over leaves no mark */
+#else
+#define TAKEN(l, t)  (TAINT + (t))               /* writer.py step 1: LOCK_TAINT | token */
+#endif
+
 /* S4: heads never pass tails (-DNO_S4 leaves it out, to show the liveness check alone) */
 #ifdef NO_S4
 #define HT_OK   true
@@ -210,6 +228,7 @@ bool  stalled[NW + 1];  /* stalled[t]: the sender with token t is stopped (stall
 byte  ndone;            /* senders finished or crashed */
 byte  delivered[NW + 1];/* bit e of delivered[w]: (w, e) handed up */
 byte  wrote[(NW + 1) * NE]; /* wrote[w * NE + e]: the length w chose for its message e */
+byte  hold_lo, hold_n;  /* S5: the cells of the entry held as clean (hold_n = 0: none) */
 
 /* The liveness run (-DLIVENESS_RUN) erases what no step's control flow depends on: the
    cells' contents and the record of deliveries (the receiver's verdict only decides what
@@ -220,9 +239,14 @@ byte  wrote[(NW + 1) * NE]; /* wrote[w * NE + e]: the length w chose for its mes
 #define LOAD_CELL(i)      GARBAGE
 #define DELIVERED(w, e)   skip
 #define WROTE(w, e, n)    skip
+#define HOLD(clean)       skip
+#define UNHOLD            skip
 #else
 #define WROTE(w, e, n)    wrote[(w) * NE + (e)] = (n)
-#define STORE_CELL(i, v)  cells[i] = v
+#define IN_HOLD(i)        (hold_n > 0 && ((i) - hold_lo + NB) % NB < hold_n)
+#define STORE_CELL(i, v)  assert(!IN_HOLD(i)); cells[i] = v                       /* S5 */
+#define HOLD(clean)       if :: clean -> hold_lo = PB(heads) % NB; hold_n = L :: else fi
+#define UNHOLD            hold_lo = 0; hold_n = 0
 #define LOAD_CELL(i)      cells[i]
 #define DELIVERED(w, e)   delivered[w] = delivered[w] | (1 << (e))
 #endif
@@ -281,7 +305,7 @@ proctype sender(byte me)   /* me: the sender's index, which is also its lock tok
 
     do
     /* ---- faults, before any step (see FAULTS above for where they are placed) ---- */
-    :: atomic { faults > 0 && lock == me -> STALL_COST; stalled[me] = true };   /* stall */
+    :: atomic { faults > 0 && HOLDER(lock) == me -> STALL_COST; stalled[me] = true };   /* stall */
        if
 #ifndef SAFETY_RUN
        :: atomic { ndone++; goto crashed }    /* ... for good: a crash holding the lock */
@@ -289,23 +313,24 @@ proctype sender(byte me)   /* me: the sender's index, which is also its lock tok
        :: stalled[me] = false                 /* resume, with stale local copies */
        fi
 #ifndef SAFETY_RUN
-    :: atomic { faults > 0 && lock != me && pc != P_NEXT ->                  /* crash */
+    :: atomic { faults > 0 && HOLDER(lock) != me && pc != P_NEXT ->          /* crash */
            faults--; stalled[me] = true; ndone++; goto crashed }
 #endif
 
     /* ---- the caller (RingWriter.write): all messages sent? ---- */
     :: atomic { pc == P_NEXT && e == NE -> ndone++; break }
 
-    /* writer.py step 1: take the lock (CAS 0 -> token) ...
+    /* writer.py step 1: take the lock (CAS free -> free | token; free is 0 or TAINT) ...
        (for a new message, its length is chosen here too: a local choice, made in the same
        step only to keep the state space small) */
-    :: atomic { (pc == P_S1 || pc == P_NEXT && e < NE) && lock == 0 ->
-           NEW_MESSAGE; lock = me; pc = P_S2L }
-    /* writer.py step 1: ... or take it over after the lock timeout (CAS holder -> token) */
+    :: atomic { (pc == P_S1 || pc == P_NEXT && e < NE) && HOLDER(lock) == 0 ->
+           NEW_MESSAGE; lock = lock + me; pc = P_S2L }
+    /* writer.py step 1: ... or take it over after the lock timeout (CAS holder's word ->
+       TAINT | token) */
 #ifndef BROKEN_NOTAKEOVER
-    :: atomic { (pc == P_S1 || pc == P_NEXT && e < NE) && lock != 0 && stalled[lock] &&
-                TAKEOVER_OK ->
-           NEW_MESSAGE; TAKEOVER_COST; lock = me; pc = P_S2L }
+    :: atomic { (pc == P_S1 || pc == P_NEXT && e < NE) && HOLDER(lock) != 0 &&
+                stalled[HOLDER(lock)] && TAKEOVER_OK ->
+           NEW_MESSAGE; TAKEOVER_COST; lock = TAKEN(lock, me); pc = P_S2L }
 #endif
 
     /* writer.py step 2: read the header words, the lock word first; if it is no longer our
@@ -316,8 +341,8 @@ proctype sender(byte me)   /* me: the sender's index, which is also its lock tok
 #ifdef OLD_STEP2
            :: true -> pc = P_S2T                  /* bf44540: no look at the lock */
 #else
-           :: lock != me -> LOST_LOCK_2
-           :: lock == me -> pc = P_S2T
+           :: HOLDER(lock) != me -> LOST_LOCK_2
+           :: HOLDER(lock) == me -> pc = P_S2T
 #endif
            fi }
     /* writer.py step 2: the tails word */
@@ -398,13 +423,13 @@ proctype sender(byte me)   /* me: the sender's index, which is also its lock tok
        else Unconfirmed (our entry may be handed up there; never write it twice) */
     :: atomic { pc == P_S6L ->
            if
-           :: lock != me -> LOST_LOCK_6
+           :: HOLDER(lock) != me -> LOST_LOCK_6
 #ifdef OLD_RESEND
-           :: lock == me -> pc = P_S2L            /* bf44540: "look again", writes it again */
+           :: HOLDER(lock) == me -> pc = P_S2L    /* bf44540: "look again", writes it again */
 #else
-           :: lock == me && IS_BUSY(sw) && SLAP(sw) == LAP(PS(lt)) && SLEN(sw) != n ->
+           :: HOLDER(lock) == me && IS_BUSY(sw) && SLAP(sw) == LAP(PS(lt)) && SLEN(sw) != n ->
               pc = P_S2L
-           :: lock == me && !(IS_BUSY(sw) && SLAP(sw) == LAP(PS(lt)) && SLEN(sw) != n) ->
+           :: HOLDER(lock) == me && !(IS_BUSY(sw) && SLAP(sw) == LAP(PS(lt)) && SLEN(sw) != n) ->
               e++; pc = P_S8                      /* Unconfirmed */
 #endif
            fi;
@@ -418,10 +443,11 @@ proctype sender(byte me)   /* me: the sender's index, which is also its lock tok
            fi;
            e++; pc = P_S8 }
 
-    /* writer.py step 8: release the lock (CAS from our token; a no-op if taken over) */
+    /* writer.py step 8: release the lock (CAS from our word to its TAINT alone; a no-op if
+       taken over) */
     :: atomic { pc == P_S8 || pc == P_FULL ->
            if
-           :: lock == me -> lock = 0
+           :: HOLDER(lock) == me -> lock = lock - me
            :: else
            fi;
            if
@@ -446,11 +472,14 @@ active proctype receiver()
 end_poll:
     do
     /* reader.py step 1: the slot at the head, busy for this lap, and the tails' entry counter
-       past the head.  (The code loads the slot, then the tails word: each condition, once
-       true, stays true until this receiver acts, so one step for both loses nothing.) */
+       past the head; then the lock word (ring_recv's clean: no TAINT).  (The code loads the
+       slot, the tails word, then the lock word: each condition, once true, stays true until
+       this receiver acts, so one step for all three loses nothing for S1-S4; for S5, reading
+       the lock word later only sees TAINT more often.) */
     :: atomic { IS_BUSY(slots[PS(heads) % NS]) && LAP_OK(slots[PS(heads) % NS], PS(heads)) &&
                 PASSED(PS(heads)) ->
-           sw = slots[PS(heads) % NS]; L = SLEN(sw); k = 0; ok = (L <= NB) };
+           sw = slots[PS(heads) % NS]; L = SLEN(sw); k = 0; ok = (L <= NB);
+           HOLD(lock < TAINT) };
        /* reader.py step 2: copy the entry out, cell by cell, from the buffer head, header
           first; reader.py step 3: verify it as it is copied (entry.parse: header counter and
           length match the slot, checksum over header and payload) */
@@ -464,8 +493,7 @@ end_poll:
               k++ }
        :: else -> break
        od;
-       /* reader.py step 3: hand an intact entry up, drop any other;
-          reader.py step 4: clear the slot to "free, next lap" */
+       /* reader.py step 3: hand an intact entry up, drop any other */
        atomic {
 #ifdef BROKEN_NOCHECK
            ok = true;                             /* BROKEN: no checksum, hand up anything */
@@ -477,9 +505,13 @@ end_poll:
               DELIVERED(w, e)
            :: else
            fi;
+           c = 0; w = 0; e = 0; ok = false };
+       /* ... borrowed, it is read in place meanwhile (senders run); reader.py step 4 (or
+          ring_release): clear the slot to "free, next lap" */
+       atomic {
            assert(slots[PS(heads) % NS] == sw);                   /* S3: nobody overwrote it */
            slots[PS(heads) % NS] = SLOT_FREE(LAP(PS(heads) + NS));
-           c = 0; w = 0; e = 0; ok = false; sw = 0 };
+           sw = 0; UNHOLD };
        /* reader.py step 5: advance both heads past the entry, after the slot is free */
        atomic { heads = PACK(PB(heads) + L, PS(heads) + 1); L = 0; k = 0;
                 assert(HT_OK) }                                   /* S4 */

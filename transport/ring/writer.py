@@ -2,9 +2,10 @@
 
 Steps, as numbered here, in ring.pml (the model checked by spin) and in the fault tests:
 
-1. take the lock: CAS the lock word from 0 to a token of this acquisition; a waiter that sees
-   the same holder token for longer than the lock timeout, on its own clock, takes the lock
-   over with CAS from that token;
+1. take the lock: CAS the lock word from free (0, or layout.LOCK_TAINT alone) to free | a token
+   of this acquisition; a waiter that sees the same holder word for longer than the lock
+   timeout, on its own clock, takes the lock over with CAS from that word to LOCK_TAINT | its
+   token (the taint stays for the region's life: see layout.py);
 2. read the header words (generation, state, lock, tails, heads) in one read; if the lock
    word is no longer our token, we stalled past the timeout and were taken over: write
    nothing (LostLock);
@@ -21,7 +22,8 @@ Steps, as numbered here, in ring.pml (the model checked by spin) and in the faul
    slot and writing it again could deliver it twice;
 7. move both tails with one CAS from the value read in step 2; if it fails, a later sender
    already moved them past this entry (step 4), which is just as good;
-8. release the lock with CAS from our token, which does nothing if it was taken over.
+8. release the lock with CAS from the word we hold to its taint bit alone, which does nothing if
+   it was taken over.
 
 Nothing here waits on the receiver, and every wait is bounded by the caller's deadline.
 
@@ -141,7 +143,7 @@ class RingWriter:
                 pass
             finally:
                 self.step(8)
-                self.region.cas(layout.W_LOCK, token, 0)
+                self.region.cas(layout.W_LOCK, token, token & layout.LOCK_TAINT)
             if time.monotonic() >= deadline:
                 raise Full(f"ring full for {timeout:.2f}s ({g.nslots} slots, {g.buf_size} bytes)")
             time.sleep(pause)
@@ -168,7 +170,7 @@ class RingWriter:
         while True:
             self._counter = (self._counter + 1) & 0xFFFFFFFF
             rc = lib.ring_send(self._g, self._token_base | self._counter, 1, len(bufs), bufs, lens, info)  # 1-8
-            if rc == lib.RS_LOCKED:  # held: wait (bounded) and maybe take it over, then 2-8
+            if rc == lib.RS_LOCKED:  # held: wait (bounded) and maybe take it over, then 2-8 as that word
                 token = self._acquire(deadline)
                 rc = lib.ring_send(self._g, token, 0, len(bufs), bufs, lens, info)
             if info.repairs:
@@ -185,21 +187,25 @@ class RingWriter:
 
     # --- step 1 -------------------------------------------------------------------------------
     def _acquire(self, deadline: float) -> int:
+        """The lock word now held: the taint bit it carries, if any, and this acquisition's token."""
         self._counter = (self._counter + 1) & 0xFFFFFFFF
         token = self._token_base | self._counter
-        pause = 0.0
+        free, pause = 0, 0.0
         while True:
-            found = self.region.cas(layout.W_LOCK, 0, token)
-            if found == 0:
-                return token
+            found = self.region.cas(layout.W_LOCK, free, free | token)
+            if found == free:
+                return free | token
+            if found == layout.LOCK_TAINT and free == 0:
+                free = found  # free, but tainted: CAS from that at once (as ring_send does)
+                continue
             now = time.monotonic()
             if found != self._seen:
                 self._seen, self._since = found, now
             elif now - self._since >= self.lock_timeout:
-                if self.region.cas(layout.W_LOCK, found, token) == found:
+                if self.region.cas(layout.W_LOCK, found, layout.LOCK_TAINT | token) == found:
                     self.takeovers += 1
                     self._seen = 0
-                    return token
+                    return layout.LOCK_TAINT | token
             if now >= deadline:
                 raise Full(f"ring lock held by another sender (token {found:#x})")
             time.sleep(pause)
