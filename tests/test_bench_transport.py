@@ -87,3 +87,21 @@ def test_quick_run_writes_sane_files(tmp_path: Path) -> None:
         assert md.count(f"| {label} | 1 |") == 5 and md.count(f"| {label} | 2 |") == 5
     assert "| memcpy (bound) |" in md
     assert not Path(f"/dev/shm/onepiece-bench-{os.getpid()}").exists()  # the shm ring is removed
+
+
+def test_rounds_give_medians_and_every_round(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    args = build_parser().parse_args(["bench", "transport", "--quick", "--sizes", "1K", "--transports", "shm,ipc",
+                                      "--senders", "1", "--rounds", "3", "--out", str(out)])
+    assert args.fn(args) == 0
+    res = json.loads((out / "transport.json").read_text())
+    assert res["settings"]["rounds"] == 3 and " --rounds 3 " in res["command"]
+    assert len(res["memcpy"]["1024"]["rounds_best_mb_per_s"]) == 3
+    for c in res["cells"]:
+        per = c["rounds_mb_per_s"]
+        assert len(per) == 3 and all(x > 0 for x in per)
+        assert c["throughput"]["mb_per_s"] == sorted(per)[1]  # the median round's own figures
+    t = res["targets"]["shm_1K_msgs_vs_zmq_ipc"]
+    assert len(t["rounds"]) == 3 and t["value"] == sorted(t["rounds"])[1] and t["met"] == (t["value"] >= 1)
+    md = (out / "transport.md").read_text()
+    assert "Rounds: 3" in md and ", ".join(f"{x:.2f}" for x in t["rounds"]) in md
