@@ -173,6 +173,7 @@ class Membership:
         serving: Callable[[], str | None] | None = None,
         on_assign: Callable[[str | None], None] = lambda stage: None,
         idle: bool = False,
+        name: str = "",
     ) -> None:
         self.zk_settings = zk
         self._primary: str | None = None  # from the ZooKeeper ``primary`` node
@@ -183,6 +184,7 @@ class Membership:
         self.serving = serving or (lambda: self.stage if self.ready() else None)
         self.on_assign = on_assign
         self.idle = idle  # a stage instance without a pin that asks for the idle pool
+        self.name = name  # a name that outlives this process (a restart keeps where it was moved)
         self.advertise = advertise  # the host peers reach this instance at, if not the bound one
         self.capacity = dict(capacity or {})
         self.id: str | None = None
@@ -294,6 +296,8 @@ class Membership:
                     args["instance"] = self.id
                 if self.idle:
                     args["idle"] = True
+                if self.name:
+                    args["name"] = self.name
                 reply, _ = self.nm.call("register", **args)
                 break
             except RpcTimeout:  # the NM is not up yet (or no primary yet); a refusal (RpcError) is final

@@ -296,7 +296,7 @@ class HaNodeManager(NodeManager):
             log.info("ignoring a stale takeover (epoch %d)", epoch)
             return
         self._adopt_config(epoch, snap)
-        self.state.restore(snap.records, snap.version)
+        self.state.restore(snap.records, snap.version, snap.moved)
         gone = [i for i in self.state.instances if i not in snap.members]
         for iid in gone:  # died while no primary watched: their held requests are unknown here
             self.state.deregister(iid, "its ZooKeeper session ended while no primary was serving")

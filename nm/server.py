@@ -105,9 +105,12 @@ class NodeManager:
         addresses = req.get("addresses")
         if not isinstance(addresses, dict) or not all(isinstance(v, str) for v in addresses.values()):
             raise ValueError("register: 'addresses' must map names to address strings")
+        name = req.get("name", "")
+        if not isinstance(name, str):
+            raise ValueError("register: 'name' must be a string")
         inst = self.state.register(str(req.get("role")), str(req.get("set")), addresses,
                                    int(req.get("pid", 0)), str(req.get("host", "")), req.get("stage"),
-                                   inst_id=self._instance_id(req), idle=req.get("idle") is True)
+                                   inst_id=self._instance_id(req), idle=req.get("idle") is True, name=name)
         self._saved()
         return {
             "instance": inst.id,

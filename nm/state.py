@@ -50,13 +50,14 @@ class Instance:
     holding: list[str] = field(default_factory=list)
     heard: bool = False  # heartbeated to this NM (a new primary has no stats until then)
     serving: str | None = None  # the stage the instance last said it serves (stage role)
+    name: str = ""  # the name it was launched under (`onepiece stage --name`), which outlives its process
 
-    PERSISTENT = ("id", "role", "set", "addresses", "pid", "host", "stage", "ready", "registered_at")
+    PERSISTENT = ("id", "role", "set", "addresses", "pid", "host", "stage", "ready", "registered_at", "name")
 
     def view(self, now: float) -> dict[str, Any]:
         return {
             "id": self.id, "role": self.role, "set": self.set, "stage": self.stage, "ready": self.ready,
-            "serving": self.serving,
+            "serving": self.serving, "name": self.name,
             "addresses": self.addresses, "pid": self.pid, "host": self.host, "stats": self.stats,
             "routes_version": self.routes_version, "holding": len(self.holding),
             "age_s": round(time.time() - self.registered_at, 1), "silent_s": round(now - self.last_seen, 2),
@@ -80,23 +81,31 @@ class ClusterState:
         self._ids = itertools.count(1)
         self.events: list[str] = []  # recent decisions, shown by `onepiece status`
         self.dirty: set[str] = set()  # sets whose instance records changed since last saved
+        # Per set, named stage instances that were moved: name -> the stage (None: idle pool) they
+        # were moved to. A restarted process of that name registers there, not at its pin.
+        self.moved: dict[str, dict[str, str | None]] = {}
 
     def _changed(self, set_name: str) -> None:
         self.version += 1
         self.dirty.add(set_name)
 
-    def restore(self, records: list[dict[str, Any]], version: int) -> None:
-        """Replace the instances with saved records (a new primary taking over)."""
+    def restore(self, records: list[dict[str, Any]], version: int,
+                moved: dict[str, dict[str, str | None]] | None = None) -> None:
+        """Replace the instances (and the moves by name) with saved ones (a new primary taking over)."""
         self.instances = {}
         for rec in records:
             inst = Instance.from_record(rec)
             if inst.set in self.sets:
                 self.instances[inst.id] = inst
+        self.moved = {s: dict(m) for s, m in (moved or {}).items() if s in self.sets}
         self.version = max(self.version, version)
         self.dirty.clear()
 
-    def export(self, set_name: str) -> list[dict[str, Any]]:
-        return [i.record() for i in sorted(self.instances.values(), key=lambda i: i.id) if i.set == set_name]
+    def export(self, set_name: str) -> dict[str, Any]:
+        """A set's saved state: its instance records and its moves by name."""
+        return {"instances": [i.record() for i in sorted(self.instances.values(), key=lambda i: i.id)
+                              if i.set == set_name],
+                "moved": dict(self.moved.get(set_name, {}))}
 
     def note(self, text: str) -> None:
         """An event for the log and `onepiece status`."""
@@ -107,11 +116,12 @@ class ClusterState:
         self.events = (self.events + [f"{time.strftime('%H:%M:%S')} {text}"])[-50:]
 
     def register(self, role: str, set_name: str, addresses: dict[str, str], pid: int = 0, host: str = "",
-                 stage: str | None = None, inst_id: str | None = None, idle: bool = False) -> Instance:
-        """A new instance, with the stage it serves (its pin, else the idle pool if it asks for
-        it, else the set's biggest deficit, else the idle pool). ``inst_id``: the id it already
-        has (its ZooKeeper member node); the same id registering again (a retried request)
-        keeps its assignment."""
+                 stage: str | None = None, inst_id: str | None = None, idle: bool = False,
+                 name: str = "") -> Instance:
+        """A new instance, with the stage it serves (where an instance of its ``name`` was last
+        moved, else its pin, else the idle pool if it asks for it, else the set's biggest deficit,
+        else the idle pool). ``inst_id``: the id it already has (its ZooKeeper member node); the
+        same id registering again (a retried request) keeps its assignment."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r} (expected one of {sorted(ROLES)})")
         missing = [k for k in ROLES[role] if not addresses.get(k)]
@@ -130,15 +140,21 @@ class ClusterState:
                 old.addresses, old.pid, old.host = addresses, pid, host
                 self._changed(set_name)
             return old
+        moved = role == "stage" and name in self.moved.get(set_name, {})
+        if moved:  # a restarted process of a moved instance: back where it was moved
+            stage = self.moved[set_name][name]
+            idle = stage is None
         if role == "stage" and not idle:
             stage = stage or self._stage_with_deficit(set_name)
-        inst = Instance(inst_id or f"{role}-{next(self._ids)}", role, set_name, addresses, pid, host, stage)
+        inst = Instance(inst_id or f"{role}-{next(self._ids)}", role, set_name, addresses, pid, host, stage,
+                        name=name)
         # DBs and proxies serve as soon as they registered; stages once their workers loaded.
         inst.ready = role != "stage"
         inst.heard = True
         self.instances[inst.id] = inst
         self._changed(set_name)
-        self._event(f"registered {inst.id} ({role}{' ' + stage if stage else ''}) in {set_name} at {addresses}")
+        self._event(f"registered {inst.id} ({role}{' ' + stage if stage else ''}{' ' + repr(name) if name else ''}) "
+                    f"in {set_name} at {addresses}" + (", where it was moved before it restarted" if moved else ""))
         return inst
 
     def _stage_with_deficit(self, set_name: str) -> str | None:
@@ -165,6 +181,8 @@ class ClusterState:
         if stage == inst.stage:
             raise ValueError(f"{inst_id} is already assigned to {stage or 'the idle pool'}")
         old, inst.stage, inst.ready = inst.stage, stage, False
+        if inst.name:
+            self.moved.setdefault(inst.set, {})[inst.name] = stage
         self._changed(inst.set)
         self._event(f"moving {inst_id} from {old or 'the idle pool'} to {stage or 'the idle pool'}: {reason}")
         return inst

@@ -39,6 +39,7 @@ class Snapshot:
     version: int
     records: list[dict[str, Any]] = field(default_factory=list)  # every set's instance records
     members: set[str] = field(default_factory=set)  # live member node names (= instance ids)
+    moved: dict[str, dict[str, Any]] = field(default_factory=dict)  # per set: moves by instance name
 
 
 def _dumps(obj: Any) -> bytes:
@@ -113,9 +114,12 @@ class ZkStore:
         config = _loads(wait(config_r, self.timeout)[0])
         version = _loads(wait(version_r, self.timeout)[0]) or 0
         records: list[dict[str, Any]] = []
-        for r in set_rs:
-            records += (_loads(wait(r, self.timeout)[0]) or {}).get("instances", [])
-        return Snapshot(config, int(version), records, set(wait(members_r, self.timeout)))
+        moved: dict[str, dict[str, Any]] = {}
+        for name, r in zip(names, set_rs):
+            doc = _loads(wait(r, self.timeout)[0]) or {}
+            records += doc.get("instances", [])
+            moved[name] = doc.get("moved", {})
+        return Snapshot(config, int(version), records, set(wait(members_r, self.timeout)), moved)
 
     def members(self) -> set[str]:
         return set(wait(self.zk.get_children_async(self.paths.members), self.timeout))
@@ -148,11 +152,12 @@ class ZkStore:
         if errors:
             raise errors[0]
 
-    def save(self, epoch: int, version: int, sets: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]]) -> None:
-        """Write the given sets' records and route tables, and the version, atomically."""
+    def save(self, epoch: int, version: int, sets: dict[str, tuple[dict[str, Any], dict[str, Any]]]) -> None:
+        """Write the given sets' state (ClusterState.export) and route tables, and the version,
+        atomically."""
         ops = [(self.paths.version, _dumps(version))]
-        for name, (records, routes) in sets.items():
-            ops.append((self.paths.set_state(name), _dumps({"instances": records})))
+        for name, (state, routes) in sets.items():
+            ops.append((self.paths.set_state(name), _dumps(state)))
             ops.append((self.paths.set_routes(name), _dumps(routes)))
         self._commit(epoch, ops)
 

@@ -62,7 +62,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
         print("onepiece stage: --idle and --stage exclude each other", file=sys.stderr)
         return 2
     setup_logging(f"stage[{args.stage or ('idle' if args.idle else '?')}]", args.log_level)
-    serve(args.nm, args.set, args.listen, args.stage, args.runtime_dir, args.advertise, zk=_zk(args), idle=args.idle)
+    serve(args.nm, args.set, args.listen, args.stage, args.runtime_dir, args.advertise, zk=_zk(args), idle=args.idle,
+          name=args.name)
     return 0
 
 
@@ -258,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--stage", help="serve this stage first (default: whatever the NM assigns); the NM "
                                             "may move the instance later")
             sp.add_argument("--idle", action="store_true", help="start in the idle pool, for the NM to assign")
+            sp.add_argument("--name", default="",
+                            help="a name that outlives this process (onepiece up gives its own): started again "
+                                 "under it, the instance returns to the stage the NM last moved it to")
             sp.add_argument("--listen", default="tcp://127.0.0.1:0", help="data address to receive on")
             sp.add_argument("--runtime-dir", help="folder for worker sockets")
             sp.set_defaults(fn=cmd_stage)

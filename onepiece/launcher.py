@@ -109,13 +109,14 @@ class Deployment:
         for stage, n in s.stages.items():
             for i in range(n):
                 name = f"{s.name}-{stage}{i}"
-                out.append(Child(name, _cli("stage", "--nm", nm, "--set", s.name, "--stage", stage,
+                out.append(Child(name, _cli("stage", "--nm", nm, "--set", s.name, "--stage", stage, "--name", name,
                                             "--listen", self._data_address(name, self.workflow.stages[stage].data),
                                             "--runtime-dir", str(self.runtime)),
                                  self.log_dir / f"{name}.log"))
         for i in range(s.idle):  # the idle pool receives over ZeroMQ whatever stage it is given
             name = f"{s.name}-idle{i}"
-            out.append(Child(name, _cli("stage", "--nm", nm, "--set", s.name, "--idle", "--listen", self._address(name),
+            out.append(Child(name, _cli("stage", "--nm", nm, "--set", s.name, "--idle", "--name", name,
+                                        "--listen", self._address(name),
                                         "--runtime-dir", str(self.runtime)), self.log_dir / f"{name}.log"))
         for i in range(s.proxy.count):
             name = f"{s.name}-proxy{i}"

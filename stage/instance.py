@@ -166,9 +166,11 @@ class StageInstance:
 
 def serve(nm_address: str, set_name: str, listen: str = "tcp://127.0.0.1:0", stage: str | None = None,
           runtime_dir: str | None = None, advertise: str | None = None, zk: "ZkSettings | None" = None,
-          idle: bool = False) -> None:
+          idle: bool = False, name: str = "") -> None:
     """Run a stage instance until SIGTERM: ``stage`` is its first assignment (None: what the NM
-    assigns, or with ``idle`` the idle pool); the NM may move it later."""
+    assigns, or with ``idle`` the idle pool); the NM may move it later. ``name``, if given,
+    outlives the process: registering again under it (a restart) returns to where the NM last
+    moved an instance of that name."""
     stop = stop_on_signals()
     rdir = Path(tempfile.mkdtemp(prefix="stage-", dir=runtime_dir))
     metrics, _ = start_http_server(0, addr=registry.host_of(listen))
@@ -182,7 +184,7 @@ def serve(nm_address: str, set_name: str, listen: str = "tcp://127.0.0.1:0", sta
         {"data": receiver.address, "metrics": f"http://{registry.host_of(listen)}:{metrics.server_port}"},
         stage=stage, stats=lambda: inst.stats() if inst else {}, ready=lambda: bool(inst and inst.serving()),
         serving=lambda: inst.serving() if inst else None, on_assign=lambda _: inst and inst.moved.set(),
-        advertise=advertise, zk=zk, idle=idle,
+        advertise=advertise, zk=zk, idle=idle, name=name,
     )
     try:
         reply = member.register()

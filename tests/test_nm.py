@@ -53,6 +53,34 @@ def test_register_reply_carries_workflow_and_pin(nm):
     client.close()
 
 
+def test_a_restarted_instance_returns_where_it_was_moved(nm):
+    """A named instance that the NM moved, started again under its name (a new process, a new
+    id), registers at the stage it was moved to, not at its pin; other names keep their pins."""
+    client = NmClient(nm.address)
+    try:
+        first = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9200"}, stage="vae_decode",
+                           name="set0-vae_decode0")
+        first.register()
+        client.call("move", instance=first.id, stage="denoise_t2v")
+        client.call("deregister", instance=first.id)  # its process died
+        again = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9201"}, stage="vae_decode",
+                           name="set0-vae_decode0")
+        assert again.register()["stage"] == "denoise_t2v" and again.id != first.id
+        assert any("where it was moved before it restarted" in e for e in client.status()["events"])
+        other = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9202"}, stage="vae_decode",
+                           name="set0-vae_decode1")
+        assert other.register()["stage"] == "vae_decode"
+        client.call("move", instance=again.id, stage=None)  # to the idle pool: a restart stays there
+        client.call("deregister", instance=again.id)
+        third = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9203"}, stage="vae_decode",
+                           name="set0-vae_decode0")
+        assert third.register()["stage"] is None
+        with pytest.raises(RpcError, match="'name' must be a string"):
+            client.call("register", role="stage", set="set0", addresses={"data": "x"}, name=7)
+    finally:
+        client.close()
+
+
 def test_only_ready_live_instances_are_routed(nm):
     ready = {"v": False}
     stage = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9200"}, stage="denoise_t2v",

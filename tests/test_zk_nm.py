@@ -498,12 +498,13 @@ def test_zk_flags_without_an_address_are_refused(capsys):
 
 def test_a_move_is_kept_in_zookeeper_across_a_failover(nms_factory):
     """An assignment is cluster state: a new primary routes a moving instance exactly as the
-    old one did (nowhere until it serves its new stage), from ZooKeeper alone."""
+    old one did (nowhere until it serves its new stage), from ZooKeeper alone; and a restart of
+    the moved instance under its name still returns to the stage it was moved to."""
     nms = nms_factory(2)
     first = nms.primary()
     serving = {"stage": "vae_decode"}
     st = member(nms, "stage", {"data": "tcp://127.0.0.1:9420"}, stage="vae_decode",
-                ready=lambda: serving["stage"] is not None, serving=lambda: serving["stage"])
+                ready=lambda: serving["stage"] is not None, serving=lambda: serving["stage"], name="set0-vae_decode0")
     try:
         stages = lambda: nms.client.routes("set0")["stages"]  # noqa: E731
         wait_for(lambda: stages()["vae_decode"] == ["tcp://127.0.0.1:9420"], 5, "the stage to be routed")
@@ -516,6 +517,12 @@ def test_a_move_is_kept_in_zookeeper_across_a_failover(nms_factory):
         assert [i["id"] for i in moved] == [st.id]
         serving["stage"] = "denoise_t2v"
         wait_for(lambda: stages()["denoise_t2v"] == ["tcp://127.0.0.1:9420"], 5, "the moved instance to be routed")
+        st.stop()
+        again = member(nms, "stage", {"data": "tcp://127.0.0.1:9421"}, stage="vae_decode", name="set0-vae_decode0")
+        try:
+            assert again.stage == "denoise_t2v" and again.id != st.id
+        finally:
+            again.stop()
     finally:
         st.stop()
 
