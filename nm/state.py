@@ -28,6 +28,10 @@ from onepiece.nm.capacity import estimate
 
 log = logging.getLogger(__name__)
 
+# Names whose moves a set remembers; past it the oldest move is forgotten (names are an
+# operator's choice, so a stream of fresh ones must not grow the state without bound).
+MAX_MOVED_NAMES = 1024
+
 # The addresses each role must register: what the route tables hand out for it.
 ROLES = {"stage": ("data",), "db": ("data", "control", "events"), "proxy": ("http",)}
 
@@ -182,7 +186,11 @@ class ClusterState:
             raise ValueError(f"{inst_id} is already assigned to {stage or 'the idle pool'}")
         old, inst.stage, inst.ready = inst.stage, stage, False
         if inst.name:
-            self.moved.setdefault(inst.set, {})[inst.name] = stage
+            moved = self.moved.setdefault(inst.set, {})
+            moved.pop(inst.name, None)  # re-inserted last: the dict's order is the age of the move
+            moved[inst.name] = stage
+            while len(moved) > MAX_MOVED_NAMES:
+                moved.pop(next(iter(moved)))
         self._changed(inst.set)
         self._event(f"moving {inst_id} from {old or 'the idle pool'} to {stage or 'the idle pool'}: {reason}")
         return inst

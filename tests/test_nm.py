@@ -75,6 +75,14 @@ def test_a_restarted_instance_returns_where_it_was_moved(nm):
         third = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9203"}, stage="vae_decode",
                            name="set0-vae_decode0")
         assert third.register()["stage"] is None
+        from onepiece.nm import state as nm_state  # the remembered moves are bounded: the oldest go first
+        for i in range(nm_state.MAX_MOVED_NAMES + 1):
+            m = Membership(nm.address, "stage", "set0", {"data": f"tcp://127.0.0.1:{9300 + i}"}, stage="vae_decode",
+                           name=f"n{i}")
+            m.register()
+            client.call("move", instance=m.id, stage="vae_encode")
+            client.call("deregister", instance=m.id)
+        assert len(nm.state.moved["set0"]) == nm_state.MAX_MOVED_NAMES and "set0-vae_decode0" not in nm.state.moved["set0"]
         with pytest.raises(RpcError, match="'name' must be a string"):
             client.call("register", role="stage", set="set0", addresses={"data": "x"}, name=7)
     finally:
