@@ -647,7 +647,7 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> tuple[dict[int, dict], list[
     round's figures, so they stay consistent with each other), with every round's throughput
     beside it; each target judged on the median of its per-round values (ring and memcpy of one
     round were measured minutes apart, not a whole run apart)."""
-    def median_round(items: list[dict], key) -> dict:
+    def median_round(items: list[dict], key: Callable[[dict], float | None]) -> dict:
         ok = [x for x in items if key(x) is not None]
         if not ok:
             return items[0]
@@ -659,7 +659,7 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> tuple[dict[int, dict], list[
         memcpy[size] = dict(median_round(per, lambda m: m["best_mb_per_s"]),
                             rounds_best_mb_per_s=[m["best_mb_per_s"] for m in per])
     cells = []
-    for i, first in enumerate(rounds[0]["cells"]):
+    for i in range(len(rounds[0]["cells"])):
         per = [r["cells"][i] for r in rounds]
         mb = [None if c.get("error") else c["throughput"]["mb_per_s"] for c in per]
         pick = median_round(per, lambda c: None if c.get("error") else c["throughput"]["mb_per_s"])
@@ -921,7 +921,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(text)
     print(f"saved {outdir / 'transport.json'} and {outdir / 'transport.md'} ({elapsed:.0f} s)")
-    failed = [c for c in cells if c.get("error")]
+    failed = [c for r in rounds for c in r["cells"] if c.get("error")]  # in any round
     return 1 if failed else 0
 
 
