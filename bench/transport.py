@@ -651,7 +651,7 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> tuple[dict[int, dict], list[
         ok = [x for x in items if key(x) is not None]
         if not ok:
             return items[0]
-        return sorted(ok, key=key)[(len(ok) - 1) // 2]
+        return sorted(ok, key=key)[(len(ok) - 1) // 2]  # the lower median, as for the targets
 
     memcpy = {}
     for size in rounds[0]["memcpy"]:
@@ -667,7 +667,7 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> tuple[dict[int, dict], list[
     targets = {}
     for key, t in rounds[0]["targets"].items():
         values = [r["targets"][key]["value"] for r in rounds if key in r["targets"]]
-        targets[key] = dict(_target(statistics.median(values), t["wanted"]), rounds=values)
+        targets[key] = dict(_target(statistics.median_low(values), t["wanted"]), rounds=values)
     return memcpy, cells, targets
 
 

@@ -5,6 +5,7 @@ import threading
 import pytest
 
 from onepiece.config import load_topology, deploy_dir
+from onepiece.nm import state as nm_state
 from onepiece.nm.client import Membership, NmClient
 from onepiece.nm.server import NodeManager
 from onepiece.transport.rpc import RpcError
@@ -75,7 +76,7 @@ def test_a_restarted_instance_returns_where_it_was_moved(nm):
         third = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9203"}, stage="vae_decode",
                            name="set0-vae_decode0")
         assert third.register()["stage"] is None
-        from onepiece.nm import state as nm_state  # the remembered moves are bounded: the oldest go first
+        # the remembered moves are bounded: the oldest go first
         for i in range(nm_state.MAX_MOVED_NAMES + 1):
             m = Membership(nm.address, "stage", "set0", {"data": f"tcp://127.0.0.1:{9300 + i}"}, stage="vae_decode",
                            name=f"n{i}")

@@ -756,7 +756,8 @@ static int ring_recv(const ring_geom *g, uint64_t *heads, char *dst, uint64_t ca
         return RR_NONE;
     if (((ld(g, W_TAILS) >> BUF_BITS) & SEQ_MASK) == shead)
         return RR_NONE;  /* published, but the tails have not passed it yet */
-    info->clean = !(ld(g, W_LOCK) & LOCK_TAINT);
+    if (mode == RR_IN_PLACE)  /* only ring_release asks (a copy is checked as it is made) */
+        info->clean = !(ld(g, W_LOCK) & LOCK_TAINT);
     uint64_t length = w & LEN_MASK;
     int err;
     info->length = length;
