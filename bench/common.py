@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 PROMPT = "a cat surfing a wave"
 T2V_STAGES = {"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1}
@@ -40,3 +39,16 @@ def percentile(xs: list[float], q: float) -> float | None:
     k = (len(xs) - 1) * q / 100.0
     lo, hi = math.floor(k), math.ceil(k)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def cpu_name() -> str:
+    """The processor's model name (/proc/cpuinfo), else what the platform module says."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"

@@ -28,7 +28,7 @@ from typing import Any
 
 import zmq
 
-from onepiece.bench.common import PROMPT, T2V_STAGES, parse_shape, tiny_models
+from onepiece.bench.common import PROMPT, T2V_STAGES, cpu_name, parse_shape, tiny_models
 
 DEFAULT_CASES = "64x64x9:10,256x256x17:10"
 
@@ -155,13 +155,11 @@ def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder
 
 
 def _device_name(device: str) -> str:
-    import platform
-
     if device.startswith("cuda"):
         import torch
 
         return torch.cuda.get_device_name(torch.device(device))
-    return platform.processor() or platform.machine()
+    return cpu_name()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -57,20 +57,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, window_s: float,
                    cooldown_s: float, low: float = 0.0, threshold: float = 0.85, heartbeat_s: float = 0.25,
                    stages: dict[str, int] | None = None, idle: int = 0) -> Path:
-    """The elastic deployment (tests use it too): monitor off, one torch thread per worker."""
-    import yaml
-
+    """The elastic deployment (tests use it too): monitor off, one torch thread per worker
+    (processes, not torch threads, share the cores)."""
     from onepiece.launcher import write_topology as base
 
-    path = base(folder, models, nm_address, dbs=1, stages=stages or dict(STAGES), heartbeat_s=heartbeat_s,
-                proxy={"monitor": False, "port": 0}, idle=idle,
+    return base(folder, models, nm_address, dbs=1, stages=stages or dict(STAGES), heartbeat_s=heartbeat_s,
+                proxy={"monitor": False, "port": 0}, idle=idle, threads=1,
                 nm={"elastic": {"window_s": window_s, "cooldown_s": cooldown_s, "low": low, "threshold": threshold}})
-    wf_path = folder / "workflow.yaml"
-    wf = yaml.safe_load(wf_path.read_text())
-    for spec in wf["stages"].values():
-        spec["threads"] = 1  # processes, not torch threads, share the cores
-    wf_path.write_text(yaml.safe_dump(wf))
-    return path
 
 
 def request_body(shape: str) -> dict[str, Any]:

@@ -228,16 +228,8 @@ def measure(args: argparse.Namespace, models: dict[str, Path], hosts: str, folde
     base = int(free_tcp_address().rsplit(":", 1)[1])
     base = base if base < 65000 else 20000
     topo = write_topology(folder, models, f"tcp://127.0.0.1:{base}", dbs=1, stages=dict(T2V_STAGES),
-                          heartbeat_s=args.heartbeat,
+                          heartbeat_s=args.heartbeat, threads=args.threads,  # busy workers must not oversubscribe the cores
                           nm={"zk": hosts, "zk_root": root, "count": 3, "zk_session_s": args.session})
-    if args.threads:  # as bench/overload.py: three busy workers must not oversubscribe the cores
-        import yaml
-
-        wf_path = folder / "workflow.yaml"
-        wf = yaml.safe_load(wf_path.read_text())
-        for spec in wf["stages"].values():
-            spec["threads"] = args.threads
-        wf_path.write_text(yaml.safe_dump(wf))
     dep = Deployment(topo, Path(args.logs) if args.logs else folder / "logs")
     paths = Paths(root)
     zk = ZkSettings(hosts, root, session_s=args.session).connect()

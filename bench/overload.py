@@ -471,15 +471,7 @@ def start_deployment(mode: str, models: dict[str, Path], folder: Path, cfg: argp
     elif mode == "off":  # checked before anything starts; kept here so it can never be faked
         raise RuntimeError("proxy.monitor is not a topology field: the monitor cannot be switched off")
     topo = write_topology(folder, models, free_tcp_address(), dbs=1, transport=cfg.transport,
-                          heartbeat_s=cfg.heartbeat, stages=dict(T2V_STAGES), proxy=proxy)
-    if cfg.threads:
-        import yaml
-
-        wf_path = folder / "workflow.yaml"  # written by write_topology beside the topology
-        wf = yaml.safe_load(wf_path.read_text())
-        for spec in wf["stages"].values():
-            spec["threads"] = cfg.threads
-        wf_path.write_text(yaml.safe_dump(wf))
+                          heartbeat_s=cfg.heartbeat, stages=dict(T2V_STAGES), proxy=proxy, threads=cfg.threads)
     logs = Path(cfg.logs) / f"monitor-{mode}" if cfg.logs else folder / "logs"
     dep = Deployment(topo, logs)
     dep.start()

@@ -84,7 +84,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from onepiece.bench.common import percentile
+from onepiece.bench.common import cpu_name, percentile
 
 TRANSPORTS = {
     "shm": "ring over shm",
@@ -605,15 +605,7 @@ def run_cell(rx, senders: Senders, active: list[int], size: int, s: dict[str, An
 
 
 def machine() -> dict[str, Any]:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cores": os.cpu_count(), "cpu": cpu or platform.processor() or "unknown",
+    return {"cores": os.cpu_count(), "cpu": cpu_name(),
             "kernel": platform.release(), "python": platform.python_version(),
             "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
 

@@ -103,10 +103,6 @@ class Elastic:
         serving = inst.serving if inst.serving == inst.stage else None
         self.util.observe(inst.id, serving, inst.stats, now)
 
-    def forget(self, inst_id: str) -> None:
-        self.util.forget(inst_id)
-        self.moving.pop(inst_id, None)
-
     def loads(self, state: "ClusterState", set_name: str, now: float) -> dict[str, StageLoad]:
         spec = state.sets[set_name]
         out = {}
@@ -156,6 +152,7 @@ class Elastic:
     def _settle(self, state: "ClusterState", now: float) -> None:
         """A moved instance has settled once it served a whole window at its new stage (or
         drained into the idle pool); one that takes too long is reported and let go."""
+        self.util.keep(state.instances)  # however an instance left, its samples go with it
         limit = self.spec.drain_s + self.spec.window_s + MOVE_GRACE_S
         for iid, since in list(self.moving.items()):
             inst = state.instances.get(iid)

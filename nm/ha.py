@@ -165,15 +165,11 @@ class HaNodeManager(NodeManager):
         self.state.dirty -= dirty
 
     def _tick(self) -> None:
-        if self.primary and self.state.dirty and time.monotonic() >= self._next_save:
-            try:
+        moved = self.primary and not self.suspended and self.elastic.tick(self.state)
+        if self.primary and self.state.dirty and (moved or time.monotonic() >= self._next_save):
+            try:  # a move is saved at once, other changes when the retry pause allows
                 self._saved()
-            except NotPrimary as e:
-                log.warning("%s", e)
-        if self.primary and not self.suspended and self.elastic.tick(self.state):
-            try:
-                self._saved()
-            except NotPrimary as e:  # the move stays pending in state.dirty; saved on a later turn
+            except NotPrimary as e:  # what is unsaved stays in state.dirty; saved on a later turn
                 log.warning("%s", e)
         if self.primary and not self.suspended and time.monotonic() >= self._next_audit:
             # A safety net under the members watch: compare with the member nodes now and then.
@@ -310,7 +306,7 @@ class HaNodeManager(NodeManager):
             return
         self.primary_address = self.identity  # the primary node went up with the epoch (ZkStore.take_over)
         self._saved()
-        self.state._event(f"{self.identity} is primary (epoch {epoch}): {len(self.state.instances)} instances, "
+        self.state.note(f"{self.identity} is primary (epoch {epoch}): {len(self.state.instances)} instances, "
                           f"routes version {self.state.version}")
 
     def _adopt_config(self, epoch: int, snap: Snapshot) -> None:

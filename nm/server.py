@@ -87,7 +87,6 @@ class NodeManager:
 
     def _dropped(self, inst: Instance, reason: str) -> None:
         """An instance died (it did not leave): report what it held as failed."""
-        self.elastic.forget(inst.id)
         if inst.role == "stage" and inst.holding:
             self.reaper.submit(inst.id, inst.stage, inst.holding, self.state.routes(inst.set)["dbs"], reason)
 
@@ -147,7 +146,6 @@ class NodeManager:
 
     def _deregister(self, req: dict, _: Any) -> dict:
         self.state.deregister(str(req.get("instance")), "left")
-        self.elastic.forget(str(req.get("instance")))
         self._saved()
         return {}
 

@@ -113,9 +113,6 @@ class ClusterState:
 
     def note(self, text: str) -> None:
         """An event for the log and `onepiece status`."""
-        self._event(text)
-
-    def _event(self, text: str) -> None:
         log.info(text)
         self.events = (self.events + [f"{time.strftime('%H:%M:%S')} {text}"])[-50:]
 
@@ -157,7 +154,7 @@ class ClusterState:
         inst.heard = True
         self.instances[inst.id] = inst
         self._changed(set_name)
-        self._event(f"registered {inst.id} ({role}{' ' + stage if stage else ''}{' ' + repr(name) if name else ''}) "
+        self.note(f"registered {inst.id} ({role}{' ' + stage if stage else ''}{' ' + repr(name) if name else ''}) "
                     f"in {set_name} at {addresses}" + (", where it was moved before it restarted" if moved else ""))
         return inst
 
@@ -192,7 +189,7 @@ class ClusterState:
             while len(moved) > MAX_MOVED_NAMES:
                 moved.pop(next(iter(moved)))
         self._changed(inst.set)
-        self._event(f"moving {inst_id} from {old or 'the idle pool'} to {stage or 'the idle pool'}: {reason}")
+        self.note(f"moving {inst_id} from {old or 'the idle pool'} to {stage or 'the idle pool'}: {reason}")
         return inst
 
     def heartbeat(self, inst_id: str, ready: bool, stats: dict[str, Any], routes_version: int = 0,
@@ -211,7 +208,7 @@ class ClusterState:
         if ready != inst.ready:
             inst.ready = ready
             self._changed(inst.set)
-            self._event(f"{inst.id} is {'ready' if ready else 'not ready'}")
+            self.note(f"{inst.id} is {'ready' if ready else 'not ready'}")
         return inst
 
     def deregister(self, inst_id: str, reason: str) -> Instance | None:
@@ -219,7 +216,7 @@ class ClusterState:
         inst = self.instances.pop(inst_id, None)
         if inst is not None:
             self._changed(inst.set)
-            self._event(f"dropped {inst.id} ({inst.role}{' ' + inst.stage if inst.stage else ''}): {reason}")
+            self.note(f"dropped {inst.id} ({inst.role}{' ' + inst.stage if inst.stage else ''}): {reason}")
         return inst
 
     def expire(self, dead_after_s: float) -> list[Instance]:

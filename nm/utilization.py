@@ -59,6 +59,11 @@ class Utilization:
     def forget(self, inst_id: str) -> None:
         self._samples.pop(inst_id, None)
 
+    def keep(self, inst_ids) -> None:
+        """Forget every instance not among ``inst_ids`` (those no longer registered)."""
+        for gone in self._samples.keys() - set(inst_ids):
+            del self._samples[gone]
+
 
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0

@@ -13,15 +13,18 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+def worker_device(device: str, index: int, workers: int) -> str:
+    """The torch device of a stage's worker ``index`` of ``workers``: on CUDA, one device per
+    worker when there are several (``cuda:index``), else the stage's own."""
+    return f"cuda:{index}" if device.startswith("cuda") and workers > 1 else device
+
+
 def cuda_indices(device: str, workers: int) -> list[int]:
-    """The CUDA device indices a stage's workers use (one per worker when several, as the
-    TaskManager assigns them), as the process sees them."""
+    """The CUDA device indices a stage's workers use, as the process sees them."""
     if not device.startswith("cuda"):
         return []
-    if workers > 1:
-        return list(range(workers))
-    _, _, index = device.partition(":")
-    return [int(index) if index.isdigit() else 0]
+    devices = dict.fromkeys(worker_device(device, i, workers) for i in range(workers))  # in order, once each
+    return [int(i) if (i := d.partition(":")[2]).isdigit() else 0 for d in devices]
 
 
 class GpuUtilization:

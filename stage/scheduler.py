@@ -20,7 +20,6 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import orjson
 import zmq
@@ -234,9 +233,9 @@ class RequestScheduler:
         self._clock = now
         s.queue, s.ready, s.busy = len(self.pending), len(self.known), len(self.held)
         s.rejected_frames = getattr(self.receiver, "rejected", 0)
-        if time.monotonic() - self._reported >= 0.5:  # the heartbeat reads it about once a second
+        if now - self._reported >= 0.5:  # the heartbeat reads it about once a second
             s.service = self._service.report()
-            self._reported = time.monotonic()
+            self._reported = now
 
     @property
     def idle_now(self) -> bool:

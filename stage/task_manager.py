@@ -18,7 +18,7 @@ from pathlib import Path
 import orjson
 
 from onepiece.config import Workflow
-from onepiece.stage.gpu import GpuUtilization, cuda_indices
+from onepiece.stage.gpu import GpuUtilization, cuda_indices, worker_device
 from onepiece.stage.scheduler import RequestScheduler
 from onepiece.supervise import Backoff, child_preexec
 
@@ -49,9 +49,8 @@ class TaskManager:
         self.gpu = GpuUtilization(cuda_indices(spec.device, spec.workers))
 
     def _start(self, slot: WorkerSlot) -> None:
-        config = dict(self.config, identity=slot.identity)
-        if config["device"].startswith("cuda") and len(self.slots) > 1:
-            config["device"] = f"cuda:{self.slots.index(slot)}"  # one device per worker
+        config = dict(self.config, identity=slot.identity,
+                      device=worker_device(self.config["device"], self.slots.index(slot), len(self.slots)))
         slot.backoff.started_now()
         slot.proc = subprocess.Popen(
             [sys.executable, "-m", "onepiece.stage.worker", orjson.dumps(config).decode()],

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 from onepiece.launcher import Deployment, free_tcp_address
 from waiting import wait_for
@@ -61,12 +60,7 @@ def deployment(tiny_models, tmp_path_factory, make_topology):
     folder = tmp_path_factory.mktemp("monitor")
     topology = make_topology(folder, tiny_models, free_tcp_address(), dbs=1,
                              stages={"text_encode": 1, "denoise_t2v": 2, "vae_decode": 1},
-                             nm={"elastic": {"enabled": False}})  # capacity changes here by kills only
-    wf_path = folder / "workflow.yaml"
-    wf = yaml.safe_load(wf_path.read_text())
-    for spec in wf["stages"].values():
-        spec["threads"] = 1
-    wf_path.write_text(yaml.safe_dump(wf))
+                             nm={"elastic": {"enabled": False}}, threads=1)  # capacity changes here by kills only
     dep = Deployment(Path(topology), folder / "logs")
     try:
         dep.start()
