@@ -1,0 +1,282 @@
+"""The scheduling core of a stage (DESIGN §6.1): request states, workers, and the decision, with
+no sockets and no clock. The runtime's shell (stage/scheduler.py) feeds it what arrives and
+what workers report and sends the commands it returns; a simulator drives the same object on a
+virtual clock. The contract is vLLM's: ``add``, ``schedule``, update from the workers' output.
+
+A request is *waiting* (no worker has its state), *resident* (a worker holds its state; a
+request never leaves the worker that holds it) or *running* (in the step chunk that worker is
+executing now). ``schedule(now)`` first drops what expired, then serves aged requests (so no
+policy can starve one), then asks the policy for the other idle workers; it checks every batch
+the policy returns and turns it into commands:
+
+- ``Run(worker, uids, steps, admit)``: admit the ``admit`` requests (send their messages; the
+  worker prepares their state), then advance the batch ``steps`` steps, one forward pass each;
+- ``Drop(worker, uids)``: free these states (cancelled or expired); a worker applies it at its
+  next step boundary, even in the middle of a chunk.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass, field
+
+from onepiece.sched.costs import CostModel
+from onepiece.sched.options import ScheduleSpec
+from onepiece.sched.policies import make_policy
+from onepiece.sched.policy import Batch, Policy, Request, View, Worker, build_batches
+
+CHUNK_OVERHEAD = 0.03  # decision + IPC per chunk, at most this share of the chunk's compute
+MAX_CHUNK = 64
+OVERHEAD_EWMA = 0.2
+UNKNOWN_STANDALONE_S = 1.0  # what aging assumes of a request nothing comparable was measured for
+
+
+@dataclass(frozen=True)
+class Run:
+    worker: str
+    uids: tuple[str, ...]
+    steps: int
+    admit: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Drop:
+    worker: str
+    uids: tuple[str, ...]
+
+
+@dataclass
+class Decision:
+    commands: list[Run | Drop] = field(default_factory=list)
+    expired: list[Request] = field(default_factory=list)  # dropped: their deadline passed
+
+
+@dataclass
+class CoreStats:
+    batches: int = 0  # Runs sent
+    batched: int = 0  # requests over all Runs (mean batch size = batched / batches)
+    steps: int = 0  # request-steps done
+    preempted: int = 0  # times a resident request was passed over for another batch on its worker
+    cancelled: int = 0
+    expired: int = 0
+    aged: int = 0  # requests served ahead of the policy because they waited too long
+    rejected: int = 0  # batches a policy returned that the core refused
+
+
+@dataclass
+class _Worker(Worker):
+    previous: tuple[str, ...] = ()  # its last batch
+
+
+class SchedCore:
+    def __init__(self, spec: ScheduleSpec, costs: CostModel | None = None, policy: Policy | None = None) -> None:
+        self.spec = spec
+        self.max_batch = spec.max_batch or 1
+        self.policy = policy or make_policy(spec.policy)
+        self.costs = costs if costs is not None else CostModel()
+        self.requests: dict[str, Request] = {}
+        self.workers: dict[str, _Worker] = {}
+        self.overhead_s = 0.0  # measured per chunk: decision + IPC
+        self.stats = CoreStats()
+        self.rejections: collections.deque[str] = collections.deque(maxlen=32)  # why, for logs and tests
+        self._bytes: collections.OrderedDict[str, int] = collections.OrderedDict()  # state size per key
+
+    # --- requests -------------------------------------------------------------------------------
+    def add(self, r: Request) -> None:
+        if r.uid in self.requests:
+            raise ValueError(f"request {r.uid} is already in the stage")
+        self.requests[r.uid] = r
+
+    def waiting(self) -> int:
+        return sum(1 for r in self.requests.values() if r.worker is None)
+
+    def resident(self, worker: str | None = None) -> list[Request]:
+        return [r for r in self.requests.values() if r.worker is not None and worker in (None, r.worker)]
+
+    def cancel(self, uid: str) -> Drop | None:
+        """Forget ``uid``; the command that frees its state, if a worker holds it."""
+        r = self._remove(uid)
+        if r is None:
+            return None
+        self.stats.cancelled += 1
+        return Drop(r.worker, (uid,)) if r.worker is not None else None
+
+    def _remove(self, uid: str) -> Request | None:
+        r = self.requests.pop(uid, None)
+        if r is not None and r.worker is not None:
+            w = self.workers.get(r.worker)
+            if w is not None:
+                w.resident.discard(uid)
+                w.free_bytes += r.nbytes
+        return r
+
+    # --- workers --------------------------------------------------------------------------------
+    def worker_up(self, wid: str) -> None:
+        """A worker (re)started: empty and idle."""
+        self.workers[wid] = _Worker(wid, idle=True, free_bytes=self.spec.resident_bytes)
+
+    def worker_gone(self, wid: str) -> list[Request]:
+        """A worker died: the requests whose state it held, now forgotten (the shell fails them)."""
+        self.workers.pop(wid, None)
+        lost = [r for r in self.requests.values() if r.worker == wid]
+        for r in lost:
+            del self.requests[r.uid]
+        return lost
+
+    # --- what workers report --------------------------------------------------------------------
+    def admitted(self, wid: str, uid: str, nbytes: int) -> None:
+        """The worker prepared ``uid``'s state, which takes ``nbytes``."""
+        r = self.requests.get(uid)
+        if r is None or r.worker != wid:
+            return
+        w = self.workers.get(wid)
+        if w is not None:
+            w.free_bytes += r.nbytes - nbytes
+        r.nbytes = nbytes
+        self._bytes.pop(r.key, None)
+        self._bytes[r.key] = nbytes
+        while len(self._bytes) > 256:
+            self._bytes.popitem(last=False)
+
+    def stepped(self, uids: list[str], seconds: float) -> None:
+        """One forward pass advanced ``uids`` (one batch, one key) by a step in ``seconds``."""
+        if not uids:
+            return
+        live = [self.requests[u] for u in uids if u in self.requests]
+        if live:  # all dropped meanwhile: the key is gone with them
+            self.costs.observe(live[0].key, len(uids), seconds)
+        for r in live:
+            r.done = min(r.steps, r.done + 1)
+            r.device_s += seconds / len(uids)
+        self.stats.steps += len(uids)
+
+    def finished(self, uid: str) -> Request | None:
+        """``uid`` is done (its result left the worker)."""
+        return self._remove(uid)
+
+    def failed(self, uid: str) -> Request | None:
+        return self._remove(uid)
+
+    def idle(self, wid: str) -> None:
+        """The worker ended the command it was running."""
+        w = self.workers.get(wid)
+        if w is not None:
+            w.idle = True
+        for r in self.requests.values():
+            if r.worker == wid:
+                r.running = False
+
+    def note_overhead(self, seconds: float) -> None:
+        """Decision and IPC time a chunk cost beyond its compute (measured by the shell)."""
+        if seconds >= 0:
+            self.overhead_s += OVERHEAD_EWMA * (seconds - self.overhead_s) if self.overhead_s else seconds
+
+    # --- estimates ------------------------------------------------------------------------------
+    def est_bytes(self, r: Request) -> int:
+        if r.key in self._bytes:
+            return self._bytes[r.key]
+        return max(self._bytes.values(), default=0)
+
+    def chunk(self, key: str, batch: int) -> int:
+        """Steps per chunk: as configured, else the fewest that keep the measured per-chunk
+        overhead under CHUNK_OVERHEAD of the chunk's compute."""
+        if self.spec.chunk_steps:
+            return self.spec.chunk_steps
+        t = self.costs.step_s(key, batch)
+        if not t or not self.overhead_s:
+            return 1
+        return max(1, min(MAX_CHUNK, math.ceil(self.overhead_s / (CHUNK_OVERHEAD * t))))
+
+    def standalone_s(self, r: Request) -> float | None:
+        t = self.costs.step_s(r.key, 1)
+        return None if t is None else t * r.steps
+
+    # --- the decision ---------------------------------------------------------------------------
+    def schedule(self, now: float) -> Decision:
+        out = Decision()
+        if self.spec.drop_expired:
+            for r in [r for r in self.requests.values() if r.deadline is not None and r.deadline < now]:
+                self._remove(r.uid)
+                self.stats.expired += 1
+                out.expired.append(r)
+                if r.worker is not None:
+                    out.commands.append(Drop(r.worker, (r.uid,)))
+        for r in self.requests.values():
+            if not r.aged and now - r.arrival > self.spec.aging * (self.standalone_s(r) or UNKNOWN_STANDALONE_S):
+                r.aged = True
+                self.stats.aged += 1
+        idle = [w for w in self.workers.values() if w.idle]
+        if not idle:
+            return out
+        free = [r for r in self.requests.values() if not r.running]
+        if not free:
+            return out
+        free.sort(key=lambda r: r.arrival)
+        aged = [r for r in free if r.aged]
+        batches: list[Batch] = []
+        if aged:
+            view = self._view(now, free, idle)
+            batches = build_batches(view, aged + [r for r in free if not r.aged], lambda *_: True,
+                                    whole=getattr(self.policy, "whole", False), leaders=len(aged))
+            used = {b.worker for b in batches} | {u for b in batches for u in b.uids}
+            idle = [w for w in idle if w.id not in used]
+            free = [r for r in free if r.uid not in used]
+        if idle and free:
+            batches += self.policy.plan(self._view(now, free, idle))
+        for b in batches:
+            cmd = self._start(b, now)
+            if cmd is not None:
+                out.commands.append(cmd)
+        return out
+
+    def _view(self, now: float, free: list[Request], idle: list[_Worker]) -> View:
+        workers = [Worker(w.id, True, w.free_bytes, set(w.resident)) for w in idle]
+        previous = {u for w in idle for u in w.previous}
+        return View(now, free, workers, self.costs, self.max_batch, self.chunk, self.est_bytes, previous)
+
+    def _check(self, b: Batch) -> str | None:
+        w = self.workers.get(b.worker)
+        if w is None or not w.idle:
+            return f"worker {b.worker!r} is not idle"
+        if not b.uids or len(set(b.uids)) != len(b.uids):
+            return "empty batch or a request twice"
+        if len(b.uids) > self.max_batch:
+            return f"{len(b.uids)} requests over max_batch {self.max_batch}"
+        if not isinstance(b.steps, int) or b.steps < 1:
+            return f"steps must be a positive int, got {b.steps!r}"
+        rs = [self.requests.get(u) for u in b.uids]
+        if any(r is None or r.running for r in rs):
+            return "a request unknown or already running"
+        if len(rs) > 1 and (len({r.key for r in rs}) > 1 or not all(r.batchable for r in rs)):
+            return "requests of different keys, or a one-step call, in one batch"
+        if any(r.worker not in (None, b.worker) for r in rs):
+            return "a request resident on another worker"
+        need = sum(self.est_bytes(r) for r in rs if r.worker is None)
+        if need > w.free_bytes and (w.resident or len([r for r in rs if r.worker is None]) > 1):
+            return f"admitting needs {need} bytes, worker has {w.free_bytes} free"
+        return None
+
+    def _start(self, b: Batch, now: float) -> Run | None:
+        why = self._check(b)
+        if why is not None:
+            self.stats.rejected += 1
+            self.rejections.append(f"{self.policy.name}: {b}: {why}")
+            return None
+        w = self.workers[b.worker]
+        rs = [self.requests[u] for u in b.uids]
+        admit = tuple(r.uid for r in rs if r.worker is None)
+        for r in rs:
+            if r.worker is None:
+                r.worker, r.nbytes = b.worker, self.est_bytes(r)
+                w.resident.add(r.uid)
+                w.free_bytes -= r.nbytes
+            r.running = True
+            if r.started is None:
+                r.started = now
+        # Passed over: in this worker's last batch, still resident and unfinished, not in this one.
+        self.stats.preempted += sum(1 for u in w.previous if u in w.resident and u not in b.uids)
+        w.previous, w.idle = b.uids, False
+        self.stats.batches += 1
+        self.stats.batched += len(b.uids)
+        return Run(b.worker, b.uids, b.steps, admit)

@@ -1,0 +1,165 @@
+"""The cost model of one stage: seconds per step (a stepped function) or per call (a one-step
+function), per compatibility key and batch size.
+
+Measured by the stage itself: every step a worker runs is one sample of (key, batch size,
+seconds), kept in a moving window. It may start from a table (``onepiece profile`` writes
+one; ``load_table`` reads it), which measurements then replace key by key. Lookups fill
+gaps in three ways, each conservative for latency:
+
+- a batch size between two known ones: linear interpolation;
+- above the largest known: the last known per-sample time (no further batching gain assumed);
+  below the smallest known: the smallest known time (a smaller batch is never slower);
+- an unknown key: the nearest known key of the same variant (CFG, text length), scaled by
+  the ratio of their shapes' volumes.
+
+No clock, no I/O; bounded (windows and keys). The report (``report``) is what the stage sends
+with its heartbeat and what a simulator or a later run can load again.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from pathlib import Path
+from typing import Any, Iterable
+
+import orjson
+
+from onepiece.sched.keys import variant, volume
+
+WINDOW = 16  # samples per (key, batch size)
+MAX_KEYS = 128  # keys kept, least recently observed dropped first
+TABLE_VERSION = 1
+
+
+class CostModel:
+    def __init__(self, table: dict[str, dict[int, float]] | None = None, window: int = WINDOW) -> None:
+        self.window = window
+        self._seed: dict[str, dict[int, float]] = {k: dict(v) for k, v in (table or {}).items()}
+        self._obs: collections.OrderedDict[str, dict[int, collections.deque]] = collections.OrderedDict()
+
+    # --- measurements ---------------------------------------------------------------------------
+    def observe(self, key: str, batch: int, seconds: float) -> None:
+        if batch < 1 or not seconds >= 0:
+            return
+        row = self._obs.pop(key, None) or {}
+        row.setdefault(batch, collections.deque(maxlen=self.window)).append(float(seconds))
+        self._obs[key] = row  # most recently observed last
+        while len(self._obs) > MAX_KEYS:
+            self._obs.popitem(last=False)
+
+    def row(self, key: str) -> dict[int, float]:
+        """Known seconds per batch size for ``key``: measured means over the table's."""
+        out = dict(self._seed.get(key, {}))
+        for b, d in self._obs.get(key, {}).items():
+            out[b] = statistics.fmean(d)
+        return out
+
+    def keys(self) -> set[str]:
+        return set(self._seed) | set(self._obs)
+
+    # --- lookups --------------------------------------------------------------------------------
+    def step_s(self, key: str, batch: int = 1) -> float | None:
+        """Seconds one step (or call) of a batch of ``batch`` requests of ``key`` takes; None
+        when nothing comparable is known."""
+        row = self.row(key)
+        if row:
+            return _at(row, batch)
+        near = self._nearest(key)
+        if near is None:
+            return None
+        other, ratio = near
+        t = _at(self.row(other), batch)
+        return None if t is None else t * ratio
+
+    def _nearest(self, key: str) -> tuple[str, float] | None:
+        vol, var = volume(key), variant(key)
+        if not vol:
+            return None
+        best = None
+        for k in self.keys():
+            v = volume(k)
+            if v and variant(k) == var and self.row(k):
+                d = abs(v - vol)
+                if best is None or d < best[0]:
+                    best = (d, k, vol / v)
+        return None if best is None else (best[1], best[2])
+
+    def reached(self, key: str, cap: int) -> int:
+        """The largest batch size known for ``key`` up to ``cap`` (1 when none)."""
+        return max((b for b in self.row(key) if b <= cap), default=1)
+
+    def share_s(self, key: str, cap: int) -> float | None:
+        """Device seconds per request-step when the stage runs ``key`` at the largest batch it
+        has reached (at most ``cap``): what its sustained rate follows from."""
+        b = self.reached(key, cap)
+        t = self.step_s(key, b)
+        return None if t is None else t / b
+
+    # --- tables ---------------------------------------------------------------------------------
+    def report(self, limit: int = 32) -> dict[str, dict[str, float]]:
+        """{key: {batch: mean seconds}}, the most recently measured keys first (JSON keys are
+        strings)."""
+        keys = list(reversed(self._obs))[:limit]
+        keys += [k for k in self._seed if k not in self._obs][:max(0, limit - len(keys))]
+        return {k: {str(b): round(t, 6) for b, t in sorted(self.row(k).items())} for k in keys}
+
+
+def _at(row: dict[int, float], batch: int) -> float | None:
+    if not row:
+        return None
+    if batch in row:
+        return row[batch]
+    sizes = sorted(row)
+    if batch < sizes[0]:
+        return row[sizes[0]]
+    if batch > sizes[-1]:
+        return row[sizes[-1]] / sizes[-1] * batch
+    lo = max(b for b in sizes if b < batch)
+    hi = min(b for b in sizes if b > batch)
+    return row[lo] + (row[hi] - row[lo]) * (batch - lo) / (hi - lo)
+
+
+# --- the table file `onepiece profile` writes ---------------------------------------------------
+class TableError(ValueError):
+    pass
+
+
+def table_rows(doc: Any, stage: str | None = None) -> dict[str, dict[int, float]]:
+    """{key: {batch: seconds}} of one stage (or all stages merged) from a parsed table file."""
+    if not isinstance(doc, dict) or doc.get("version") != TABLE_VERSION or not isinstance(doc.get("stages"), dict):
+        raise TableError(f"not a version-{TABLE_VERSION} cost table (expected {{'version': 1, 'stages': {{...}}}})")
+    out: dict[str, dict[int, float]] = {}
+    stages = doc["stages"] if stage is None else {stage: doc["stages"].get(stage, {"rows": []})}
+    for name, entry in stages.items():
+        rows = entry.get("rows") if isinstance(entry, dict) else None
+        if not isinstance(rows, list):
+            raise TableError(f"stages.{name}.rows must be a list")
+        for i, r in enumerate(rows):
+            try:
+                key, batch, t = r["key"], int(r["batch"]), float(r["seconds"])
+            except (KeyError, TypeError, ValueError):
+                raise TableError(f"stages.{name}.rows[{i}]: expected {{key, batch, seconds}}, got {r!r}") from None
+            if not isinstance(key, str) or batch < 1 or not t > 0:
+                raise TableError(f"stages.{name}.rows[{i}]: key must be a string, batch >= 1, seconds > 0")
+            out.setdefault(key, {})[batch] = t
+    return out
+
+
+def load_table(path: str | Path, stage: str | None = None) -> dict[str, dict[int, float]]:
+    try:
+        doc = orjson.loads(Path(path).read_bytes())
+    except OSError as e:
+        raise TableError(f"{path}: cannot read: {e.strerror}") from None
+    except orjson.JSONDecodeError as e:
+        raise TableError(f"{path}: not JSON: {e}") from None
+    try:
+        return table_rows(doc, stage)
+    except TableError as e:
+        raise TableError(f"{path}: {e}") from None
+
+
+def make_table(stages: dict[str, Iterable[dict[str, Any]]], **meta: Any) -> dict[str, Any]:
+    """A table document: ``stages`` maps a stage to rows ``{key, batch, seconds, ...}``;
+    ``meta`` (device, host, model, units...) is kept beside them."""
+    return {"version": TABLE_VERSION, **meta, "stages": {s: {"rows": list(rows)} for s, rows in stages.items()}}

@@ -1,0 +1,306 @@
+"""The scheduling core and every policy, on a virtual clock (no processes, no sockets)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from onepiece.sched.core import Drop, Run, SchedCore
+from onepiece.sched.costs import CostModel, TableError, make_table, table_rows
+from onepiece.sched.keys import compat_key, volume
+from onepiece.sched.options import POLICIES, ScheduleSpec
+from onepiece.sched.policies import make_policy
+from onepiece.sched.policy import Batch, Policy, View
+from onepiece.sched.virtual import VirtualStage, request
+
+S, L = "64x64x9/cfg/L64", "128x128x9/cfg/L64"  # a small and a large shape
+
+
+def cost(key: str, batch: int) -> float:
+    """Per-step seconds: large is 4x small; batch b costs 1 + 0.25 (b - 1) of batch 1."""
+    base = 0.01 if key == S else 0.04
+    return base * (1 + 0.25 * (batch - 1))
+
+
+def core(policy: str, **opts) -> SchedCore:
+    table = {k: {b: cost(k, b) for b in (1, 2, 4)} for k in (S, L)}
+    return SchedCore(ScheduleSpec(policy=policy, **opts), CostModel(table))
+
+
+def stage(policy: str, workers: int = 1, **opts) -> VirtualStage:
+    return VirtualStage(core(policy, **opts), cost, workers=workers)
+
+
+# --- policies -------------------------------------------------------------------------------------
+def test_fcfs_runs_each_request_alone_to_the_end_in_arrival_order() -> None:
+    st = stage("fcfs")
+    for i, key in enumerate((L, S, S)):
+        st.submit(0.001 * i, request(f"r{i}", key, steps=10))
+    out = st.run()
+    assert [u for _, _, u, _ in st.trace] == [("r0",), ("r1",), ("r2",)]
+    assert [steps for *_, steps in st.trace] == [10, 10, 10]  # whole requests, no chunks
+    assert out["r0"].end < out["r1"].end < out["r2"].end
+    assert st.core.stats.preempted == 0 and st.core.stats.batched == 3
+
+
+def test_fcfs_batched_joins_compatible_requests_past_an_incompatible_head() -> None:
+    st = stage("fcfs-batched", chunk_steps=2)
+    st.submit(0.0, request("a", S, steps=4))
+    st.submit(0.001, request("big", L, steps=4))
+    st.submit(0.002, request("b", S, steps=4))
+    st.submit(0.003, request("c", S, steps=4))
+    out = st.run()
+    # a starts alone; at its first chunk end b and c join it although big waits in between.
+    assert st.trace[0][2] == ("a",)
+    assert set(st.trace[1][2]) == {"a", "b", "c"}
+    assert all(o.status == "completed" for o in out.values())
+    assert out["a"].end < out["big"].end < out["b"].end  # then the oldest again: big, before b and c
+
+
+def test_srtf_preempts_a_long_request_at_a_chunk_boundary() -> None:
+    st = stage("srtf", chunk_steps=1, max_batch=1)
+    st.submit(0.0, request("long", L, steps=20))
+    st.submit(0.05, request("short", S, steps=3))
+    out = st.run()
+    assert out["short"].end < out["long"].end
+    assert out["short"].end - 0.05 < 0.04 + 3 * 0.01 + 1e-9  # waits at most the chunk in flight
+    assert st.core.stats.preempted >= 1
+
+
+def test_edf_runs_the_earliest_deadline_first() -> None:
+    st = stage("edf", max_batch=1)
+    st.submit(0.0, request("late", S, steps=5, deadline=10.0))
+    st.submit(0.0, request("soon", S, steps=5, deadline=1.0))
+    st.submit(0.0, request("none", S, steps=5))
+    out = st.run()
+    assert out["soon"].end < out["late"].end < out["none"].end
+
+
+def test_priority_breaks_ties_before_the_policy_metric() -> None:
+    st = stage("srtf", max_batch=1, aging=1000)
+    st.submit(0.0, request("long-vip", L, steps=10, priority=5))
+    st.submit(0.0, request("short", S, steps=2))
+    out = st.run()
+    assert out["long-vip"].end < out["short"].end
+
+
+def test_slack_puts_a_hopeless_request_last_and_saves_the_others() -> None:
+    # Three requests that can each make it, and one that cannot even alone: EDF serves the
+    # hopeless one first (earliest deadline) and makes the others late; slack does not.
+    def run(policy: str) -> dict:
+        st = stage(policy, max_batch=1)
+        for i in range(3):
+            st.submit(0.0, request(f"ok{i}", S, steps=10, deadline=0.25 + 0.05 * i))  # 0.1 s each
+        st.submit(0.0, request("doomed", L, steps=10, deadline=0.2))  # needs 0.4 s alone
+        return st.run()
+
+    def met(out: dict) -> int:
+        return sum(1 for u, o in out.items() if o.status == "completed" and u.startswith("ok"))
+
+    edf, slack = run("edf"), run("slack")
+    assert met(slack) == 3 and met(edf) < 3
+    assert slack["doomed"].status == "expired"  # dropped at its deadline, never ran for nothing
+
+
+def test_slack_refuses_to_batch_when_it_would_make_a_member_late() -> None:
+    c = core("slack", max_batch=4, chunk_steps=1)
+    c.worker_up("w0")
+    tight = request("tight", S, steps=10, deadline=0.105)  # alone: 0.1 s; at batch 2: 0.125 s
+    loose = request("loose", S, steps=10, deadline=10.0)
+    for r in (tight, loose):
+        c.add(r)
+    (cmd,) = c.schedule(0.0).commands
+    assert cmd.uids == ("tight",)
+    tight.deadline = 1.0  # with room to spare they share the forward pass
+    c.idle("w0")
+    (cmd,) = c.schedule(0.0).commands
+    assert set(cmd.uids) == {"tight", "loose"}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_no_policy_starves_a_long_request_under_a_sustained_short_stream(policy: str) -> None:
+    """A long request among short ones arriving faster than they are served one by one: every
+    policy finishes it within its aging bound (4x its standalone time) plus what was already
+    aged, although srtf and slack would otherwise run the short ones forever."""
+    st = stage(policy, max_batch=1, chunk_steps=1)
+    st.submit(0.0, request("long", L, steps=50))  # 2 s alone
+    n = 400
+    for i in range(n):  # one short request (0.1 s alone) every 0.09 s, for 36 s
+        st.submit(0.01 + 0.09 * i, request(f"s{i}", S, steps=10))
+    out = st.run(until=40.0)
+    assert out["long"].status == "completed"
+    assert out["long"].end <= 4 * 2.0 + 2.0 + 0.2 + 1e-6
+
+
+def test_aging_is_what_saves_the_long_request() -> None:
+    """The same stream with aging effectively off: srtf leaves the long request unfinished."""
+    st = stage("srtf", max_batch=1, chunk_steps=1, aging=1000)
+    st.submit(0.0, request("long", L, steps=50))
+    for i in range(400):
+        st.submit(0.01 + 0.09 * i, request(f"s{i}", S, steps=10))
+    out = st.run(until=40.0)
+    assert "long" not in out
+
+
+# --- the core's own rules ------------------------------------------------------------------------
+def test_expired_requests_are_dropped_where_they_wait_and_where_they_are_resident() -> None:
+    c = core("srtf", max_batch=1, chunk_steps=1)
+    c.worker_up("w0")
+    c.add(request("resident", L, steps=10, deadline=1.0))
+    (run,) = c.schedule(0.0).commands
+    assert run == Run("w0", ("resident",), 1, ("resident",))
+    c.stepped(["resident"], 0.04)  # its chunk is still running: the worker stays busy
+    c.add(request("waiting", L, steps=10, deadline=1.5))
+    d = c.schedule(1.2)  # resident's deadline passed (a drop reaches even a busy worker)
+    assert [r.uid for r in d.expired] == ["resident"] and Drop("w0", ("resident",)) in d.commands
+    d = c.schedule(2.0)
+    assert [r.uid for r in d.expired] == ["waiting"] and not any(isinstance(x, Drop) for x in d.commands)
+    assert c.stats.expired == 2 and not c.requests and c.workers["w0"].free_bytes == c.spec.resident_bytes
+
+
+def test_drop_expired_off_keeps_late_requests() -> None:
+    c = core("edf", drop_expired=False)
+    c.worker_up("w0")
+    c.add(request("late", S, steps=2, deadline=0.0))
+    d = c.schedule(5.0)
+    assert not d.expired and d.commands[0].uids == ("late",)
+
+
+def test_cancel_frees_a_resident_state_and_forgets_a_waiting_one() -> None:
+    c = core("fcfs-batched", max_batch=2)
+    c.worker_up("w0")
+    for u in ("a", "b"):
+        c.add(request(u, S, steps=10))
+    c.schedule(0.0)
+    c.admitted("w0", "a", 1000)
+    c.add(request("c", S, steps=10))
+    assert c.cancel("a") == Drop("w0", ("a",))  # even while its chunk runs: applied between steps
+    assert c.cancel("c") is None
+    assert c.cancel("nope") is None
+    assert set(c.requests) == {"b"} and c.stats.cancelled == 2
+
+
+def test_resident_memory_bound_makes_new_requests_wait() -> None:
+    c = core("fcfs-batched", max_batch=4, chunk_steps=1, resident_bytes=2500)
+    c.worker_up("w0")
+    c.add(request("a", S, steps=5))
+    (run,) = c.schedule(0.0).commands  # nothing known of its size: an empty worker takes one
+    c.admitted("w0", "a", 1000)
+    c.idle("w0")
+    for u in ("b", "c"):
+        c.add(request(u, S, steps=5))
+    (run,) = c.schedule(0.0).commands
+    assert run.uids == ("a", "b") and run.admit == ("b",)  # c would need 1000 more than is free
+    c.admitted("w0", "b", 1000)
+    c.idle("w0")
+    assert c.schedule(0.0).commands[0].admit == ()
+    c.finished("a")
+    c.idle("w0")
+    assert c.schedule(0.0).commands[0].admit == ("c",)
+
+
+def test_a_bad_plan_is_refused_and_nothing_runs() -> None:
+    class Bad(Policy):
+        name = "bad"
+
+        def __init__(self, batch: Batch) -> None:
+            self.batch = batch
+
+        def plan(self, view: View) -> list[Batch]:
+            return [self.batch]
+
+    for batch, why in ((Batch("w9", ("a",), 1), "not idle"), (Batch("w0", ("a", "big"), 1), "different keys"),
+                       (Batch("w0", ("a", "a"), 1), "twice"), (Batch("w0", ("a",), 0), "positive"),
+                       (Batch("w0", ("a", "b", "c"), 1), "max_batch"), (Batch("w0", ("zz",), 1), "unknown")):
+        c = SchedCore(ScheduleSpec(policy="srtf", max_batch=2), CostModel(), Bad(batch))
+        c.worker_up("w0")
+        for u, key in (("a", S), ("b", S), ("c", S), ("big", L)):
+            c.add(request(u, key))
+        assert c.schedule(0.0).commands == []
+        assert c.stats.rejected == 1 and why in c.rejections[-1]
+
+
+def test_worker_gone_returns_what_it_held() -> None:
+    c = core("fcfs-batched", max_batch=4)
+    c.worker_up("w0")
+    c.worker_up("w1")
+    for u in ("a", "b"):
+        c.add(request(u, S))
+    c.add(request("c", L))
+    cmds = c.schedule(0.0).commands
+    held = {u for cmd in cmds if cmd.worker == "w0" for u in cmd.uids}
+    lost = c.worker_gone("w0")
+    assert {r.uid for r in lost} == held and not held & set(c.requests)
+
+
+def test_chunk_follows_the_measured_overhead() -> None:
+    c = core("srtf")
+    assert c.chunk(S, 1) == 1  # no overhead measured yet
+    c.note_overhead(0.001)  # 1 ms per chunk against 10 ms per step: 4 steps keep it under 3%
+    assert c.chunk(S, 1) == 4
+    assert c.chunk(L, 1) == 1
+    assert core("srtf", chunk_steps=7).chunk(S, 1) == 7
+
+
+def test_one_step_calls_are_never_batched() -> None:
+    c = core("fcfs-batched", max_batch=4)
+    c.worker_up("w0")
+    c.worker_up("w1")
+    for u in ("a", "b"):
+        c.add(request(u, "64x64x9", steps=1, batchable=False))
+    assert sorted(cmd.uids for cmd in c.schedule(0.0).commands) == [("a",), ("b",)]
+
+
+def test_batched_steps_are_charged_to_the_cost_model_and_split_among_members() -> None:
+    c = SchedCore(ScheduleSpec(policy="fcfs-batched"), CostModel())
+    c.worker_up("w0")
+    for u in ("a", "b"):
+        c.add(request(u, S, steps=3))
+    c.schedule(0.0)
+    c.stepped(["a", "b"], 0.02)
+    assert c.costs.step_s(S, 2) == pytest.approx(0.02)
+    assert c.requests["a"].device_s == pytest.approx(0.01) and c.requests["a"].done == 1
+
+
+# --- cost model, keys, options --------------------------------------------------------------------
+def test_cost_model_interpolates_extrapolates_and_scales_unknown_shapes() -> None:
+    m = CostModel({S: {1: 0.01, 4: 0.02}})
+    assert m.step_s(S, 2) == pytest.approx(0.01 + 0.01 / 3)
+    assert m.step_s(S, 8) == pytest.approx(0.04)  # no gain assumed past what is known
+    assert m.step_s("128x64x9/cfg/L64", 1) == pytest.approx(0.02)  # twice the volume
+    assert m.step_s("64x64x9/nocfg/L64", 1) is None  # no key of that variant
+    m.observe(S, 1, 0.03)
+    assert m.step_s(S, 1) == pytest.approx(0.03)  # measurements replace the table
+    assert m.reached(S, cap=2) == 1 and m.reached(S, cap=8) == 4
+    assert m.share_s(S, cap=8) == pytest.approx(0.005)
+    assert m.report()[S] == {"1": 0.03, "4": 0.02}
+
+
+def test_cost_tables_round_trip_and_bad_ones_are_refused() -> None:
+    doc = make_table({"denoise_t2v": [{"key": S, "batch": 2, "seconds": 0.5}]}, device="cpu")
+    assert table_rows(doc, "denoise_t2v") == {S: {2: 0.5}}
+    assert table_rows(doc, "other") == {}
+    for bad in ({"version": 2, "stages": {}}, {"version": 1, "stages": {"d": {"rows": [{"key": S}]}}},
+                {"version": 1, "stages": {"d": {"rows": [{"key": S, "batch": 0, "seconds": 1}]}}}):
+        with pytest.raises(TableError):
+            table_rows(bad)
+
+
+def test_keys() -> None:
+    p = {"width": 64, "height": 32, "num_frames": 9, "guidance": 5.0, "max_sequence_length": 64, "steps": 7}
+    assert compat_key(p) == "64x32x9/cfg/L64"
+    assert compat_key({**p, "guidance": 1.0, "steps": 3}) == "64x32x9/nocfg/L64"
+    assert compat_key({**p, "guidance": "x"}).endswith("/nocfg/L64")
+    assert volume("64x32x9/cfg/L64") == 64 * 32 * 9 and volume("?") is None
+
+
+def test_schedule_options_are_checked() -> None:
+    assert ScheduleSpec().max_batch == 1 and ScheduleSpec(policy="slack").max_batch == 4
+    with pytest.raises(ValidationError, match="fcfs runs every request alone"):
+        ScheduleSpec(policy="fcfs", max_batch=4)
+    with pytest.raises(ValidationError):
+        ScheduleSpec(policy="lifo")
+    with pytest.raises(ValidationError):
+        ScheduleSpec(max_batchh=2)
+    with pytest.raises(ValueError, match="unknown scheduling policy"):
+        make_policy("lifo")
