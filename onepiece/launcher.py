@@ -11,6 +11,7 @@ first, leaving no processes, sockets or runtime files behind.
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import signal
 import subprocess
@@ -129,9 +130,33 @@ class Deployment:
             out.append(Child(name, argv, self.log_dir / f"{name}.log"))
         return out
 
+    def fixed_ports(self) -> list[tuple[str, int, str]]:
+        """(host, port, what) of every fixed TCP port the deployment will bind."""
+        out = []
+        for i, address in enumerate(self.nm_addresses):
+            m = re.match(r"^tcp://([^:/]+):(\d+)$", address)
+            if m and int(m.group(2)):
+                out.append((m.group(1), int(m.group(2)), f"node manager {i}"))
+        for s in self.topo.sets:
+            if s.proxy.port:
+                out += [(s.proxy.host, s.proxy.port + i, f"proxy {i} of set {s.name}") for i in range(s.proxy.count)]
+        return out
+
+    def check_ports(self) -> None:
+        """Refuse to start when a fixed port is taken: started anyway, this deployment's roles
+        would join whatever answers there (another deployment's NM) and disturb it."""
+        from onepiece.ports import holder, in_use
+
+        taken = [f"port {port} ({what}) is in use by {holder(port)}" for host, port, what in self.fixed_ports()
+                 if in_use("0.0.0.0" if host in ("*", "0.0.0.0") else host, port)]
+        if taken:
+            raise RuntimeError("; ".join(taken) + ". Is another deployment running? Stop it, or give this "
+                               "topology other ports (nm.address, proxy.port).")
+
     def start(self) -> None:
         from onepiece.stage.wan.tiny import ensure_models
 
+        self.check_ports()
         for path in ensure_models(self.workflow, self.base_dir):
             print(f"built tiny random-weight model at {path}", flush=True)
         self.children = self.plan()

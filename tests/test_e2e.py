@@ -35,6 +35,7 @@ def up(tiny_models, tmp_path_factory, make_topology):
     nm = free_tcp_address()
     topology = make_topology(folder, tiny_models, nm)
     dep = Up(topology, folder / "logs", nm)
+    dep.topology = topology
     try:
         m = dep.wait_for(r"serves the API at (http://\S+)", timeout=240)
         dep.url = m.group(1)
@@ -98,6 +99,22 @@ def test_status_command_shows_every_stage(up):
         text = status()
     assert re.search(r"capacity t2v: [0-9.]+/s, bottleneck \w+", text), text
     assert "capacity i2v: unmeasured" in text, text
+
+
+def test_a_second_up_on_the_same_ports_is_refused_and_the_first_is_untouched(up, tmp_path):
+    before = up.routes()
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "onepiece", "up", "--topology", str(up.topology),
+                          "--logs", str(tmp_path / "logs")], capture_output=True, text=True, timeout=60)
+    port = up.nm.rsplit(":", 1)[1]
+    assert out.returncode == 1, out.stdout + out.stderr
+    m = re.search(rf"port {port} \(node manager 0\) is in use by pid (\d+) \(.*onepiece nm ", out.stderr)
+    assert m and psutil.Process(int(m.group(1))).parent().pid == up.proc.pid, out.stderr  # the first one's NM
+    assert time.monotonic() - t0 < 30  # refused before building or starting anything
+    assert not list((tmp_path / "logs").glob("*.log"))  # nothing was started
+    after = up.routes()
+    assert after["stages"] == before["stages"] and after["dbs"] == before["dbs"]
+    Client(up.url).generate("still here", tmp_path / "still.mp4", size="64x64", num_frames=5, steps=2)
 
 
 def _db_client(up) -> DbClient:

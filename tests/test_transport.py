@@ -100,6 +100,10 @@ def test_rpc_round_trip_errors_and_timeouts():
         raw.connect(server.address)
         raw.send_multipart([b"", b"{{{"])
         raw.send_multipart([b"only-one-frame"])
+        # An op that is not a string (an unhashable list killed DBs and the NM) is an unknown op.
+        for op in (b'[1]', b'{"a": 1}', b'null', b'7'):
+            raw.send_multipart([b"", b'{"id": 7, "op": ' + op + b'}'])
+            assert raw.poll(2000) and b"unknown op" in raw.recv_multipart()[1]
         assert client.call("echo", x=1)[0]["x"] == 1
         raw.close(0)
     finally:

@@ -63,7 +63,10 @@ class RpcServer:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._handle_one(frames)
+            try:
+                self._handle_one(frames)
+            except Exception:  # no request may stop the loop that serves the others
+                log.exception("rpc %s: dropped a request that broke its handling", self.address)
 
     def _handle_one(self, frames: list) -> None:
         if len(frames) < 3 or frames[1].bytes != b"":
@@ -77,11 +80,11 @@ class RpcServer:
         except (orjson.JSONDecodeError, ValueError) as e:
             log.warning("rpc %s: dropped malformed request: %s", self.address, e)
             return
-        rid = req.get("id")
-        handler = self.handlers.get(req.get("op"))
+        rid, op = req.get("id"), req.get("op")
+        handler = self.handlers.get(op) if isinstance(op, str) else None  # an op may be any JSON value
         blobs: Blobs = []
         if handler is None:
-            reply: dict = {"ok": False, "error": f"unknown op {req.get('op')!r}"}
+            reply: dict = {"ok": False, "error": f"unknown op {str(op)[:80]!r}"}
         else:
             try:
                 out = handler(req, frames[3:])
@@ -92,7 +95,7 @@ class RpcServer:
             except Exception as e:  # a bad request fails alone; the server keeps serving
                 # Look-up misses ("not found") are ordinary answers while clients fail over.
                 level = logging.DEBUG if isinstance(e, LookupError) else logging.WARNING
-                log.log(level, "rpc %s: op %s failed: %s", self.address, req.get("op"), e)
+                log.log(level, "rpc %s: op %s failed: %s", self.address, op, e)
                 reply = {"ok": False, "error": str(e)}
         reply["id"] = rid
         try:

@@ -1,0 +1,45 @@
+"""Is a TCP port free, and if not, who holds it: `onepiece up` checks its fixed ports before it
+starts anything, so that a second deployment on the same ports is refused instead of joining
+the first one's node manager."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from pathlib import Path
+
+
+def in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return True
+            raise
+    return False
+
+
+def holder(port: int) -> str:
+    """'pid N (command line)' of the process listening on ``port``, from /proc; or a plain
+    'another process' where /proc does not tell (another user's process, another namespace)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+    for pid in filter(str.isdigit, os.listdir("/proc") if inodes else ()):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in fds):
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                return f"pid {pid} ({cmd.strip()[:200]})"
+        except OSError:
+            continue
+    return "another process"
