@@ -1,16 +1,17 @@
 """Stage functions, registered per (function name, application kind).
 
 A stage function is ordinary Python: ``fn(ctx, msg) -> parts`` returns the payload parts to
-forward to the next stage (the last stage returns ``{"content": <mp4 bytes>}``). A function
-may instead return a :class:`SteppedTask`, which the worker drives one step at a time so that
-later schedulers can interleave requests between denoising steps.
+forward to the next stage (the last stage returns ``{"content": <mp4 bytes>}``): a one-step
+task. A function may instead return a :class:`SteppedTask` (it prepared the request's state),
+which the worker advances step by step, batched with compatible states, as the stage's
+scheduler decides, and finishes once its last step is done.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 from onepiece.transport.message import Message, Part
 
@@ -26,13 +27,41 @@ class StageContext:
 
 
 class SteppedTask(abc.ABC):
-    """A request computed in steps (e.g. denoising); ``progress`` is in [0, 1]."""
+    """The step contract (DESIGN §6.1): a request's state, prepared once by the stage function,
+    advanced a step at a time, alone or in a batch of compatible states, and finished once.
+
+    ``progress`` is in [0, 1]. ``key`` says what the tensors require: states with equal keys
+    (and of one class) may be advanced together by ``step_batch``, in one forward pass, whatever
+    their step counts and indices. ``nbytes`` is what the state keeps resident on its device.
+    """
 
     progress: float = 0.0
 
+    @property
+    def key(self) -> Hashable:
+        return id(self)  # compatible with nothing else, unless a task says otherwise
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    @property
     @abc.abstractmethod
+    def done(self) -> bool:
+        """No step is left."""
+
+    @classmethod
+    def step_batch(cls, tasks: "list[SteppedTask]") -> None:
+        """Advance each of ``tasks`` (equal keys, none done) by one step; this default runs
+        them one after another, a batching task does it in one forward pass."""
+        for t in tasks:
+            t.step()
+
     def step(self) -> bool:
-        """Run one step; True when no step is left."""
+        """Run one step alone; True when no step is left."""
+        if not self.done:
+            type(self).step_batch([self])
+        return self.done
 
     @abc.abstractmethod
     def result(self) -> Parts:

@@ -269,10 +269,14 @@ def vae_encode(ctx: StageContext, msg: Message) -> Parts:
 
 
 class WanDenoise(SteppedTask):
-    """The denoising loop of WanPipeline / WanImageToVideoPipeline, one step per ``step()``.
+    """The denoising loop of WanPipeline / WanImageToVideoPipeline as a request state: one
+    step per ``step()``, or a step of several requests in one forward pass (``step_batch``).
 
-    Owns a private copy of the scheduler: schedulers keep per-request state (step index,
-    multistep history), so requests interleaved on one worker must not share one.
+    Classifier-free guidance runs the conditional and unconditional halves as one batch, not
+    two calls. States batch when their tensors agree (``key``: application kind, latent and
+    conditioning shapes, text length, CFG on or off, dtype, device); seeds, prompts, guidance
+    scales, step counts and step indices may all differ. Each state owns a private copy of the
+    diffusers scheduler: schedulers keep per-request state (step index, multistep history).
     """
 
     def __init__(
@@ -310,50 +314,62 @@ class WanDenoise(SteppedTask):
     def done(self) -> bool:
         return self.i >= len(self.timesteps)
 
-    def step(self) -> bool:
-        if self.done:
-            return True
-        i, t = self.i, self.timesteps[self.i]
-        model = self.transformer
-        dtype = model.dtype
+    @property
+    def cfg(self) -> bool:
+        return self.guidance > 1.0
+
+    @property
+    def key(self) -> tuple:
+        def shape(t: torch.Tensor | None) -> tuple | None:
+            return None if t is None else tuple(t.shape)
+
+        return (self.kind, id(self.transformer), shape(self.latents), shape(self.condition), shape(self.prompt_embeds),
+                shape(self.image_embeds), self.cfg, self.transformer.dtype, str(self.device))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.latents, self.prompt_embeds,
+                                                          self.negative_prompt_embeds, self.image_embeds,
+                                                          self.condition) if t is not None)
+
+    def _model_input(self) -> torch.Tensor:
+        x = self.latents if self.kind == "t2v" else torch.cat([self.latents, self.condition], dim=1)
+        return x.to(self.transformer.dtype)
+
+    @classmethod
+    def step_batch(cls, tasks: "list[WanDenoise]") -> None:
+        if not tasks:
+            return
+        model, cfg = tasks[0].transformer, tasks[0].cfg
+        halves = 2 if cfg else 1
         with torch.inference_mode():
-            if self.kind == "t2v":
-                model_input = self.latents.to(dtype)
-                cache_kwargs = {
-                    "step_index": i,
-                    "sigma": float(self.scheduler.sigmas[i]),
-                    "num_inference_steps": len(self.timesteps),
-                }
-                extra: dict[str, Any] = {}
-            else:
-                model_input = torch.cat([self.latents, self.condition], dim=1).to(dtype)
-                cache_kwargs = {}
-                extra = {"encoder_hidden_states_image": self.image_embeds}
-            timestep = t.expand(self.latents.shape[0])
-            with model.cache_context("cond", **cache_kwargs):
-                noise_pred = model(
-                    hidden_states=model_input,
-                    timestep=timestep,
-                    encoder_hidden_states=self.prompt_embeds,
-                    attention_kwargs=None,
-                    return_dict=False,
-                    **extra,
-                )[0]
-            if self.guidance > 1.0:
-                with model.cache_context("uncond", **cache_kwargs):
-                    noise_uncond = model(
-                        hidden_states=model_input,
-                        timestep=timestep,
-                        encoder_hidden_states=self.negative_prompt_embeds,
-                        attention_kwargs=None,
-                        return_dict=False,
-                        **extra,
-                    )[0]
-                noise_pred = noise_uncond + self.guidance * (noise_pred - noise_uncond)
-            self.latents = self.scheduler.step(noise_pred, t, self.latents, return_dict=False)[0]
-        self.i += 1
-        self.progress = self.i / len(self.timesteps)
-        return self.done
+            x = torch.cat([t._model_input() for t in tasks])
+            ts = torch.stack([t.timesteps[t.i] for t in tasks])
+            text = [t.prompt_embeds for t in tasks]
+            if cfg:  # the unconditional half: the same latents with the negative prompts
+                x = torch.cat([x, x])
+                ts = torch.cat([ts, ts])
+                text += [t.negative_prompt_embeds for t in tasks]
+            extra: dict[str, Any] = {}
+            if tasks[0].image_embeds is not None:
+                extra["encoder_hidden_states_image"] = torch.cat([t.image_embeds for t in tasks] * halves)
+            out = model(
+                hidden_states=x,
+                timestep=ts,
+                encoder_hidden_states=torch.cat(text),
+                attention_kwargs=None,
+                return_dict=False,
+                **extra,
+            )[0]
+            n = len(tasks)
+            for j, t in enumerate(tasks):
+                noise = out[j:j + 1]
+                if cfg:
+                    uncond = out[n + j:n + j + 1]
+                    noise = uncond + t.guidance * (noise - uncond)
+                t.latents = t.scheduler.step(noise, t.timesteps[t.i], t.latents, return_dict=False)[0]
+                t.i += 1
+                t.progress = t.i / len(t.timesteps)
 
     def result(self) -> Parts:
         if not self.done:
