@@ -3,7 +3,8 @@
 - data address (any transport, ``transport.registry.listen``): ``status`` / ``result`` /
   ``failed`` reports from stages, ``replica`` / ``purge`` from peers (see ``db/protocol.py``);
 - control address (``transport.rpc.RpcServer``): the ops below;
-- events address (ZMQ PUB): ``[b"done", {"uid", "status"}]`` on every terminal transition.
+- events address (ZMQ PUB): ``[b"done", {"uid", "status"}]`` on every terminal transition, and
+  ``[b"cancel", {"uid"}]`` when a request that is not finished is deleted (stages drop it).
 
 RPC ops (request fields -> reply fields; errors come back as ``{"ok": false, "error": ...}``):
 
@@ -58,7 +59,7 @@ import zmq
 from prometheus_client import Counter, Gauge
 
 from onepiece.db.placement import order_dbs
-from onepiece.db.protocol import CONTENT
+from onepiece.db.protocol import CONTENT, TERMINAL
 from onepiece.db.store import Change, InvalidUpdate, NotFound, ResultStore, StoreFull
 from onepiece.supervise import stop_on_signals
 from onepiece.transport import registry
@@ -300,11 +301,13 @@ class DbServer:
             self._replicate(Message({"uid": rec["uid"], "kind": "replica", "record": rec}, parts))
 
     def _publish(self, rec: dict[str, Any]) -> None:
+        self._event(b"done", rec["uid"], rec["status"])
+
+    def _event(self, topic: bytes, uid: str, status: str) -> None:
         try:
-            self.pub.send_multipart([b"done", orjson.dumps({"uid": rec["uid"], "status": rec["status"]})],
-                                    zmq.NOBLOCK)
+            self.pub.send_multipart([topic, orjson.dumps({"uid": uid, "status": status})], zmq.NOBLOCK)
         except zmq.Again:
-            log.warning("db %s: uid=%s done event dropped (subscribers not reading)", self.name, rec["uid"])
+            log.warning("db %s: uid=%s %s event dropped (subscribers not reading)", self.name, uid, topic.decode())
 
     def _count(self, what: str, n: int = 1) -> None:
         with self._counts_lock:
@@ -361,6 +364,10 @@ class DbServer:
 
     def _op_delete(self, req: dict, blobs: list) -> dict:
         uid = _uid(req)
+        rec = self.store.get(uid)
+        if rec is not None and rec.get("status") not in TERMINAL:
+            # Still being generated: stages subscribe to this and drop it where it is.
+            self._event(b"cancel", uid, "")
         existed = self.store.purge(uid)
         WRITES.labels(self.name, "delete").inc()
         log.info("db %s: uid=%s deleted (%s)", self.name, uid, "held" if existed else "not held")

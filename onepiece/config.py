@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from onepiece.sched.options import ScheduleSpec
+
 if TYPE_CHECKING:
     from onepiece.nm.zk import ZkSettings
 
@@ -52,6 +54,8 @@ class StageSpec(_Strict):
     threads: int = Field(0, ge=0, le=256, description="torch threads per worker (0: all cores)")
     data: Literal["zmq", "ring"] = Field("zmq", description="how the stage receives its data: ZeroMQ, or the "
                                                              "one-sided ring buffer (shm on one host, TCP agent across)")
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec, description="step scheduling: policy, batching, "
+                                                                             "chunking, resident memory, aging")
 
 
 class Defaults(_Strict):
@@ -133,6 +137,13 @@ class Workflow(_Strict):
 
     def model_path(self, name: str, base: Path) -> Path:
         return resolve_path(self.models[name].path, base)
+
+    def cost_table(self, stage: str, base: Path) -> dict[str, dict[int, float]] | None:
+        """The rows of ``stage`` in its ``schedule.costs`` table (relative to ``base``), if any."""
+        from onepiece.sched.costs import load_table
+
+        path = self.stages[stage].schedule.costs
+        return None if path is None else load_table(resolve_path(path, base), stage)
 
 
 class ElasticSpec(_Strict):
@@ -323,11 +334,19 @@ def _explain(path: Path, err: ValidationError) -> ConfigError:
 
 
 def load_workflow(path: str | Path) -> Workflow:
+    from onepiece.sched.costs import TableError
+
     path = Path(path)
     try:
-        return Workflow.model_validate(_read_yaml(path))
+        wf = Workflow.model_validate(_read_yaml(path))
     except ValidationError as e:
         raise _explain(path, e) from None
+    for stage in wf.stages:
+        try:
+            wf.cost_table(stage, path.parent)
+        except TableError as e:
+            raise ConfigError(f"{path}: stages.{stage}.schedule.costs: {e}") from None
+    return wf
 
 
 def load_topology(path: str | Path) -> tuple[Topology, Workflow, Path]:

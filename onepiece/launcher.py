@@ -294,7 +294,8 @@ def up(topology: Path, log_dir: Path | None = None, ready_timeout: float = 300.0
 def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, dbs: int = 2,
                    transport: str = "ipc", stages: dict[str, int] | None = None, heartbeat_s: float = 0.25,
                    sets: list[dict[str, Any]] | None = None, data: str = "zmq", nm: dict[str, Any] | None = None,
-                   device: str = "cpu", threads: int | None = None, **set_options: Any) -> Path:
+                   device: str = "cpu", threads: int | None = None,
+                   schedule: dict[str, dict[str, Any]] | None = None, **set_options: Any) -> Path:
     """A deployment of the shipped workflow with its models at ``models`` ({"t2v": dir,
     "i2v": dir}), written into ``folder`` (for tests and benchmarks). Returns the topology file.
 
@@ -304,7 +305,9 @@ def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, db
     merged key by key), and an entry without a name is called ``set<i>``. E.g.
     ``sets=[{"name": "a", "proxy": {"max_inflight": 1}}, {"name": "b", "db": {"count": 3}}]``.
     The NM listens at ``nm_address``. ``data="ring"`` makes every stage and DB receive its
-    data over the ring buffer instead of ZeroMQ; ``device`` is every stage's torch device, ``threads`` (if given) its torch threads. ``nm`` adds NmSpec keys, e.g. ``{"zk": hosts,
+    data over the ring buffer instead of ZeroMQ; ``device`` is every stage's torch device, ``threads`` (if given) its
+    torch threads, ``schedule`` per stage its scheduling options (e.g. ``{"denoise_t2v": {"policy": "slack"}}``).
+    ``nm`` adds NmSpec keys, e.g. ``{"zk": hosts,
     "count": 3}`` for three NMs on ZooKeeper (at ``nm_address`` and the next two ports)."""
     import yaml
 
@@ -318,6 +321,8 @@ def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, db
         spec["device"] = device
         if threads:
             spec["threads"] = threads
+    for stage, options in (schedule or {}).items():
+        wf["stages"][stage]["schedule"] = options
     wf["db"] = {"data": data}
     (folder / "workflow.yaml").write_text(yaml.safe_dump(wf))
     base: dict[str, Any] = {"proxy": {"count": 1, "port": 0}, "db": {"count": dbs},

@@ -18,7 +18,8 @@ def _instance(i: dict[str, Any]) -> str:
         extra = (f" queue {s.get('queue', 0)}/{s.get('capacity', '?')}"
                  f" busy {s.get('busy', 0)}/{s.get('workers', '?')}"
                  f" done {s.get('completed', 0)} failed {s.get('failed', 0)}"
-                 + (f" gpu {s['gpu_util']:.0%}" if isinstance(s.get("gpu_util"), (int, float)) else ""))
+                 + (f" gpu {s['gpu_util']:.0%}" if isinstance(s.get("gpu_util"), (int, float)) else "")
+                 + _scheduling(s))
     elif i["role"] == "db":
         extra = f" records {s.get('records', 0)} bytes {s.get('bytes', 0)}"
     elif i["role"] == "proxy":
@@ -26,6 +27,21 @@ def _instance(i: dict[str, Any]) -> str:
                  f" accepted {s.get('accepted', 0)} rejected {s.get('rejected', 0)}")
     addr = i["addresses"].get("http") or i["addresses"].get("data", "")
     return f"    {i['id']:10s} {health:10s} {addr}{extra}"
+
+
+def _scheduling(s: dict[str, Any]) -> str:
+    """The step scheduler's line: policy, resident states, mean batch, step time, what it did."""
+    if not s.get("policy"):
+        return ""
+    batches = s.get("batches") or 0
+    batch = f"{s.get('batched', 0) / batches:.1f}" if batches else "-"
+    step = s.get("step_time") or {}
+    n = sum(step.get("counts") or [])
+    ms = f"{step.get('sum', 0) / n * 1000:.1f} ms" if n else "unmeasured"
+    return (f"\n{'':17s}{s['policy']} (batch <= {s.get('max_batch', 1)}): resident {s.get('resident', 0)},"
+            f" mean batch {batch}, step {ms}, chunk overhead {s.get('overhead_ms', 0):.1f} ms;"
+            f" preempted {s.get('preempted', 0)} cancelled {s.get('cancelled', 0)} expired {s.get('expired', 0)}"
+            f" aged {s.get('aged', 0)}")
 
 
 def _rate(r: float | None) -> str:

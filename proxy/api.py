@@ -34,7 +34,7 @@ from onepiece.proxy.dispatch import Dispatcher, NoEntrance, SendFailed
 from onepiece.proxy.errors import ApiError, JsonResponse, bad_request
 from onepiece.proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
 from onepiece.proxy.validation import VideoJob, build_job, decode_base64_image, decode_image
-from onepiece.stage.service_times import shape_key
+from onepiece.sched.keys import shape_key
 from onepiece.transport.message import Message, MessageError, new_uid
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ class ProxyState:
                                headers=self._retry()) from None
             header = {
                 "uid": uid, "ts": ts, "app": job.app, "stage": first_stage, "set": self.cluster.set_name,
-                "deadline": deadline, "kind": "task", "params": params, "trace": [],
+                "deadline": deadline, "priority": job.priority, "kind": "task", "params": params, "trace": [],
             }
             msg = Message(header, {"image": image} if image is not None else {})
             msg.mark("proxy", "leave")
@@ -541,6 +541,9 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
         uid = uid_of(video_id)
         if not await _db(st.dbs.delete(uid)):
             raise ApiError(404, f"no video with id {video_id!r}", code="video_not_found", param="video_id")
+        # A cancelled request frees its slot now, not at its deadline (the DBs tell the stages).
+        if st.tracker.release(uid):
+            st.metrics.inflight.set(len(st.tracker))
         return JsonResponse({"id": ID_PREFIX + uid, "object": "video.deleted", "deleted": True})
 
     @app.get("/v1/models")

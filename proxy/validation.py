@@ -28,6 +28,7 @@ from onepiece.proxy.errors import ApiError, bad_request
 MAX_SECONDS = 3600.0
 MAX_GUIDANCE = 100.0
 MAX_SEED = 2**32 - 1  # what numpy and torch generators both accept
+MAX_PRIORITY = 1000  # what the stages accept in a header
 MAX_IMAGE_PIXELS = 4096 * 4096  # decoded size bound: a small PNG can expand to gigabytes
 SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
 _B64_WS = re.compile(rb"\s+")
@@ -50,6 +51,7 @@ class CreateFields(BaseModel):
     seed: int | None = None
     negative_prompt: str | None = None
     timeout_s: float | None = None
+    priority: int | None = None
 
     @field_validator("seconds", "guidance", "guidance_scale", "timeout_s", mode="before")
     @classmethod
@@ -59,7 +61,7 @@ class CreateFields(BaseModel):
             raise ValueError("expected a number, not a boolean")
         return v
 
-    @field_validator("num_frames", "steps", "num_inference_steps", "seed", mode="before")
+    @field_validator("num_frames", "steps", "num_inference_steps", "seed", "priority", mode="before")
     @classmethod
     def _no_bool_int(cls, v: Any) -> Any:
         if isinstance(v, bool):
@@ -85,6 +87,7 @@ class VideoJob:
     timeout_s: float
     image_bytes: bytes | None = None
     timeout_given: bool = False  # the client set timeout_s (else: the app's limit, and admission's default)
+    priority: int = 0  # stage policies serve higher first among requests they would otherwise tie
 
     @property
     def size(self) -> str:
@@ -241,10 +244,15 @@ def build_job(workflow: Workflow, raw: dict[str, Any], image_bytes: bytes | None
                               param="timeout_s")
         timeout_s = fields.timeout_s
 
+    priority = 0 if fields.priority is None else fields.priority
+    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise bad_request(f"'priority' must be between {-MAX_PRIORITY} and {MAX_PRIORITY}; got {priority}",
+                          param="priority")
+
     return VideoJob(
         app=app, prompt=prompt, negative_prompt=negative, width=width, height=height, num_frames=num_frames,
         steps=steps, guidance=float(guidance), seed=seed, fps=d.fps, max_sequence_length=d.max_sequence_length,
-        timeout_s=timeout_s, image_bytes=image_bytes, timeout_given=fields.timeout_s is not None,
+        timeout_s=timeout_s, image_bytes=image_bytes, timeout_given=fields.timeout_s is not None, priority=priority,
     )
 
 

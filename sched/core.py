@@ -67,6 +67,7 @@ class CoreStats:
 @dataclass
 class _Worker(Worker):
     previous: tuple[str, ...] = ()  # its last batch
+    key: str = ""  # that batch's key: its steps are still reported after members finished
 
 
 class SchedCore:
@@ -139,13 +140,15 @@ class SchedCore:
         while len(self._bytes) > 256:
             self._bytes.popitem(last=False)
 
-    def stepped(self, uids: list[str], seconds: float) -> None:
-        """One forward pass advanced ``uids`` (one batch, one key) by a step in ``seconds``."""
+    def stepped(self, uids: list[str], seconds: float, measure: bool = True) -> None:
+        """One forward pass advanced ``uids`` (one batch, one key) by a step in ``seconds``;
+        ``measure``: a sample for the cost model (not a warm-up)."""
         if not uids:
             return
         live = [self.requests[u] for u in uids if u in self.requests]
-        if live:  # all dropped meanwhile: the key is gone with them
-            self.costs.observe(live[0].key, len(uids), seconds)
+        key = next((w.key for w in self.workers.values() if uids[0] in w.previous), None)
+        if key is not None and measure:
+            self.costs.observe(key, len(uids), seconds)
         for r in live:
             r.done = min(r.steps, r.done + 1)
             r.device_s += seconds / len(uids)
@@ -189,8 +192,25 @@ class SchedCore:
         return max(1, min(MAX_CHUNK, math.ceil(self.overhead_s / (CHUNK_OVERHEAD * t))))
 
     def standalone_s(self, r: Request) -> float | None:
+        """Seconds ``r`` takes alone on an idle worker: its steps, its preparing and finishing,
+        and the decision and IPC of each chunk."""
         t = self.costs.step_s(r.key, 1)
-        return None if t is None else t * r.steps
+        if t is None:
+            return None
+        return t * r.steps + self.costs.fixed_s(r.key) + math.ceil(r.steps / self._chunk_of(r, 1)) * self.overhead_s
+
+    def share_s(self, r: Request) -> float | None:
+        """Device seconds ``r`` takes at the largest batch the stage reached for its key: what
+        the stage's sustained rate follows from."""
+        b = self.costs.reached(r.key, self.max_batch if r.batchable else 1)
+        t = self.costs.step_s(r.key, b)
+        if t is None:
+            return None
+        chunks = math.ceil(r.steps / self._chunk_of(r, b))
+        return (t * r.steps + chunks * self.overhead_s) / b + self.costs.fixed_s(r.key)
+
+    def _chunk_of(self, r: Request, batch: int) -> int:
+        return r.steps if self.policy.name == "fcfs" else self.chunk(r.key, batch)
 
     # --- the decision ---------------------------------------------------------------------------
     def schedule(self, now: float) -> Decision:
@@ -276,7 +296,7 @@ class SchedCore:
                 r.started = now
         # Passed over: in this worker's last batch, still resident and unfinished, not in this one.
         self.stats.preempted += sum(1 for u in w.previous if u in w.resident and u not in b.uids)
-        w.previous, w.idle = b.uids, False
+        w.previous, w.key, w.idle = b.uids, rs[0].key, False
         self.stats.batches += 1
         self.stats.batched += len(b.uids)
         return Run(b.worker, b.uids, b.steps, admit)

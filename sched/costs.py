@@ -1,8 +1,9 @@
 """The cost model of one stage: seconds per step (a stepped function) or per call (a one-step
-function), per compatibility key and batch size.
+function), per compatibility key and batch size, and per key what a request costs besides its
+steps (preparing its state and finishing it).
 
 Measured by the stage itself: every step a worker runs is one sample of (key, batch size,
-seconds), kept in a moving window. It may start from a table (``onepiece profile`` writes
+seconds), kept in a moving window whose median is the cost. It may start from a table (``onepiece profile`` writes
 one; ``load_table`` reads it), which measurements then replace key by key. Lookups fill
 gaps in three ways, each conservative for latency:
 
@@ -37,6 +38,7 @@ class CostModel:
         self.window = window
         self._seed: dict[str, dict[int, float]] = {k: dict(v) for k, v in (table or {}).items()}
         self._obs: collections.OrderedDict[str, dict[int, collections.deque]] = collections.OrderedDict()
+        self._fixed: collections.OrderedDict[str, collections.deque] = collections.OrderedDict()
 
     # --- measurements ---------------------------------------------------------------------------
     def observe(self, key: str, batch: int, seconds: float) -> None:
@@ -49,11 +51,27 @@ class CostModel:
             self._obs.popitem(last=False)
 
     def row(self, key: str) -> dict[int, float]:
-        """Known seconds per batch size for ``key``: measured means over the table's."""
+        """Known seconds per batch size for ``key``: measured medians (a step that shared the
+        cores with another process is an outlier, not the cost) over the table's."""
         out = dict(self._seed.get(key, {}))
         for b, d in self._obs.get(key, {}).items():
-            out[b] = statistics.fmean(d)
+            out[b] = statistics.median(d)
         return out
+
+    def observe_fixed(self, key: str, seconds: float) -> None:
+        """What one request of ``key`` costs besides its steps (preparing and finishing it)."""
+        if not seconds >= 0:
+            return
+        window = self._fixed.pop(key, None) or collections.deque(maxlen=self.window)
+        window.append(float(seconds))
+        self._fixed[key] = window
+        while len(self._fixed) > MAX_KEYS:
+            self._fixed.popitem(last=False)
+
+    def fixed_s(self, key: str) -> float:
+        """Seconds a request of ``key`` costs besides its steps (0 until measured)."""
+        window = self._fixed.get(key)
+        return statistics.median(window) if window else 0.0
 
     def keys(self) -> set[str]:
         return set(self._seed) | set(self._obs)

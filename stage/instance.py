@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from prometheus_client import REGISTRY, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from onepiece.config import Workflow
 from onepiece.nm.client import Membership
@@ -70,10 +70,27 @@ class StageMetrics:
         c = CounterMetricFamily("onepiece_stage_worker_slot_seconds", "worker slots times wall seconds", labels=["stage"])
         c.add_metric(labels, s.slot_s)
         yield c
-        g = GaugeMetricFamily("onepiece_stage_service_seconds", "mean service time over the recent window", labels=["stage", "app"])
+        g = GaugeMetricFamily("onepiece_stage_service_seconds", "device seconds per request over the recent window "
+                              "(at the batch sizes the stage reaches)", labels=["stage", "app"])
         for app, t in s.service.items():
             g.add_metric([rt.stage, app], t["mean_s"])
         yield g
+        g = GaugeMetricFamily("onepiece_stage_resident_requests", "request states held by workers (running or paused)",
+                              labels=["stage"])
+        g.add_metric(labels, s.resident)
+        yield g
+        c = CounterMetricFamily("onepiece_stage_scheduling_events", "step scheduling: requests preempted (passed over "
+                                "at a chunk boundary), cancelled, expired (deadline passed), aged (served first)",
+                                labels=["stage", "event"])
+        for event in ("preempted", "cancelled", "expired", "aged"):
+            c.add_metric([rt.stage, event], getattr(s, event))
+        yield c
+        for name, doc, h in (("queue_wait_seconds", "arrival at the stage to its first step", s.queue_wait),
+                             ("step_seconds", "one forward pass of a batch (or one call)", s.step_time),
+                             ("batch_size", "requests per forward pass", s.batch_size)):
+            m = HistogramMetricFamily(f"onepiece_stage_{name}", doc, labels=["stage"])
+            m.add_metric(labels, h.buckets(), h.total)
+            yield m
 
 
 class StageInstance:
@@ -97,7 +114,7 @@ class StageInstance:
 
     def stats(self) -> dict[str, Any]:
         rt = self.runtime
-        return {**(vars(rt.stats) if rt is not None else {}), "holding": self.holdings.snapshot()}
+        return {**(rt.stats.report() if rt is not None else {}), "holding": self.holdings.snapshot()}
 
     # ---- the assignment loop -----------------------------------------------------------------
 

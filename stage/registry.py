@@ -71,14 +71,24 @@ class SteppedTask(abc.ABC):
 StageFn = Callable[[StageContext, Message], "Parts | SteppedTask"]
 
 _functions: dict[tuple[str, str], StageFn] = {}
+_stepped: set[tuple[str, str]] = set()
 
 
-def stage_function(name: str, kind: str) -> Callable[[StageFn], StageFn]:
+def stage_function(name: str, kind: str, stepped: bool = False) -> Callable[[StageFn], StageFn]:
+    """Register ``fn`` as stage function ``name`` for application kind ``kind``; ``stepped``:
+    it returns a SteppedTask (its scheduler then counts steps and batches it)."""
     def deco(fn: StageFn) -> StageFn:
         _functions[(name, kind)] = fn
+        if stepped:
+            _stepped.add((name, kind))
         return fn
 
     return deco
+
+
+def is_stepped(name: str, kind: str) -> bool:
+    lookup(name, kind)
+    return (name, kind) in _stepped
 
 
 def lookup(name: str, kind: str) -> StageFn:

@@ -19,7 +19,8 @@ from typing import Any, Callable
 from onepiece.config import Workflow
 from onepiece.nm.holdings import Holdings, TrackingMailbox
 from onepiece.stage.deliver import ResultDeliver
-from onepiece.stage.scheduler import RequestScheduler, SchedulerStats
+from onepiece.stage.scheduler import RequestScheduler
+from onepiece.stage.stats import SchedulerStats
 from onepiece.stage.task_manager import TaskManager
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,8 @@ class StageRuntime:
         self.stats = SchedulerStats()
         self.mailbox = TrackingMailbox(1024, holdings)
         self.scheduler = RequestScheduler(stage, receiver, f"ipc://{rdir}/workers-{next(_sockets)}.sock",
-                                          workflow.stages[stage].queue, self.mailbox, self.stats)
+                                          workflow.stages[stage], self.mailbox, self.stats, routes,
+                                          costs=workflow.cost_table(stage, base_dir))
         self.deliver = ResultDeliver(stage, workflow, self.mailbox, routes=routes)
         self.tm = TaskManager(instance, stage, workflow, base_dir, self.scheduler)
         self._on_fatal = on_fatal

@@ -1,15 +1,22 @@
-"""The RequestScheduler (DESIGN §6), Individual mode: one bounded queue that idle workers pull
-from. It owns the instance's data receiver and the socket its workers connect to, and it
-alone knows which worker holds which request, so it is the one that turns a dead worker's
-request into a failure.
+"""The RequestScheduler (DESIGN §6, §6.1): the I/O shell around the stage's scheduling core.
 
-When its queue is full it stops reading the receiver, so the transport's own bounds push back
-on senders (they see ``Full`` within their send timeout) instead of memory growing here.
+The decisions are the core's (sched/core.py: which requests advance, batched how, on which
+worker, for how many steps); this shell only moves things between it and the world:
 
-A message for another stage (sent on a route table from before this instance moved) is handed
-to the deliverer to forward, not failed. The scheduler also keeps the instance's utilization:
-worker-busy seconds and worker-wall seconds, both cumulative, which the NM turns into busy time
-over wall time per window (nm/utilization.py).
+- the data receiver → ``core.add`` (header checked first), up to the stage's queue bound: when
+  the queue is full it stops reading, so the transport's own bounds push back on senders;
+- the workers (a ZMQ ROUTER; workers are executors, stage/worker.py) ↔ the core's commands and
+  the workers' reports (admitted, progress, done, failed, idle with each step's time);
+- the set's DBs' ``cancel`` events (a DELETE of a request that is not finished) → ``core.cancel``:
+  a request cancelled before it arrives is dropped on arrival, one in a worker at its next
+  step boundary;
+- the outcomes (results, failures with the reason, progress) → the ResultDeliver's mailbox.
+
+It alone knows what each worker holds, so it turns a dead or hung worker's requests into
+failures. A message for another stage (sent on a route table from before this instance moved)
+is handed to the deliverer to forward. It also keeps the instance's utilization (seconds
+workers ran a chunk over worker-wall seconds, nm/utilization.py), its service times and its
+cost model, which go out with every heartbeat.
 """
 
 from __future__ import annotations
@@ -19,70 +26,74 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import orjson
 import zmq
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
-from onepiece.stage.service_times import ServiceTimes, shape_key
+from onepiece.config import StageSpec
+from onepiece.sched.core import Drop, Run, SchedCore
+from onepiece.sched.costs import CostModel
+from onepiece.sched.keys import call_key, compat_key, shape_key
+from onepiece.sched.policy import Request
+from onepiece.stage.service_times import ServiceTimes
+from onepiece.stage.stats import SchedulerStats
 from onepiece.transport.base import Receiver
 from onepiece.transport.message import Message, MessageError, decode, encode, now_ns
 
 log = logging.getLogger(__name__)
 
-
-HUNG_GRACE_NS = 10_000_000_000  # past its request's deadline by this much, a worker is hung
-
-
-@dataclass
-class Held:
-    uid: str
-    app: str
-    since: float
-    shape: str
-    deadline: int | None = None
+HUNG_GRACE_S = 10.0  # a chunk still running this long past every member's deadline: the worker hung
+MAX_CANCELLED = 65_536  # cancelled uids remembered, to drop them if they arrive later
 
 
-@dataclass
-class SchedulerStats:
-    queue: int = 0
-    capacity: int = 0
-    workers: int = 0
-    ready: int = 0
-    busy: int = 0
-    # Set once a worker first loaded, and kept while workers restart, so the NM keeps routing
-    # here: requests wait in the bounded queue for the restart instead of failing upstream.
-    serving: bool = False
-    received: int = 0
-    completed: int = 0
-    failed: int = 0
-    rejected_frames: int = 0
-    forwarded: int = 0
-    busy_s: float = 0.0  # cumulative seconds workers held a request, summed over workers
-    slot_s: float = 0.0  # cumulative seconds of worker slots (workers x wall time)
-    gpu_util: float | None = None  # NVML, where the workers run on GPUs (stage/gpu.py)
-    # measured service times: {app: {"mean_s", "recent", "shapes": {shape: mean_s}}}
-    service: dict[str, dict] = field(default_factory=dict)
+class TaskHeader(BaseModel):
+    """What the scheduler reads of a data message's header before it trusts it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    uid: StrictStr = Field(min_length=1, max_length=128)
+    app: StrictStr
+    params: dict[str, Any]
+    deadline: StrictInt | None = None  # ns since the epoch
+    priority: StrictInt = Field(0, ge=-1000, le=1000)
+    trace: list[dict[str, Any]] = Field(default_factory=list, max_length=1024)
 
 
 class RequestScheduler:
-    def __init__(self, stage: str, receiver: Receiver, worker_address: str, capacity: int, outbox: "queue.Queue",
-                 stats: SchedulerStats | None = None) -> None:
-        self.stage, self.receiver, self.capacity, self.outbox = stage, receiver, capacity, outbox
-        self.workers = zmq.Context.instance().socket(zmq.ROUTER)
+    def __init__(self, stage: str, receiver: Receiver, worker_address: str, spec: StageSpec, outbox: "queue.Queue",
+                 stats: SchedulerStats | None = None, routes: Callable[[], dict] | None = None,
+                 costs: dict[str, dict[int, float]] | None = None) -> None:
+        self.stage, self.receiver, self.capacity, self.outbox = stage, receiver, spec.queue, outbox
+        self.routes = routes or (lambda: {})
+        ctx = zmq.Context.instance()
+        self.workers = ctx.socket(zmq.ROUTER)
         self.workers.setsockopt(zmq.LINGER, 0)
         self.workers.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reuses its identity
         self.workers.bind(worker_address)
         self.worker_address = self.workers.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.pending: collections.deque[Message] = collections.deque()
-        self.idle: collections.deque[bytes] = collections.deque()
+        self.events = ctx.socket(zmq.SUB)  # the set's DBs: cancellations
+        self.events.setsockopt(zmq.LINGER, 0)
+        self.events.setsockopt(zmq.SUBSCRIBE, b"cancel")
+        self._dbs: set[str] = set()
+        self._dbs_version: Any = None
+        self.core = SchedCore(spec.schedule, CostModel(costs))  # from a table, if given; measured from here on
+        self.msgs: dict[str, Message] = {}  # waiting requests' messages, sent on with their admission
+        self.shapes: dict[str, str] = {}  # the shape key of every request in the core
+        self.sample_later: list[Request] = []  # finished, their service times not yet taken
+        self.fixed: dict[str, float] = {}  # seconds spent preparing and finishing each stepped request
+        self.stepped: dict[str, bool] | None = None  # per app, from the workers (None: none ready yet)
         self.known: set[bytes] = set()  # workers that said ready at least once
-        self.fresh: set[bytes] = set()  # workers whose first request (JIT, allocator warm-up) is not a sample
-        self.held: dict[bytes, Held] = {}
-        self.control: queue.Queue = queue.Queue(maxsize=256)  # ("died", identity, reason) from the TaskManager
+        self.fresh: set[bytes] = set()  # workers whose first chunk (JIT, allocator warm-up) is not a sample
+        self.born: dict[bytes, float] = {}
+        self.running: dict[bytes, tuple[float, float, tuple[str, ...]]] = {}  # worker -> (sent, decided in, uids)
+        self.cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.control: queue.Queue = queue.Queue(maxsize=256)  # ("died", identity, reason, t) from the TaskManager
         self.hung: queue.Queue = queue.Queue(maxsize=256)  # identities for the TaskManager to kill
         self.stats = stats or SchedulerStats()
-        self.stats.capacity = capacity
+        self.stats.capacity = spec.queue
+        self.stats.policy, self.stats.max_batch = spec.schedule.policy, self.core.max_batch
         self._service = ServiceTimes()
         self._reported = 0.0
         self._clock = time.monotonic()
@@ -103,6 +114,9 @@ class RequestScheduler:
 
     def _fail(self, uid: str, app: str, error: str) -> None:
         self.stats.failed += 1
+        self.msgs.pop(uid, None)
+        self.shapes.pop(uid, None)
+        self.fixed.pop(uid, None)
         log.warning("uid=%s failed at %s: %s", uid, self.stage, error)
         self._emit(("failed", uid, app, error))
 
@@ -110,10 +124,11 @@ class RequestScheduler:
     def run(self, stop: threading.Event) -> None:
         poller = zmq.Poller()
         poller.register(self.workers, zmq.POLLIN)
+        poller.register(self.events, zmq.POLLIN)
         handle = getattr(self.receiver, "sock", None)
         reading = False
         while not stop.is_set():
-            want_read = len(self.pending) < self.capacity
+            want_read = self.stepped is not None and self.core.waiting() < self.capacity
             if handle is not None and want_read != reading:
                 if want_read:
                     poller.register(handle, zmq.POLLIN)
@@ -124,15 +139,19 @@ class RequestScheduler:
             events = dict(poller.poll(50 if handle is not None else 1))
             if self.workers in events:
                 self._from_workers()
+            if self.events in events:
+                self._cancellations()
             if want_read and (handle is None or handle in events):
                 self._intake()
             self._control()
+            self._follow_dbs()
             self._reclaim_hung()
-            self._dispatch()
+            self._decide()
             self._update_stats()
 
     def _intake(self) -> None:
-        while len(self.pending) < self.capacity:
+        now = time.monotonic()
+        while self.core.waiting() < self.capacity:
             msg = self.receiver.recv(0)
             if msg is None:
                 break
@@ -141,23 +160,76 @@ class RequestScheduler:
                 self.stats.forwarded += 1
                 self._emit(("forward", msg))
                 continue
-            msg.mark(self.stage, "recv")
-            self.pending.append(msg)
-
-    def _dispatch(self) -> None:
-        while self.pending and self.idle:
-            msg = self.pending.popleft()
-            app = msg.header.get("app", "")
-            deadline = msg.header.get("deadline")
-            if isinstance(deadline, int) and now_ns() > deadline:
-                self._fail(msg.uid, app, f"deadline exceeded before stage {self.stage}")
+            try:
+                h = TaskHeader.model_validate(msg.header)
+                stepped = self.stepped.get(h.app) if self.stepped else None
+                if stepped is None:
+                    raise ValueError(f"application {h.app!r} is not served by stage {self.stage}")
+                steps = h.params.get("steps") if stepped else 1
+                if type(steps) is not int or steps < 1:
+                    raise ValueError(f"params.steps must be a positive integer, got {steps!r}")
+            except (ValidationError, ValueError) as e:
+                err = e.errors()[0] if isinstance(e, ValidationError) else None
+                why = f"{'.'.join(map(str, err['loc']))}: {err['msg']}" if err else str(e)
+                uid, app = msg.header.get("uid"), msg.header.get("app")
+                if isinstance(uid, str) and uid:
+                    self._fail(uid, app if isinstance(app, str) else "", f"malformed request at stage {self.stage}: {why}")
+                else:
+                    log.warning("dropped a message without a usable uid at %s: %s", self.stage, why)
                 continue
-            ident = self.idle.popleft()
-            self.held[ident] = Held(msg.uid, app, time.monotonic(), shape_key(msg.header.get("params") or {}),
-                                    deadline if isinstance(deadline, int) else None)
-            self.workers.send_multipart([ident, b"task", *encode(msg)], copy=False)
-            self._emit(("progress", msg.uid, app, 0.0))
+            if h.uid in self.cancelled:
+                self.stats.cancelled += 1
+                log.info("uid=%s dropped on arrival: cancelled", h.uid)
+                continue
+            deadline = None if h.deadline is None else now + (h.deadline - now_ns()) / 1e9
+            key = compat_key(h.params) if stepped else call_key(h.params)
+            r = Request(h.uid, h.app, key, steps, now, deadline, h.priority, batchable=stepped)
+            try:
+                self.core.add(r)
+            except ValueError:  # the same request twice (a duplicate forward): one is enough
+                log.warning("uid=%s arrived twice at %s; dropped the copy", h.uid, self.stage)
+                continue
+            msg.header["trace"] = h.trace
+            msg.mark(self.stage, "recv")
+            self.msgs[h.uid] = msg
+            self.shapes[h.uid] = shape_key(h.params)
 
+    def _decide(self) -> None:
+        t0 = time.perf_counter()
+        d = self.core.schedule(time.monotonic())
+        decided = time.perf_counter() - t0
+        for r in d.expired:
+            self._fail(r.uid, r.app, f"deadline exceeded at stage {self.stage} "
+                                     f"({'in a worker' if r.worker else 'waiting'}, {r.done}/{r.steps} steps done)")
+        for cmd in d.commands:
+            if isinstance(cmd, Drop):
+                self._send(cmd.worker, [b"drop", orjson.dumps({"uids": list(cmd.uids)})])
+            else:
+                self._run(cmd, decided)
+
+    def _run(self, cmd: Run, decided: float) -> None:
+        frames, sizes = [], []
+        now = time.monotonic()
+        for uid in cmd.admit:
+            msg = self.msgs.pop(uid)
+            r = self.core.requests[uid]
+            self.stats.queue_wait.observe(now - r.arrival)
+            f = encode(msg)
+            frames += f
+            sizes.append(len(f))
+            self._emit(("progress", uid, r.app, 0.0))
+        self.stats.batch_size.observe(len(cmd.uids))
+        self.running[cmd.worker.encode()] = (now, decided, cmd.uids)
+        self._send(cmd.worker, [b"run", orjson.dumps({"uids": list(cmd.uids), "steps": cmd.steps, "admit": sizes}),
+                                *frames])
+
+    def _send(self, worker: str, frames: list) -> None:
+        try:
+            self.workers.send_multipart([worker.encode(), *frames], copy=False)
+        except zmq.ZMQError as e:  # a worker that just died: its death notice fails what it held
+            log.warning("could not reach worker %s of %s: %s", worker, self.stage, e)
+
+    # --- what workers report ----------------------------------------------------------------
     def _from_workers(self) -> None:
         while True:
             try:
@@ -165,61 +237,158 @@ class RequestScheduler:
             except zmq.Again:
                 return
             ident, tag = frames[0].bytes, frames[1].bytes
-            if tag == b"ready":
-                self.known.add(ident)
-                self.fresh.add(ident)
-                self.stats.serving = True
-                self._idle(ident)
-            elif tag == b"progress":
-                held = self.held.get(ident)
-                if held is not None:
-                    self._emit(("progress", held.uid, held.app, float(orjson.loads(frames[2].bytes)["fraction"])))
-            elif tag in (b"done", b"failed"):
-                held = self.held.pop(ident, None)
-                self._idle(ident)
-                if held is None:
-                    continue
-                if tag == b"failed":
-                    self._fail(held.uid, held.app, orjson.loads(frames[2].bytes)["error"])
-                    continue
-                try:
-                    msg = decode(frames[2:])
-                except MessageError as e:  # a worker bug, not a client's: fail the request visibly
-                    self._fail(held.uid, held.app, f"worker returned a malformed result: {e}")
-                    continue
-                self.stats.completed += 1
-                if ident in self.fresh:
-                    self.fresh.discard(ident)
-                else:
-                    self._service.add(held.app, held.shape, time.monotonic() - held.since)
-                self._emit(("result", msg))
+            try:
+                self._report(ident, tag, frames[2:])
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, IndexError) as e:
+                log.error("malformed %r report from worker %s: %s", tag, ident, e)
 
-    def _idle(self, ident: bytes) -> None:
-        if ident not in self.idle:
-            self.idle.append(ident)
+    def _report(self, ident: bytes, tag: bytes, rest: list) -> None:
+        wid = ident.decode()
+        if tag == b"ready":
+            if wid in self.core.workers:  # restarted before its death was noticed
+                self._lost(wid, "restarted")
+            self.stepped = {str(a): bool(s) for a, s in orjson.loads(rest[0].bytes)["stepped"].items()}
+            self.core.worker_up(wid)
+            self.known.add(ident)
+            self.fresh.add(ident)
+            self.born[ident] = time.monotonic()
+            self.running.pop(ident, None)
+            self.stats.serving = True
+        elif tag == b"admitted":
+            info = orjson.loads(rest[0].bytes)
+            self.core.admitted(wid, info["uid"], int(info["nbytes"]))
+        elif tag == b"progress":
+            info = orjson.loads(rest[0].bytes)
+            r = self.core.requests.get(info["uid"])
+            if r is not None:
+                self._emit(("progress", r.uid, r.app, float(info["fraction"])))
+        elif tag == b"done":
+            try:
+                msg = decode(rest)
+            except MessageError as e:  # a worker bug, not a client's: nothing to attribute it to
+                log.error("worker %s of %s returned a malformed result: %s", wid, self.stage, e)
+                return
+            r = self.core.finished(msg.uid)
+            if r is None:  # cancelled or expired while it ran: nobody wants it
+                return
+            self.stats.completed += 1
+            self.sample_later.append(r)  # once this chunk's step times are in the cost model
+            self._emit(("result", msg))
+        elif tag == b"failed":
+            info = orjson.loads(rest[0].bytes)
+            r = self.core.failed(info["uid"]) if isinstance(info.get("uid"), str) else None
+            if r is not None:
+                self._fail(r.uid, r.app, str(info.get("error")))
+        elif tag == b"idle":
+            info = orjson.loads(rest[0].bytes)
+            measured = ident not in self.fresh
+            for uids, seconds in info["steps"]:
+                self.core.stepped(uids, float(seconds), measure=measured)
+                if measured:
+                    self.stats.step_time.observe(float(seconds))
+            for uid, seconds in info["fixed"].items():
+                if measured:
+                    self.fixed[uid] = self.fixed.get(uid, 0.0) + float(seconds)
+            self.fresh.discard(ident)
+            for r in self.sample_later:
+                self._sample(r)
+            self.sample_later.clear()
+            self.core.idle(wid)
+            sent = self.running.pop(ident, None)
+            if sent is not None and measured:
+                self.core.note_overhead(time.monotonic() - sent[0] - float(info["exec_s"]) + sent[1])
+
+    def _sample(self, r: Request) -> None:
+        """A finished request's service times, from the cost model: alone (its standalone time,
+        what its latency is predicted from) and its share of the device at the batch sizes the
+        stage reaches (what its rate is)."""
+        fixed = self.fixed.pop(r.uid, None)
+        if fixed is not None:
+            self.core.costs.observe_fixed(r.key, fixed)
+        alone, share = self.core.standalone_s(r), self.core.share_s(r)
+        shape = self.shapes.pop(r.uid, None)
+        if alone is not None and share is not None and shape is not None:
+            self._service.add(r.app, shape, share, alone)
+
+    def _lost(self, wid: str, reason: str) -> None:
+        for r in self.core.worker_gone(wid):
+            self._fail(r.uid, r.app, f"worker {wid} of stage {self.stage} {reason}")
 
     def _control(self) -> None:
         while True:
             try:
-                what, ident, reason = self.control.get_nowait()
+                what, ident, reason, t = self.control.get_nowait()
             except queue.Empty:
                 return
-            if what == "died":
+            if what == "died" and self.born.get(ident, -1.0) < t:  # not a newer incarnation
                 self.known.discard(ident)
-                if ident in self.idle:
-                    self.idle.remove(ident)
-                held = self.held.pop(ident, None)
-                if held is not None:
-                    self._fail(held.uid, held.app, f"worker {ident.decode()} of stage {self.stage} died ({reason})")
+                self.running.pop(ident, None)
+                self._lost(ident.decode(), f"died ({reason})")
 
+    # --- cancellation -----------------------------------------------------------------------
+    def _follow_dbs(self) -> None:
+        routes = self.routes()
+        if routes.get("version") == self._dbs_version:
+            return
+        self._dbs_version = routes.get("version")
+        want = {d.get("events") for d in routes.get("dbs", []) if isinstance(d, dict) and d.get("events")}
+        for addr in want - self._dbs:
+            try:
+                self.events.connect(addr)
+            except zmq.ZMQError as e:
+                log.warning("cannot subscribe to DB events at %s: %s", addr, e)
+                continue
+            self._dbs.add(addr)
+        for addr in self._dbs - want:
+            try:
+                self.events.disconnect(addr)
+            except zmq.ZMQError:
+                pass
+            self._dbs.discard(addr)
+
+    def _cancellations(self) -> None:
+        while True:
+            try:
+                frames = self.events.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                uid = orjson.loads(frames[1])["uid"]
+            except (orjson.JSONDecodeError, KeyError, TypeError, IndexError):
+                log.warning("ignored a malformed cancel event")
+                continue
+            if isinstance(uid, str):
+                self.cancel(uid)
+
+    def cancel(self, uid: str) -> None:
+        """Forget ``uid`` here and drop it if it arrives later."""
+        if uid in self.cancelled:
+            return
+        self.cancelled[uid] = None
+        while len(self.cancelled) > MAX_CANCELLED:
+            self.cancelled.popitem(last=False)
+        self.msgs.pop(uid, None)
+        self.shapes.pop(uid, None)
+        self.fixed.pop(uid, None)
+        known = uid in self.core.requests
+        cmd = self.core.cancel(uid)
+        if cmd is not None:
+            self._send(cmd.worker, [b"drop", orjson.dumps({"uids": list(cmd.uids)})])
+        if known:
+            log.info("uid=%s cancelled at %s", uid, self.stage)
+
+    # --- hung workers -----------------------------------------------------------------------
     def _reclaim_hung(self) -> None:
-        """A worker still holding a request well past its deadline is stuck: fail the request
-        and have the TaskManager kill it (its restart gives the slot back)."""
-        now = now_ns()
-        for ident, held in list(self.held.items()):
-            if held.deadline is not None and now > held.deadline + HUNG_GRACE_NS:
-                del self.held[ident]
-                self._fail(held.uid, held.app, f"worker {ident.decode()} of stage {self.stage} hung past the deadline")
+        """A worker still in a chunk well past the deadline of every request in it is stuck:
+        fail what it holds and have the TaskManager kill it (its restart gives the slot back)."""
+        now = time.monotonic()
+        for ident, (sent, _, uids) in list(self.running.items()):
+            deadlines = [self.core.requests[u].deadline for u in uids if u in self.core.requests]
+            if any(d is None for d in deadlines) or now - sent < HUNG_GRACE_S:
+                continue
+            if all(d + HUNG_GRACE_S < now for d in deadlines):
+                del self.running[ident]
+                self._lost(ident.decode(), "hung past the deadline")
                 try:
                     self.hung.put_nowait(ident)
                 except queue.Full:
@@ -228,37 +397,46 @@ class RequestScheduler:
     def _update_stats(self) -> None:
         s = self.stats
         now = time.monotonic()
-        s.busy_s += len(self.held) * (now - self._clock)
+        s.busy_s += len(self.running) * (now - self._clock)
         s.slot_s += s.workers * (now - self._clock)
         self._clock = now
-        s.queue, s.ready, s.busy = len(self.pending), len(self.known), len(self.held)
+        s.queue, s.ready, s.busy = self.core.waiting(), len(self.known), len(self.running)
+        s.resident = len(self.core.requests) - s.queue
+        c = self.core.stats
+        s.preempted, s.expired, s.aged = c.preempted, c.expired, c.aged
+        s.cancelled = max(s.cancelled, c.cancelled)
+        s.batches, s.batched = c.batches, c.batched
+        s.overhead_ms = self.core.overhead_s * 1000
         s.rejected_frames = getattr(self.receiver, "rejected", 0)
         if now - self._reported >= 0.5:  # the heartbeat reads it about once a second
             s.service = self._service.report()
+            s.costs = self.core.costs.report()
             self._reported = now
 
     @property
     def idle_now(self) -> bool:
-        """Nothing queued and no worker holding a request (read from another thread: a hint)."""
-        return not self.pending and not self.held
+        """Nothing queued and nothing resident (read from another thread: a hint)."""
+        return not self.core.requests
 
     def close(self, moving_to: str | None = None) -> None:
-        """Fail what workers still hold, so that nothing is lost silently. Shutting down also
-        fails what is queued or waiting in the receiver; moving to another stage (``moving_to``)
+        """Fail what workers hold, so that nothing is lost silently. Shutting down also fails
+        what is queued or waiting in the receiver; moving to another stage (``moving_to``)
         forwards the queue to this stage's other instances and leaves the receiver to the
         next stage's scheduler, which forwards anything that was meant for this one."""
         reason = (f"stage {self.stage} instance shut down" if moving_to is None
                   else f"stage {self.stage} instance moved to {moving_to} before the request finished")
-        for held in self.held.values():
-            self._fail(held.uid, held.app, reason)
-        self.held.clear()
+        for r in self.core.resident():
+            self._fail(r.uid, r.app, reason)
         if moving_to is None:
             while (msg := self.receiver.recv(0)) is not None:
-                self.pending.append(msg)
-        for msg in self.pending:
+                self.msgs.setdefault(msg.uid, msg)
+        for uid, msg in list(self.msgs.items()):
             if moving_to is None:
-                self._fail(msg.uid, msg.header.get("app", ""), reason)
+                self._fail(uid, msg.header.get("app", ""), reason)
             else:
                 self._emit(("forward", msg))
-        self.pending.clear()
+        self.msgs.clear()
+        self.shapes.clear()
+        self.fixed.clear()
         self.workers.close(linger=0)
+        self.events.close(linger=0)

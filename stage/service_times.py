@@ -1,11 +1,14 @@
 """Measured service times of one stage instance, per application and request shape.
 
 The request monitor (DESIGN §8) derives capacity from these, so they are measured, never
-configured: the mean of a moving window of the last requests per application and per shape
-(the mean, because throughput is workers / mean service time even when shapes are mixed; the
-scheduler leaves out each worker's slow first request after a (re)start), and a count
-of what arrived recently per application (the mix, for stages shared between applications).
-Everything is bounded: the windows, the number of shapes kept, the recent-arrivals log.
+configured. Per finished request two figures: its *share* of the device (what the stage's
+rate follows from: with batching, a step's time divided among the requests it advanced, at
+the batch sizes the stage reaches) and its *standalone* time (alone on an idle worker: what
+its latency is predicted from). The report has the mean share over a moving window per
+application (the mean, because throughput is workers / mean share even when shapes are
+mixed), the mean standalone time per shape, and a count of what arrived recently per
+application (the mix, for stages shared between applications). Everything is bounded: the
+windows, the number of shapes kept, the recent-arrivals log.
 """
 
 from __future__ import annotations
@@ -21,11 +24,6 @@ MIX_WINDOW_S = 30.0
 MAX_RECENT = 4096
 
 
-def shape_key(params: dict[str, Any]) -> str:
-    """What a request's cost depends on: ``WxHxFRAMES:STEPS``."""
-    return f"{params.get('width')}x{params.get('height')}x{params.get('num_frames')}:{params.get('steps')}"
-
-
 class ServiceTimes:
     def __init__(self, clock=time.monotonic) -> None:
         self.clock = clock
@@ -33,18 +31,20 @@ class ServiceTimes:
         self._shape: dict[str, collections.OrderedDict[str, collections.deque[float]]] = {}
         self._recent: collections.deque[tuple[float, str]] = collections.deque(maxlen=MAX_RECENT)
 
-    def add(self, app: str, shape: str, seconds: float) -> None:
-        self._app.setdefault(app, collections.deque(maxlen=WINDOW)).append(seconds)
+    def add(self, app: str, shape: str, share_s: float, alone_s: float | None = None) -> None:
+        """One finished request: its share of the device and its standalone time (the same
+        when it ran alone)."""
+        self._app.setdefault(app, collections.deque(maxlen=WINDOW)).append(share_s)
         shapes = self._shape.setdefault(app, collections.OrderedDict())
         window = shapes.pop(shape, None) or collections.deque(maxlen=WINDOW)
-        window.append(seconds)
+        window.append(share_s if alone_s is None else alone_s)
         shapes[shape] = window  # most recently seen last
         while len(shapes) > MAX_SHAPES:
             shapes.popitem(last=False)
         self._recent.append((self.clock(), app))
 
     def report(self) -> dict[str, dict[str, Any]]:
-        """{app: {"mean_s", "recent" (count in the last MIX_WINDOW_S), "shapes": {shape: mean_s}}}"""
+        """{app: {"mean_s" (share), "recent" (count in the last MIX_WINDOW_S), "shapes": {shape: standalone s}}}"""
         horizon = self.clock() - MIX_WINDOW_S
         while self._recent and self._recent[0][0] < horizon:
             self._recent.popleft()

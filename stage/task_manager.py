@@ -75,7 +75,7 @@ class TaskManager:
                     code = slot.proc.returncode
                     reason = f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
                     log.warning("worker %s of stage %s died (%s); restarting", slot.identity, self.stage, reason)
-                    self.scheduler.control.put(("died", slot.identity.encode(), reason))
+                    self.scheduler.control.put(("died", slot.identity.encode(), reason, time.monotonic()))
                     slot.proc = None
                     slot.next_start = slot.backoff.next_start()
                 if slot.proc is None and now >= slot.next_start:

@@ -1,27 +1,42 @@
-"""A TaskWorker (DESIGN §6): one process per device, pulling requests from its instance.
+"""A TaskWorker (DESIGN §6, §6.1): one process per device, executing its scheduler's step plans.
 
-The worker loads its stage's components once, tells the scheduler it is ready, and then runs
-one request at a time. It talks to the scheduler over a ZMQ DEALER socket:
+The worker loads its stage's components once, says it is ready, and then keeps request states
+resident and does what the scheduler (sched/core.py, through stage/scheduler.py) says:
 
-- worker → scheduler: ``[b"ready"]``, ``[b"progress", {uid, fraction}]``,
-  ``[b"done", *message frames]``, ``[b"failed", {uid, error}]`` (done/failed also mean idle);
-- scheduler → worker: ``[b"task", *message frames]``.
+- ``run``: admit the messages that come with it (the stage function prepares each one's
+  state; a function that does not step runs whole here, a one-step task), then advance the
+  listed requests ``steps`` steps, compatible states together in one forward pass; a state
+  whose last step is done is finished and its result sent at once;
+- ``drop``: free these states (cancelled or expired), applied at the next step boundary even
+  in the middle of a chunk.
+
+It talks to the scheduler over a ZMQ DEALER socket:
+
+- worker → scheduler: ``[b"ready", {stepped: {app: bool}}]``, ``[b"admitted", {uid, nbytes}]``,
+  ``[b"progress", {uid, fraction}]``, ``[b"done", *message frames]``, ``[b"failed", {uid,
+  error}]`` and, when a ``run`` ends, ``[b"idle", {steps: [[uids, seconds], ...], fixed: {uid:
+  seconds preparing and finishing}, exec_s}]``;
+- scheduler → worker: ``[b"run", {uids, steps, admit: [frames per message]}, *frames]``,
+  ``[b"drop", {uids}]``.
 
 Started as ``python -m onepiece.stage.worker '<json config>'``: nothing is pickled.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 import zmq
 
+from onepiece.stage.registry import SteppedTask
 from onepiece.transport.message import Message, MessageError, decode, encode
 
 log = logging.getLogger("onepiece.stage.worker")
@@ -34,27 +49,165 @@ PROGRESS_EVERY_S = 0.2  # progress reports are throttled; the DB only needs a fe
 NICE = 10
 
 
-def run_task(fn: Any, ctx: Any, msg: Message, report: Any) -> dict:
-    """Run one request through a stage function, driving stepped tasks step by step and
-    reporting their progress at most every PROGRESS_EVERY_S."""
-    from onepiece.stage.registry import SteppedTask
-
+def run_task(fn: Any, ctx: Any, msg: Message, report: Any = None) -> dict:
+    """Run one request through a stage function alone, step after step (for tests and
+    benchmarks; the worker interleaves requests as its scheduler says)."""
     out = fn(ctx, msg)
     if isinstance(out, SteppedTask):
-        last = 0.0
         while not out.step():
-            if time.monotonic() - last >= PROGRESS_EVERY_S:
+            if report is not None:
                 report(out.progress)
-                last = time.monotonic()
         out = out.result()
     return out
+
+
+@dataclass
+class Resident:
+    task: SteppedTask
+    msg: Message
+    reported: float = 0.0
+
+
+class Executor:
+    """The worker's side of the step contract: resident states and the commands that act on
+    them. Socket-free except ``send``, so the rules can be read in one place."""
+
+    def __init__(self, stage: str, name: str, ctx: Any, functions: dict[str, Any], send: Any,
+                 pending_drops: Any) -> None:
+        self.stage, self.name, self.ctx, self.functions = stage, name, ctx, functions
+        self.send = send  # frames -> None
+        self.pending_drops = pending_drops  # () -> uids the scheduler dropped since (read between steps)
+        self.states: dict[str, Resident] = {}
+        self.fixed: dict[str, float] = {}  # this run's prepare and finish seconds per stepped request
+
+    def fail(self, uid: Any, error: str) -> None:
+        self.send([b"failed", orjson.dumps({"uid": uid, "error": error})])
+
+    def drop(self, uids: list[str]) -> None:
+        for u in uids:
+            self.states.pop(u, None)  # its tensors go with it
+
+    def admit(self, msg: Message) -> bool:
+        """Prepare ``msg``'s state, or run it whole if its function does not step; True if it
+        was such a one-step call (finished, or failed)."""
+        import torch
+
+        uid = msg.uid
+        t0 = time.perf_counter()
+        msg.mark(self.stage, "start", self.name)
+        try:
+            fn = self.functions.get(msg.header.get("app"))
+            if fn is None:
+                raise ValueError(f"application {msg.header.get('app')!r} is not served by stage {self.stage}")
+            with torch.inference_mode():
+                out = fn(self.ctx, msg)
+        except Exception as e:  # the request fails alone; the worker stays up
+            log.exception("uid=%s failed in stage %s", uid, self.stage)
+            self.fail(uid, f"{type(e).__name__}: {e}")
+            return True
+        if isinstance(out, SteppedTask):
+            self.fixed[uid] = self.fixed.get(uid, 0.0) + time.perf_counter() - t0
+            self.states[uid] = Resident(out, msg)
+            self.send([b"admitted", orjson.dumps({"uid": uid, "nbytes": int(out.nbytes)})])
+            if out.done:
+                self._finish(uid)
+            return False
+        self._deliver(msg, out)
+        return True
+
+    def _deliver(self, msg: Message, parts: dict) -> None:
+        msg.parts = parts
+        msg.mark(self.stage, "end", self.name)
+        try:
+            out = encode(msg)  # an unsendable result fails this request, not the worker
+        except Exception as e:
+            log.exception("uid=%s: result cannot travel", msg.uid)
+            self.fail(msg.uid, f"{type(e).__name__}: {e}")
+            return
+        self.send([b"done", *out])
+
+    def _finish(self, uid: str) -> None:
+        t0 = time.perf_counter()
+        r = self.states.pop(uid)
+        try:
+            parts = r.task.result()
+        except Exception as e:
+            log.exception("uid=%s failed finishing in stage %s", uid, self.stage)
+            self.fail(uid, f"{type(e).__name__}: {e}")
+            return
+        self._deliver(r.msg, parts)
+        self.fixed[uid] = self.fixed.get(uid, 0.0) + time.perf_counter() - t0
+
+    def run(self, uids: list[str], steps: int, new: list[Message]) -> tuple[list[list[Any]], dict[str, float]]:
+        """Admit ``new``, then advance ``uids`` ``steps`` steps: the (uids, seconds) of every
+        forward pass (a one-step call counts as one), and the seconds each stepped request
+        spent being prepared or finished."""
+        import torch
+
+        timings: list[list[Any]] = []
+        self.fixed = {}
+        for msg in new:
+            t0 = time.perf_counter()
+            if self.admit(msg):  # a one-step call: its time is the call's cost
+                timings.append([[msg.uid], time.perf_counter() - t0])
+        for u in uids:
+            if u not in self.states and u not in (m.uid for m in new):
+                self.fail(u, f"request state is not resident on worker {self.name} of stage {self.stage}")
+        for _ in range(steps):
+            # A step's time is all the worker spends on it: the forward pass and its own
+            # bookkeeping (drops, grouping, progress), but not finishing a request (fixed).
+            t_iter = time.perf_counter()
+            self.drop(self.pending_drops())
+            live = [u for u in uids if u in self.states and not self.states[u].task.done]
+            if not live:
+                break
+            groups: dict[Any, list[str]] = collections.defaultdict(list)
+            for u in live:  # the scheduler batched by key; the tensors have the last word
+                t = self.states[u].task
+                groups[(type(t), t.key)].append(u)
+            shared = (time.perf_counter() - t_iter) / len(groups)
+            for (cls, _), group in groups.items():
+                t0 = time.perf_counter()
+                try:
+                    with torch.inference_mode():
+                        cls.step_batch([self.states[u].task for u in group])
+                except Exception:
+                    log.exception("batched step of %s failed; stepping each alone", group)
+                    group = self._step_alone(group)
+                finishing = sum(self.fixed.get(u, 0.0) for u in group)
+                now = time.monotonic()
+                for u in group:
+                    r = self.states.get(u)
+                    if r is None:
+                        continue
+                    if r.task.done:
+                        self._finish(u)
+                    elif now - r.reported >= PROGRESS_EVERY_S:
+                        r.reported = now
+                        self.send([b"progress", orjson.dumps({"uid": u, "fraction": r.task.progress})])
+                finishing = sum(self.fixed.get(u, 0.0) for u in group) - finishing
+                timings.append([group, time.perf_counter() - t0 - finishing + shared])
+        return timings, self.fixed
+
+    def _step_alone(self, group: list[str]) -> list[str]:
+        """After a batch failed: each alone, so one bad request fails only itself."""
+        ok = []
+        for u in group:
+            try:
+                self.states[u].task.step()
+                ok.append(u)
+            except Exception as e:
+                log.exception("uid=%s failed in stage %s", u, self.stage)
+                self.states.pop(u, None)
+                self.fail(u, f"{type(e).__name__}: {e}")
+        return ok
 
 
 def main(config: dict[str, Any]) -> None:
     import torch
 
     from onepiece.stage.loader import load_components
-    from onepiece.stage.registry import StageContext, lookup
+    from onepiece.stage.registry import StageContext, is_stepped, lookup
 
     name = f"{config['instance']}/{config['identity']}"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
@@ -78,42 +231,64 @@ def main(config: dict[str, Any]) -> None:
     ctx = StageContext(components, config["device"])
     log.info("loaded %s for stage %s in %.1fs (%d torch threads)", config["components"], stage,
              time.monotonic() - t0, torch.get_num_threads())
-    sock.send_multipart([b"ready"])
+    functions = {app: lookup(function, kind) for app, kind in kinds.items()}
+    stash: collections.deque = collections.deque()  # commands that came while a chunk ran
 
+    def pending_drops() -> list[str]:
+        """Drops that arrived since the last look (between two steps); anything else waits."""
+        out: list[str] = []
+        while sock.poll(0, zmq.POLLIN):
+            frames = sock.recv_multipart(copy=False)
+            if frames[0].bytes == b"drop":
+                out += _uids(frames)
+            else:
+                stash.append(frames)
+        return out
+
+    ex = Executor(stage, name, ctx, functions, lambda frames: sock.send_multipart(frames, copy=False), pending_drops)
+    sock.send_multipart([b"ready", orjson.dumps({"stepped": {app: is_stepped(function, kind)
+                                                             for app, kind in kinds.items()}})])
     parent = os.getppid()
     while True:
-        if not sock.poll(1000, zmq.POLLIN):
+        if stash:
+            frames = stash.popleft()
+        elif sock.poll(1000, zmq.POLLIN):
+            frames = sock.recv_multipart(copy=False)
+        else:
             if os.getppid() != parent:  # the instance is gone; nothing will ever come
                 return
             continue
-        frames = sock.recv_multipart(copy=False)
-        if frames[0].bytes != b"task":
-            continue
-        try:
-            msg = decode(frames[1:])
-        except MessageError as e:
-            log.warning("dropped malformed task: %s", e)
-            sock.send_multipart([b"failed", orjson.dumps({"uid": None, "error": f"malformed task: {e}"})])
-            continue
-        uid = msg.uid
+        what = frames[0].bytes
+        if what == b"drop":
+            ex.drop(_uids(frames))
+        elif what == b"run":
+            t0 = time.perf_counter()
+            try:
+                cmd = orjson.loads(frames[1].bytes)
+                uids, steps, sizes = cmd["uids"], int(cmd["steps"]), cmd["admit"]
+                new, at = [], 2
+                for n in sizes:
+                    new.append(decode(frames[at:at + n]))
+                    at += n
+            except (MessageError, orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                # A scheduler bug, not a client's: what it named fails, and the worker stays idle.
+                log.error("malformed run command: %s", e)
+                for u in _uids(frames):
+                    ex.drop([u])
+                    ex.fail(u, f"malformed run command: {e}")
+                sock.send_multipart([b"idle", orjson.dumps({"steps": [], "fixed": {}, "exec_s": 0.0})])
+                continue
+            timings, fixed = ex.run(uids, steps, new)
+            sock.send_multipart([b"idle", orjson.dumps({"steps": timings, "fixed": fixed,
+                                                        "exec_s": time.perf_counter() - t0})])
 
-        def report(fraction: float, uid: str = uid) -> None:
-            sock.send_multipart([b"progress", orjson.dumps({"uid": uid, "fraction": fraction})])
 
-        msg.mark(stage, "start", name)
-        try:
-            kind = kinds.get(msg.header.get("app"))
-            if kind is None:
-                raise ValueError(f"application {msg.header.get('app')!r} is not served by stage {stage}")
-            with torch.inference_mode():
-                msg.parts = run_task(lookup(function, kind), ctx, msg, report)
-            msg.mark(stage, "end", name)
-            out = encode(msg)  # an unsendable result fails this request, not the worker
-        except Exception as e:  # the request fails alone; the worker stays up
-            log.exception("uid=%s failed in stage %s", uid, stage)
-            sock.send_multipart([b"failed", orjson.dumps({"uid": uid, "error": f"{type(e).__name__}: {e}"})])
-            continue
-        sock.send_multipart([b"done", *out], copy=False)
+def _uids(frames: list) -> list[str]:
+    try:
+        uids = orjson.loads(frames[1].bytes)["uids"]
+        return [u for u in uids if isinstance(u, str)]
+    except (orjson.JSONDecodeError, KeyError, TypeError, IndexError):
+        return []
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ import pytest
 
 from onepiece.config import deploy_dir, load_workflow
 from onepiece.nm.capacity import estimate, predicted_latency
-from onepiece.stage.service_times import ServiceTimes, shape_key
+from onepiece.sched.keys import shape_key
+from onepiece.stage.service_times import ServiceTimes
 
 WF = load_workflow(deploy_dir() / "wan21.yaml")
 

@@ -60,7 +60,10 @@ def deployment(tiny_models, tmp_path_factory, make_topology):
     folder = tmp_path_factory.mktemp("monitor")
     topology = make_topology(folder, tiny_models, free_tcp_address(), dbs=1,
                              stages={"text_encode": 1, "denoise_t2v": 2, "vae_decode": 1},
-                             nm={"elastic": {"enabled": False}}, threads=1)  # capacity changes here by kills only
+                             nm={"elastic": {"enabled": False}}, threads=1,  # capacity changes here by kills only
+                             # a looser default deadline, so that the load below meets the rate
+                             # limit (over_capacity) before the deadline rule refuses it
+                             proxy={"deadline_factor": 4.0})
     dep = Deployment(Path(topology), folder / "logs")
     try:
         dep.start()

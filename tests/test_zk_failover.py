@@ -234,7 +234,7 @@ def test_a_sigkilled_stage_instance_leaves_routes_and_its_requests_fail(ha):
     # say they can wait: three at once would finish later than the default deadline (2× the
     # standalone time), and the request monitor would refuse the third.
     with Client(ha.url, timeout=10, rounds=3) as c:
-        videos = [c.submit("hold on", model="t2v", size="64x64", num_frames=9, steps=60, timeout_s=120)
+        videos = [c.submit("hold on", model="t2v", size="128x128", num_frames=9, steps=80, timeout_s=120)
                   for _ in range(3)]
 
         def holding() -> int:

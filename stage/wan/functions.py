@@ -438,12 +438,12 @@ def _denoise(ctx: StageContext, msg: Message, kind: str) -> WanDenoise:
     )
 
 
-@stage_function("denoise", "t2v")
+@stage_function("denoise", "t2v", stepped=True)
 def denoise_t2v(ctx: StageContext, msg: Message) -> WanDenoise:
     return _denoise(ctx, msg, "t2v")
 
 
-@stage_function("denoise", "i2v")
+@stage_function("denoise", "i2v", stepped=True)
 def denoise_i2v(ctx: StageContext, msg: Message) -> WanDenoise:
     return _denoise(ctx, msg, "i2v")
 

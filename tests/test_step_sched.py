@@ -1,0 +1,156 @@
+"""Step scheduling in a running deployment (real processes, sockets, HTTP): batching, deadlines,
+cancellation and worker deaths as a client sees them, and the stage's batch-aware rate as the
+NM's capacity view sees it. The policies themselves are tested without processes
+(test_sched_core.py)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from onepiece.client import Client, RequestFailed
+from onepiece.launcher import free_tcp_address
+from onepiece.nm.client import NmClient
+
+from deployment import Up
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+
+SLOW = dict(size="256x256", num_frames=17, steps=100)  # seconds of denoising on the tiny model
+
+
+@pytest.fixture(scope="module")
+def up(tiny_models, tmp_path_factory, make_topology):
+    folder = tmp_path_factory.mktemp("step-sched")
+    nm = free_tcp_address()
+    topology = make_topology(folder, tiny_models, nm, stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1},
+                             proxy={"count": 1, "port": 0, "monitor": False}, threads=1,
+                             schedule={"denoise_t2v": {"policy": "slack", "max_batch": 4, "chunk_steps": 2}})
+    dep = Up(topology, folder / "logs", nm)
+    try:
+        dep.url = dep.wait_for(r"serves the API at (http://\S+)", timeout=240).group(1)
+        yield dep
+    finally:
+        dep.stop()
+
+
+def denoise(up) -> dict:
+    """The denoise_t2v instance's view in the NM (its last heartbeat)."""
+    client = NmClient(up.nm)
+    try:
+        (inst,) = client.status()["sets"]["set0"]["stages"]["denoise_t2v"]["instances"]
+        return inst
+    finally:
+        client.close()
+
+
+def wait(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def test_the_stage_rate_follows_the_batch_sizes_it_reaches(up):
+    """Alone, the denoise rate is 1 / its standalone time; after a burst the stage reached
+    batch 4, and its reported rate (what the NM's capacity view, and so the request monitor,
+    admits at) is what batch 4 sustains, well above the batch-1 rate. First in the module: the
+    rate is a mean over the application's recent requests, which must all be of this shape."""
+    def stage_rate() -> tuple[float, float]:
+        client = NmClient(up.nm)
+        try:
+            row = client.status()["sets"]["set0"]["capacity"]["t2v"]["stages"]["denoise_t2v"]
+        finally:
+            client.close()
+        return row["rate"], row["shapes_s"].get("96x96x9:30")
+
+    shape = dict(size="96x96", num_frames=9, steps=30)
+    with Client(up.url) as c:
+        for i in range(3):  # alone, one after the other (a worker's first chunk is not a sample)
+            c.wait(c.submit(f"alone {i}", model="t2v", seed=i, **shape)["id"], timeout=60)
+    alone_rate, alone_s = wait(lambda: (r := stage_rate()) and r[0] and r[1] and r, 10, "a measured rate")
+    assert alone_rate == pytest.approx(1 / alone_s, rel=0.35)
+    with Client(up.url) as c:
+        vids = [c.submit(f"burst {i}", model="t2v", seed=i, **shape) for i in range(8)]
+        for v in vids:
+            assert c.wait(v["id"], timeout=120)["status"] == "completed"
+    batched_rate = wait(lambda: (r := stage_rate()[0]) > 1.3 * alone_rate and r, 10,
+                        f"the rate to rise above 1.3x {alone_rate:.2f}/s")
+    assert batched_rate > 1.3 * alone_rate
+
+
+def test_compatible_requests_share_forward_passes(up, tmp_path):
+    with Client(up.url) as c:
+        vids = [c.submit(f"fox {i}", model="t2v", size="64x64", num_frames=9, steps=20, seed=i) for i in range(4)]
+        for v in vids:
+            assert c.wait(v["id"], timeout=120)["status"] == "completed"
+    s = wait(lambda: (st := denoise(up)["stats"]) and st["completed"] >= 4 and st, 10, "stats")
+    assert s["policy"] == "slack" and s["max_batch"] == 4
+    assert s["batched"] / s["batches"] > 1.5, s  # they shared forward passes
+    assert any(int(b) > 1 for key in s["costs"].values() for b in key)  # steps measured at batch > 1
+    # Seen by an operator: `onepiece status` and the instance's /metrics.
+    out = subprocess.run([sys.executable, "-m", "onepiece", "status", "--nm", up.nm], capture_output=True,
+                         text=True, timeout=30).stdout
+    assert re.search(r"slack \(batch <= 4\): resident \d+, mean batch [0-9.]+, step [0-9.]+ ms", out), out
+    metrics = httpx.get(denoise(up)["addresses"]["metrics"], timeout=5).text
+    for name in ("onepiece_stage_batch_size_bucket", "onepiece_stage_step_seconds_count",
+                 "onepiece_stage_queue_wait_seconds_sum", "onepiece_stage_resident_requests",
+                 'onepiece_stage_scheduling_events_total{event="preempted",stage="denoise_t2v"}'):
+        assert name in metrics, name
+    assert re.search(r'onepiece_stage_batch_size_bucket\{le="4",stage="denoise_t2v"\} [0-9.]+', metrics), metrics
+
+
+def test_cancelled_in_flight_request_stops_at_a_step_boundary_and_frees_its_state(up):
+    with Client(up.url) as c:
+        v = c.submit("a long one", model="t2v", **SLOW)
+        wait(lambda: denoise(up)["stats"]["resident"] == 1, 60, "resident in the denoise worker")
+        before = denoise(up)["stats"]
+        t0 = time.monotonic()
+        c.delete(v["id"])
+        after = wait(lambda: (st := denoise(up)["stats"]) and st["resident"] == 0 and st["busy"] == 0 and st,
+                     5, "its state freed and the worker idle")
+        freed = time.monotonic() - t0
+        assert after["cancelled"] == before["cancelled"] + 1
+        assert after["completed"] == before["completed"] and after["failed"] == before["failed"]
+        with pytest.raises(RequestFailed) as e:
+            c.status(v["id"])
+        assert e.value.status_code == 404  # gone, never completed
+    # The request had most of its 100 steps left; it stopped within a couple of heartbeats.
+    assert freed < 2.0
+
+
+def test_a_request_past_its_deadline_is_dropped_with_a_reason(up):
+    with Client(up.url) as c:
+        v = c.submit("too slow", model="t2v", timeout_s=1.5, **SLOW)
+        with pytest.raises(RequestFailed) as e:
+            c.wait(v["id"], timeout=30)
+    done = e.value.video
+    assert done["status"] == "failed"
+    assert done["error"]["code"] == "deadline_exceeded" and "at stage denoise_t2v" in done["error"]["message"]
+    wait(lambda: denoise(up)["stats"]["resident"] == 0, 5, "its state freed")
+    assert denoise(up)["stats"]["expired"] >= 1
+
+
+def test_a_killed_worker_fails_every_request_it_held_and_comes_back(up, tmp_path):
+    c = Client(up.url)
+    vids = [c.submit(f"held {i}", model="t2v", seed=i, **SLOW) for i in range(3)]
+    wait(lambda: denoise(up)["stats"]["resident"] == 3, 60, "all three resident")
+    stage = psutil.Process(denoise(up)["pid"])
+    (worker,) = [p for p in stage.children() if "onepiece.stage.worker" in " ".join(p.cmdline())]
+    worker.kill()
+    for v in vids:
+        with pytest.raises(RequestFailed) as e:
+            c.wait(v["id"], timeout=30)
+        assert "died (killed by signal 9)" in e.value.video["error"]["message"], e.value.video
+    wait(lambda: denoise(up)["stats"]["ready"] == 1 and denoise(up)["stats"]["resident"] == 0, 60, "worker back")
+    c.generate("after the restart", tmp_path / "after.mp4", size="64x64", num_frames=5, steps=4)
+    c.close()
