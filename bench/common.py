@@ -9,16 +9,21 @@ PROMPT = "a cat surfing a wave"
 T2V_STAGES = {"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1}
 
 
-def tiny_models(base: Path) -> dict[str, Path]:
-    """The tiny random-weight Wan2.1 pipelines (seed 0) under ``base``, built where missing:
-    {"t2v": dir, "i2v": dir} (the workflow names both, so both must exist)."""
+def tiny_models(base: Path, profile: str = "tiny") -> dict[str, Path]:
+    """The random-weight Wan2.1 pipelines (seed 0) of ``profile`` under ``base``, built where
+    missing: {"t2v": dir, "i2v": dir} (the workflow names both, so both must exist)."""
     from onepiece.stage.wan.tiny import build_tiny
 
     out = {}
     for kind in ("t2v", "i2v"):
-        path = Path(base) / f"wan2.1-{kind}-tiny"
-        out[kind] = path if (path / "model_index.json").exists() else build_tiny(kind, path, 0)
+        path = Path(base) / f"wan2.1-{kind}-{profile}"
+        out[kind] = path if (path / "model_index.json").exists() else build_tiny(kind, path, 0, profile=profile)
     return out
+
+
+def model_dirs(base: Path | None, profile: str) -> dict[str, Path]:
+    """``tiny_models`` under ``base``, or where `onepiece models build` puts them."""
+    return tiny_models(base or Path("~/.cache/onepiece/models").expanduser(), profile)
 
 
 def parse_shape(item: str) -> tuple[int, int, int, int]:

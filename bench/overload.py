@@ -232,14 +232,15 @@ class Target:
                 if fam.name == "onepiece_proxy_refusal_seconds" for s in fam.samples
                 if s.name.endswith("_bucket")}
 
-    async def request(self) -> dict[str, Any]:
-        """One request, from just before the POST until it is resolved."""
+    async def request(self, body: bytes | None = None) -> dict[str, Any]:
+        """One request (``body``, default the benchmark's shape), from just before the POST
+        until it is resolved."""
         import aiohttp
 
         rec: dict[str, Any] = {"t_send": time.time()}
         p0 = time.perf_counter()
         try:
-            async with self.http.post("/v1/videos", data=self.post_body, headers=JSON) as r:
+            async with self.http.post("/v1/videos", data=body or self.post_body, headers=JSON) as r:
                 status, body = r.status, await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             rec.update(outcome="error", error=type(e).__name__, answer_s=time.perf_counter() - p0)

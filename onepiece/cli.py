@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from onepiece.nm.zk import ZkSettings
 
 DEFAULT_TOPOLOGY = "local.yaml"
+PROFILE_WORKFLOWS = {"tiny": "wan21.yaml", "scale": "wan21-scale.yaml"}  # the shipped workflow of each model profile
 DEFAULT_NM = "tcp://127.0.0.1:7700"
 
 
@@ -131,14 +132,15 @@ def cmd_models(args: argparse.Namespace) -> int:
     from onepiece.config import load_workflow
     from onepiece.stage.wan.tiny import build_tiny, ensure_models
 
-    wf_path = Path(args.workflow) if args.workflow else deploy_dir() / "wan21.yaml"
+    wf_path = Path(args.workflow) if args.workflow else deploy_dir() / PROFILE_WORKFLOWS[args.profile]
     wf = load_workflow(wf_path)
     if args.action == "build":
         if args.force:
             built = []
             for name, spec in wf.models.items():
                 if spec.tiny:
-                    built.append(build_tiny(spec.tiny, wf.model_path(name, wf_path.parent), spec.seed))
+                    built.append(build_tiny(spec.tiny, wf.model_path(name, wf_path.parent), spec.seed,
+                                            profile=spec.profile))
         else:
             built = ensure_models(wf, wf_path.parent)
         for p in built:
@@ -151,7 +153,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         for name, spec in wf.models.items():
             path = wf.model_path(name, wf_path.parent)
             print(f"{name:12s} {'present' if is_built(path) else 'missing':8s} {path}"
-                  + (f"  (tiny {spec.tiny}, seed {spec.seed})" if spec.tiny else ""))
+                  + (f"  ({spec.profile} {spec.tiny}, seed {spec.seed})" if spec.tiny else ""))
     return 0
 
 
@@ -300,9 +302,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("models", help="build or list the models of a workflow")
     sp.add_argument("action", choices=["build", "list"])
-    sp.add_argument("--workflow", help="workflow YAML (default: the shipped wan21.yaml)")
+    sp.add_argument("--workflow", help="workflow YAML (default: the shipped one of --profile)")
+    sp.add_argument("--profile", choices=sorted(PROFILE_WORKFLOWS), default="tiny",
+                    help="without --workflow: tiny (wan21.yaml, the default) or scale (wan21-scale.yaml: stage costs "
+                         "in real Wan2.1's proportions, for benchmarks)")
     sp.add_argument("--force", action="store_true", help="rebuild tiny models even if present")
     sp.set_defaults(fn=cmd_models)
+
+    sp = sub.add_parser("profile", help="time the stage functions over shapes and batch sizes: a cost table")
+    from onepiece.profile import add_arguments as profile_arguments, run as profile_run
+
+    profile_arguments(sp)
+    sp.set_defaults(fn=profile_run)
 
     sp = sub.add_parser("generate", help="generate a video through a running deployment")
     from onepiece.generate import add_arguments
@@ -312,10 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("bench", help="benchmarks (see bench/)")
     benches = sp.add_subparsers(dest="which", required=True, metavar="BENCHMARK")
-    from onepiece.bench import e2e, elastic, failover, overload, transport
+    from onepiece.bench import batching, e2e, elastic, failover, overload, sched, transport
 
     for module, help_text in (
         (e2e, "end-to-end latency against the monolithic pipeline"),
+        (batching, "denoise throughput and latency at max batch 1, 2, 4, 8 (scale models)"),
+        (sched, "the stage scheduling policies on a seeded trace of mixed requests (scale models)"),
         (overload, "open-loop load at multiples of capacity, request monitor on and off"),
         (transport, "transport throughput and one-way latency against memcpy"),
         (failover, "node manager failover on ZooKeeper: SIGKILL and graceful handover times"),

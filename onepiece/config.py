@@ -40,6 +40,9 @@ class ModelSpec(_Strict):
     tiny: Literal["t2v", "i2v"] | None = Field(
         None, description="if the path is empty, `onepiece up` builds a tiny random-weight pipeline of this kind"
     )
+    profile: Literal["tiny", "scale"] = Field(
+        "tiny", description="size of that random-weight build: tiny (tests) or scale (stage costs in real Wan2.1's "
+                            "proportions, for benchmarks)")
     seed: int = 0
 
 
@@ -325,7 +328,7 @@ def _explain(path: Path, err: ValidationError) -> ConfigError:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
-        msg = e["msg"]
+        msg = e["msg"].removeprefix("Value error, ")
         if not e["loc"] and e["type"] == "value_error":
             # A model-level check names its own key ("sets.b.proxy.port: ..."): show just that.
             key, msg, got = "", msg.removeprefix("Value error, "), ""

@@ -1,12 +1,21 @@
 """Tiny random-weight Wan2.1 pipelines, built locally with the real classes (DESIGN §6).
 
 They let the whole system run and be tested on a CPU with no download: the same diffusers /
-transformers classes as Wan2.1-T2V / Wan2.1-I2V, just with a few thousand parameters. The
-sizes follow diffusers' own Wan pipeline tests.
+transformers classes as Wan2.1-T2V / Wan2.1-I2V, just small. Two size profiles:
 
-The text encoder, tokenizer and VAE of the t2v and i2v builds are identical for the same seed:
-the shared stages (text_encode, vae_decode) load them from the t2v directory and also serve i2v
-requests, which must match the monolithic i2v pipeline.
+- ``tiny`` (the default): a few thousand parameters each, sized as diffusers' own Wan pipeline
+  tests; fast enough for every test, but its stage costs are upside down (the VAE decode costs
+  more than the whole denoising loop);
+- ``scale``: the same VAE and image encoder, with a deeper transformer and a larger text
+  encoder, so that the stages' shares of a request's standalone time match real Wan2.1 serving
+  at the benchmark shapes (denoising about 89%, text encoding about 6%, VAE decode about 5%;
+  the README says where those shares come from). Schedulers and benchmarks are judged on it.
+  The transformer is deep and narrow: like a GPU at small shapes, a step is dominated by
+  per-layer work that does not grow with the batch, which is what batching recovers.
+
+The text encoder, tokenizer and VAE of the t2v and i2v builds of one profile are identical for
+the same seed: the shared stages (text_encode, vae_decode) load them from the t2v directory and
+also serve i2v requests, which must match the monolithic i2v pipeline.
 """
 
 from __future__ import annotations
@@ -28,8 +37,17 @@ if TYPE_CHECKING:
 # components of the t2v and i2v builds identical.
 _OFFSETS = {"vae": 0, "text_encoder": 1, "transformer_t2v": 2, "transformer_i2v": 3, "image_encoder": 4}
 
-TEXT_DIM = 32  # UMT5 d_model == the transformer's text_dim
 IMAGE_DIM = 16  # CLIP hidden_size == the i2v transformer's image_dim
+PROFILES = ("tiny", "scale")
+# Per profile: the UMT5 text encoder and the transformer (its text_dim is the encoder's d_model).
+_TEXT = {
+    "tiny": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
+    "scale": dict(d_model=256, d_kv=32, d_ff=1024, num_layers=8, num_heads=8),
+}
+_TRANSFORMER = {
+    "tiny": dict(num_attention_heads=2, attention_head_dim=12, ffn_dim=32, num_layers=2),
+    "scale": dict(num_attention_heads=4, attention_head_dim=16, ffn_dim=256, num_layers=24),
+}
 
 
 def _vae(seed: int):
@@ -42,7 +60,7 @@ def _vae(seed: int):
         ).eval()
 
 
-def _text(seed: int):
+def _text(seed: int, profile: str):
     from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
 
     # A byte-level tokenizer needs no vocabulary file, so nothing is downloaded; the encoder's
@@ -50,11 +68,7 @@ def _text(seed: int):
     tokenizer = ByT5Tokenizer()
     config = UMT5Config(
         vocab_size=len(tokenizer),
-        d_model=TEXT_DIM,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_heads=4,
+        **_TEXT[profile],
         relative_attention_num_buckets=8,
         relative_attention_max_distance=16,
         dropout_rate=0.0,
@@ -68,7 +82,7 @@ def _text(seed: int):
     return tokenizer, encoder
 
 
-def _transformer(seed: int, kind: str):
+def _transformer(seed: int, kind: str, profile: str):
     from diffusers import WanTransformer3DModel
 
     extra = {"in_channels": 16} if kind == "t2v" else {"in_channels": 36, "image_dim": IMAGE_DIM}
@@ -76,13 +90,10 @@ def _transformer(seed: int, kind: str):
         torch.manual_seed(seed + _OFFSETS[f"transformer_{kind}"])
         return WanTransformer3DModel(
             patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=12,
+            **_TRANSFORMER[profile],
             out_channels=16,
-            text_dim=TEXT_DIM,
+            text_dim=_TEXT[profile]["d_model"],
             freq_dim=256,
-            ffn_dim=32,
-            num_layers=2,
             cross_attn_norm=True,
             qk_norm="rms_norm_across_heads",
             rope_max_seq_len=32,
@@ -116,16 +127,16 @@ def _scheduler():
     return FlowMatchEulerDiscreteScheduler(shift=7.0)
 
 
-def _pipeline(kind: str, seed: int):
+def _pipeline(kind: str, seed: int, profile: str):
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
-    tokenizer, text_encoder = _text(seed)
+    tokenizer, text_encoder = _text(seed, profile)
     common = dict(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
         vae=_vae(seed),
         scheduler=_scheduler(),
-        transformer=_transformer(seed, kind),
+        transformer=_transformer(seed, kind, profile),
     )
     if kind == "t2v":
         return WanPipeline(**common)
@@ -138,8 +149,10 @@ def _pipeline(kind: str, seed: int):
 MARKER = "onepiece-tiny.json"
 
 
-def build_tiny(kind: Literal["t2v", "i2v"], path: Path, seed: int = 0, *, overwrite: bool = True) -> Path:
-    """Build a tiny random-weight Wan2.1 ``kind`` pipeline at ``path`` and return the path.
+def build_tiny(kind: Literal["t2v", "i2v"], path: Path, seed: int = 0, *, overwrite: bool = True,
+               profile: str = "tiny") -> Path:
+    """Build a small random-weight Wan2.1 ``kind`` pipeline of size ``profile`` at ``path``
+    and return the path.
 
     Deterministic: the same seed gives byte-identical files. The directory appears atomically
     (built beside ``path``, then renamed), so a half-built one is never mistaken for a model.
@@ -148,6 +161,8 @@ def build_tiny(kind: Literal["t2v", "i2v"], path: Path, seed: int = 0, *, overwr
     """
     if kind not in ("t2v", "i2v"):
         raise ValueError(f"tiny pipeline kind must be 't2v' or 'i2v', got {kind!r}")
+    if profile not in PROFILES:
+        raise ValueError(f"model profile must be one of {PROFILES}, got {profile!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists() and any(path.iterdir()):
@@ -161,8 +176,8 @@ def build_tiny(kind: Literal["t2v", "i2v"], path: Path, seed: int = 0, *, overwr
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.building-", dir=path.parent))
     aside: Path | None = None
     try:
-        _pipeline(kind, seed).save_pretrained(tmp, safe_serialization=True)
-        (tmp / MARKER).write_text(json.dumps({"kind": kind, "seed": seed}, sort_keys=True) + "\n")
+        _pipeline(kind, seed, profile).save_pretrained(tmp, safe_serialization=True)
+        (tmp / MARKER).write_text(json.dumps({"kind": kind, "seed": seed, "profile": profile}, sort_keys=True) + "\n")
         try:
             if path.exists() and any(path.iterdir()):
                 # Replacing an older tiny build: move it aside first (rename cannot replace a
@@ -198,7 +213,7 @@ def ensure_models(workflow: "Workflow", base_dir: Path) -> list[Path]:
         if spec.tiny is None:
             continue
         path = workflow.model_path(name, Path(base_dir))
-        if not is_built(path):
-            build_tiny(spec.tiny, path, spec.seed, overwrite=False)  # never replace a concurrent build
+        if not is_built(path):  # never replace a concurrent build
+            build_tiny(spec.tiny, path, spec.seed, overwrite=False, profile=spec.profile)
             built.append(path)
     return built

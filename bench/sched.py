@@ -1,0 +1,390 @@
+"""`onepiece bench sched`: the stage scheduling policies on one seeded trace of mixed requests.
+
+One set (text_encode, denoise_t2v, vae_decode; one DB; one proxy, request monitor off) on the
+``scale`` models (stage costs in real Wan2.1's proportions), every stage worker on one torch
+thread. Requests come in three classes (``--classes``, small / medium / large, mixed by
+``--mix``, 60/30/10 by count: GF-DiT's S/M/L pattern scaled to this machine). Each class's SLO
+is α × its standalone time (``--alpha``, 2.0 / 2.5 / 3.5), and that SLO is each request's
+deadline (``timeout_s``): deadline-aware policies schedule for it, and a request whose deadline
+passed is dropped and fails (the stages' default).
+
+1. Calibration, on a deployment with ``fcfs``: each class alone, one request after another
+   (``--repeat`` after a warm-up): its standalone time, submit → completed. Then the capacity
+   C under fcfs: the throughput of a closed loop of the mix (4 clients, ``--calibrate``
+   requests), the NM's estimate beside it.
+2. Traces: seeded Poisson arrivals of ``--requests`` requests at each load × C (``--loads``,
+   0.5, 0.8, 1.0); the same class sequence and arrival pattern at every load, stretched. Each
+   is saved (``sched-trace-<load>.json``, the format of bench/trace.py) so a simulator can
+   replay it; ``--trace FILE`` replays a given trace instead (its classes and SLOs, one load).
+3. Every policy (``--policies``) on its own deployment (denoise_t2v's ``schedule.policy``;
+   ``--max-batch`` for the batching ones): a short warm-up of every class, then each trace,
+   open loop, every request awaited; the set drains between traces. Then one more run with the
+   request monitor on, at ``--monitor-load`` (1.2) × C, with the policy that met most SLOs at
+   the highest load.
+
+Per policy and load, per class and overall: mean latency (submit → resolved: completed, or
+failed at its deadline), p50 / p99 of completed requests, SLO attainment (completed within the
+class's SLO / sent), goodput (those / duration), completed, failed. Saved as ``sched.json``,
+``sched.md`` and ``sched.png`` under ``--out``. Targets at 1.0×: the best policy's mean latency
+≤ 0.5× fcfs's, overall SLO attainment ≥ 90% and ≥ 1.5× fcfs's, every large request completes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from onepiece.bench.common import PROMPT, T2V_STAGES, cpu_name, model_dirs, percentile
+from onepiece.bench.overload import SET, Target, _run_async
+from onepiece.bench.trace import Trace, load_trace, parse_classes, poisson_trace, replay
+
+DEFAULT_CLASSES = "S=64x64x9:50,M=96x96x9:50,L=128x128x17:50"
+TARGETS = {"mean_ratio_max": 0.5, "attainment_min": 0.9, "attainment_ratio_min": 1.5}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policies", default="fcfs,fcfs-batched,srtf,edf,slack",
+                   help="stage policies to compare, fcfs first (default %(default)s)")
+    p.add_argument("--loads", default="0.5,0.8,1.0", help="multiples of the fcfs capacity (default %(default)s)")
+    p.add_argument("--requests", type=int, default=40, help="requests per trace (default %(default)s)")
+    p.add_argument("--classes", default=DEFAULT_CLASSES, help="NAME=WxHxFRAMES:STEPS,... (default %(default)s)")
+    p.add_argument("--mix", default="0.6,0.3,0.1", help="share of each class by count, in --classes order")
+    p.add_argument("--alpha", default="2.0,2.5,3.5", help="SLO = alpha x standalone, per class in order")
+    p.add_argument("--max-batch", type=int, default=4, help="batch bound of the batching policies")
+    p.add_argument("--monitor-load", type=float, default=1.2, help="load of the run with the monitor on (0: none)")
+    p.add_argument("--trace", help="replay this trace (bench/trace.py format) instead of generating them")
+    p.add_argument("--repeat", type=int, default=3, help="standalone runs per class in the calibration")
+    p.add_argument("--calibrate", type=int, default=16, help="closed-loop requests measuring the fcfs capacity")
+    p.add_argument("--capacity", type=float, help="C in requests/s (default: measured)")
+    p.add_argument("--max-duration", type=float, default=180.0, help="bound on a trace's arrival window (s)")
+    p.add_argument("--request-timeout", type=float, default=120.0, help="seconds a request is awaited at most")
+    p.add_argument("--profile", choices=["tiny", "scale"], default="scale", help="model profile (default scale)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per stage worker")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--models", help="folder for the models (default: ~/.cache/onepiece/models)")
+    p.add_argument("--logs", help="keep the deployments' logs here")
+    p.add_argument("--out", default="bench/results", help="folder for sched.json, .md, .png and the traces")
+
+
+def _floats(spec: str, n: int, what: str) -> list[float]:
+    try:
+        out = [float(x) for x in spec.split(",")]
+    except ValueError:
+        raise SystemExit(f"bad {what} {spec!r}: expected {n} comma-separated numbers") from None
+    if len(out) != n or min(out) <= 0:
+        raise SystemExit(f"bad {what} {spec!r}: expected {n} positive numbers")
+    return out
+
+
+def log(msg: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+
+# --- deployments ----------------------------------------------------------------------------------
+class Session:
+    """A deployment whose denoise stage runs ``schedule``, and its client side."""
+
+    def __init__(self, name: str, models: dict[str, Path], folder: Path, cfg: argparse.Namespace,
+                 schedule: dict[str, Any], monitor: bool = False) -> None:
+        self.name, self.models, self.folder, self.cfg = name, models, folder, cfg
+        self.schedule, self.monitor = schedule, monitor
+
+    def __enter__(self) -> "Session":
+        from onepiece.launcher import Deployment, free_tcp_address, write_topology
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        topo = write_topology(self.folder, self.models, free_tcp_address(), dbs=1, heartbeat_s=0.5,
+                              stages=dict(T2V_STAGES), threads=self.cfg.threads,
+                              proxy={"count": 1, "port": 0, "max_inflight": 1000, "monitor": self.monitor},
+                              schedule={"denoise_t2v": self.schedule})
+        logs = Path(self.cfg.logs) / self.name if self.cfg.logs else self.folder / "logs"
+        self.dep = Deployment(topo, logs)
+        self.dep.start()
+        try:
+            self.url = self.dep.wait_ready(300)[SET][0]
+        except BaseException:
+            self.dep.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.dep.stop()
+
+    def target(self) -> Target:
+        return Target(self.url, self.dep.nm_address, (64, 64, 9, 1), self.cfg.request_timeout)
+
+
+def _body(c: dict[str, Any], seed: int) -> bytes:
+    return orjson.dumps({"prompt": f"{PROMPT} {seed}", "model": "t2v", "size": c["size"],
+                         "num_frames": c["num_frames"], "steps": c["steps"], "seed": seed})
+
+
+async def calibrate(t: Target, classes: dict[str, dict], mix: dict[str, float], repeat: int, n: int,
+                    seed: int) -> dict[str, Any]:
+    """Standalone time per class (sequential), then the closed-loop throughput of the mix."""
+    async with t:
+        alone = {}
+        for name, c in classes.items():
+            times = []
+            for i in range(repeat + 1):  # the first of each is a warm-up
+                rec = await t.request(_body(c, i))
+                await t.finish([rec])
+                if rec["outcome"] != "completed":
+                    raise RuntimeError(f"calibration request of class {name} ended {rec['outcome']}: {rec}")
+                times.append(rec["latency_s"])
+            alone[name] = statistics.median(times[1:])
+            log(f"[calibrate] class {name} ({c['size']}x{c['num_frames']}:{c['steps']}): standalone "
+                f"{alone[name]:.3f} s (runs {', '.join(f'{x:.3f}' for x in times)})")
+        rng = random.Random(seed)
+        bodies = [_body(classes[rng.choices(list(mix), list(mix.values()))[0]], 1000 + i) for i in range(n)]
+        ends: list[float] = []
+
+        async def client() -> None:
+            while bodies:
+                rec = await t.request(bodies.pop())
+                if rec["outcome"] == "completed":
+                    ends.append(rec["t_event"])
+
+        t0 = time.time()
+        await asyncio.gather(*(client() for _ in range(4)))
+        ends.sort()
+        skip = min(4, len(ends) // 2)  # the pipeline filling up
+        closed = (len(ends) - 1 - skip) / (ends[-1] - ends[skip]) if len(ends) - skip >= 2 else None
+        await asyncio.sleep(1.5)
+        est = await t.capacity()
+        log(f"[calibrate] fcfs capacity: closed loop {closed or float('nan'):.3f} req/s over {time.time() - t0:.0f} s;"
+            f" NM estimate {(est or {}).get('capacity') or float('nan'):.3f} req/s (bottleneck "
+            f"{(est or {}).get('bottleneck')})")
+        return {"standalone_s": alone, "closed_loop_rps": closed, "nm": est}
+
+
+async def run_traces(t: Target, classes: dict[str, dict], traces: dict[str, Trace], cfg: argparse.Namespace,
+                     name: str) -> dict[str, list[dict]]:
+    async with t:
+        for c in classes.values():  # the cost model learns every class before the traces
+            for i in range(2):
+                await t.request(_body(c, 500 + i))
+        out = {}
+        for load, trace in traces.items():
+            log(f"[{name}] trace at {load}: {len(trace.requests)} requests over {trace.requests[-1].at:.0f} s ...")
+            recs = await replay(t, trace, PROMPT, cfg.max_duration)
+            out[load] = recs
+            counts: dict[str, int] = {}
+            for r in recs:
+                counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+            log(f"[{name}] trace at {load}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+            await t.drain(cfg.request_timeout)
+            await asyncio.sleep(1.0)
+        return out
+
+
+# --- figures --------------------------------------------------------------------------------------
+def summarize(recs: list[dict], slo: dict[str, float]) -> dict[str, Any]:
+    def one(rs: list[dict]) -> dict[str, Any]:
+        n = len(rs)
+        done = [r["latency_s"] for r in rs if r["outcome"] == "completed" and r.get("latency_s") is not None]
+        resolved = [r.get("latency_s") if r.get("latency_s") is not None else (r.get("timeout_s") or 0.0)
+                    for r in rs]
+        met = sum(1 for r in rs if r["outcome"] == "completed" and r.get("latency_s") is not None
+                  and r["latency_s"] <= slo[r["class"]])
+        return {"n": n, "completed": len(done), "failed": sum(1 for r in rs if r["outcome"] == "failed"),
+                "other": sum(1 for r in rs if r["outcome"] not in ("completed", "failed")),
+                "mean_s": statistics.fmean(resolved) if resolved else None,
+                "mean_completed_s": statistics.fmean(done) if done else None,
+                "p50_s": percentile(done, 50), "p99_s": percentile(done, 99),
+                "slo_met": met, "attainment": met / n if n else None}
+
+    out = {"all": one(recs)}
+    for c in sorted({r["class"] for r in recs}):
+        out[c] = one([r for r in recs if r["class"] == c])
+    t0 = min(r["t_send"] for r in recs)
+    end = max(r["t_send"] + (r.get("latency_s") or r.get("answer_s") or 0.0) for r in recs)
+    out["all"]["duration_s"] = end - t0
+    out["all"]["goodput_rps"] = out["all"]["slo_met"] / (end - t0) if end > t0 else None
+    return out
+
+
+def check_targets(rows: dict[str, dict[str, dict]], top: str, classes: list[str]) -> dict[str, Any]:
+    """At the highest load: the best policy (most SLOs met) against fcfs."""
+    at = {p: r[top] for p, r in rows.items() if top in r}
+    if "fcfs" not in at or len(at) < 2:
+        return {}
+    fcfs = at["fcfs"]["all"]
+    best = max((p for p in at if p != "fcfs"), key=lambda p: (at[p]["all"]["attainment"], -at[p]["all"]["mean_s"]))
+    b = at[best]["all"]
+    large = classes[-1]
+    out = {"best": best, "load": top}
+    out["mean_ratio"] = {"value": b["mean_s"] / fcfs["mean_s"], "target": f"≤ {TARGETS['mean_ratio_max']}",
+                         "met": b["mean_s"] / fcfs["mean_s"] <= TARGETS["mean_ratio_max"]}
+    out["attainment"] = {"value": b["attainment"], "target": f"≥ {TARGETS['attainment_min']:.0%}",
+                         "met": b["attainment"] >= TARGETS["attainment_min"]}
+    ratio = b["attainment"] / fcfs["attainment"] if fcfs["attainment"] else float("inf")
+    out["attainment_ratio"] = {"value": ratio, "target": f"≥ {TARGETS['attainment_ratio_min']}",
+                               "met": ratio >= TARGETS["attainment_ratio_min"]}
+    lc = at[best].get(large, {})
+    out["large_completed"] = {"value": f"{lc.get('completed', 0)}/{lc.get('n', 0)}", "target": "all",
+                              "met": lc.get("completed") == lc.get("n")}
+    return out
+
+
+def _ms(v: float | None) -> str:
+    return "—" if v is None else f"{v * 1000:.0f}"
+
+
+def _pct(v: float | None) -> str:
+    return "—" if v is None else f"{v * 100:.0f}%"
+
+
+def table(rows: dict[str, dict[str, dict]], classes: list[str]) -> str:
+    head = ("| policy | load | class | n | completed | failed | mean ms (resolved) | p50 ms | p99 ms "
+            "| SLO attainment | goodput req/s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for p, by_load in rows.items():
+        for load, s in by_load.items():
+            for c in ["all", *classes]:
+                if c not in s:
+                    continue
+                r = s[c]
+                good = r.get("goodput_rps")
+                lines.append(f"| {p} | {load} | {c} | {r['n']} | {r['completed']} | {r['failed']} | {_ms(r['mean_s'])} "
+                             f"| {_ms(r['p50_s'])} | {_ms(r['p99_s'])} | {_pct(r['attainment'])} "
+                             f"| {'' if c != 'all' or good is None else format(good, '.2f')} |")
+    return "\n".join(lines)
+
+
+def plot(rows: dict[str, dict[str, dict]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
+    for p, by_load in rows.items():
+        loads = [x for x in by_load if not x.startswith("monitor")]
+        xs = [float(x.rstrip("x")) for x in loads]
+        ax1.plot(xs, [by_load[x]["all"]["attainment"] * 100 for x in loads], marker="o", label=p)
+        ax2.plot(xs, [by_load[x]["all"]["mean_s"] for x in loads], marker="o", label=p)
+    ax1.set_ylabel("SLO attainment (%)")
+    ax2.set_ylabel("mean latency, submit → resolved (s)")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("load (× fcfs capacity)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- the command ----------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    from onepiece.sched.options import POLICIES
+
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or not policies:
+        raise SystemExit(f"bad --policies {args.policies!r}: known policies are {', '.join(POLICIES)}")
+    classes = parse_classes(args.classes)
+    names = list(classes)
+    mix = dict(zip(names, _floats(args.mix, len(names), "--mix")))
+    alpha = dict(zip(names, _floats(args.alpha, len(names), "--alpha")))
+    given = load_trace(args.trace) if args.trace else None
+    if given is not None:
+        classes = {k: v.model_dump(exclude_none=True) for k, v in given.classes.items()}
+        names = list(classes)
+    loads = sorted(float(x) for x in args.loads.split(","))
+    outdir = Path(args.out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    schedule = {p: ({"policy": p} if p == "fcfs" else {"policy": p, "max_batch": args.max_batch}) for p in policies}
+    results: dict[str, dict[str, list[dict]]] = {}
+    cal: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="onepiece-bench-") as tmp:
+        models = model_dirs(Path(args.models) if args.models else None, args.profile)
+        traces: dict[str, Trace] = {}
+        first = True
+        for p in policies:
+            log(f"[{p}] starting a deployment (denoise_t2v schedule {schedule[p]}) ...")
+            with Session(p, models, Path(tmp) / p, args, schedule[p]) as s:
+                if first and given is None:
+                    if p != "fcfs":
+                        raise SystemExit("the capacity is measured under fcfs: list fcfs first in --policies")
+                    cal = _run_async(calibrate(s.target(), classes, mix, args.repeat, args.calibrate, args.seed))
+                    cap = args.capacity or cal["closed_loop_rps"] or (cal["nm"] or {}).get("capacity")
+                    if not cap:
+                        raise RuntimeError("no capacity measured")
+                    cal["capacity_rps"] = cap
+                    for c in names:
+                        classes[c].update(standalone_s=cal["standalone_s"][c], alpha=alpha[c],
+                                          slo_s=alpha[c] * cal["standalone_s"][c])
+                    for load in loads:
+                        tr = poisson_trace(classes, mix, load * cap, args.requests, args.seed,
+                                           capacity_rps=cap, load=load, note="onepiece bench sched")
+                        traces[f"{load:g}x"] = tr
+                        (outdir / f"sched-trace-{load:g}x.json").write_bytes(tr.dump())
+                elif first:
+                    traces[Path(args.trace).stem] = given
+                first = False
+                results[p] = _run_async(run_traces(s.target(), classes, traces, args, p))
+        slo = {c: classes[c]["slo_s"] for c in names}
+        rows = {p: {load: summarize(recs, slo) for load, recs in by.items()} for p, by in results.items()}
+        top = list(traces)[-1]
+        targets = check_targets(rows, top, names)
+        if args.monitor_load and given is None and targets.get("best"):
+            best = targets["best"]
+            cap = cal["capacity_rps"]
+            tr = poisson_trace(classes, mix, args.monitor_load * cap, args.requests, args.seed, capacity_rps=cap,
+                               load=args.monitor_load, note="onepiece bench sched, monitor on")
+            key = f"monitor on {args.monitor_load:g}x"
+            (outdir / f"sched-trace-monitor-{args.monitor_load:g}x.json").write_bytes(tr.dump())
+            log(f"[{best}] with the request monitor on, at {args.monitor_load:g}x ...")
+            with Session(f"{best}-monitor", models, Path(tmp) / "monitor", args, schedule[best], monitor=True) as s:
+                recs = _run_async(run_traces(s.target(), classes, {key: tr}, args, f"{best}, monitor on"))[key]
+            rows.setdefault(f"{best} (monitor on)", {})[key] = summarize(recs, slo)
+            results.setdefault(f"{best} (monitor on)", {})[key] = recs
+    elapsed = time.monotonic() - t_start
+    result = {"bench": "sched", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
+              "cpu_count": os.cpu_count(), "elapsed_s": elapsed,
+              "settings": {k: v for k, v in vars(args).items() if k not in ("fn", "which")},
+              "classes": classes, "mix": mix, "calibration": cal, "rows": rows, "targets": targets,
+              "requests": results}
+    (outdir / "sched.json").write_text(json.dumps(result, indent=1, default=str))
+    shapes = ", ".join(f"{c} {classes[c]['size']}x{classes[c]['num_frames']}" for c in names)
+    title = f"onepiece bench sched: classes {shapes}, mix {args.mix}, SLO alpha {args.alpha}, max batch {args.max_batch}"
+    plot({p: r for p, r in rows.items() if "monitor" not in p}, outdir / "sched.png", title)
+    md = [f"`onepiece bench sched` — {result['when']}, {cpu_name()}, {os.cpu_count()} cores, {args.profile} models, "
+          f"{args.requests} requests per trace, {elapsed:.0f} s in all.", ""]
+    if cal:
+        md += ["Calibration (fcfs): " + "; ".join(
+            f"{c} {classes[c]['size']}x{classes[c]['num_frames']}:{classes[c]['steps']} standalone "
+            f"{cal['standalone_s'][c] * 1000:.0f} ms, SLO {classes[c]['slo_s'] * 1000:.0f} ms" for c in names)
+            + f"; capacity C = {cal['capacity_rps']:.3f} req/s (closed loop; NM estimate "
+              f"{((cal['nm'] or {}).get('capacity') or float('nan')):.3f}).", ""]
+    md += [table(rows, names), ""]
+    if targets:
+        md += [f"Targets at {targets['load']} (best policy: {targets['best']}):", "",
+               "| target | value | wanted | met |", "|---|---|---|---|"]
+        for k in ("mean_ratio", "attainment", "attainment_ratio", "large_completed"):
+            v = targets[k]
+            val = v["value"] if isinstance(v["value"], str) else f"{v['value']:.3f}"
+            md.append(f"| {k.replace('_', ' ')} | {val} | {v['target']} | {'yes' if v['met'] else 'NO'} |")
+    md += ["", "Latency: submit → the DB's completed_at (completed) or its failure (a request whose deadline, its "
+               "class's SLO, passed is dropped where it is and fails); mean over all requests sent, p50/p99 over "
+               "completed ones. SLO attainment: completed within the class's SLO / sent. Goodput: those / duration."]
+    text = "\n".join(md)
+    (outdir / "sched.md").write_text(text + "\n")
+    print()
+    print(text)
+    print(f"saved {outdir / 'sched.json'}, sched.md, sched.png and the traces under {outdir}")
+    return 0

@@ -1,0 +1,162 @@
+"""Request traces: what `onepiece bench sched` and `bench batching` send, saved so that a run can
+be replayed exactly (`--trace FILE`) and by a simulator (DESIGN §12).
+
+A trace file is JSON::
+
+    {"version": 1, "created": "...", "note": "...",
+     "capacity_rps": 1.23, "load": 0.8,            # what the arrivals were drawn at (informative)
+     "classes": {"S": {"size": "64x64", "num_frames": 9, "steps": 20,
+                       "standalone_s": 0.9, "alpha": 2.0, "slo_s": 1.8}, ...},
+     "requests": [{"at": 0.0, "app": "t2v", "class": "S", "size": "64x64", "num_frames": 9,
+                   "steps": 20, "timeout_s": 1.8, "priority": 0, "seed": 17}, ...]}
+
+``at`` is seconds after the trace starts (non-decreasing); ``timeout_s`` is the request's
+deadline (absent: the application's limit); ``class`` names an entry of ``classes``, whose
+``slo_s`` is what SLO attainment is judged against. ``load_trace`` checks all of it and says
+which field of which request is wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+VERSION = 1
+
+
+class TraceClass(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    size: str = Field(pattern=r"^\d+x\d+$")
+    num_frames: int = Field(ge=1)
+    steps: int = Field(ge=1)
+    slo_s: float | None = Field(None, gt=0)
+
+
+class TraceRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    at: float = Field(ge=0)
+    app: str = "t2v"
+    cls: str = Field(alias="class")
+    size: str = Field(pattern=r"^\d+x\d+$")
+    num_frames: int = Field(ge=1)
+    steps: int = Field(ge=1)
+    timeout_s: float | None = Field(None, gt=0)
+    priority: int = 0
+    seed: int = Field(0, ge=0)
+
+    def body(self, prompt: str) -> dict[str, Any]:
+        out = {"prompt": f"{prompt} {self.seed}", "model": self.app, "size": self.size, "num_frames": self.num_frames,
+               "steps": self.steps, "seed": self.seed, "priority": self.priority}
+        if self.timeout_s is not None:
+            out["timeout_s"] = self.timeout_s
+        return out
+
+
+class Trace(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    version: int
+    classes: dict[str, TraceClass]
+    requests: list[TraceRequest] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Trace":
+        if self.version != VERSION:
+            raise ValueError(f"version: expected {VERSION}, got {self.version}")
+        last = 0.0
+        for i, r in enumerate(self.requests):
+            if r.cls not in self.classes:
+                raise ValueError(f"requests[{i}].class: {r.cls!r} is not in classes ({sorted(self.classes)})")
+            if r.at < last:
+                raise ValueError(f"requests[{i}].at: {r.at} comes before the previous request's {last}")
+            last = r.at
+        return self
+
+    def dump(self) -> bytes:
+        return orjson.dumps(self.model_dump(by_alias=True, exclude_none=True), option=orjson.OPT_INDENT_2)
+
+
+class TraceError(ValueError):
+    pass
+
+
+def load_trace(path: str | Path) -> Trace:
+    try:
+        raw = orjson.loads(Path(path).read_bytes())
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read: {e.strerror}") from None
+    except orjson.JSONDecodeError as e:
+        raise TraceError(f"{path}: not JSON: {e}") from None
+    try:
+        return Trace.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])  # none: the check names its own field
+        raise TraceError(f"{path}: {where + ': ' if where else ''}{err['msg'].removeprefix('Value error, ')}") from None
+
+
+def poisson_trace(classes: dict[str, dict[str, Any]], mix: dict[str, float], rate: float, n: int, seed: int,
+                  deadlines: bool = True, **meta: Any) -> Trace:
+    """``n`` requests with exponential gaps at ``rate`` a second (the first at 0), classes drawn
+    by ``mix``, each with its class's ``slo_s`` as its deadline when ``deadlines``. The draws
+    depend only on ``seed`` and ``n``: traces at other rates are the same sequence, stretched."""
+    rng = random.Random(seed)
+    names = sorted(mix)
+    at, reqs = 0.0, []
+    for i in range(n):
+        if i:
+            at += rng.expovariate(1.0) / rate
+        name = rng.choices(names, weights=[mix[c] for c in names])[0]
+        c = classes[name]
+        reqs.append({"at": round(at, 6), "app": "t2v", "class": name, "size": c["size"], "num_frames": c["num_frames"],
+                     "steps": c["steps"], "seed": rng.randrange(2**31),
+                     **({"timeout_s": c["slo_s"]} if deadlines and c.get("slo_s") else {})})
+    return Trace.model_validate({"version": VERSION, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                 "classes": classes, "requests": reqs, **meta})
+
+
+def parse_classes(spec: str) -> dict[str, dict[str, Any]]:
+    """``S=64x64x9:20,M=...`` -> {name: {size, num_frames, steps}}."""
+    out = {}
+    for item in spec.split(","):
+        m = re.match(r"^\s*(\w+)=(\d+)x(\d+)x(\d+):(\d+)\s*$", item)
+        if not m:
+            raise SystemExit(f"bad class {item!r}: expected NAME=WxHxFRAMES:STEPS, e.g. S=64x64x9:20")
+        name, w, h, f, steps = m.groups()
+        out[name] = {"size": f"{w}x{h}", "num_frames": int(f), "steps": int(steps)}
+    return out
+
+
+async def replay(target: Any, trace: Trace, prompt: str, max_duration: float) -> list[dict[str, Any]]:
+    """Send every request of ``trace`` at its time (open loop) through ``target``
+    (bench.overload.Target) and wait for all; one record per request sent, in trace order."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    tasks = []
+    for r in trace.requests:
+        if r.at > max_duration:
+            break
+        delay = start + r.at - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        lag = loop.time() - start - r.at
+        body = orjson.dumps(r.body(prompt))
+
+        async def one(r: TraceRequest = r, body: bytes = body, lag: float = lag) -> dict[str, Any]:
+            rec = await target.request(body)
+            rec.update({"class": r.cls, "at": r.at, "lag_s": lag, "timeout_s": r.timeout_s})
+            return rec
+
+        tasks.append(asyncio.create_task(one()))
+    recs = list(await asyncio.gather(*tasks))
+    await target.finish(recs)
+    return recs

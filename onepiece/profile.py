@@ -1,0 +1,177 @@
+"""`onepiece profile`: the cost table of a workflow's stages on this machine (DESIGN §6.1).
+
+For every stage asked for, it loads the stage's components as a worker would and times the
+real stage functions over a grid of shapes: a stepped stage (denoising) per (shape, batch
+size), one forward pass of a batch of prepared states at a time; a one-step stage per shape,
+one call at a time. Inputs come from running the application's earlier stages on the same
+shapes, in this process. Each cell is the median of ``--repeat`` timed runs after a warm-up.
+
+The table (``sched.costs.make_table``; seconds per step or per call, by compatibility key and
+batch size) is what ``stages.<name>.schedule.costs`` in a workflow YAML starts a stage's cost
+model from, and what a simulator prices a machine with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from onepiece.config import Workflow, load_workflow
+
+
+def _shape(item: str) -> tuple[int, int, int]:
+    try:
+        w, h, f = (int(x) for x in item.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad shape {item!r}: expected WxHxFRAMES, e.g. 64x64x9") from None
+    if min(w, h, f) < 1 or w % 16 or h % 16:
+        raise argparse.ArgumentTypeError(f"bad shape {item!r}: width and height must be positive multiples of 16")
+    return w, h, f
+
+
+def _ints(value: str) -> list[int]:
+    try:
+        out = [int(x) for x in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {value!r}")
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workflow", help="workflow YAML (default: the shipped one of --profile)")
+    p.add_argument("--profile", choices=["tiny", "scale"], default="tiny", help="without --workflow: which shipped one")
+    p.add_argument("--stage", action="append", help="a stage to profile (repeatable; default: every stage)")
+    p.add_argument("--shapes", type=lambda v: [_shape(x) for x in v.split(",")], default=[(64, 64, 9)],
+                   help="comma-separated WxHxFRAMES (default 64x64x9)")
+    p.add_argument("--batch", type=_ints, default=[1, 2, 4, 8], help="batch sizes of stepped stages (default 1,2,4,8)")
+    p.add_argument("--repeat", type=int, default=5, help="timed runs per cell (median taken)")
+    p.add_argument("--device", help="torch device (default: each stage's own)")
+    p.add_argument("--threads", type=int, help="torch threads (default: each stage's own, or all cores)")
+    p.add_argument("-o", "--out", default="costs.json", help="where to write the table (JSON)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import orjson
+
+    from onepiece.cli import PROFILE_WORKFLOWS
+    from onepiece.config import deploy_dir
+    from onepiece.sched.costs import make_table
+    from onepiece.stage.wan.tiny import ensure_models
+
+    wf_path = Path(args.workflow) if args.workflow else deploy_dir() / PROFILE_WORKFLOWS[args.profile]
+    wf = load_workflow(wf_path)
+    stages = args.stage or list(wf.stages)
+    unknown = [s for s in stages if s not in wf.stages]
+    if unknown:
+        print(f"onepiece profile: unknown stage(s) {unknown} (known: {sorted(wf.stages)})", file=sys.stderr)
+        return 2
+    if args.repeat < 1:
+        print("onepiece profile: --repeat must be at least 1", file=sys.stderr)
+        return 2
+    ensure_models(wf, wf_path.parent)
+    prof = Profiler(wf, wf_path.parent, args.device, args.threads)
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for stage in stages:
+        rows[stage] = prof.stage(stage, args.shapes, args.batch, args.repeat)
+        for r in rows[stage]:
+            print(f"{stage:14s} {r['key']:28s} batch {r['batch']:2d}  {r['seconds'] * 1000:9.2f} ms"
+                  f"{'  per step' if r['stepped'] else '  per call'}", flush=True)
+    from onepiece.bench.common import cpu_name
+
+    doc = make_table(rows, device=args.device or "per stage", cpu=cpu_name(), workflow=str(wf_path),
+                     created=time.strftime("%Y-%m-%d %H:%M:%S"), units="seconds per step of a batch (stepped "
+                     "stages) or per call (one-step stages), median of the timed runs", repeat=args.repeat)
+    Path(args.out).write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+class Profiler:
+    """The real stage functions of a workflow in this process, components loaded once."""
+
+    def __init__(self, wf: Workflow, base: Path, device: str | None, threads: int | None) -> None:
+        self.wf, self.base, self.device, self.threads = wf, base, device, threads
+        self._loaded: dict[str, Any] = {}
+
+    def _ctx(self, stage: str):
+        import torch
+
+        from onepiece.stage.loader import load_components
+        from onepiece.stage.registry import StageContext
+
+        spec = self.wf.stages[stage]
+        if self.threads or spec.threads:
+            torch.set_num_threads(self.threads or spec.threads)
+        if stage not in self._loaded:
+            device = self.device or spec.device
+            comps = load_components(self.wf.model_path(spec.model, self.base), spec.components, device)
+            self._loaded[stage] = StageContext(comps, device)
+        return self._loaded[stage]
+
+    def _app(self, stage: str) -> str:
+        return next(a for a, spec in self.wf.applications.items() if stage in spec.stages)
+
+    def message(self, stage: str, shape: tuple[int, int, int], seed: int, steps: int):
+        """The message ``stage`` receives for ``shape``, from the application's earlier stages."""
+        from onepiece.stage.registry import lookup
+        from onepiece.stage.worker import run_task
+        from onepiece.transport.message import Message, decode, encode, new_uid
+
+        app = self._app(stage)
+        spec = self.wf.applications[app]
+        d = spec.defaults
+        w, h, f = shape
+        params = {"prompt": f"a profiled request {seed}", "negative_prompt": d.negative_prompt, "width": w,
+                  "height": h, "num_frames": f, "steps": steps, "guidance": d.guidance, "seed": seed, "fps": d.fps,
+                  "max_sequence_length": d.max_sequence_length}
+        image = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+        msg = Message({"uid": new_uid(), "app": app, "params": params}, {"image": image} if spec.kind == "i2v" else {})
+        for before in spec.stages[:spec.stages.index(stage)]:
+            fn = lookup(self.wf.function_of(before), spec.kind)
+            msg = decode([bytes(x) for x in encode(Message(msg.header, run_task(fn, self._ctx(before), msg)))])
+        return msg, lookup(self.wf.function_of(stage), spec.kind)
+
+    def stage(self, stage: str, shapes: list[tuple[int, int, int]], batches: list[int], repeat: int) -> list[dict]:
+        import torch
+
+        from onepiece.sched.keys import call_key, compat_key
+        from onepiece.stage.registry import is_stepped
+
+        kind = self.wf.applications[self._app(stage)].kind
+        stepped = is_stepped(self.wf.function_of(stage), kind)
+        ctx = self._ctx(stage)
+        rows = []
+        for shape in shapes:
+            warm = 2
+            if not stepped:
+                msg, fn = self.message(stage, shape, 0, 1)
+                times = []
+                for i in range(warm + repeat):
+                    t0 = time.perf_counter()
+                    with torch.inference_mode():
+                        fn(ctx, msg)
+                    times.append(time.perf_counter() - t0)
+                rows.append({"key": call_key(msg.header["params"]), "batch": 1, "stepped": False,
+                             "seconds": statistics.median(times[warm:]), "samples": repeat})
+                continue
+            for b in batches:
+                msgs = [self.message(stage, shape, seed, warm + repeat) for seed in range(b)]
+                with torch.inference_mode():
+                    tasks = [fn(ctx, m) for m, fn in msgs]
+                cls = type(tasks[0])
+                times = []
+                for i in range(warm + repeat):
+                    t0 = time.perf_counter()
+                    cls.step_batch(tasks)
+                    times.append(time.perf_counter() - t0)
+                rows.append({"key": compat_key(msgs[0][0].header["params"]), "batch": b, "stepped": True,
+                             "seconds": statistics.median(times[warm:]), "samples": repeat})
+        return rows

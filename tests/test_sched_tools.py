@@ -1,0 +1,96 @@
+"""The tools around step scheduling: `onepiece profile` (a cost table from the real stage
+functions, which a workflow's stage then starts from), the scale model profile, and request
+traces (the format `bench sched` saves and `--trace` replays)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from onepiece.bench.trace import TraceError, load_trace, parse_classes, poisson_trace
+from onepiece.config import deploy_dir, load_workflow
+from onepiece.sched.costs import load_table
+
+
+def _workflow(tmp_path: Path, models: dict[str, Path], **stage_schedule) -> Path:
+    wf = yaml.safe_load((deploy_dir() / "wan21.yaml").read_text())
+    for spec in wf["models"].values():
+        spec["path"] = str(models[spec["tiny"]])
+    for stage, sched in stage_schedule.items():
+        wf["stages"][stage]["schedule"] = sched
+    path = tmp_path / "wf.yaml"
+    path.write_text(yaml.safe_dump(wf))
+    return path
+
+
+def test_profile_writes_a_table_a_stage_can_start_from(tiny_models, tmp_path):
+    wf = _workflow(tmp_path, tiny_models)
+    out = tmp_path / "costs.json"
+    run = subprocess.run([sys.executable, "-m", "onepiece", "profile", "--workflow", str(wf), "--stage", "denoise_t2v",
+                          "--stage", "vae_decode", "--shapes", "32x32x5,64x32x5", "--batch", "1,2", "--repeat", "2",
+                          "--threads", "1", "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(out.read_text())
+    assert doc["version"] == 1 and "seconds per step" in doc["units"]
+    rows = load_table(out, "denoise_t2v")
+    assert set(rows) == {"32x32x5/cfg/L64", "64x32x5/cfg/L64"} and all(set(r) == {1, 2} for r in rows.values())
+    assert load_table(out, "vae_decode").keys() == {"32x32x5", "64x32x5"}
+    assert all(t > 0 for r in rows.values() for t in r.values())
+    # A workflow that names the table loads it (relative to itself) for that stage.
+    (tmp_path / "tables").mkdir()
+    out.rename(tmp_path / "tables" / "costs.json")
+    wf2 = _workflow(tmp_path, tiny_models, denoise_t2v={"policy": "slack", "costs": "tables/costs.json"})
+    assert load_workflow(wf2).cost_table("denoise_t2v", wf2.parent) == rows
+    bad = subprocess.run([sys.executable, "-m", "onepiece", "profile", "--workflow", str(wf), "--stage", "warp"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown stage(s) ['warp']" in bad.stderr
+
+
+def test_scale_profile_builds_the_real_classes_with_a_deeper_transformer(tmp_path):
+    from diffusers import WanTransformer3DModel
+
+    from onepiece.stage.wan.tiny import MARKER, build_tiny
+
+    t2v = build_tiny("t2v", tmp_path / "t2v", profile="scale")
+    i2v = build_tiny("i2v", tmp_path / "i2v", profile="scale")
+    assert json.loads((t2v / MARKER).read_text())["profile"] == "scale"
+    assert WanTransformer3DModel.load_config(t2v / "transformer")["num_layers"] == 24
+    for shared in ("text_encoder", "vae"):  # the shared stages load them from the t2v build
+        for f in (t2v / shared).iterdir():
+            assert f.read_bytes() == (i2v / shared / f.name).read_bytes()
+    with pytest.raises(ValueError, match="profile must be one of"):
+        build_tiny("t2v", tmp_path / "x", profile="huge")
+    assert load_workflow(deploy_dir() / "wan21-scale.yaml").models["wan-t2v"].profile == "scale"
+
+
+def test_traces_round_trip_and_bad_ones_name_the_field(tmp_path):
+    classes = parse_classes("S=64x64x9:50,L=128x128x17:50")
+    classes["S"]["slo_s"], classes["L"]["slo_s"] = 2.0, 10.0
+    slow = poisson_trace(classes, {"S": 0.7, "L": 0.3}, rate=1.0, n=20, seed=3)
+    fast = poisson_trace(classes, {"S": 0.7, "L": 0.3}, rate=2.0, n=20, seed=3)
+    assert [r.cls for r in slow.requests] == [r.cls for r in fast.requests]  # same sequence, stretched
+    assert fast.requests[-1].at == pytest.approx(slow.requests[-1].at / 2, rel=1e-4)
+    assert all(r.timeout_s == classes[r.cls]["slo_s"] for r in slow.requests)
+    path = tmp_path / "t.json"
+    path.write_bytes(slow.dump())
+    again = load_trace(path)
+    assert again.requests == slow.requests and again.classes == slow.classes
+    doc = json.loads(path.read_text())
+    for mutate, where in ((lambda d: d["requests"][3].update({"class": "XL"}), "requests[3].class"),
+                          (lambda d: d["requests"][2].update({"at": -1}), "requests.2.at"),
+                          (lambda d: d["requests"][1].update({"at": 1e9}), "requests[2].at"),
+                          (lambda d: d.update(version=9), "version"),
+                          (lambda d: d["requests"][0].update({"steps": "many"}), "requests.0.steps")):
+        bad = json.loads(json.dumps(doc))
+        mutate(bad)
+        path.write_text(json.dumps(bad))
+        with pytest.raises(TraceError, match=f"t.json: {where}".replace("[", r"\[").replace("]", r"\]")):
+            load_trace(path)
+    path.write_text("{")
+    with pytest.raises(TraceError, match="not JSON"):
+        load_trace(path)
