@@ -53,7 +53,7 @@ TARGETS = {"mean_ratio_max": 0.5, "attainment_min": 0.9, "attainment_ratio_min":
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policies", default="fcfs,fcfs-batched,srtf,edf,slack",
+    p.add_argument("--policies", default="fcfs,fcfs-batched,srtf,edf,slo",
                    help="stage policies to compare, fcfs first (default %(default)s)")
     p.add_argument("--loads", default="0.5,0.8,1.0", help="multiples of the fcfs capacity (default %(default)s)")
     p.add_argument("--requests", type=int, default=40, help="requests per trace (default %(default)s)")

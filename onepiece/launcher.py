@@ -306,7 +306,7 @@ def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, db
     ``sets=[{"name": "a", "proxy": {"max_inflight": 1}}, {"name": "b", "db": {"count": 3}}]``.
     The NM listens at ``nm_address``. ``data="ring"`` makes every stage and DB receive its
     data over the ring buffer instead of ZeroMQ; ``device`` is every stage's torch device, ``threads`` (if given) its
-    torch threads, ``schedule`` per stage its scheduling options (e.g. ``{"denoise_t2v": {"policy": "slack"}}``).
+    torch threads, ``schedule`` per stage its scheduling options (e.g. ``{"denoise_t2v": {"policy": "slo"}}``).
     ``nm`` adds NmSpec keys, e.g. ``{"zk": hosts,
     "count": 3}`` for three NMs on ZooKeeper (at ``nm_address`` and the next two ports)."""
     import yaml

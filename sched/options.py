@@ -6,16 +6,17 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-POLICIES = ("fcfs", "fcfs-batched", "srtf", "edf", "slack")
+POLICIES = ("fcfs", "fcfs-batched", "srtf", "edf", "slo")  # sched/policies.py has one class each
 
 
 class ScheduleSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    policy: Literal["fcfs", "fcfs-batched", "srtf", "edf", "slack"] = Field(
+    policy: Literal["fcfs", "fcfs-batched", "srtf", "edf", "slo"] = Field(
         "fcfs", description="fcfs: each request alone from first step to last (batch 1); fcfs-batched: continuous "
                             "batching in arrival order; srtf: least remaining work first; edf: earliest deadline "
-                            "first; slack: least slack first, hopeless requests last, batches that keep deadlines")
+                            "first; slo: the most deadlines met (the largest set that can all make theirs, earliest deadline "
+                            "first; the rest in the time left), batches that keep deadlines")
     max_batch: int | None = Field(None, ge=1, le=64, description="requests per forward pass (default 1 for fcfs, "
                                                                   "else 4)")
     chunk_steps: int = Field(0, ge=0, le=1000, description="steps a batch runs between two decisions (0: the "

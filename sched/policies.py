@@ -6,12 +6,9 @@
   compatible one joins, wherever it stands in the queue (an incompatible head blocks nothing);
 - ``srtf``: least remaining work first (the cost model prices it), preemptive at chunk ends;
 - ``edf``: earliest deadline first;
-- ``slack``: this project's own. Least slack first (deadline − now − remaining work), with
-  three changes measured to matter: a request that can no longer make its deadline even alone
-  goes last (it would only make others late too), shortest first among those; a request joins
-  a batch only if no member that can still make its deadline stops making it at the slower
-  batched step; and the requests of the batch that just ran keep one chunk's worth of slack
-  in hand, so two requests with equal slack do not swap at every chunk.
+- ``slo``: this project's own: the most deadlines met (see ``Slo``): the largest set of
+  requests that can all make their deadlines runs earliest deadline first, the rest in the
+  time left; batches form only where they make no kept request late.
 
 Ties go to the higher ``priority``, then to the earlier arrival (never to the uid: an order by
 id starves whichever id keeps losing). None of them can starve a request: the core serves
@@ -22,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+from onepiece.sched import options
 from onepiece.sched.policy import Policy, RankedPolicy, Request, View
 
 
@@ -55,19 +53,39 @@ class Edf(RankedPolicy):
                                                     r.arrival))
 
 
-class Slack(RankedPolicy):
-    name = "slack"
+class Slo(RankedPolicy):
+    """Most deadlines met. Of the requests with a deadline that can still make it alone, keep
+    the largest set that can all make it one after another in deadline order (Moore and
+    Hodgson's rule for the fewest late jobs: walk them in deadline order and, whenever the
+    running total overshoots a deadline, take out the one with the most work left, the lowest
+    priority first) and run that set earliest deadline first: within a feasible set EDF loses
+    none. Requests without a deadline come next, then the ones taken out, shortest first: they
+    run in time nobody else needs, and expire where they wait. A request joins a batch only if
+    no member that is in the kept set becomes late at the slower batched step. Re-decided at
+    every chunk, so a burst that clears lets a request taken out back in."""
+
+    name = "slo"
 
     def rank(self, view: View) -> list[Request]:
-        def key(r: Request) -> tuple:
-            slack = view.slack(r)
-            if slack < 0:  # hopeless: after every request that can still make it
-                return (-r.priority, 1, view.alone_s(r), r.arrival)
-            if r.uid in view.previous:
-                slack -= view.alone_s(r, min(r.left, view.chunk(r.key, 1)))
-            return (-r.priority, 0, slack, view.alone_s(r), r.arrival)
-
-        return sorted(view.requests, key=key)
+        timed = sorted((r for r in view.requests if r.deadline is not None),
+                       key=lambda r: (r.deadline, -r.priority, r.arrival))
+        kept: list[Request] = []
+        out: list[Request] = []
+        total = 0.0
+        for r in timed:
+            if view.slack(r) < 0:  # late even alone
+                out.append(r)
+                continue
+            kept.append(r)
+            total += view.alone_s(r)
+            while kept and view.now + total > r.deadline:  # once, unless priorities keep the longest in
+                drop = min(kept, key=lambda k: (k.priority, -view.alone_s(k), -k.arrival))
+                kept.remove(drop)
+                out.append(drop)
+                total -= view.alone_s(drop)
+        untimed = sorted((r for r in view.requests if r.deadline is None), key=lambda r: (-r.priority, r.arrival))
+        out.sort(key=lambda r: (-r.priority, view.alone_s(r), r.arrival))
+        return kept + untimed + out
 
     def may_join(self, view: View, members: list[Request], r: Request) -> bool:
         step = view.costs.step_s(r.key, len(members) + 1)
@@ -79,7 +97,8 @@ class Slack(RankedPolicy):
         return True
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Fcfs, FcfsBatched, Srtf, Edf, Slack)}
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Fcfs, FcfsBatched, Srtf, Edf, Slo)}
+assert tuple(POLICIES) == options.POLICIES  # the names the YAML accepts
 
 
 def make_policy(name: str) -> Policy:

@@ -59,7 +59,7 @@ GOOD = (deploy_dir() / "wan21.yaml").read_text()
         (lambda t: t.replace("    components: [transformer, scheduler]\n", "    components: [transformer, scheduler]\n"
                              "    schedule: {policy: lifo}\n", 1), "stages.denoise_t2v.schedule.policy: Input should be"),
         (lambda t: t.replace("    components: [transformer, scheduler]\n", "    components: [transformer, scheduler]\n"
-                             "    schedule: {policy: slack, max_batch: 0}\n", 1),
+                             "    schedule: {policy: slo, max_batch: 0}\n", 1),
          "stages.denoise_t2v.schedule.max_batch: Input should be greater than or equal to 1 (got 0)"),
         (lambda t: t.replace("    components: [transformer, scheduler]\n", "    components: [transformer, scheduler]\n"
                              "    schedule: {policy: fcfs, max_batch: 4}\n", 1),

@@ -84,9 +84,9 @@ def test_priority_breaks_ties_before_the_policy_metric() -> None:
     assert out["long-vip"].end < out["short"].end
 
 
-def test_slack_puts_a_hopeless_request_last_and_saves_the_others() -> None:
+def test_slo_puts_a_hopeless_request_last_and_saves_the_others() -> None:
     # Three requests that can each make it, and one that cannot even alone: EDF serves the
-    # hopeless one first (earliest deadline) and makes the others late; slack does not.
+    # hopeless one first (earliest deadline) and makes the others late; slo does not.
     def run(policy: str) -> dict:
         st = stage(policy, max_batch=1)
         for i in range(3):
@@ -97,13 +97,39 @@ def test_slack_puts_a_hopeless_request_last_and_saves_the_others() -> None:
     def met(out: dict) -> int:
         return sum(1 for u, o in out.items() if o.status == "completed" and u.startswith("ok"))
 
-    edf, slack = run("edf"), run("slack")
-    assert met(slack) == 3 and met(edf) < 3
-    assert slack["doomed"].status == "expired"  # dropped at its deadline, never ran for nothing
+    edf, slo = run("edf"), run("slo")
+    assert met(slo) == 3 and met(edf) < 3
+    assert slo["doomed"].status == "expired"  # dropped at its deadline, never ran for nothing
 
 
-def test_slack_refuses_to_batch_when_it_would_make_a_member_late() -> None:
-    c = core("slack", max_batch=4, chunk_steps=1)
+def test_slo_takes_the_longest_request_out_of_a_burst_that_cannot_all_make_it() -> None:
+    """Four requests, each feasible alone, not all together: EDF runs them in deadline order
+    and two are late; slo leaves the long one out (Moore-Hodgson) and three make it."""
+    def run(policy: str) -> dict:
+        st = stage(policy, max_batch=1)
+        st.submit(0.0, request("a", S, steps=10, deadline=0.25))
+        st.submit(0.0, request("c", S, steps=10, deadline=0.35))
+        st.submit(0.0, request("long", L, steps=10, deadline=0.45))  # 0.4 s alone
+        st.submit(0.0, request("d", S, steps=10, deadline=0.5))
+        return st.run()
+
+    edf, slo = run("edf"), run("slo")
+    assert sorted(u for u, o in slo.items() if o.status == "completed") == ["a", "c", "d"]
+    assert sum(1 for o in edf.values() if o.status == "completed") == 2
+
+
+def test_priority_keeps_a_request_in_the_set_that_makes_its_deadline() -> None:
+    st = stage("slo", max_batch=1)
+    st.submit(0.0, request("a", S, steps=10, deadline=0.25))
+    st.submit(0.0, request("c", S, steps=10, deadline=0.35))
+    st.submit(0.0, request("long", L, steps=10, deadline=0.45, priority=1))
+    st.submit(0.0, request("d", S, steps=10, deadline=0.5))
+    out = st.run()
+    assert out["long"].status == "completed" and out["long"].end <= 0.45
+
+
+def test_slo_refuses_to_batch_when_it_would_make_a_member_late() -> None:
+    c = core("slo", max_batch=4, chunk_steps=1)
     c.worker_up("w0")
     tight = request("tight", S, steps=10, deadline=0.105)  # alone: 0.1 s; at batch 2: 0.125 s
     loose = request("loose", S, steps=10, deadline=10.0)
@@ -121,7 +147,7 @@ def test_slack_refuses_to_batch_when_it_would_make_a_member_late() -> None:
 def test_no_policy_starves_a_long_request_under_a_sustained_short_stream(policy: str) -> None:
     """A long request among short ones arriving faster than they are served one by one: every
     policy finishes it within its aging bound (4x its standalone time) plus what was already
-    aged, although srtf and slack would otherwise run the short ones forever."""
+    aged, although srtf and slo would otherwise run the short ones forever."""
     st = stage(policy, max_batch=1, chunk_steps=1)
     st.submit(0.0, request("long", L, steps=50))  # 2 s alone
     n = 400
@@ -295,7 +321,7 @@ def test_keys() -> None:
 
 
 def test_schedule_options_are_checked() -> None:
-    assert ScheduleSpec().max_batch == 1 and ScheduleSpec(policy="slack").max_batch == 4
+    assert ScheduleSpec().max_batch == 1 and ScheduleSpec(policy="slo").max_batch == 4
     with pytest.raises(ValidationError, match="fcfs runs every request alone"):
         ScheduleSpec(policy="fcfs", max_batch=4)
     with pytest.raises(ValidationError):

@@ -44,7 +44,7 @@ def test_profile_writes_a_table_a_stage_can_start_from(tiny_models, tmp_path):
     # A workflow that names the table loads it (relative to itself) for that stage.
     (tmp_path / "tables").mkdir()
     out.rename(tmp_path / "tables" / "costs.json")
-    wf2 = _workflow(tmp_path, tiny_models, denoise_t2v={"policy": "slack", "costs": "tables/costs.json"})
+    wf2 = _workflow(tmp_path, tiny_models, denoise_t2v={"policy": "slo", "costs": "tables/costs.json"})
     assert load_workflow(wf2).cost_table("denoise_t2v", wf2.parent) == rows
     bad = subprocess.run([sys.executable, "-m", "onepiece", "profile", "--workflow", str(wf), "--stage", "warp"],
                          capture_output=True, text=True, timeout=120)

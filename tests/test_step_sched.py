@@ -31,7 +31,7 @@ def up(tiny_models, tmp_path_factory, make_topology):
     nm = free_tcp_address()
     topology = make_topology(folder, tiny_models, nm, stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1},
                              proxy={"count": 1, "port": 0, "monitor": False}, threads=1,
-                             schedule={"denoise_t2v": {"policy": "slack", "max_batch": 4, "chunk_steps": 2}})
+                             schedule={"denoise_t2v": {"policy": "slo", "max_batch": 4, "chunk_steps": 2}})
     dep = Up(topology, folder / "logs", nm)
     try:
         dep.url = dep.wait_for(r"serves the API at (http://\S+)", timeout=240).group(1)
@@ -94,13 +94,13 @@ def test_compatible_requests_share_forward_passes(up, tmp_path):
         for v in vids:
             assert c.wait(v["id"], timeout=120)["status"] == "completed"
     s = wait(lambda: (st := denoise(up)["stats"]) and st["completed"] >= 4 and st, 10, "stats")
-    assert s["policy"] == "slack" and s["max_batch"] == 4
+    assert s["policy"] == "slo" and s["max_batch"] == 4
     assert s["batched"] / s["batches"] > 1.5, s  # they shared forward passes
     assert any(int(b) > 1 for key in s["costs"].values() for b in key)  # steps measured at batch > 1
     # Seen by an operator: `onepiece status` and the instance's /metrics.
     out = subprocess.run([sys.executable, "-m", "onepiece", "status", "--nm", up.nm], capture_output=True,
                          text=True, timeout=30).stdout
-    assert re.search(r"slack \(batch <= 4\): resident \d+, mean batch [0-9.]+, step [0-9.]+ ms", out), out
+    assert re.search(r"slo \(batch <= 4\): resident \d+, mean batch [0-9.]+, step [0-9.]+ ms", out), out
     metrics = httpx.get(denoise(up)["addresses"]["metrics"], timeout=5).text
     for name in ("onepiece_stage_batch_size_bucket", "onepiece_stage_step_seconds_count",
                  "onepiece_stage_queue_wait_seconds_sum", "onepiece_stage_resident_requests",

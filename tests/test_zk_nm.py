@@ -423,11 +423,11 @@ def test_digest_acls_keep_others_out(nms_factory, zk):
 # ---- configuration -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("nm, error", [
-    ({"count": 3}, "nm.count: Value error, 3 node managers need nm.zk"),
-    ({"zk": "localhost"}, "nm.zk: Value error, 'localhost' is not host:port"),
+    ({"count": 3}, "nm.count: 3 node managers need nm.zk"),
+    ({"zk": "localhost"}, "nm.zk: 'localhost' is not host:port"),
     ({"zk": "h:2181/chroot"}, "put the znode root in zk_root"),
-    ({"zk": "h:2181", "zk_root": "onepiece"}, "nm.zk_root: Value error, 'onepiece': expected an absolute znode path"),
-    ({"zk": "h:2181", "zk_auth": "nopassword"}, "nm.zk_auth: Value error, expected user:password"),
+    ({"zk": "h:2181", "zk_root": "onepiece"}, "nm.zk_root: 'onepiece': expected an absolute znode path"),
+    ({"zk": "h:2181", "zk_auth": "nopassword"}, "nm.zk_auth: expected user:password"),
     ({"zk": "h:2181", "zk_session_s": 0.5}, "nm.zk_session_s: Input should be greater than or equal to 1"),
     ({"zk": "h:2181", "count": 2, "address": "ipc:///tmp/nm"}, "consecutive ports from nm.address"),
 ])
