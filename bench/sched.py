@@ -198,7 +198,8 @@ def summarize(recs: list[dict], slo: dict[str, float]) -> dict[str, Any]:
         met = sum(1 for r in rs if r["outcome"] == "completed" and r.get("latency_s") is not None
                   and r["latency_s"] <= slo[r["class"]])
         return {"n": n, "completed": len(done), "failed": sum(1 for r in rs if r["outcome"] == "failed"),
-                "other": sum(1 for r in rs if r["outcome"] not in ("completed", "failed")),
+                "refused": sum(1 for r in rs if r["outcome"] == "rejected"),
+                "other": sum(1 for r in rs if r["outcome"] not in ("completed", "failed", "rejected")),
                 "mean_s": statistics.fmean(resolved) if resolved else None,
                 "mean_completed_s": statistics.fmean(done) if done else None,
                 "p50_s": percentile(done, 50), "p99_s": percentile(done, 99),
@@ -246,7 +247,7 @@ def _pct(v: float | None) -> str:
 
 
 def table(rows: dict[str, dict[str, dict]], classes: list[str]) -> str:
-    head = ("| policy | load | class | n | completed | failed | mean ms (resolved) | p50 ms | p99 ms "
+    head = ("| policy | load | class | n | completed | failed | refused | mean ms (resolved) | p50 ms | p99 ms "
             "| SLO attainment | goodput req/s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for p, by_load in rows.items():
@@ -256,7 +257,8 @@ def table(rows: dict[str, dict[str, dict]], classes: list[str]) -> str:
                     continue
                 r = s[c]
                 good = r.get("goodput_rps")
-                lines.append(f"| {p} | {load} | {c} | {r['n']} | {r['completed']} | {r['failed']} | {_ms(r['mean_s'])} "
+                lines.append(f"| {p} | {load} | {c} | {r['n']} | {r['completed']} | {r['failed']} | {r['refused']} "
+                             f"| {_ms(r['mean_s'])} "
                              f"| {_ms(r['p50_s'])} | {_ms(r['p99_s'])} | {_pct(r['attainment'])} "
                              f"| {'' if c != 'all' or good is None else format(good, '.2f')} |")
     return "\n".join(lines)
