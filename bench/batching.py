@@ -28,7 +28,7 @@ from typing import Any
 
 from onepiece.bench.common import PROMPT, cpu_name, model_dirs, parse_shape, percentile
 from onepiece.bench.overload import SET, Target, _run_async
-from onepiece.bench.sched import Session, _body, log
+from onepiece.bench.sched import Session, _body, log, session_arguments
 from onepiece.bench.trace import poisson_trace, replay
 
 TARGETS = {"throughput_ratio_min": 1.5}
@@ -40,14 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=40, help="requests per trace (default %(default)s)")
     p.add_argument("--saturate", type=float, default=3.0, help="the saturating load, x C1 (default %(default)s)")
     p.add_argument("--calibrate", type=int, default=16, help="closed-loop requests measuring C1")
-    p.add_argument("--max-duration", type=float, default=180.0, help="bound on a trace's arrival window (s)")
-    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds a request is awaited at most")
-    p.add_argument("--profile", choices=["tiny", "scale"], default="scale", help="model profile (default scale)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per stage worker")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--models", help="folder for the models (default: ~/.cache/onepiece/models)")
-    p.add_argument("--logs", help="keep the deployments' logs here")
-    p.add_argument("--out", default="bench/results", help="folder for batching.json and .md")
+    session_arguments(p, request_timeout=300.0, out="batching.json, .md and the traces")
 
 
 async def closed_loop(t: Target, body: bytes, n: int, clients: int = 4) -> float | None:
@@ -159,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
           f"t2v {args.shape}, fcfs-batched, {args.requests} requests per trace; C1 = {c1:.3f} req/s (batch 1, "
           f"closed loop); {elapsed:.0f} s in all.", "",
           f"| max batch | throughput at {args.saturate:g}×C1 (req/s) | × batch 1 | p50 / p99 at {args.saturate:g}×C1 (ms) "
-          "| p50 / p99 at C1 (ms) | mean batch | step ms by batch size |", "|---|---|---|---|---|---|---|"]
+          "| p50 / p99 at C1 (ms) | mean batch | chunk overhead ms | step ms by batch size |",
+          "|---|---|---|---|---|---|---|---|"]
     for b, r in rows.items():
         st = r["stage"]
         mean_b = st["batched"] / st["batches"] if st.get("batches") else None
@@ -169,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         md.append(f"| {b} | {thr:.3f} | {thr / base['saturate']['throughput_rps']:.2f} "
                   f"| {ms(r['saturate']['p50_s'])} / {ms(r['saturate']['p99_s'])} "
                   f"| {ms(r['c1']['p50_s'])} / {ms(r['c1']['p99_s'])} | {'—' if mean_b is None else f'{mean_b:.2f}'} "
-                  f"| {steps_ms} |")
+                  f"| {st.get('overhead_ms') or 0:.2f} | {steps_ms} |")
     md += ["", f"Targets (max batch {batches[-1]} against batch 1):", "", "| target | value | wanted | met |",
            "|---|---|---|---|"]
     for k, v in targets.items():

@@ -48,7 +48,7 @@ from onepiece.bench.common import PROMPT, T2V_STAGES, cpu_name, model_dirs, perc
 from onepiece.bench.overload import SET, Target, _run_async
 from onepiece.bench.trace import Trace, load_trace, parse_classes, poisson_trace, replay
 
-DEFAULT_CLASSES = "S=64x64x9:50,M=96x96x9:50,L=128x128x17:50"
+DEFAULT_CLASSES = "S=64x64x9:25,M=128x128x17:25,L=192x192x17:25"
 TARGETS = {"mean_ratio_max": 0.5, "attainment_min": 0.9, "attainment_ratio_min": 1.5}
 
 
@@ -66,14 +66,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=3, help="standalone runs per class in the calibration")
     p.add_argument("--calibrate", type=int, default=16, help="closed-loop requests measuring the fcfs capacity")
     p.add_argument("--capacity", type=float, help="C in requests/s (default: measured)")
+    session_arguments(p, request_timeout=120.0, out="sched.json, .md, .png and the traces")
+
+
+def session_arguments(p: argparse.ArgumentParser, request_timeout: float, out: str) -> None:
+    """The flags of a benchmark that replays traces on `Session` deployments."""
     p.add_argument("--max-duration", type=float, default=180.0, help="bound on a trace's arrival window (s)")
-    p.add_argument("--request-timeout", type=float, default=120.0, help="seconds a request is awaited at most")
+    p.add_argument("--request-timeout", type=float, default=request_timeout,
+                   help="seconds a request is awaited at most (default %(default)s)")
     p.add_argument("--profile", choices=["tiny", "scale"], default="scale", help="model profile (default scale)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per stage worker")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--models", help="folder for the models (default: ~/.cache/onepiece/models)")
     p.add_argument("--logs", help="keep the deployments' logs here")
-    p.add_argument("--out", default="bench/results", help="folder for sched.json, .md, .png and the traces")
+    p.add_argument("--out", default="bench/results", help=f"folder for {out}")
 
 
 def _floats(spec: str, n: int, what: str) -> list[float]:

@@ -174,6 +174,23 @@ class ProxyState:
         return ApiError(429, f"set {self.cluster.set_name!r}: {r.message}; retry later or use another set",
                         code=r.code, headers={"Retry-After": str(r.retry_after_s)})
 
+    def reserve(self, app: str, shape: str) -> dict[str, float]:
+        """Per stage of ``app``, the seconds the stages after it take alone for ``shape`` (from
+        the NM's view; unmeasured stages count 0): each stage schedules to be done that much
+        before the request's deadline, so the stages after it still have their time."""
+        try:
+            stages = ((self.cluster.monitor() or {}).get("apps") or {})[app]["stages"]
+        except (KeyError, TypeError):
+            return {}
+        out, after = {}, 0.0
+        for stage in reversed(self.cluster.workflow.applications[app].stages):
+            if after > 0:
+                out[stage] = round(after, 4)
+            row = stages.get(stage) if isinstance(stages, dict) else None
+            t = ((row or {}).get("shapes_s") or {}).get(shape) or (row or {}).get("service_s")
+            after += t if isinstance(t, (int, float)) and 0 < t < 86_400 else 0.0
+        return out
+
     async def submit(self, job: VideoJob) -> dict[str, Any]:
         wf = self.cluster.workflow
         first_stage = wf.applications[job.app].stages[0]
@@ -219,7 +236,8 @@ class ProxyState:
                                headers=self._retry()) from None
             header = {
                 "uid": uid, "ts": ts, "app": job.app, "stage": first_stage, "set": self.cluster.set_name,
-                "deadline": deadline, "priority": job.priority, "kind": "task", "params": params, "trace": [],
+                "deadline": deadline, "priority": job.priority, "reserve": self.reserve(job.app, shape_key(params)),
+                "kind": "task", "params": params, "trace": [],
             }
             msg = Message(header, {"image": image} if image is not None else {})
             msg.mark("proxy", "leave")

@@ -70,6 +70,10 @@ class _Worker(Worker):
     key: str = ""  # that batch's key: its steps are still reported after members finished
 
 
+def _expiry(r: Request) -> float | None:
+    return r.deadline if r.expires is None else r.expires
+
+
 class SchedCore:
     def __init__(self, spec: ScheduleSpec, costs: CostModel | None = None, policy: Policy | None = None) -> None:
         self.spec = spec
@@ -216,7 +220,7 @@ class SchedCore:
     def schedule(self, now: float) -> Decision:
         out = Decision()
         if self.spec.drop_expired:
-            for r in [r for r in self.requests.values() if r.deadline is not None and r.deadline < now]:
+            for r in [r for r in self.requests.values() if _expiry(r) is not None and _expiry(r) < now]:
                 self._remove(r.uid)
                 self.stats.expired += 1
                 out.expired.append(r)

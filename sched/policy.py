@@ -29,7 +29,7 @@ class Request:
     key: str  # compatibility key (sched.keys), or the call key of a one-step request
     steps: int  # in total
     arrival: float  # entered this stage (core clock)
-    deadline: float | None = None  # core clock
+    deadline: float | None = None  # when this stage must be done (core clock): what policies schedule for
     priority: int = 0  # higher first, among requests a policy would otherwise tie
     batchable: bool = True  # False: a one-step call, always alone
     done: int = 0  # steps done
@@ -39,6 +39,7 @@ class Request:
     started: float | None = None  # first step sent
     device_s: float = 0.0  # device seconds attributed to it (a step's time over its batch)
     aged: bool = False  # set by the core: in the stage too long, served before the others
+    expires: float | None = None  # the request's own deadline (default: ``deadline``), where it is dropped
 
     @property
     def left(self) -> int:

@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
 import orjson
 import zmq
@@ -44,7 +44,7 @@ from onepiece.transport.message import Message, MessageError, decode, encode, no
 
 log = logging.getLogger(__name__)
 
-HUNG_GRACE_S = 10.0  # a chunk still running this long past every member's deadline: the worker hung
+HUNG_GRACE_S = 10.0  # a chunk still running this long past every member's deadline (at least 3 steps): hung
 MAX_CANCELLED = 65_536  # cancelled uids remembered, to drop them if they arrive later
 
 
@@ -58,6 +58,10 @@ class TaskHeader(BaseModel):
     params: dict[str, Any]
     deadline: StrictInt | None = None  # ns since the epoch
     priority: StrictInt = Field(0, ge=-1000, le=1000)
+    # Per stage: seconds the stages after it need alone (the proxy's view): this stage aims to
+    # be done that much before the request's deadline.
+    reserve: dict[str, Annotated[float, Field(ge=0, le=86_400, allow_inf_nan=False)]] = Field(default_factory=dict,
+                                                                                              max_length=64)
     trace: list[dict[str, Any]] = Field(default_factory=list, max_length=1024)
 
 
@@ -81,14 +85,16 @@ class RequestScheduler:
         self.core = SchedCore(spec.schedule, CostModel(costs))  # from a table, if given; measured from here on
         self.msgs: dict[str, Message] = {}  # waiting requests' messages, sent on with their admission
         self.shapes: dict[str, str] = {}  # the shape key of every request in the core
-        self.sample_later: list[Request] = []  # finished, their service times not yet taken
+        self.sample_later: dict[str, list[Request]] = {}  # per worker: finished, not yet sampled
         self.fixed: dict[str, float] = {}  # seconds spent preparing and finishing each stepped request
         self.stepped: dict[str, bool] | None = None  # per app, from the workers (None: none ready yet)
         self.known: set[bytes] = set()  # workers that said ready at least once
         self.fresh: set[bytes] = set()  # workers whose first chunk (JIT, allocator warm-up) is not a sample
         self.born: dict[bytes, float] = {}
-        self.running: dict[bytes, tuple[float, float, tuple[str, ...]]] = {}  # worker -> (sent, decided in, uids)
+        # worker -> (sent at, decision time, uids, last deadline, hung grace) of its chunk in flight
+        self.running: dict[bytes, tuple[float, float, tuple[str, ...], float | None, float]] = {}
         self.cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.cancelled_on_arrival = 0
         self.control: queue.Queue = queue.Queue(maxsize=256)  # ("died", identity, reason, t) from the TaskManager
         self.hung: queue.Queue = queue.Queue(maxsize=256)  # identities for the TaskManager to kill
         self.stats = stats or SchedulerStats()
@@ -178,12 +184,13 @@ class RequestScheduler:
                     log.warning("dropped a message without a usable uid at %s: %s", self.stage, why)
                 continue
             if h.uid in self.cancelled:
-                self.stats.cancelled += 1
+                self.cancelled_on_arrival += 1
                 log.info("uid=%s dropped on arrival: cancelled", h.uid)
                 continue
-            deadline = None if h.deadline is None else now + (h.deadline - now_ns()) / 1e9
+            expires = None if h.deadline is None else now + (h.deadline - now_ns()) / 1e9
             key = compat_key(h.params) if stepped else call_key(h.params)
-            r = Request(h.uid, h.app, key, steps, now, deadline, h.priority, batchable=stepped)
+            r = Request(h.uid, h.app, key, steps, now, None if expires is None else expires - h.reserve.get(self.stage, 0.0),
+                        h.priority, batchable=stepped, expires=expires)
             try:
                 self.core.add(r)
             except ValueError:  # the same request twice (a duplicate forward): one is enough
@@ -219,7 +226,11 @@ class RequestScheduler:
             sizes.append(len(f))
             self._emit(("progress", uid, r.app, 0.0))
         self.stats.batch_size.observe(len(cmd.uids))
-        self.running[cmd.worker.encode()] = (now, decided, cmd.uids)
+        rs = [self.core.requests[u] for u in cmd.uids]
+        # The chunk's last deadline, and how long a step of it may take before it looks hung.
+        deadline = None if any(r.expires is None for r in rs) else max(r.expires for r in rs)
+        step = self.core.costs.step_s(rs[0].key, len(rs)) or 0.0
+        self.running[cmd.worker.encode()] = (now, decided, cmd.uids, deadline, max(HUNG_GRACE_S, 3 * step))
         self._send(cmd.worker, [b"run", orjson.dumps({"uids": list(cmd.uids), "steps": cmd.steps, "admit": sizes}),
                                 *frames])
 
@@ -272,7 +283,7 @@ class RequestScheduler:
             if r is None:  # cancelled or expired while it ran: nobody wants it
                 return
             self.stats.completed += 1
-            self.sample_later.append(r)  # once this chunk's step times are in the cost model
+            self.sample_later.setdefault(wid, []).append(r)  # once its chunk's step times are known
             self._emit(("result", msg))
         elif tag == b"failed":
             info = orjson.loads(rest[0].bytes)
@@ -290,13 +301,12 @@ class RequestScheduler:
                 if measured:
                     self.fixed[uid] = self.fixed.get(uid, 0.0) + float(seconds)
             self.fresh.discard(ident)
-            for r in self.sample_later:
+            for r in self.sample_later.pop(wid, []):
                 self._sample(r)
-            self.sample_later.clear()
             self.core.idle(wid)
-            sent = self.running.pop(ident, None)
-            if sent is not None and measured:
-                self.core.note_overhead(time.monotonic() - sent[0] - float(info["exec_s"]) + sent[1])
+            run = self.running.pop(ident, None)
+            if run is not None and measured:
+                self.core.note_overhead(time.monotonic() - run[0] - float(info["exec_s"]) + run[1])
 
     def _sample(self, r: Request) -> None:
         """A finished request's service times, from the cost model: alone (its standalone time,
@@ -311,6 +321,9 @@ class RequestScheduler:
             self._service.add(r.app, shape, share, alone)
 
     def _lost(self, wid: str, reason: str) -> None:
+        for r in self.sample_later.pop(wid, []):
+            self.shapes.pop(r.uid, None)
+            self.fixed.pop(r.uid, None)
         for r in self.core.worker_gone(wid):
             self._fail(r.uid, r.app, f"worker {wid} of stage {self.stage} {reason}")
 
@@ -379,14 +392,12 @@ class RequestScheduler:
 
     # --- hung workers -----------------------------------------------------------------------
     def _reclaim_hung(self) -> None:
-        """A worker still in a chunk well past the deadline of every request in it is stuck:
-        fail what it holds and have the TaskManager kill it (its restart gives the slot back)."""
+        """A worker still in a chunk well past the deadline of every request it started it with
+        (dropped by then, so it should have stopped at the next step) is stuck: fail what it
+        holds and have the TaskManager kill it (its restart gives the slot back)."""
         now = time.monotonic()
-        for ident, (sent, _, uids) in list(self.running.items()):
-            deadlines = [self.core.requests[u].deadline for u in uids if u in self.core.requests]
-            if any(d is None for d in deadlines) or now - sent < HUNG_GRACE_S:
-                continue
-            if all(d + HUNG_GRACE_S < now for d in deadlines):
+        for ident, (sent, _, uids, deadline, grace) in list(self.running.items()):
+            if deadline is not None and now > deadline + grace:
                 del self.running[ident]
                 self._lost(ident.decode(), "hung past the deadline")
                 try:
@@ -404,7 +415,7 @@ class RequestScheduler:
         s.resident = len(self.core.requests) - s.queue
         c = self.core.stats
         s.preempted, s.expired, s.aged = c.preempted, c.expired, c.aged
-        s.cancelled = max(s.cancelled, c.cancelled)
+        s.cancelled = c.cancelled + self.cancelled_on_arrival
         s.batches, s.batched = c.batches, c.batched
         s.overhead_ms = self.core.overhead_s * 1000
         s.rejected_frames = getattr(self.receiver, "rejected", 0)

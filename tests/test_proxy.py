@@ -716,3 +716,22 @@ def test_serve_reports_its_port_and_stops_cleanly_on_signals(sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_each_stage_is_told_what_the_stages_after_it_need():
+    """The header's reserve: per stage, the standalone time of the stages after it, so a stage
+    schedules to finish early enough for the rest of the pipeline to meet the deadline."""
+    h = Harness()
+    try:
+        h.cluster.monitor_view = capacity_view(denoise_s=0.5)
+        r = h.create(prompt="x", model="t2v", priority=3, timeout_s=30)
+        assert r.status_code == 200, r.text
+        msg = h.recv()
+        assert msg.header["priority"] == 3
+        assert msg.header["reserve"] == {"text_encode": pytest.approx(0.55), "denoise_t2v": pytest.approx(0.05)}
+        h.cluster.monitor_view = None  # nothing measured: no reserve
+        assert h.create(prompt="y", model="t2v").status_code == 200
+        assert h.recv().header["reserve"] == {}
+        assert h.create(prompt="z", model="t2v", priority=5000).status_code == 400
+    finally:
+        h.close()

@@ -184,6 +184,19 @@ def test_expired_requests_are_dropped_where_they_wait_and_where_they_are_residen
     assert c.stats.expired == 2 and not c.requests and c.workers["w0"].free_bytes == c.spec.resident_bytes
 
 
+def test_a_request_is_scheduled_for_its_stage_deadline_and_dropped_at_its_own() -> None:
+    c = core("edf", max_batch=1)
+    c.worker_up("w0")
+    r = request("r", S, steps=2, deadline=1.0)
+    r.expires = 3.0  # the stages after this one need 2 s
+    c.add(r)
+    c.add(request("other", S, steps=2, deadline=5.0))
+    assert c.schedule(0.0).commands[0].uids == ("r",)  # EDF by its stage deadline, 1.0
+    c.idle("w0")
+    assert not c.schedule(2.0).expired  # past its stage deadline, not past its own
+    assert [x.uid for x in c.schedule(3.5).expired] == ["r"]
+
+
 def test_drop_expired_off_keeps_late_requests() -> None:
     c = core("edf", drop_expired=False)
     c.worker_up("w0")
