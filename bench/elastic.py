@@ -58,11 +58,13 @@ def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, wi
                    cooldown_s: float, low: float = 0.0, threshold: float = 0.85, heartbeat_s: float = 0.25,
                    stages: dict[str, int] | None = None, idle: int = 0) -> Path:
     """The elastic deployment (tests use it too): monitor off, one torch thread per worker
-    (processes, not torch threads, share the cores)."""
+    (processes, not torch threads, share the cores), denoise scheduled fcfs (each request alone:
+    what a move adds is then a second worker's rate, not a change in how batches fill)."""
     from onepiece.launcher import write_topology as base
 
     return base(folder, models, nm_address, dbs=1, stages=stages or dict(STAGES), heartbeat_s=heartbeat_s,
                 proxy={"monitor": False, "port": 0}, idle=idle, threads=1,
+                schedule={"denoise_t2v": {"policy": "fcfs"}},
                 nm={"elastic": {"window_s": window_s, "cooldown_s": cooldown_s, "low": low, "threshold": threshold}})
 
 

@@ -40,6 +40,7 @@ def write(tmp_path, text, name="wf.yaml"):
 
 
 GOOD = (deploy_dir() / "wan21.yaml").read_text()
+SCHED = "schedule: {policy: slo, max_batch: 4}"  # the shipped denoise stages' line
 
 
 @pytest.mark.parametrize(
@@ -56,20 +57,14 @@ GOOD = (deploy_dir() / "wan21.yaml").read_text()
         (lambda t: t.replace("fps: 16}", "fps: fast}", 1), "applications.t2v.defaults.fps"),
         (lambda t: t + "\n  broken: [\n", "not valid YAML"),
         # step scheduling options name their key
-        (lambda t: t.replace("    components: [transformer, scheduler]\n", "    components: [transformer, scheduler]\n"
-                             "    schedule: {policy: lifo}\n", 1), "stages.denoise_t2v.schedule.policy: Input should be"),
-        (lambda t: t.replace("    components: [transformer, scheduler]\n", "    components: [transformer, scheduler]\n"
-                             "    schedule: {policy: slo, max_batch: 0}\n", 1),
+        (lambda t: t.replace(SCHED, "schedule: {policy: lifo}", 1), "stages.denoise_t2v.schedule.policy: Input should be"),
+        (lambda t: t.replace(SCHED, "schedule: {policy: slo, max_batch: 0}", 1),
          "stages.denoise_t2v.schedule.max_batch: Input should be greater than or equal to 1 (got 0)"),
-        (lambda t: t.replace("    components: [transformer, scheduler]\n", "    components: [transformer, scheduler]\n"
-                             "    schedule: {policy: fcfs, max_batch: 4}\n", 1),
+        (lambda t: t.replace(SCHED, "schedule: {policy: fcfs, max_batch: 4}", 1),
          "stages.denoise_t2v.schedule: max_batch: fcfs runs every request alone"),
-        (lambda t: t.replace("    components: [transformer, scheduler]\n", "    components: [transformer, scheduler]\n"
-                             "    schedule: {chunk_stepz: 2}\n", 1),
+        (lambda t: t.replace(SCHED, "schedule: {chunk_stepz: 2}", 1),
          "stages.denoise_t2v.schedule.chunk_stepz: Extra inputs are not permitted"),
-        (lambda t: t.replace("    components: [transformer, scheduler]\n", "    components: [transformer, scheduler]\n"
-                             "    schedule: {costs: no-such-table.json}\n", 1),
-         "stages.denoise_t2v.schedule.costs:"),
+        (lambda t: t.replace(SCHED, "schedule: {costs: no-such-table.json}", 1), "stages.denoise_t2v.schedule.costs:"),
         (lambda t: "just a string\n", "(top level)"),
     ],
 )
