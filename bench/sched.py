@@ -191,6 +191,9 @@ async def run_traces(t: Target, classes: dict[str, dict], traces: dict[str, Trac
             log(f"[{name}] trace at {load}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
             await t.drain(cfg.request_timeout)
             await asyncio.sleep(1.0)
+        st = (await t.status())["sets"][SET]["stages"]["denoise_t2v"]["instances"][0]["stats"]
+        out["stage"] = {k: st.get(k) for k in ("policy", "batches", "batched", "preempted", "expired", "aged",
+                                               "overhead_ms", "costs")}
         return out
 
 
@@ -279,7 +282,10 @@ def plot(rows: dict[str, dict[str, dict]], path: Path, title: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
     for p, by_load in rows.items():
         loads = [x for x in by_load if not x.startswith("monitor")]
-        xs = [float(x.rstrip("x")) for x in loads]
+        try:
+            xs = [float(x.rstrip("x")) for x in loads]
+        except ValueError:  # a replayed trace (--trace) is named after its file
+            xs = list(range(len(loads)))
         ax1.plot(xs, [by_load[x]["all"]["attainment"] * 100 for x in loads], marker="o", label=p)
         ax2.plot(xs, [by_load[x]["all"]["mean_s"] for x in loads], marker="o", label=p)
     ax1.set_ylabel("SLO attainment (%)")
@@ -346,6 +352,7 @@ def run(args: argparse.Namespace) -> int:
                 first = False
                 results[p] = _run_async(run_traces(s.target(), classes, traces, args, p))
         slo = {c: classes[c]["slo_s"] for c in names}
+        stage = {p: by.pop("stage", None) for p, by in results.items()}  # the denoise stage's own counts
         rows = {p: {load: summarize(recs, slo) for load, recs in by.items()} for p, by in results.items()}
         top = list(traces)[-1]
         targets = check_targets(rows, top, names)
@@ -359,13 +366,14 @@ def run(args: argparse.Namespace) -> int:
             log(f"[{best}] with the request monitor on, at {args.monitor_load:g}x ...")
             with Session(f"{best}-monitor", models, Path(tmp) / "monitor", args, schedule[best], monitor=True) as s:
                 recs = _run_async(run_traces(s.target(), classes, {key: tr}, args, f"{best}, monitor on"))[key]
+                # (its stage counts are not kept: they mix the warm-up and one trace)
             rows.setdefault(f"{best} (monitor on)", {})[key] = summarize(recs, slo)
             results.setdefault(f"{best} (monitor on)", {})[key] = recs
     elapsed = time.monotonic() - t_start
     result = {"bench": "sched", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
               "cpu_count": os.cpu_count(), "elapsed_s": elapsed,
               "settings": {k: v for k, v in vars(args).items() if k not in ("fn", "which")},
-              "classes": classes, "mix": mix, "calibration": cal, "rows": rows, "targets": targets,
+              "classes": classes, "mix": mix, "calibration": cal, "rows": rows, "targets": targets, "stage": stage,
               "requests": results}
     (outdir / "sched.json").write_text(json.dumps(result, indent=1, default=str))
     shapes = ", ".join(f"{c} {classes[c]['size']}x{classes[c]['num_frames']}" for c in names)

@@ -88,6 +88,8 @@ class Slo(RankedPolicy):
         return kept + untimed + out
 
     def may_join(self, view: View, members: list[Request], r: Request) -> bool:
+        if len(members) + 1 > view.costs.reached(r.key, view.max_batch):
+            return True  # a batch size not measured yet: try it (priced by extrapolation it never would be)
         step = view.costs.step_s(r.key, len(members) + 1)
         if step is None:
             return True

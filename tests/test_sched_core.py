@@ -143,6 +143,17 @@ def test_slo_refuses_to_batch_when_it_would_make_a_member_late() -> None:
     assert set(cmd.uids) == {"tight", "loose"}
 
 
+def test_slo_tries_a_batch_size_it_has_not_measured() -> None:
+    """Priced by extrapolation (no gain assumed) a batch would look too slow and never be tried,
+    so it would never be measured: an unmeasured batch size is tried."""
+    c = SchedCore(ScheduleSpec(policy="slo", max_batch=4, chunk_steps=1), CostModel({S: {1: 0.01}}))
+    c.worker_up("w0")
+    c.add(request("a", S, steps=10, deadline=0.15))  # batch 2 at twice the step time would miss
+    c.add(request("b", S, steps=10, deadline=0.15))
+    (cmd,) = c.schedule(0.0).commands
+    assert set(cmd.uids) == {"a", "b"}
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_no_policy_starves_a_long_request_under_a_sustained_short_stream(policy: str) -> None:
     """A long request among short ones arriving faster than they are served one by one: every
