@@ -148,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     def ms(v: float | None) -> str:
         return "—" if v is None else f"{v * 1000:.0f}"
 
-    md = [f"`onepiece bench batching` — {result['when']}, {cpu_name()}, {os.cpu_count()} cores, {args.profile} models, "
+    md = [f"`onepiece bench batching` — {result['when']}, {cpu_name()}, {os.cpu_count()} cores, device {args.device}, "
+          f"{args.profile} models, "
           f"t2v {args.shape}, fcfs-batched, {args.requests} requests per trace; C1 = {c1:.3f} req/s (batch 1, "
           f"closed loop); {elapsed:.0f} s in all.", "",
           f"| max batch | throughput at {args.saturate:g}×C1 (req/s) | × batch 1 | p50 / p99 at {args.saturate:g}×C1 (ms) "

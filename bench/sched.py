@@ -76,6 +76,7 @@ def session_arguments(p: argparse.ArgumentParser, request_timeout: float, out: s
                    help="seconds a request is awaited at most (default %(default)s)")
     p.add_argument("--profile", choices=["tiny", "scale"], default="scale", help="model profile (default scale)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per stage worker")
+    p.add_argument("--device", default="cpu", help="torch device of every stage (cpu, cuda)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--models", help="folder for the models (default: ~/.cache/onepiece/models)")
     p.add_argument("--logs", help="keep the deployments' logs here")
@@ -110,7 +111,7 @@ class Session:
 
         self.folder.mkdir(parents=True, exist_ok=True)
         topo = write_topology(self.folder, self.models, free_tcp_address(), dbs=1, heartbeat_s=0.5,
-                              stages=dict(T2V_STAGES), threads=self.cfg.threads,
+                              stages=dict(T2V_STAGES), threads=self.cfg.threads, device=self.cfg.device,
                               proxy={"count": 1, "port": 0, "max_inflight": 1000, "monitor": self.monitor},
                               schedule={"denoise_t2v": self.schedule})
         logs = Path(self.cfg.logs) / self.name if self.cfg.logs else self.folder / "logs"
@@ -379,7 +380,8 @@ def run(args: argparse.Namespace) -> int:
     shapes = ", ".join(f"{c} {classes[c]['size']}x{classes[c]['num_frames']}" for c in names)
     title = f"onepiece bench sched: classes {shapes}, mix {args.mix}, SLO alpha {args.alpha}, max batch {args.max_batch}"
     plot({p: r for p, r in rows.items() if "monitor" not in p}, outdir / "sched.png", title)
-    md = [f"`onepiece bench sched` — {result['when']}, {cpu_name()}, {os.cpu_count()} cores, {args.profile} models, "
+    md = [f"`onepiece bench sched` — {result['when']}, {cpu_name()}, {os.cpu_count()} cores, device {args.device}, "
+          f"{args.profile} models, "
           f"{args.requests} requests per trace, {elapsed:.0f} s in all.", ""]
     if cal:
         md += ["Calibration (fcfs): " + "; ".join(

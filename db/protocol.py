@@ -17,7 +17,9 @@ A record is a JSON object; ``merge`` makes replicas converge whatever order upda
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 QUEUED, IN_PROGRESS, COMPLETED, FAILED = "queued", "in_progress", "completed", "failed"
 TERMINAL = frozenset({COMPLETED, FAILED})
@@ -32,6 +34,43 @@ STATUS_FIELDS = frozenset(
     {"uid", "status", "stage", "progress", "created_at", "updated_at", "completed_at",
      "expires_at", "error", "content_type", "bytes", "trace"}
 )
+
+
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False, strict=False)]
+
+
+class RecordSchema(BaseModel):
+    """What a record must look like before a DB stores it as a peer's copy: a replica carries
+    timestamps this DB's timers compare (a string ``expires_at`` once broke every later sweep),
+    so its types are checked, not trusted. Other fields (params, deadline...) pass through."""
+
+    model_config = ConfigDict(extra="allow")
+
+    uid: StrictStr = Field(min_length=1, max_length=128)
+    status: Literal["queued", "in_progress", "completed", "failed"]
+    app: StrictStr | None = None
+    set: StrictStr | None = None
+    stage: StrictStr | None = None
+    progress: Annotated[float, Field(ge=0, le=100, allow_inf_nan=False)] | None = None
+    created_at: Seconds | None = None
+    updated_at: Seconds | None = None
+    completed_at: Seconds | None = None
+    expires_at: Seconds | None = None
+    deadline: StrictInt | None = None  # ns since the epoch
+    error: StrictStr | None = None
+    content_type: StrictStr | None = Field(None, max_length=256)
+    bytes: StrictInt = Field(0, ge=0)
+    trace: list[dict[str, Any]] | None = Field(None, max_length=1024)
+
+
+def check_record(record: Any) -> str | None:
+    """None if ``record`` may be stored, else what is wrong with it (field: reason)."""
+    try:
+        RecordSchema.model_validate(record)
+    except ValidationError as e:
+        err = e.errors()[0]
+        return f"{'.'.join(map(str, err['loc'])) or 'record'}: {err['msg']}"
+    return None
 
 
 def _progress(rec: dict[str, Any]) -> int:

@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import orjson
 
-from onepiece.db.protocol import COMPLETED, FAILED, IN_PROGRESS, QUEUED, TERMINAL, merge
+from onepiece.db.protocol import COMPLETED, FAILED, IN_PROGRESS, QUEUED, TERMINAL, check_record, merge
 
 STATUSES = (QUEUED, IN_PROGRESS, COMPLETED, FAILED)
 MAX_ERROR_CHARS = 1000  # bounds what a failure adds to a record
@@ -211,8 +211,9 @@ class ResultStore:
 
     def apply_replica(self, record: dict[str, Any], content: bytes | None = None) -> Change | None:
         """A peer's copy of a record; applied as-is (its timestamps are the origin's)."""
-        if not isinstance(record, dict):
-            raise InvalidUpdate("replica record must be an object")
+        problem = check_record(record)
+        if problem is not None:
+            raise InvalidUpdate(f"replica record: {problem}")
         uid = self._check(record)
         if content is not None:
             content = bytes(content)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -81,11 +81,55 @@ class Limits(_Strict):
     timeout_s: float = Field(600.0, gt=0, description="deadline given to a request unless it asks for less")
 
 
+MAX_GUIDANCE = 100.0
+MAX_SEED = 2**32 - 1  # what numpy and torch generators both accept
+
+
+class JobParams(BaseModel):
+    """A request's ``params`` as every stage receives them (the proxy builds them from a create).
+    Strict: a stage never coerces what another process sent it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    prompt: str
+    negative_prompt: str = ""
+    width: int = Field(gt=0, multiple_of=16)
+    height: int = Field(gt=0, multiple_of=16)
+    num_frames: int = Field(ge=1)
+    steps: int = Field(ge=1)
+    guidance: float = Field(ge=0, le=MAX_GUIDANCE)
+    seed: int = Field(ge=0, le=MAX_SEED)
+    fps: int = Field(gt=0, le=120)
+    max_sequence_length: int = Field(gt=0, le=4096)
+
+
 class AppSpec(_Strict):
     kind: Literal["t2v", "i2v"] | None = Field(None, description="stage-function family; defaults to the app id")
     stages: list[str] = Field(min_length=1)
     defaults: Defaults = Defaults()
     limits: Limits = Limits()
+
+    def check_params(self, params: Any) -> JobParams:
+        """``params`` checked against their schema and this application's limits, so that a
+        request that reaches a stage by any path obeys the limits the proxy enforces on create.
+        Raises ValueError naming the field."""
+        try:
+            p = JobParams.model_validate(params)
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise ValueError(f"{'.'.join(map(str, ('params', *err['loc'])))}: {err['msg']}") from None
+        lim = self.limits
+        over = [(f, v, m) for f, v, m in (("width", p.width, lim.max_width), ("height", p.height, lim.max_height),
+                                           ("num_frames", p.num_frames, lim.max_frames), ("steps", p.steps, lim.max_steps),
+                                           ("prompt", len(p.prompt), lim.max_prompt_chars),
+                                           ("negative_prompt", len(p.negative_prompt), lim.max_prompt_chars))
+                if v > m]
+        if over:
+            f, v, m = over[0]
+            raise ValueError(f"params.{f}: {v} exceeds the application's limit of {m}")
+        if (p.num_frames - 1) % 4:
+            raise ValueError(f"params.num_frames: must be 4k+1, got {p.num_frames}")
+        return p
 
 
 class RingSpec(_Strict):

@@ -22,12 +22,10 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from onepiece.config import AppSpec, Workflow
+from onepiece.config import MAX_GUIDANCE, MAX_SEED, AppSpec, Workflow
 from onepiece.proxy.errors import ApiError, bad_request
 
 MAX_SECONDS = 3600.0
-MAX_GUIDANCE = 100.0
-MAX_SEED = 2**32 - 1  # what numpy and torch generators both accept
 MAX_PRIORITY = 1000  # what the stages accept in a header
 MAX_IMAGE_PIXELS = 4096 * 4096  # decoded size bound: a small PNG can expand to gigabytes
 SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")

@@ -35,7 +35,7 @@ class StageRuntime:
         self.stats = SchedulerStats()
         self.mailbox = TrackingMailbox(1024, holdings)
         self.scheduler = RequestScheduler(stage, receiver, f"ipc://{rdir}/workers-{next(_sockets)}.sock",
-                                          workflow.stages[stage], self.mailbox, self.stats, routes,
+                                          workflow, self.mailbox, self.stats, routes,
                                           costs=workflow.cost_table(stage, base_dir))
         self.deliver = ResultDeliver(stage, workflow, self.mailbox, routes=routes)
         self.tm = TaskManager(instance, stage, workflow, base_dir, self.scheduler)

@@ -32,7 +32,7 @@ import orjson
 import zmq
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
-from onepiece.config import StageSpec
+from onepiece.config import Workflow
 from onepiece.sched.core import Drop, Run, SchedCore
 from onepiece.sched.costs import CostModel
 from onepiece.sched.keys import call_key, compat_key, shape_key
@@ -66,10 +66,12 @@ class TaskHeader(BaseModel):
 
 
 class RequestScheduler:
-    def __init__(self, stage: str, receiver: Receiver, worker_address: str, spec: StageSpec, outbox: "queue.Queue",
+    def __init__(self, stage: str, receiver: Receiver, worker_address: str, workflow: Workflow, outbox: "queue.Queue",
                  stats: SchedulerStats | None = None, routes: Callable[[], dict] | None = None,
                  costs: dict[str, dict[int, float]] | None = None) -> None:
+        spec = workflow.stages[stage]
         self.stage, self.receiver, self.capacity, self.outbox = stage, receiver, spec.queue, outbox
+        self.apps = workflow.applications  # their limits hold here too, whatever path a request took
         self.routes = routes or (lambda: {})
         ctx = zmq.Context.instance()
         self.workers = ctx.socket(zmq.ROUTER)
@@ -169,11 +171,10 @@ class RequestScheduler:
             try:
                 h = TaskHeader.model_validate(msg.header)
                 stepped = self.stepped.get(h.app) if self.stepped else None
-                if stepped is None:
+                if stepped is None or h.app not in self.apps:
                     raise ValueError(f"application {h.app!r} is not served by stage {self.stage}")
-                steps = h.params.get("steps") if stepped else 1
-                if type(steps) is not int or steps < 1:
-                    raise ValueError(f"params.steps must be a positive integer, got {steps!r}")
+                limits = self.apps[h.app].limits
+                steps = self.apps[h.app].check_params(h.params).steps if stepped else 1
             except (ValidationError, ValueError) as e:
                 err = e.errors()[0] if isinstance(e, ValidationError) else None
                 why = f"{'.'.join(map(str, err['loc']))}: {err['msg']}" if err else str(e)
@@ -187,9 +188,14 @@ class RequestScheduler:
                 self.cancelled_on_arrival += 1
                 log.info("uid=%s dropped on arrival: cancelled", h.uid)
                 continue
-            expires = None if h.deadline is None else now + (h.deadline - now_ns()) / 1e9
+            # Every request ends by the application's deadline at the latest, so none can hold a
+            # worker forever (the proxy's deadline is never later than that).
+            longest = now_ns() + int(limits.timeout_s * 1e9)
+            if h.deadline is None or h.deadline > longest:
+                msg.header["deadline"] = h.deadline = longest
+            expires = now + (h.deadline - now_ns()) / 1e9
             key = compat_key(h.params) if stepped else call_key(h.params)
-            r = Request(h.uid, h.app, key, steps, now, None if expires is None else expires - h.reserve.get(self.stage, 0.0),
+            r = Request(h.uid, h.app, key, steps, now, expires - h.reserve.get(self.stage, 0.0),
                         h.priority, batchable=stepped, expires=expires)
             try:
                 self.core.add(r)

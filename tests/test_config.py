@@ -166,3 +166,29 @@ def test_db_command_takes_a_replication_factor(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["db", "--replication", "0"])
     assert "must be at least 1" in capsys.readouterr().err
+
+
+GOOD_PARAMS = {"prompt": "a cat", "negative_prompt": "", "width": 64, "height": 64, "num_frames": 9, "steps": 10,
+               "guidance": 5.0, "seed": 1, "fps": 16, "max_sequence_length": 64}
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"steps": 1_000_000}, "params.steps: 1000000 exceeds the application's limit of 100"),
+    ({"width": 4096}, "params.width: 4096 exceeds"),
+    ({"num_frames": 8}, "params.num_frames: must be 4k+1"),
+    ({"prompt": "x" * 5000}, "params.prompt: 5000 exceeds"),
+    ({"steps": "10"}, "params.steps: Input should be a valid integer"),
+    ({"guidance": float("nan")}, "params.guidance"),
+    ({"seed": -1}, "params.seed"),
+    ({"width": 40}, "params.width: Input should be a multiple of 16"),
+    ({"extra": 1}, "params.extra: Extra inputs are not permitted"),
+    ({"prompt": None}, "params.prompt"),
+])
+def test_every_stage_holds_a_request_to_its_applications_limits(change, expected):
+    app = load_workflow(deploy_dir() / "wan21.yaml").applications["t2v"]
+    assert app.check_params(GOOD_PARAMS).steps == 10
+    with pytest.raises(ValueError) as e:
+        app.check_params({**GOOD_PARAMS, **change})
+    assert expected in str(e.value)
+    with pytest.raises(ValueError, match="params: Input should be a valid dictionary"):
+        app.check_params([1])

@@ -351,6 +351,9 @@ def test_malformed_data_and_rpc_are_dropped_with_a_log_line(start_dbs, caplog) -
         send(db.server.data_address, {"uid": "u2", "kind": "result"})  # no content part
         send(db.server.data_address, {"uid": "u3", "kind": "status", "status": "in_progress", "progress": "x"})
         send(db.server.data_address, {"uid": "u4", "kind": "replica", "record": [1, 2]})
+        # Stored, this one broke every later expiry sweep and so the DB's loop.
+        send(db.server.data_address, {"uid": "u5", "kind": "replica",
+                                      "record": {"uid": "u5", "status": "queued", "expires_at": "x"}})
         dealer.send_multipart([b"", b"not json"])
         dealer.send_multipart([b"", b"[1, 2]"])
         dealer.send_multipart([b"only-one-frame"])
@@ -370,15 +373,18 @@ def test_malformed_data_and_rpc_are_dropped_with_a_log_line(start_dbs, caplog) -
             rpc.close()
         assert not dealer.poll(100)  # malformed requests got no reply
         # Each socket is its own connection: wait until every bad message has been seen.
-        wait_for(lambda: db.server.counts["malformed"] == 4 and db.server.receiver.rejected == 2
+        wait_for(lambda: db.server.counts["malformed"] == 5 and db.server.receiver.rejected == 2
                  and "dropped malformed request" in caplog.text, what="all malformed input seen")
     finally:
         push.close()
         dealer.close()
     text = caplog.text
     assert "dropped malformed message" in text  # transport-level rejects
-    for u in ("u1", "u2", "u3", "u4"):
+    for u in ("u1", "u2", "u3", "u4", "u5"):
         assert f"uid={u} dropped malformed" in text
+    assert "expires_at" in text
+    time.sleep(3 * FAST["sweep_interval_s"])  # sweeps ran past the bad replica: still serving
+    assert get_from(db, uid) is not None
     assert "dropped malformed request" in text
 
 

@@ -185,8 +185,17 @@ def test_replica_applies_with_origin_timestamps_and_checks_content() -> None:
     {"uid": "u", "status": "queued", "progress": True},
     {"uid": "u", "status": "queued", "stage": 3},
     {"uid": "u", "status": "queued", "trace": "x"},
+    # A replica's timestamps feed this DB's timers: a string there once broke every later sweep.
+    {"uid": "u", "status": "queued", "expires_at": "tomorrow"},
+    {"uid": "u", "status": "queued", "created_at": float("nan")},
+    {"uid": "u", "status": "completed", "completed_at": [1]},
+    {"uid": "u", "status": "queued", "deadline": "soon"},
+    {"uid": "u", "status": "queued", "bytes": -1},
+    {"uid": "u", "status": "failed", "error": {"x": 1}},
+    {"uid": ["u"], "status": "queued"},
+    "not a record",
 ])
-def test_invalid_updates_are_refused(bad: dict) -> None:
+def test_invalid_updates_are_refused(bad: dict | str) -> None:
     s, _ = make()
     with pytest.raises(InvalidUpdate):
         s.apply_replica(bad)

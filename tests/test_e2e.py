@@ -140,6 +140,19 @@ def test_exception_in_a_stage_function_fails_only_that_request(up):
         time.sleep(0.1)
         rec = db.get(uid)
     assert rec["status"] == "failed" and "prompt_embeds" in rec["error"], rec
+    # Straight to the stage, past every limit the proxy enforces, without a deadline: the stage
+    # holds it to the application's limits itself (this once pinned a worker indefinitely).
+    over = new_uid()
+    db.create({"uid": over, "app": "t2v", "set": "set0", "status": "queued", "progress": 0})
+    tx = registry.connect(r["stages"]["denoise_t2v"][0])
+    tx.send(Message({"uid": over, "app": "t2v", "stage": "denoise_t2v", "kind": "task",
+                     "params": {**params, "steps": 1_000_000}, "ts": time.time_ns(), "trace": []}), timeout=5)
+    tx.close()
+    rec = db.get(over)
+    while rec["status"] != "failed" and time.monotonic() < deadline:
+        time.sleep(0.1)
+        rec = db.get(over)
+    assert rec["status"] == "failed" and "params.steps: 1000000 exceeds the application's limit" in rec["error"], rec
     with Client(up.url) as c:  # the same stage still serves
         v = c.submit("still alive", model="t2v", size="32x32", num_frames=5, steps=2)
         assert c.wait(v["id"], timeout=60)["status"] == "completed"
