@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mix", default="0.6,0.3,0.1", help="share of each class by count, in --classes order")
     p.add_argument("--alpha", default="2.0,2.5,3.5", help="SLO = alpha x standalone, per class in order")
     p.add_argument("--max-batch", type=int, default=4, help="batch bound of the batching policies")
-    p.add_argument("--monitor-load", type=float, default=1.2, help="load of the run with the monitor on (0: none)")
+    p.add_argument("--monitor-load", type=float, default=1.2, help="load of the run with the monitor on (0: none; with --trace: that trace again, monitor on)")
     p.add_argument("--trace", help="replay this trace (bench/trace.py format) instead of generating them")
     p.add_argument("--repeat", type=int, default=3, help="standalone runs per class in the calibration")
     p.add_argument("--calibrate", type=int, default=16, help="closed-loop requests measuring the fcfs capacity")
@@ -357,14 +357,17 @@ def run(args: argparse.Namespace) -> int:
         rows = {p: {load: summarize(recs, slo) for load, recs in by.items()} for p, by in results.items()}
         top = list(traces)[-1]
         targets = check_targets(rows, top, names)
-        if args.monitor_load and given is None and targets.get("best"):
+        if args.monitor_load and targets.get("best"):
             best = targets["best"]
-            cap = cal["capacity_rps"]
-            tr = poisson_trace(classes, mix, args.monitor_load * cap, args.requests, args.seed, capacity_rps=cap,
-                               load=args.monitor_load, note="onepiece bench sched, monitor on")
-            key = f"monitor on {args.monitor_load:g}x"
-            (outdir / f"sched-trace-monitor-{args.monitor_load:g}x.json").write_bytes(tr.dump())
-            log(f"[{best}] with the request monitor on, at {args.monitor_load:g}x ...")
+            if given is None:
+                cap = cal["capacity_rps"]
+                tr = poisson_trace(classes, mix, args.monitor_load * cap, args.requests, args.seed, capacity_rps=cap,
+                                   load=args.monitor_load, note="onepiece bench sched, monitor on")
+                key = f"monitor on {args.monitor_load:g}x"
+                (outdir / f"sched-trace-monitor-{args.monitor_load:g}x.json").write_bytes(tr.dump())
+            else:  # the same trace again, admitted by the monitor
+                tr, key = given, f"monitor on {top}"
+            log(f"[{best}] with the request monitor on: {key} ...")
             with Session(f"{best}-monitor", models, Path(tmp) / "monitor", args, schedule[best], monitor=True) as s:
                 recs = _run_async(run_traces(s.target(), classes, {key: tr}, args, f"{best}, monitor on"))[key]
                 # (its stage counts are not kept: they mix the warm-up and one trace)

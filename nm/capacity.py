@@ -16,6 +16,7 @@ Everything here is a pure function of instance views, so it is tested without pr
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Any, Iterable
 
@@ -32,24 +33,29 @@ def _mean(pairs: list[tuple[float, float]]) -> float | None:
     return sum(v * w for v, w in pairs) / total if total else None
 
 
+def _per_shape(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
+    """The instances' per-shape figures (``shapes``: standalone, ``shares``: device share) merged."""
+    merged: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        for shape, t in (r.get(key) or {}).items():
+            merged.setdefault(shape, []).append((t, 1))
+    return {s: _mean(p) for s, p in merged.items()}
+
+
 def stage_state(workflow: Workflow, stage: str, members: list[dict[str, Any]]) -> dict[str, Any]:
     """Workers, queue and measured service times of one stage across its ready instances."""
     views = _stage_views(members, stage)
     apps = [a for a, spec in workflow.applications.items() if stage in spec.stages]
     workers = sum(int(v["stats"].get("ready", 0)) for v in views)
     queue = sum(int(v["stats"].get("queue", 0)) for v in views)
-    service, shapes, recent = {}, {}, {}
+    service, shapes, shares, recent = {}, {}, {}, {}
     for app in apps:
         # Instances that served more of the app recently weigh more (weight ≥ 1 once measured).
         rows = [(v["stats"].get("service") or {}).get(app) for v in views]
         rows = [r for r in rows if r]
         service[app] = _mean([(r["mean_s"], 1 + r.get("recent", 0)) for r in rows])
         recent[app] = sum(r.get("recent", 0) for r in rows)
-        merged: dict[str, list[tuple[float, float]]] = {}
-        for r in rows:
-            for shape, t in (r.get("shapes") or {}).items():
-                merged.setdefault(shape, []).append((t, 1))
-        shapes[app] = {s: _mean(p) for s, p in merged.items()}
+        shapes[app], shares[app] = (_per_shape(rows, key) for key in ("shapes", "shares"))
     # The mix, with one pseudo-arrival per application so an idle app still gets a share.
     total = sum(recent.values()) + len(apps)
     mix = {a: (recent[a] + 1) / total for a in apps}
@@ -61,8 +67,10 @@ def stage_state(workflow: Workflow, stage: str, members: list[dict[str, Any]]) -
             rates[app] = 0.0 if not workers else None  # no workers: nothing gets through
         else:
             rates[app] = mix[app] * workers / per_request
+    policies = collections.Counter(str(v["stats"].get("policy") or "") for v in views)
     return {"instances": len(views), "workers": workers, "queue": queue, "service_s": service,
-            "shapes_s": shapes, "mix": mix, "rate": rates}
+            "shapes_s": shapes, "shares_s": shares, "mix": mix, "rate": rates,
+            "policy": policies.most_common(1)[0][0] if policies else ""}
 
 
 def estimate(workflow: Workflow, members: list[dict[str, Any]]) -> dict[str, Any]:
@@ -80,8 +88,10 @@ def estimate(workflow: Workflow, members: list[dict[str, Any]]) -> dict[str, Any
             per_instance = s["workers"] / s["instances"] if s["instances"] else 0
             if prev_rate is not None and t:
                 demand[st] = demand.get(st, 0.0) + prev_rate * t  # busy workers this flow needs
-            rows[st] = {"rate": rate, "service_s": t, "shapes_s": s["shapes_s"][app], "instances": s["instances"],
-                        "workers": s["workers"], "queue": s["queue"], "per_instance": per_instance}
+            rows[st] = {"rate": rate, "service_s": t, "shapes_s": s["shapes_s"][app], "shares_s": s["shares_s"][app],
+                        "instances": s["instances"],
+                        "workers": s["workers"], "queue": s["queue"], "policy": s["policy"],
+                        "per_instance": per_instance}
             prev_rate = rate
         rates = [(r["rate"], st) for st, r in rows.items()]
         if any(r is None for r, _ in rates):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,10 @@ class ClusterState:
         self.instances: dict[str, Instance] = {}
         self.version = 1  # bumped whenever any route table changes
         self._ids = itertools.count(1)
+        # Ids carry this NM's incarnation: a restarted NM never hands out an id that an
+        # instance of the one before still holds (it would heartbeat as another instance and
+        # take over its assignment); such an instance is unknown here and registers again.
+        self._incarnation = secrets.token_hex(2)
         self.events: list[str] = []  # recent decisions, shown by `onepiece status`
         self.dirty: set[str] = set()  # sets whose instance records changed since last saved
         # Per set, named stage instances that were moved: name -> the stage (None: idle pool) they
@@ -147,7 +152,7 @@ class ClusterState:
             idle = stage is None
         if role == "stage" and not idle:
             stage = stage or self._stage_with_deficit(set_name)
-        inst = Instance(inst_id or f"{role}-{next(self._ids)}", role, set_name, addresses, pid, host, stage,
+        inst = Instance(inst_id or f"{role}-{self._incarnation}-{next(self._ids)}", role, set_name, addresses, pid, host, stage,
                         name=name)
         # DBs and proxies serve as soon as they registered; stages once their workers loaded.
         inst.ready = role != "stage"

@@ -37,7 +37,7 @@ def _scheduling(s: dict[str, Any]) -> str:
     batch = f"{s.get('batched', 0) / batches:.1f}" if batches else "-"
     step = s.get("step_time") or {}
     n = sum(step.get("counts") or [])
-    ms = f"{step.get('sum', 0) / n * 1000:.1f} ms" if n else "unmeasured"
+    ms = f"{step.get('sum', 0) / n * 1000:.1f} ms" if n else "not measured yet"
     return (f"\n{'':17s}{s['policy']} (batch <= {s.get('max_batch', 1)}): resident {s.get('resident', 0)},"
             f" mean batch {batch}, step {ms}, chunk overhead {s.get('overhead_ms', 0):.1f} ms;"
             f" preempted {s.get('preempted', 0)} cancelled {s.get('cancelled', 0)} expired {s.get('expired', 0)}"
@@ -45,7 +45,7 @@ def _scheduling(s: dict[str, Any]) -> str:
 
 
 def _rate(r: float | None) -> str:
-    return "unmeasured" if r is None else f"{r:.2f}/s"
+    return "not measured yet" if r is None else f"{r:.2f}/s"
 
 
 def _capacity(apps: dict[str, Any]) -> list[str]:
@@ -59,16 +59,17 @@ def _capacity(apps: dict[str, Any]) -> list[str]:
         lines.append(head)
         for stage, s in est["stages"].items():
             t = "-" if s["service_s"] is None else f"{s['service_s'] * 1000:.0f} ms"
-            keep = "" if s["needed"] is None else (
-                f", Theorem 1: needs {s['needed']} instance(s) to keep up, has {s['instances']}"
-                + ("" if s["keeps_up"] else " (falls behind)"))
+            # Theorem 1 is about rates, not load: on an idle set it is advice, not an alarm.
+            keep = "" if s["needed"] is None or s["keeps_up"] else (
+                f", Theorem 1: {s['needed']} instance(s) would keep up with the stage before at its full rate,"
+                f" has {s['instances']}" + (" (falling behind: requests queue)" if s["queue"] else ""))
             lines.append(f"    {stage:14s} rate {_rate(s['rate'])} service {t} workers {s['workers']}"
                          f" queue {s['queue']}{keep}")
     return lines
 
 
 def _pct(u: float | None) -> str:
-    return "unmeasured" if u is None else f"{u:.0%}"
+    return "not measured yet" if u is None else f"{u:.0%}"
 
 
 def _elastic(el: dict[str, Any]) -> list[str]:

@@ -27,19 +27,20 @@ import zmq
 import zmq.asyncio
 
 from onepiece.nm.capacity import predicted_latency
+from onepiece.sched.options import DEADLINE_ORDERED
 
 log = logging.getLogger(__name__)
 
 
 class InflightTracker:
-    """Accepted-but-not-terminal requests, each with its deadline (ns since epoch) and
-    application (admission counts the requests ahead of a new one per application)."""
+    """Accepted-but-not-terminal requests, each with its deadline (ns since epoch), application
+    and work at its bottleneck stage (seconds): admission reads the requests ahead of a new one."""
 
     def __init__(self, max_inflight: int) -> None:
         if max_inflight <= 0:
             raise ValueError("max_inflight must be positive")
         self.max_inflight = max_inflight
-        self._deadlines: dict[str, tuple[int, str]] = {}
+        self._deadlines: dict[str, tuple[int, str, float]] = {}
         self._per_app: Counter[str] = Counter()
         self._last_sweep_ns = 0
 
@@ -53,7 +54,11 @@ class InflightTracker:
         """Requests of ``app`` in flight."""
         return self._per_app[app]
 
-    def try_admit(self, uid: str, deadline_ns: int, app: str) -> bool:
+    def ahead(self, app: str, now_ns: int) -> list[tuple[float, float]]:
+        """(seconds to its deadline, work in seconds) of every request of ``app`` in flight."""
+        return [((d - now_ns) / 1e9, w) for d, a, w in self._deadlines.values() if a == app]
+
+    def try_admit(self, uid: str, deadline_ns: int, app: str, work_s: float = 0.0) -> bool:
         """Reserve a slot for ``uid``; False when the set is full."""
         if len(self._deadlines) >= self.max_inflight:
             now = time.time_ns()
@@ -63,7 +68,7 @@ class InflightTracker:
                 self.sweep(now)
             if len(self._deadlines) >= self.max_inflight:
                 return False
-        self._deadlines[uid] = (deadline_ns, app)
+        self._deadlines[uid] = (deadline_ns, app, work_s)
         self._per_app[app] += 1
         return True
 
@@ -78,7 +83,7 @@ class InflightTracker:
         """Drop entries whose deadline passed; returns how many."""
         now_ns = time.time_ns() if now_ns is None else now_ns
         self._last_sweep_ns = now_ns
-        expired = [u for u, (d, _) in self._deadlines.items() if d <= now_ns]
+        expired = [u for u, (d, _, _) in self._deadlines.items() if d <= now_ns]
         for u in expired:
             self.release(u)
         return len(expired)
@@ -162,7 +167,9 @@ class Refusal:
 
 class TokenBucket:
     """A token bucket on an injected monotonic clock (seconds): ``rate`` tokens a second up to
-    ``burst``. It starts full, so an idle set takes a burst at once."""
+    ``burst``. It starts full, so an idle set takes a burst at once. A take may cost more than
+    one token (a request larger than the mean) and more than the burst: it is granted once the
+    bucket holds ``min(cost, burst)`` and leaves it in debt, which the rate pays off."""
 
     def __init__(self, rate: float, burst: float, now: float) -> None:
         self.rate, self.burst = rate, burst
@@ -181,23 +188,24 @@ class TokenBucket:
         self.rate, self.burst = rate, burst
         self.tokens = min(self.tokens, burst)
 
-    def try_take(self, now: float) -> bool:
+    def try_take(self, now: float, cost: float = 1.0) -> bool:
         self._refill(now)
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
+        if self.tokens >= min(cost, self.burst):
+            self.tokens -= cost
             return True
         return False
 
-    def give_back(self) -> None:
+    def give_back(self, cost: float = 1.0) -> None:
         """Undo a take (the request was refused later for another reason)."""
-        self.tokens = min(self.burst, self.tokens + 1.0)
+        self.tokens = min(self.burst, self.tokens + cost)
 
-    def wait_s(self, now: float) -> float:
-        """Seconds until a token is there (inf at rate 0)."""
+    def wait_s(self, now: float, cost: float = 1.0) -> float:
+        """Seconds until a take of ``cost`` would be granted (inf at rate 0)."""
         self._refill(now)
-        if self.tokens >= 1.0:
+        need = min(cost, self.burst) - self.tokens
+        if need <= 0:
             return 0.0
-        return (1.0 - self.tokens) / self.rate if self.rate > 0 else math.inf
+        return need / self.rate if self.rate > 0 else math.inf
 
 
 def standalone_latency(app_estimate: dict[str, Any], shape: str) -> float | None:
@@ -212,16 +220,57 @@ def standalone_latency(app_estimate: dict[str, Any], shape: str) -> float | None
     return total
 
 
+def bottleneck_work(app_estimate: dict[str, Any], shape: str) -> float:
+    """Seconds of the bottleneck stage's time a request of ``shape`` takes, per worker there
+    (its standalone time at that stage / its workers); 0 when not known yet."""
+    try:
+        row = app_estimate["stages"][app_estimate["bottleneck"]]
+        t = row["shapes_s"].get(shape) or row["service_s"]
+        return float(t) / row["workers"] if t and row["workers"] else 0.0
+    except (KeyError, TypeError, AttributeError, ZeroDivisionError):
+        return 0.0
+
+
+def deadline_first(app_estimate: dict[str, Any]) -> bool:
+    """Whether the application's bottleneck stage serves earlier deadlines first."""
+    try:
+        return app_estimate["stages"][app_estimate["bottleneck"]].get("policy") in DEADLINE_ORDERED
+    except (KeyError, TypeError, AttributeError):
+        return False
+
+
+def cost(app_estimate: dict[str, Any], shape: str) -> float:
+    """What a request of ``shape`` costs in the application's token bucket, whose tokens are
+    mean requests: its measured device share at the bottleneck over the mean share there (1
+    where its shape is not measured yet). A mix of small requests gets as much through as the
+    stage can do of them, and a large one is charged what it takes."""
+    try:
+        row = app_estimate["stages"][app_estimate["bottleneck"]]
+        share, mean = (row.get("shares_s") or {}).get(shape), row["service_s"]
+        if isinstance(share, (int, float)) and isinstance(mean, (int, float)) and share > 0 and mean > 0:
+            return min(max(share / mean, 0.01), 100.0)
+    except (KeyError, TypeError, AttributeError):
+        pass
+    return 1.0
+
+
 def deadline_refusal(app_estimate: dict[str, Any], shape: str, timeout_s: float, explicit: bool,
-                     factor: float, ahead: float = 0.0) -> Refusal | None:
+                     factor: float, ahead: list[tuple[float, float]] = (), scale: float = 1.0) -> Refusal | None:
     """Refuse a request predicted to finish after its deadline.
 
-    Two predictions, the later one counts: the NM's, from the stages' queues as of their last
-    heartbeats (``predicted_latency``), and a live one from ``ahead``, the requests in flight
-    in the set before this one (the proxy's own count, scaled to the set): a pipeline whose
-    bottleneck passes C requests a second finishes the last of n + 1 requests after at least
-    (n + 1) / C seconds, and never before the standalone time. The live one sees the queue a
-    burst builds before any heartbeat reports it.
+    ``ahead``: (seconds to its deadline, bottleneck work in seconds) of each request in flight
+    at this proxy, counted ``scale`` times (the proxies of the set hold about as many each).
+    How a new request waits for them depends on the bottleneck stage's policy:
+
+    - one that serves earlier deadlines first (``edf``, ``slo``): the request waits only for the
+      work ahead of it with earlier deadlines, so it finishes after its standalone time plus
+      that work; and it must not make late a request already admitted with a later deadline
+      that would have made it (its work lands before theirs);
+    - any other: two predictions, the later one counts: the NM's, from the stages' queues as of
+      their last heartbeats (``predicted_latency``), and a live one: a pipeline whose bottleneck
+      passes C requests a second finishes the last of n + 1 requests after at least
+      (n + 1) / C seconds, and never before the standalone time. The live one sees the queue
+      a burst builds before any heartbeat reports it.
 
     The deadline is the request's own ``timeout_s`` when it gave one; otherwise ``factor`` ×
     the standalone time of its shape, unless the application's limit (``timeout_s`` then) is
@@ -233,12 +282,18 @@ def deadline_refusal(app_estimate: dict[str, Any], shape: str, timeout_s: float,
     if predicted is None:
         return None
     alone = standalone_latency(app_estimate, shape)
-    capacity = app_estimate.get("capacity")
-    if ahead > 0 and alone is not None and isinstance(capacity, (int, float)) and capacity > 0:
-        predicted = max(predicted, alone, (ahead + 1) / capacity)
     deadline = timeout_s
     if not explicit and factor > 0 and alone is not None:
         deadline = min(deadline, factor * alone)
+    if deadline_first(app_estimate) and alone is not None:
+        before = scale * sum(w for d, w in ahead if d <= deadline)
+        predicted = alone + before
+        if predicted <= deadline:
+            return _makes_late(ahead, deadline, bottleneck_work(app_estimate, shape), scale)
+    else:
+        capacity = app_estimate.get("capacity")
+        if ahead and alone is not None and isinstance(capacity, (int, float)) and capacity > 0:
+            predicted = max(predicted, alone, (len(ahead) * scale + 1) / capacity)
     if predicted <= deadline:
         return None
     # The queue ahead must drain by the excess before a request like this one fits.
@@ -246,13 +301,28 @@ def deadline_refusal(app_estimate: dict[str, Any], shape: str, timeout_s: float,
                    max(1, math.ceil(predicted - deadline)))
 
 
+def _makes_late(ahead: list[tuple[float, float]], deadline: float, work: float, scale: float) -> Refusal | None:
+    """Under a deadline-first stage, a new request (``deadline``, ``work``) runs before every
+    request in flight with a later deadline: refuse it if that turns one of them, on time so
+    far by the work before it, late."""
+    done = 0.0
+    for d, w in sorted(ahead):
+        done += scale * w
+        if d > deadline and done <= d < done + work:
+            return Refusal("deadline", f"admitting it would make a request admitted earlier miss its deadline "
+                                       f"(due in {d:.2f}s)", max(1, math.ceil(done + work - d)))
+    return None
+
+
 class CapacityAdmission:
     """Admits creates at this proxy's fair share of the set's capacity, from the NM's view.
 
-    Per application: a token bucket refilled at ``headroom × capacity / proxies`` requests a
-    second (the set's rate split evenly over its ready proxies; clients spread over proxies
+    Per application: a token bucket refilled at ``headroom × capacity / proxies`` mean requests
+    a second (the set's rate split evenly over its ready proxies; clients spread over proxies
     round-robin; admitting at exactly the capacity would run the bottleneck at utilisation 1,
-    where queues drift without bound, so a little is held back)
+    where queues drift without bound, so a little is held back), each request charged its
+    ``cost`` (its shape's device share over the mean: the capacity is a mean over the recent
+    mix, which the next requests need not follow)
     with a burst of ``max(1, rate × burst_s)``: a burst adds at most about ``burst_s`` of
     queueing at the bottleneck, which drains at the capacity, while a slow set (rate ≪ 1/s)
     still admits one request at a time; and a proxy with nothing in flight always admits
@@ -313,14 +383,19 @@ class CapacityAdmission:
         cap = self._capacity(app)
         return None if cap is None else cap / self.proxies
 
+    def work(self, app: str, shape: str) -> float:
+        """Seconds of its bottleneck stage a request of ``shape`` takes (0: not known yet)."""
+        est = self.app_view(app)
+        return 0.0 if est is None else bottleneck_work(est, shape)
+
     def check(self, app: str, shape: str, timeout_s: float, explicit_timeout: bool,
-              *, inflight: int) -> Refusal | None:
-        """Admit (takes a token; None) or say why not. ``give_back(app)`` undoes an admission
+              *, ahead: list[tuple[float, float]]) -> Refusal | None:
+        """Admit (takes a token; None) or say why not. ``give_back(app, shape)`` undoes an admission
         that a later check (the in-flight cap) refused.
 
-        ``inflight``: this proxy's requests of ``app`` in flight; the set holds about that
-        many per proxy ahead of a new one (clients spread over the proxies), which the
-        deadline rule reads. With none in flight an empty bucket still admits: one request
+        ``ahead``: this proxy's requests of ``app`` in flight (``InflightTracker.ahead``); the
+        set holds about that many per proxy ahead of a new one (clients spread over the
+        proxies), which the deadline rule reads. With none in flight an empty bucket still admits: one request
         cannot overload the set, and a client that waits for each result before the next is
         never refused because the estimate is still pessimistic (the first requests through
         a fresh worker are slow, and they stay in the measured window for a while). Under
@@ -340,24 +415,28 @@ class CapacityAdmission:
                            self.no_capacity_retry_s)
         try:
             refusal = deadline_refusal(est, shape, timeout_s, explicit_timeout, self.deadline_factor,
-                                       ahead=inflight * self.proxies)
+                                       ahead=ahead, scale=self.proxies)
         except (KeyError, TypeError, AttributeError):  # a malformed view must not fail requests
             refusal = None
         if refusal is not None:
             return refusal
         bucket = self.buckets.get(app)
-        if cap is None or bucket is None:
+        # A deadline-first bottleneck is admitted by the deadline rule alone: it has checked the
+        # request against the work ahead of it, which a rate limit only approximates, so a burst
+        # that the deadlines leave room for is absorbed instead of refused at the mean rate.
+        if cap is None or bucket is None or deadline_first(est):
             return None
         now = self.clock()
-        if bucket.try_take(now) or inflight == 0:
+        price = cost(est, shape)
+        if bucket.try_take(now, price) or not ahead:
             return None
-        wait = bucket.wait_s(now)
+        wait = bucket.wait_s(now, price)
         return Refusal("over_capacity",
                        f"model {app!r} is at this set's capacity ({cap:.2f} requests/s over {self.proxies} "
                        f"prox{'y' if self.proxies == 1 else 'ies'})",
                        max(1, math.ceil(wait)) if math.isfinite(wait) else self.no_capacity_retry_s)
 
-    def give_back(self, app: str) -> None:
-        bucket = self.buckets.get(app)
-        if bucket is not None:
-            bucket.give_back()
+    def give_back(self, app: str, shape: str) -> None:
+        bucket, est = self.buckets.get(app), self.app_view(app)
+        if bucket is not None and est is not None:
+            bucket.give_back(cost(est, shape))

@@ -200,21 +200,22 @@ class ProxyState:
         if adm is not None:
             self.observe_monitor()
             refusal = adm.check(job.app, shape_key(params), job.timeout_s, job.timeout_given,
-                                inflight=self.tracker.count(job.app))
+                                ahead=self.tracker.ahead(job.app, time.time_ns()))
             if refusal is not None:
                 raise self._refuse(refusal)
         self.follow_dbs()  # cheap (set compares): a DB that just joined is used at once
         if not self.cluster.entrances(job.app):
             if adm is not None:
-                adm.give_back(job.app)
+                adm.give_back(job.app, shape_key(params))
             raise ApiError(503, f"no instance of stage {first_stage!r} (entrance of model {job.app!r}) is up; "
                                 f"try again later or another set", code="no_entrance", headers=self._retry())
         uid = new_uid()
         ts = time.time_ns()
         deadline = ts + int(job.timeout_s * 1e9)
-        if not self.tracker.try_admit(uid, deadline, job.app):
+        work = adm.work(job.app, shape_key(params)) if adm is not None else 0.0
+        if not self.tracker.try_admit(uid, deadline, job.app, work):
             if adm is not None:
-                adm.give_back(job.app)  # the token was not used
+                adm.give_back(job.app, shape_key(params))  # the tokens were not used
             raise self._refuse(Refusal("inflight_full", f"full ({self.tracker.max_inflight} requests in flight)",
                                        self.opts.retry_after_s))
         self.metrics.inflight.set(len(self.tracker))

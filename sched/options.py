@@ -7,6 +7,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 POLICIES = ("fcfs", "fcfs-batched", "srtf", "edf", "slo")  # sched/policies.py has one class each
+# Policies that serve earlier deadlines first: a new request waits only for the requests ahead of
+# it with earlier deadlines (what the request monitor's deadline rule reads; proxy/admission.py).
+DEADLINE_ORDERED = frozenset({"edf", "slo"})
 
 
 class ScheduleSpec(BaseModel):

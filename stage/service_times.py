@@ -7,7 +7,8 @@ the batch sizes the stage reaches) and its *standalone* time (alone on an idle w
 its latency is predicted from). The report has the mean share over a moving window per
 application (the mean, because throughput is workers / mean share even when shapes are
 mixed), the mean standalone time per shape, and a count of what arrived recently per
-application (the mix, for stages shared between applications). Everything is bounded: the
+application (the mix, for stages shared between applications), and the mean share per shape
+(what admission charges a request of that shape). Everything is bounded: the
 windows, the number of shapes kept, the recent-arrivals log.
 """
 
@@ -28,7 +29,8 @@ class ServiceTimes:
     def __init__(self, clock=time.monotonic) -> None:
         self.clock = clock
         self._app: dict[str, collections.deque[float]] = {}
-        self._shape: dict[str, collections.OrderedDict[str, collections.deque[float]]] = {}
+        # per app and shape: (share, standalone) windows
+        self._shape: dict[str, collections.OrderedDict[str, tuple[collections.deque[float], collections.deque[float]]]] = {}
         self._recent: collections.deque[tuple[float, str]] = collections.deque(maxlen=MAX_RECENT)
 
     def add(self, app: str, shape: str, share_s: float, alone_s: float | None = None) -> None:
@@ -36,15 +38,17 @@ class ServiceTimes:
         when it ran alone)."""
         self._app.setdefault(app, collections.deque(maxlen=WINDOW)).append(share_s)
         shapes = self._shape.setdefault(app, collections.OrderedDict())
-        window = shapes.pop(shape, None) or collections.deque(maxlen=WINDOW)
-        window.append(share_s if alone_s is None else alone_s)
-        shapes[shape] = window  # most recently seen last
+        shares, alone = shapes.pop(shape, None) or (collections.deque(maxlen=WINDOW), collections.deque(maxlen=WINDOW))
+        shares.append(share_s)
+        alone.append(share_s if alone_s is None else alone_s)
+        shapes[shape] = shares, alone  # most recently seen last
         while len(shapes) > MAX_SHAPES:
             shapes.popitem(last=False)
         self._recent.append((self.clock(), app))
 
     def report(self) -> dict[str, dict[str, Any]]:
-        """{app: {"mean_s" (share), "recent" (count in the last MIX_WINDOW_S), "shapes": {shape: standalone s}}}"""
+        """{app: {"mean_s" (share), "recent" (count in the last MIX_WINDOW_S), "shapes": {shape: standalone s},
+        "shares": {shape: share s}}}"""
         horizon = self.clock() - MIX_WINDOW_S
         while self._recent and self._recent[0][0] < horizon:
             self._recent.popleft()
@@ -53,7 +57,8 @@ class ServiceTimes:
             app: {
                 "mean_s": statistics.fmean(w),
                 "recent": recent.get(app, 0),
-                "shapes": {s: statistics.fmean(d) for s, d in self._shape[app].items()},
+                "shapes": {s: statistics.fmean(alone) for s, (_, alone) in self._shape[app].items()},
+                "shares": {s: statistics.fmean(shares) for s, (shares, _) in self._shape[app].items()},
             }
             for app, w in self._app.items()
         }

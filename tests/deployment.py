@@ -21,10 +21,11 @@ from PIL import Image
 class Up:
     """`onepiece up` as a subprocess, with its output collected line by line."""
 
-    def __init__(self, topology: Path, logs: Path, nm: str) -> None:
+    def __init__(self, topology: Path, logs: Path, nm: str, python: str = sys.executable,
+                 cwd: Path | None = None) -> None:
         self.nm, self.logs = nm, logs
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "onepiece", "up", "--topology", str(topology), "--logs", str(logs)],
+            [python, "-m", "onepiece", "up", "--topology", str(topology), "--logs", str(logs)], cwd=cwd,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         self.lines: queue.Queue[str] = queue.Queue()

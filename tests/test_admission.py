@@ -7,7 +7,7 @@ import pytest
 
 from onepiece.config import deploy_dir, load_workflow
 from onepiece.nm.capacity import estimate
-from onepiece.proxy.admission import CapacityAdmission, TokenBucket, deadline_refusal, standalone_latency
+from onepiece.proxy.admission import CapacityAdmission, TokenBucket, cost, deadline_refusal, standalone_latency
 
 WF = load_workflow(deploy_dir() / "wan21.yaml")
 SHAPE = "64x64x9:10"
@@ -21,17 +21,25 @@ class Clock:
         return self.t
 
 
-def stage(name: str, workers: int = 1, queue: int = 0, **service: tuple) -> dict:
-    svc = {app: {"mean_s": v[0], "recent": v[1], "shapes": v[2] if len(v) > 2 else {}} for app, v in service.items()}
-    return {"role": "stage", "stage": name, "ready": True, "stats": {"ready": workers, "queue": queue, "service": svc}}
+def stage(name: str, workers: int = 1, queue: int = 0, policy: str = "fcfs", **service: tuple) -> dict:
+    svc = {app: {"mean_s": v[0], "recent": v[1], "shapes": v[2] if len(v) > 2 else {},
+                 "shares": v[3] if len(v) > 3 else {}} for app, v in service.items()}
+    return {"role": "stage", "stage": name, "ready": True,
+            "stats": {"ready": workers, "queue": queue, "service": svc, "policy": policy}}
+
+
+def flight(n: int, due_s: float = 600.0, work_s: float = 0.5) -> list[tuple[float, float]]:
+    """``n`` requests in flight, each due in ``due_s`` with ``work_s`` at the bottleneck."""
+    return [(due_s, work_s)] * n
 
 
 def view(denoise_s: float = 0.5, denoise_workers: int = 1, queue: int = 0, proxies: int = 1,
-         shapes: dict | None = None) -> dict:
+         shapes: dict | None = None, policy: str = "fcfs", shares: dict | None = None) -> dict:
     """The NM's monitor view of a t2v set whose bottleneck is denoise_t2v (capacity
     denoise_workers / denoise_s), as nm/capacity.py computes it."""
     members = [stage("text_encode", t2v=(0.01, 10)),
-               stage("denoise_t2v", workers=denoise_workers, queue=queue, t2v=(denoise_s, 10, shapes or {})),
+               stage("denoise_t2v", workers=denoise_workers, queue=queue, policy=policy,
+                     t2v=(denoise_s, 10, shapes or {}, shares or {})),
                stage("vae_decode", t2v=(0.05, 10))]
     return {"apps": estimate(WF, members), "proxies": proxies}
 
@@ -75,6 +83,16 @@ def test_zero_rate_waits_forever():
     assert b.try_take(0.0) and b.wait_s(5.0) == float("inf")
 
 
+def test_a_take_larger_than_the_burst_waits_for_a_full_bucket_and_leaves_a_debt():
+    b = TokenBucket(rate=1.0, burst=1.0, now=0.0)
+    assert b.try_take(0.0, cost=0.25) and b.try_take(0.0, cost=0.75) and not b.try_take(0.0, cost=0.25)
+    assert b.wait_s(0.0, cost=3.0) == pytest.approx(1.0)  # a full bucket is enough
+    assert not b.try_take(0.5, cost=3.0) and b.try_take(1.0, cost=3.0)
+    assert b.tokens == pytest.approx(-2.0) and b.wait_s(1.0) == pytest.approx(3.0)  # the debt is paid first
+    b.give_back(3.0)
+    assert b.tokens == pytest.approx(1.0)
+
+
 # --- admission at capacity ----------------------------------------------------------------------
 def test_admits_a_fair_share_of_the_capacity_and_refuses_the_rest():
     clock = Clock()
@@ -85,7 +103,7 @@ def test_admits_a_fair_share_of_the_capacity_and_refuses_the_rest():
     outcomes = []
     for i in range(100):  # 10/s for 10 s
         clock.t = 1000.0 + 0.1 * i
-        outcomes.append(adm.check("t2v", SHAPE, 600.0, False, inflight=1))
+        outcomes.append(adm.check("t2v", SHAPE, 600.0, False, ahead=flight(1)))
     admitted = [o for o in outcomes if o is None]
     refused = [o for o in outcomes if o is not None]
     assert len(admitted) == pytest.approx(20, abs=1)
@@ -101,11 +119,11 @@ def test_retry_after_is_the_wait_for_a_token_rounded_up():
     clock = Clock()
     adm = CapacityAdmission(headroom=1.0, clock=clock)
     adm.observe(view(denoise_s=4.0))  # 0.25/s, burst 1
-    assert adm.check("t2v", SHAPE, 600.0, False, inflight=1) is None
-    r = adm.check("t2v", SHAPE, 600.0, False, inflight=1)
+    assert adm.check("t2v", SHAPE, 600.0, False, ahead=flight(1)) is None
+    r = adm.check("t2v", SHAPE, 600.0, False, ahead=flight(1))
     assert r.code == "over_capacity" and r.retry_after_s == 4
     clock.t += 2.5
-    assert adm.check("t2v", SHAPE, 600.0, False, inflight=1).retry_after_s == 2  # 1.5 s left → 2
+    assert adm.check("t2v", SHAPE, 600.0, False, ahead=flight(1)).retry_after_s == 2  # 1.5 s left → 2
 
 
 def test_a_new_view_re_rates_the_bucket():
@@ -119,7 +137,7 @@ def test_a_new_view_re_rates_the_bucket():
     admitted = 0
     for i in range(50):  # 10/s offered for 5 s
         clock.t += 0.1
-        admitted += adm.check("t2v", SHAPE, 600.0, False, inflight=1) is None
+        admitted += adm.check("t2v", SHAPE, 600.0, False, ahead=flight(1)) is None
     assert admitted == pytest.approx(2 * 5 + 1, abs=1)
     adm.observe(view(denoise_s=0.5, denoise_workers=2))  # scaled out again
     assert adm.rate("t2v") == pytest.approx(4.0)
@@ -140,18 +158,18 @@ def test_unknown_capacity_admits_without_a_rate_limit():
     members = [stage("text_encode", t2v=(0.01, 1)), stage("denoise_t2v"), stage("vae_decode", t2v=(0.05, 1))]
     adm.observe({"apps": estimate(WF, members), "proxies": 1})
     assert adm.app_view("t2v")["capacity"] is None and adm.rate("t2v") is None
-    assert all(adm.check("t2v", SHAPE, 600.0, False, inflight=1) is None for _ in range(100))
+    assert all(adm.check("t2v", SHAPE, 600.0, False, ahead=flight(1)) is None for _ in range(100))
     adm.observe(None)  # no view at all (monitor off upstream, NM silent)
-    assert adm.check("t2v", SHAPE, 600.0, False, inflight=1) is None
+    assert adm.check("t2v", SHAPE, 600.0, False, ahead=flight(1)) is None
 
 
 def test_zero_capacity_refuses_with_no_capacity():
     adm = CapacityAdmission(no_capacity_retry_s=2, headroom=1.0, clock=Clock())
     adm.observe(view(denoise_workers=0))
-    r = adm.check("t2v", SHAPE, 600.0, False, inflight=1)
+    r = adm.check("t2v", SHAPE, 600.0, False, ahead=flight(1))
     assert r.code == "no_capacity" and r.retry_after_s == 2 and "denoise_t2v" in r.message
     # i2v's stages have no instance in this t2v-only set at all
-    assert adm.check("i2v", SHAPE, 600.0, False, inflight=1).code == "no_capacity"
+    assert adm.check("i2v", SHAPE, 600.0, False, ahead=flight(1)).code == "no_capacity"
 
 
 def test_proxies_count_never_divides_by_zero():
@@ -191,23 +209,23 @@ def test_default_deadline_is_factor_times_standalone_unless_the_limit_is_tighter
 def test_requests_in_flight_predict_the_queue_before_a_heartbeat_reports_it():
     # capacity 2/s, standalone 0.56 s; the NM's view shows empty queues (a burst just came)
     est = view(denoise_s=0.5)["apps"]["t2v"]
-    assert deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=1) is None  # max(0.56, 2/2)=1 ≤ 1.12
-    r = deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=2)  # 3 / 2 = 1.5 s > 1.12 s
+    assert deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=flight(1)) is None  # max(0.56, 2/2)=1 ≤ 1.12
+    r = deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=flight(2))  # 3 / 2 = 1.5 s > 1.12 s
     assert r.code == "deadline" and "1.50s" in r.message
-    assert deadline_refusal(est, SHAPE, 2.0, True, factor=2.0, ahead=2) is None  # a patient client
+    assert deadline_refusal(est, SHAPE, 2.0, True, factor=2.0, ahead=flight(2)) is None  # a patient client
     # the later of the two predictions counts: a queue the NM saw is not forgotten
     queued = view(denoise_s=0.5, queue=4)["apps"]["t2v"]  # 2.56 s
-    assert "2.56s" in deadline_refusal(queued, SHAPE, 2.0, True, factor=2.0, ahead=1).message
+    assert "2.56s" in deadline_refusal(queued, SHAPE, 2.0, True, factor=2.0, ahead=flight(1)).message
 
 
 def test_check_counts_every_proxys_requests_ahead():
     adm = CapacityAdmission(deadline_factor=2.0, headroom=1.0, clock=Clock())
     adm.observe(view(denoise_s=0.5, proxies=1))
-    assert adm.check("t2v", SHAPE, 600.0, False, inflight=1) is None
-    assert adm.check("t2v", SHAPE, 600.0, False, inflight=2).code == "deadline"
+    assert adm.check("t2v", SHAPE, 600.0, False, ahead=flight(1)) is None
+    assert adm.check("t2v", SHAPE, 600.0, False, ahead=flight(2)).code == "deadline"
     # three proxies: one in flight here stands for three in the set; 4 / 2 = 2 s > 1.12 s
     adm.observe(view(denoise_s=0.5, proxies=3))
-    assert adm.check("t2v", SHAPE, 600.0, False, inflight=1).code == "deadline"
+    assert adm.check("t2v", SHAPE, 600.0, False, ahead=flight(1)).code == "deadline"
 
 
 def test_no_prediction_admits():
@@ -221,33 +239,33 @@ def test_check_orders_refusals_and_spends_no_token_on_a_deadline_refusal():
     adm = CapacityAdmission(deadline_factor=2.0, headroom=1.0, clock=clock)
     adm.observe(view(denoise_s=0.5, queue=4))
     tokens = adm.buckets["t2v"].tokens
-    r = adm.check("t2v", SHAPE, 600.0, False, inflight=1)
+    r = adm.check("t2v", SHAPE, 600.0, False, ahead=flight(1))
     assert r.code == "deadline" and adm.buckets["t2v"].tokens == tokens
-    assert adm.check("t2v", SHAPE, 10.0, True, inflight=1) is None  # a patient client is admitted
+    assert adm.check("t2v", SHAPE, 10.0, True, ahead=flight(1)) is None  # a patient client is admitted
     assert adm.buckets["t2v"].tokens == pytest.approx(tokens - 1)
 
 
 def test_a_malformed_view_never_fails_a_request():
     adm = CapacityAdmission(headroom=1.0, clock=Clock())
     adm.observe({"apps": {"t2v": {"capacity": None, "stages": "garbage"}}, "proxies": "x"})
-    assert adm.check("t2v", SHAPE, 600.0, False, inflight=1) is None
+    assert adm.check("t2v", SHAPE, 600.0, False, ahead=flight(1)) is None
     adm.observe({"apps": "garbage"})
-    assert adm.check("t2v", SHAPE, 600.0, False, inflight=1) is None
+    assert adm.check("t2v", SHAPE, 600.0, False, ahead=flight(1)) is None
 
 
 def test_an_idle_proxy_admits_even_with_an_empty_bucket():
     clock = Clock()
     adm = CapacityAdmission(headroom=1.0, clock=clock)
     adm.observe(view(denoise_s=10.0))  # a pessimistic 0.1/s
-    assert adm.check("t2v", SHAPE, 600.0, False, inflight=1) is None
-    assert adm.check("t2v", SHAPE, 600.0, False, inflight=1).code == "over_capacity"
+    assert adm.check("t2v", SHAPE, 600.0, False, ahead=flight(1)) is None
+    assert adm.check("t2v", SHAPE, 600.0, False, ahead=flight(1)).code == "over_capacity"
     # the first finished; a sequential client's next request finds the proxy idle
-    assert adm.check("t2v", SHAPE, 600.0, False, inflight=0) is None
+    assert adm.check("t2v", SHAPE, 600.0, False, ahead=[]) is None
     # but never past a stage without workers or a missed deadline
     adm.observe(view(denoise_s=10.0, denoise_workers=0))
-    assert adm.check("t2v", SHAPE, 600.0, False, inflight=0).code == "no_capacity"
+    assert adm.check("t2v", SHAPE, 600.0, False, ahead=[]).code == "no_capacity"
     adm.observe(view(denoise_s=10.0, queue=10))
-    assert adm.check("t2v", SHAPE, 600.0, False, inflight=0).code == "deadline"
+    assert adm.check("t2v", SHAPE, 600.0, False, ahead=[]).code == "deadline"
 
 
 # --- wiring: the NM-fed cluster view, the switch in topology and CLI ------------------------------
@@ -320,3 +338,82 @@ def test_headroom_admits_below_the_measured_capacity():
     adm = CapacityAdmission(clock=Clock())
     adm.observe(view(denoise_s=0.1, proxies=2))  # capacity 10/s
     assert adm.buckets["t2v"].rate == pytest.approx(0.9 * 10.0 / 2)
+
+
+def test_a_deadline_first_stage_makes_a_request_wait_only_for_earlier_deadlines():
+    # denoise runs slo: 64x64x9 alone 0.01 + 0.2 + 0.05 = 0.26 s, default deadline 2 × = 0.52 s
+    est = view(denoise_s=0.5, policy="slo", shapes={SHAPE: 0.2})["apps"]["t2v"]
+    assert est["stages"]["denoise_t2v"]["policy"] == "slo"
+    long_ahead = flight(3, due_s=20.0, work_s=2.0)  # three long requests due much later
+    # a first-come stage would put the new one behind all three: (3 + 1) / 2 req/s = 2 s
+    fcfs = view(denoise_s=0.5, shapes={SHAPE: 0.2})["apps"]["t2v"]
+    assert deadline_refusal(fcfs, SHAPE, 600.0, False, factor=2.0, ahead=long_ahead).code == "deadline"
+    # a deadline-first one runs it before them, and none of them becomes late
+    assert deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=long_ahead) is None
+    # earlier deadlines ahead count: 0.26 + 2 × 0.2 = 0.66 s > 0.52 s
+    r = deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=flight(2, due_s=0.3, work_s=0.2))
+    assert r.code == "deadline" and "0.66s" in r.message
+    # ... from every proxy of the set: one here stands for three
+    assert deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=flight(1, due_s=0.3, work_s=0.1)) is None
+    assert deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=flight(1, due_s=0.3, work_s=0.1),
+                            scale=3.0).code == "deadline"
+
+
+def test_a_deadline_first_stage_refuses_what_would_make_an_admitted_request_late():
+    est = view(denoise_s=0.5, policy="edf", shapes={SHAPE: 0.2})["apps"]["t2v"]
+    # on time by 0.1 s, and the new request's 0.2 s of denoising would land before it
+    r = deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=flight(1, due_s=2.1, work_s=2.0))
+    assert r.code == "deadline" and "admitted earlier" in r.message
+    # one already late whatever happens is not a reason to refuse
+    assert deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=flight(1, due_s=1.9, work_s=2.0)) is None
+    # enough slack for both
+    assert deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=flight(1, due_s=2.3, work_s=2.0)) is None
+
+
+def test_work_at_the_bottleneck_is_per_worker_and_zero_while_unmeasured():
+    adm = CapacityAdmission(clock=Clock())
+    assert adm.work("t2v", SHAPE) == 0.0
+    adm.observe(view(denoise_s=0.5, denoise_workers=2, shapes={SHAPE: 0.3}))
+    assert adm.work("t2v", SHAPE) == pytest.approx(0.15)
+    assert adm.work("t2v", "256x256x17:10") == pytest.approx(0.25)  # the app's mean where unmeasured
+
+
+def test_each_request_is_charged_its_shapes_share_of_the_bottleneck():
+    """The capacity is in mean requests of the recent mix; a run of small requests is not
+    refused at the mix's rate, nor a large one admitted as if it were the mean."""
+    small, large = SHAPE, "192x192x17:25"
+    v = view(denoise_s=0.5, shares={small: 0.1, large: 2.0})  # mean 0.5 s: 2 mean requests/s
+    assert cost(v["apps"]["t2v"], small) == pytest.approx(0.2) and cost(v["apps"]["t2v"], large) == pytest.approx(4.0)
+    assert cost(v["apps"]["t2v"], "32x32x5:2") == 1.0  # not measured: the mean
+    clock = Clock()
+    adm = CapacityAdmission(headroom=1.0, clock=clock)
+    adm.observe(v)
+    admitted = 0
+    for i in range(100):  # 10 small requests a second for 10 s: 10 × 0.1 s = 1 s of work a second
+        clock.t = 1000.0 + 0.1 * i
+        admitted += adm.check("t2v", small, 600.0, False, ahead=flight(1)) is None
+    assert admitted == pytest.approx(100, abs=2)  # the stage does 10/s of these, not 2/s
+    clock.t += 10
+    admitted = 0
+    for i in range(100):  # large ones at 10/s: 2 s of work each, so one every 2 s
+        clock.t += 0.1
+        admitted += adm.check("t2v", large, 600.0, False, ahead=flight(1)) is None
+    assert admitted == pytest.approx(5 + 1, abs=1)
+    # a refusal for another reason gives back what was charged
+    tokens = adm.buckets["t2v"].tokens
+    clock.t += 100
+    assert adm.check("t2v", large, 600.0, False, ahead=flight(1)) is None
+    adm.give_back("t2v", large)
+    assert adm.buckets["t2v"].tokens == pytest.approx(min(adm.buckets["t2v"].burst, tokens + 100 * 2.0))
+
+
+def test_a_deadline_first_bottleneck_is_admitted_by_the_deadline_rule_alone():
+    clock = Clock()
+    adm = CapacityAdmission(deadline_factor=2.0, headroom=1.0, clock=clock)
+    adm.observe(view(denoise_s=0.5, policy="slo", shapes={SHAPE: 0.2}))
+    for _ in range(20):  # far over the bucket's 2/s: nothing ahead has an earlier deadline
+        assert adm.check("t2v", SHAPE, 600.0, False, ahead=flight(5, due_s=60.0, work_s=1.0)) is None
+    r = adm.check("t2v", SHAPE, 600.0, False, ahead=flight(2, due_s=0.3, work_s=0.2))
+    assert r.code == "deadline"
+    adm.observe(view(denoise_s=0.5, policy="fcfs", shapes={SHAPE: 0.2}))  # first-come: the bucket again
+    assert [adm.check("t2v", SHAPE, 600.0, True, ahead=flight(1)) is None for _ in range(3)].count(True) == 1

@@ -107,6 +107,14 @@ def test_service_time_is_the_mean_so_mixed_shapes_give_true_throughput():
     # 10 requests took 6.6 s of worker time: one worker completes 1/0.66 per second
     assert rep["mean_s"] == pytest.approx(0.66)
     assert rep["shapes"] == {"small": pytest.approx(0.1), "large": pytest.approx(1.5)}
+    # batched, a request's share of the device is less than its standalone time: both are kept
+    st.add("t2v", "small", 0.04, 0.1)
+    rep = st.report()["t2v"]
+    assert rep["shapes"]["small"] == pytest.approx(0.1) and rep["shares"]["small"] == pytest.approx(0.64 / 7)
+    est = estimate(WF, [{"role": "stage", "stage": "denoise_t2v", "ready": True,
+                         "stats": {"ready": 1, "queue": 0, "service": st.report(), "policy": "slo"}}])
+    row = est["t2v"]["stages"]["denoise_t2v"]
+    assert row["shares_s"] == rep["shares"] and row["shapes_s"] == rep["shapes"] and row["policy"] == "slo"
 
 
 def test_theorem_1_sums_every_application_flowing_into_a_shared_stage():
