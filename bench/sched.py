@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mix", default="0.6,0.3,0.1", help="share of each class by count, in --classes order")
     p.add_argument("--alpha", default="2.0,2.5,3.5", help="SLO = alpha x standalone, per class in order")
     p.add_argument("--max-batch", type=int, default=4, help="batch bound of the batching policies")
-    p.add_argument("--monitor-load", type=float, default=1.2, help="load of the run with the monitor on (0: none; with --trace: that trace again, monitor on)")
+    p.add_argument("--monitor-load", type=float, default=1.2,
+                   help="load of the run with the monitor on (0: none; with --trace: that trace again, monitor on)")
     p.add_argument("--trace", help="replay this trace (bench/trace.py format) instead of generating them")
     p.add_argument("--repeat", type=int, default=3, help="standalone runs per class in the calibration")
     p.add_argument("--calibrate", type=int, default=16, help="closed-loop requests measuring the fcfs capacity")

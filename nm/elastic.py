@@ -2,11 +2,17 @@
 
 ``decide`` is the policy, a pure function of per-stage utilization over a window:
 
+- a stage with fewer instances serving (or starting) than its minimum gets one from the idle
+  pool at once, before any window, even during a cooldown;
 - the busiest stage at or above ``threshold`` gets an instance from the idle pool, or else
   from the least busy stage that has more than its minimum and would stay below the
   threshold without it (so the move cannot simply shift the saturation);
 - with no stage saturated, the least busy stage below ``low`` that has more than its minimum
   gives one instance back to the idle pool.
+
+Only instances serving their stage now (ready, heard within two heartbeats) count: a dead one
+not yet dropped, or a replacement still loading, never lets a healthy one leave, and the last
+one serving a stage never leaves.
 
 ``Elastic`` runs it on the primary NM: it keeps the utilization windows (nm/utilization.py),
 applies at most one move per set at a time, waits ``cooldown_s`` after each, and waits for a
@@ -44,11 +50,27 @@ class StageLoad:
     assigned: list[str]  # instances assigned to the stage (serving it or on their way)
     util: float | None  # mean over the instances whose window is known; None if none is
     min: int
+    # Of those, the ones serving it now (ready, heartbeating): the only ones that count when a
+    # move is judged, and the only donors (default: all assigned).
+    live: list[str] | None = None
+    starting: int = 0  # assigned, heartbeating, not serving yet (a replacement loading)
+
+    def __post_init__(self) -> None:
+        if self.live is None:
+            self.live = list(self.assigned)
 
     def without_one(self) -> float:
         """The utilization the rest would see if one instance left (the same work, fewer workers)."""
-        n = len(self.assigned)
+        n = len(self.live)
         return float("inf") if n <= 1 or self.util is None else self.util * n / (n - 1)
+
+    def can_spare(self) -> bool:
+        """One of its live instances may leave: more than its minimum stay, never the last one."""
+        return len(self.live) > max(self.min, 1)
+
+    def below_floor(self) -> bool:
+        """Fewer instances serving or about to than its minimum."""
+        return len(self.live) + self.starting < self.min
 
 
 @dataclass
@@ -60,30 +82,40 @@ class Move:
 
 
 def decide(spec: ElasticSpec, loads: dict[str, StageLoad], idle: list[str],
-           inst_util: dict[str, float | None]) -> Move | None:
-    """At most one move for a set, or None."""
+           inst_util: dict[str, float | None], floors_only: bool = False) -> Move | None:
+    """At most one move for a set, or None. A stage below its minimum is refilled from the idle
+    pool first, with no utilization window needed (``floors_only``: that rule alone, which holds
+    even during a cooldown or while another move settles)."""
+    short = [l for l in loads.values() if l.below_floor()]
+    if short and idle:
+        dst = min(short, key=lambda l: (len(l.live) + l.starting, l.stage))
+        return Move(sorted(idle)[0], None, dst.stage,
+                    f"{dst.stage} has {len(dst.live)} instance(s) serving and {dst.starting} starting, below its "
+                    f"minimum {dst.min}; from the idle pool")
+    if floors_only:
+        return None
     known = [l for l in loads.values() if l.util is not None]
     hot = [l for l in known if l.util >= spec.threshold]
 
     def least_busy(l: StageLoad) -> str:
-        return min(l.assigned, key=lambda i: (inst_util.get(i) if inst_util.get(i) is not None else 2.0, i))
+        return min(l.live, key=lambda i: (inst_util.get(i) if inst_util.get(i) is not None else 2.0, i))
 
     if hot:
         dst = max(hot, key=lambda l: l.util)
         why = f"{dst.stage} busy {dst.util:.0%} >= {spec.threshold:.0%} with {len(dst.assigned)} instance(s)"
         if idle:
             return Move(sorted(idle)[0], None, dst.stage, f"{why}; from the idle pool")
-        donors = [l for l in known if l is not dst and len(l.assigned) > l.min and l.without_one() < spec.threshold]
+        donors = [l for l in known if l is not dst and l.can_spare() and l.without_one() < spec.threshold]
         if not donors:
             return None
         src = min(donors, key=lambda l: l.util)
         return Move(least_busy(src), src.stage, dst.stage,
-                    f"{why}; {src.stage} busy {src.util:.0%} with {len(src.assigned)} (min {src.min}) can spare one")
-    cold = [l for l in known if l.util < spec.low and len(l.assigned) > l.min and l.without_one() < spec.threshold]
+                    f"{why}; {src.stage} busy {src.util:.0%} with {len(src.live)} (min {src.min}) can spare one")
+    cold = [l for l in known if l.util < spec.low and l.can_spare() and l.without_one() < spec.threshold]
     if cold:
         src = min(cold, key=lambda l: l.util)
         return Move(least_busy(src), src.stage, None,
-                    f"{src.stage} busy {src.util:.0%} < {spec.low:.0%} for a window with {len(src.assigned)} "
+                    f"{src.stage} busy {src.util:.0%} < {spec.low:.0%} for a window with {len(src.live)} "
                     f"instance(s) (min {src.min}); one returns to the idle pool")
     return None
 
@@ -105,11 +137,17 @@ class Elastic:
 
     def loads(self, state: "ClusterState", set_name: str, now: float) -> dict[str, StageLoad]:
         spec = state.sets[set_name]
+        # Heard from within two heartbeats: an instance silent longer may be dead (the NM drops
+        # it later, at dead_after_s) and must not count as the one that lets its twin leave.
+        fresh_s = 2.0 * state.topology.nm.heartbeat_s
         out = {}
         for stage in state.workflow.stages:
-            assigned = sorted(i.id for i in state.stage_instances(set_name) if i.stage == stage)
-            known = [u for i in assigned if (u := self.util.of(i, now)) is not None]
-            out[stage] = StageLoad(stage, assigned, sum(known) / len(known) if known else None, spec.min_of(stage))
+            mine = sorted((i for i in state.stage_instances(set_name) if i.stage == stage), key=lambda i: i.id)
+            fresh = [i for i in mine if i.heard and now - i.last_seen <= fresh_s]
+            live = [i.id for i in fresh if i.ready and i.serving == stage]
+            known = [u for i in mine if (u := self.util.of(i.id, now)) is not None]
+            out[stage] = StageLoad(stage, [i.id for i in mine], sum(known) / len(known) if known else None,
+                                   spec.min_of(stage), live, len(fresh) - len(live))
         return out
 
     def tick(self, state: "ClusterState", now: float | None = None) -> list[Move]:
@@ -123,14 +161,14 @@ class Elastic:
             return []
         moves = []
         for set_name in state.sets:
-            if now - self.last_move.get(set_name, float("-inf")) < self.spec.cooldown_s:
-                continue
             members = state.stage_instances(set_name)
-            if any(i.id in self.moving for i in members):
-                continue  # one move at a time: judge again once it settled
+            # One move at a time, and a cooldown after each: judge again once it settled. A
+            # stage below its minimum is refilled all the same.
+            waiting = now - self.last_move.get(set_name, float("-inf")) < self.spec.cooldown_s \
+                or any(i.id in self.moving for i in members)
             loads = self.loads(state, set_name, now)
             idle = [i.id for i in members if i.stage is None and i.heard]
-            move = decide(self.spec, loads, idle, {i.id: self.util.of(i.id, now) for i in members})
+            move = decide(self.spec, loads, idle, {i.id: self.util.of(i.id, now) for i in members}, floors_only=waiting)
             if move is not None:
                 self.apply(state, move, now, loads)
                 moves.append(move)

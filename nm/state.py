@@ -152,8 +152,8 @@ class ClusterState:
             idle = stage is None
         if role == "stage" and not idle:
             stage = stage or self._stage_with_deficit(set_name)
-        inst = Instance(inst_id or f"{role}-{self._incarnation}-{next(self._ids)}", role, set_name, addresses, pid, host, stage,
-                        name=name)
+        inst = Instance(inst_id or f"{role}-{self._incarnation}-{next(self._ids)}", role, set_name, addresses, pid,
+                        host, stage, name=name)
         # DBs and proxies serve as soon as they registered; stages once their workers loaded.
         inst.ready = role != "stage"
         inst.heard = True

@@ -119,11 +119,11 @@ class AppSpec(_Strict):
             err = e.errors()[0]
             raise ValueError(f"{'.'.join(map(str, ('params', *err['loc'])))}: {err['msg']}") from None
         lim = self.limits
-        over = [(f, v, m) for f, v, m in (("width", p.width, lim.max_width), ("height", p.height, lim.max_height),
-                                           ("num_frames", p.num_frames, lim.max_frames), ("steps", p.steps, lim.max_steps),
-                                           ("prompt", len(p.prompt), lim.max_prompt_chars),
-                                           ("negative_prompt", len(p.negative_prompt), lim.max_prompt_chars))
-                if v > m]
+        bounds = (("width", p.width, lim.max_width), ("height", p.height, lim.max_height),
+                  ("num_frames", p.num_frames, lim.max_frames), ("steps", p.steps, lim.max_steps),
+                  ("prompt", len(p.prompt), lim.max_prompt_chars),
+                  ("negative_prompt", len(p.negative_prompt), lim.max_prompt_chars))
+        over = [(f, v, m) for f, v, m in bounds if v > m]
         if over:
             f, v, m = over[0]
             raise ValueError(f"params.{f}: {v} exceeds the application's limit of {m}")

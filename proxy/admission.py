@@ -18,7 +18,6 @@ import asyncio
 import logging
 import math
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -41,7 +40,6 @@ class InflightTracker:
             raise ValueError("max_inflight must be positive")
         self.max_inflight = max_inflight
         self._deadlines: dict[str, tuple[int, str, float]] = {}
-        self._per_app: Counter[str] = Counter()
         self._last_sweep_ns = 0
 
     def __len__(self) -> int:
@@ -49,10 +47,6 @@ class InflightTracker:
 
     def __contains__(self, uid: str) -> bool:
         return uid in self._deadlines
-
-    def count(self, app: str) -> int:
-        """Requests of ``app`` in flight."""
-        return self._per_app[app]
 
     def ahead(self, app: str, now_ns: int) -> list[tuple[float, float]]:
         """(seconds to its deadline, work in seconds) of every request of ``app`` in flight."""
@@ -69,15 +63,10 @@ class InflightTracker:
             if len(self._deadlines) >= self.max_inflight:
                 return False
         self._deadlines[uid] = (deadline_ns, app, work_s)
-        self._per_app[app] += 1
         return True
 
     def release(self, uid: str) -> bool:
-        entry = self._deadlines.pop(uid, None)
-        if entry is None:
-            return False
-        self._per_app[entry[1]] -= 1
-        return True
+        return self._deadlines.pop(uid, None) is not None
 
     def sweep(self, now_ns: int | None = None) -> int:
         """Drop entries whose deadline passed; returns how many."""

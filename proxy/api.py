@@ -587,11 +587,33 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
             "monitor": st.admission is not None, "admission": _admission_health(st),
         })
 
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        missing = _not_ready(state)
+        return JsonResponse({"status": "not ready" if missing else "ready", "set": state.cluster.set_name,
+                             "missing": missing}, status_code=503 if missing else 200)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _not_ready(st: ProxyState) -> list[str]:
+    """What keeps some application of the set from being served now (empty: ready). /healthz
+    says the proxy is alive; this says a request would get through: a DB, an entrance and, per
+    the NM's view, ready workers at every stage of every application."""
+    out = [] if st.dbs.count else ["no DB"]
+    apps = ((st.cluster.monitor() or {}).get("apps") or {})
+    for app_id, spec in st.cluster.workflow.applications.items():
+        if not st.cluster.entrances(app_id):
+            out.append(f"{app_id}: no instance of its first stage {spec.stages[0]!r}")
+            continue
+        stages = (apps.get(app_id) or {}).get("stages") or {}
+        out += [f"{app_id}: no ready worker at stage {stage!r}" for stage in spec.stages
+                if isinstance(stages.get(stage), dict) and not stages[stage].get("workers")]
+    return out
 
 
 def _admission_health(st: ProxyState) -> dict[str, Any]:

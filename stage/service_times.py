@@ -24,13 +24,15 @@ MAX_SHAPES = 64  # shapes kept per app, least recently seen dropped first
 MIX_WINDOW_S = 30.0
 MAX_RECENT = 4096
 
+Window = collections.deque  # of seconds, at most WINDOW long
+
 
 class ServiceTimes:
     def __init__(self, clock=time.monotonic) -> None:
         self.clock = clock
         self._app: dict[str, collections.deque[float]] = {}
         # per app and shape: (share, standalone) windows
-        self._shape: dict[str, collections.OrderedDict[str, tuple[collections.deque[float], collections.deque[float]]]] = {}
+        self._shape: dict[str, collections.OrderedDict[str, tuple[Window, Window]]] = {}
         self._recent: collections.deque[tuple[float, str]] = collections.deque(maxlen=MAX_RECENT)
 
     def add(self, app: str, shape: str, share_s: float, alone_s: float | None = None) -> None:

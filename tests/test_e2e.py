@@ -122,38 +122,37 @@ def _db_client(up) -> DbClient:
     return DbClient([d["control"] for d in up.routes()["dbs"]])
 
 
-def test_exception_in_a_stage_function_fails_only_that_request(up):
-    """A message the denoise stage cannot use (no text embeddings) is sent straight to its data
-    address: that request fails with the reason, and the stage keeps serving."""
+def test_what_a_stage_cannot_use_fails_only_that_request(up):
+    """Messages sent straight to the denoise stage's data address, past the proxy: each request
+    fails with its reason, and the stage keeps serving. No text embeddings (the stage function
+    raises); over the application's limits without a deadline (this once pinned a worker
+    indefinitely: the stage holds every request to the limits itself); a header whose fields
+    have the wrong types (one such message once killed the instance)."""
     r = up.routes()
-    uid = new_uid()
     db = _db_client(up)
-    db.create({"uid": uid, "app": "t2v", "set": "set0", "status": "queued", "progress": 0})
     params = {"prompt": "x", "negative_prompt": "", "width": 32, "height": 32, "num_frames": 5, "steps": 2,
               "guidance": 5.0, "seed": 1, "fps": 16, "max_sequence_length": 64}
+    cases = [({"params": params, "trace": []}, "prompt_embeds"),
+             ({"params": {**params, "steps": 1_000_000}, "trace": []},
+              "params.steps: 1000000 exceeds the application's limit"),
+             ({"params": [1], "trace": []}, "malformed request at stage denoise_t2v: params"),
+             ({"params": params, "trace": 1}, "malformed request at stage denoise_t2v: trace")]
     tx = registry.connect(r["stages"]["denoise_t2v"][0])
-    tx.send(Message({"uid": uid, "app": "t2v", "stage": "denoise_t2v", "kind": "task", "params": params,
-                     "ts": time.time_ns(), "trace": []}), timeout=5)
+    uids = []
+    for header, _ in cases:
+        uid = new_uid()
+        uids.append(uid)
+        db.create({"uid": uid, "app": "t2v", "set": "set0", "status": "queued", "progress": 0})
+        tx.send(Message({"uid": uid, "app": "t2v", "stage": "denoise_t2v", "kind": "task", "ts": time.time_ns(),
+                         **header}), timeout=5)
     tx.close()
     deadline = time.monotonic() + 30
-    rec = db.get(uid)
-    while rec["status"] != "failed" and time.monotonic() < deadline:
-        time.sleep(0.1)
+    for uid, (_, why) in zip(uids, cases):
         rec = db.get(uid)
-    assert rec["status"] == "failed" and "prompt_embeds" in rec["error"], rec
-    # Straight to the stage, past every limit the proxy enforces, without a deadline: the stage
-    # holds it to the application's limits itself (this once pinned a worker indefinitely).
-    over = new_uid()
-    db.create({"uid": over, "app": "t2v", "set": "set0", "status": "queued", "progress": 0})
-    tx = registry.connect(r["stages"]["denoise_t2v"][0])
-    tx.send(Message({"uid": over, "app": "t2v", "stage": "denoise_t2v", "kind": "task",
-                     "params": {**params, "steps": 1_000_000}, "ts": time.time_ns(), "trace": []}), timeout=5)
-    tx.close()
-    rec = db.get(over)
-    while rec["status"] != "failed" and time.monotonic() < deadline:
-        time.sleep(0.1)
-        rec = db.get(over)
-    assert rec["status"] == "failed" and "params.steps: 1000000 exceeds the application's limit" in rec["error"], rec
+        while rec["status"] != "failed" and time.monotonic() < deadline:
+            time.sleep(0.1)
+            rec = db.get(uid)
+        assert rec["status"] == "failed" and why in rec["error"], (why, rec)
     with Client(up.url) as c:  # the same stage still serves
         v = c.submit("still alive", model="t2v", size="32x32", num_frames=5, steps=2)
         assert c.wait(v["id"], timeout=60)["status"] == "completed"

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from onepiece.config import ConfigError, ElasticSpec, NmSpec, Topology, load_topology
+from onepiece.config import ConfigError, ElasticSpec, NmSpec, Topology, deploy_dir, load_topology
 from onepiece.nm.client import Membership, NmClient
 from onepiece.nm.elastic import Elastic, StageLoad, decide
 from onepiece.nm.utilization import Utilization
@@ -86,6 +86,48 @@ def test_a_cold_stage_returns_an_instance_to_the_idle_pool_and_low_zero_never_do
     assert decide(SPEC, loads(denoise=(0.5, 1, 1), decode=(0.05, 1, 1)), [], {}) is None  # at its minimum
 
 
+def test_a_stage_below_its_minimum_is_refilled_from_the_idle_pool_at_once():
+    # decode's only instance died; nothing is measured yet, and a cooldown runs: it is refilled all the same
+    ls = {"denoise": StageLoad("denoise", ["d-0"], None, 1),
+          "decode": StageLoad("decode", ["x-0"], None, 1, live=[], starting=0)}
+    move = decide(SPEC, ls, ["idle-1"], {}, floors_only=True)
+    assert (move.instance, move.src, move.dst) == ("idle-1", None, "decode") and "below its minimum 1" in move.reason
+    assert decide(SPEC, ls, [], {}) is None  # nobody idle: nothing to move (and nobody taken from denoise)
+    # a replacement loading counts: no refill while it starts
+    ls["decode"] = StageLoad("decode", ["x-0", "x-1"], None, 1, live=[], starting=1)
+    assert decide(SPEC, ls, ["idle-1"], {}, floors_only=True) is None
+
+
+def test_only_live_instances_count_and_the_last_one_never_leaves():
+    # decode has a dead instance and a replacement loading besides its one healthy instance:
+    # three assigned, one serving. It is cold, and denoise is hot, but the healthy one stays.
+    decode = StageLoad("decode", ["x-dead", "x-new", "x-ok"], 0.05, 1, live=["x-ok"], starting=1)
+    assert decide(SPEC, {"decode": decode, "denoise": StageLoad("denoise", ["d-0"], 0.99, 1)}, [], {}) is None
+    assert decide(SPEC, {"decode": decode}, [], {}) is None  # no return to the idle pool either
+    # min 0 does not make the last one movable
+    lone = StageLoad("decode", ["x-ok"], 0.0, 0)
+    assert decide(SPEC, {"decode": lone, "denoise": StageLoad("denoise", ["d-0"], 0.99, 1)}, [], {}) is None
+    # two serving: one may go, and it is a serving one that goes
+    two = StageLoad("decode", ["x-dead", "x-a", "x-b"], 0.05, 1, live=["x-a", "x-b"])
+    move = decide(SPEC, {"decode": two}, [], {"x-dead": 0.0})
+    assert move.src == "decode" and move.instance in ("x-a", "x-b")
+
+
+def test_loads_count_serving_instances_of_a_real_state():
+    from onepiece.nm.state import ClusterState
+
+    topo, wf, _ = load_topology(deploy_dir() / "local.yaml")
+    state, el = ClusterState(topo, wf), Elastic(SPEC)
+    ok = state.register("stage", "set0", {"data": "tcp://a:1"}, stage="vae_decode")
+    dead = state.register("stage", "set0", {"data": "tcp://a:2"}, stage="vae_decode")
+    new = state.register("stage", "set0", {"data": "tcp://a:3"}, stage="vae_decode")
+    now = 1000.0
+    for inst, ready, seen in ((ok, True, now), (dead, True, now - 10 * topo.nm.heartbeat_s), (new, False, now)):
+        inst.ready, inst.serving, inst.last_seen = ready, "vae_decode" if ready else None, seen
+    load = el.loads(state, "set0", now)["vae_decode"]
+    assert load.live == [ok.id] and load.starting == 1 and len(load.assigned) == 3 and not load.can_spare()
+
+
 def test_config_rejects_a_low_watermark_above_the_threshold_and_unknown_min_stages(tmp_path, tiny_models):
     with pytest.raises(ValueError, match="must be below elastic.threshold"):
         NmSpec(elastic={"threshold": 0.5, "low": 0.6})
@@ -150,6 +192,46 @@ def test_a_moved_instance_leaves_the_old_routes_at_once_and_joins_the_new_once_i
     finally:
         m.stop()
         client.close()
+
+
+def test_a_real_nm_refills_a_stage_that_lost_its_last_instance_from_the_idle_pool(tmp_path, tiny_models):
+    """The embedded NM with its elastic policy on and a long cooldown and window: when
+    vae_decode's only instance leaves, the instance waiting in the idle pool is moved there at
+    once, with nothing measured."""
+    from onepiece.launcher import free_tcp_address, write_topology
+    from onepiece.nm.server import NodeManager
+
+    topo, wf, base = load_topology(write_topology(
+        tmp_path, tiny_models, free_tcp_address(), heartbeat_s=0.1, stages={"vae_decode": 1},
+        nm={"elastic": {"enabled": True, "cooldown_s": 600, "window_s": 600}}))
+    server = NodeManager(topo, wf, base)
+    stop = threading.Event()
+    t = threading.Thread(target=server.run, args=(stop,), daemon=True)
+    t.start()
+    serving = {"a": "vae_decode", "b": None}
+    a = Membership(server.address, "stage", "set0", {"data": "tcp://127.0.0.1:9410"}, stage="vae_decode",
+                   ready=lambda: True, serving=lambda: serving["a"])
+    b = Membership(server.address, "stage", "set0", {"data": "tcp://127.0.0.1:9411"}, idle=True,
+                   ready=lambda: True, serving=lambda: serving["b"], on_assign=lambda st: serving.update(b=st))
+    client = NmClient(server.address)
+    try:
+        a.register()
+        b.register()
+        a.start()
+        b.start()
+        stages = lambda: client.routes("set0")["stages"]  # noqa: E731
+        wait_for(lambda: stages()["vae_decode"] == ["tcp://127.0.0.1:9410"], what="a serves vae_decode")
+        assert b.stage is None
+        a.stop()  # leaves: vae_decode has nobody
+        wait_for(lambda: stages()["vae_decode"] == ["tcp://127.0.0.1:9411"], timeout=10, what="b moved in")
+        d = client.status()["elastic"]["decisions"][-1]
+        assert d["instance"] == b.id and d["to"] == "vae_decode" and "below its minimum 1" in d["reason"]
+    finally:
+        b.stop()
+        client.close()
+        stop.set()
+        t.join(5)
+        server.close()
 
 
 def test_bad_moves_get_clear_errors_and_the_nm_keeps_serving(nm):

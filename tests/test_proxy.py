@@ -576,7 +576,8 @@ def test_a_refusal_is_decided_in_microseconds_without_io():
         t0 = time.perf_counter()
         for i in range(n):
             job = build_job(WORKFLOW, {"prompt": "a cat", "model": "t2v", "size": "64x64"}, None)
-            refusal = st.admission.check(job.app, "64x64x9:10", job.timeout_s, job.timeout_given, inflight=1)
+            refusal = st.admission.check(job.app, "64x64x9:10", job.timeout_s, job.timeout_given,
+                                         ahead=st.tracker.ahead(job.app, time.time_ns()))
             err = st._refuse(refusal)
         per = (time.perf_counter() - t0) / n
         assert err.status == 429 and err.code == "over_capacity"
@@ -733,5 +734,26 @@ def test_each_stage_is_told_what_the_stages_after_it_need():
         assert h.create(prompt="y", model="t2v").status_code == 200
         assert h.recv().header["reserve"] == {}
         assert h.create(prompt="z", model="t2v", priority=5000).status_code == 400
+    finally:
+        h.close()
+
+
+def test_readyz_is_ready_only_when_every_application_can_be_served():
+    h = Harness(max_inflight=4)
+    try:
+        r = h.http.get("/readyz")
+        assert r.status_code == 200 and r.json()["status"] == "ready", r.text
+        # The NM's view of a set with only the t2v stages, and no denoise worker among them.
+        h.cluster.monitor_view = capacity_view(denoise_workers=0)
+        r = h.http.get("/readyz")
+        missing = r.json()["missing"]
+        assert r.status_code == 503 and "t2v: no ready worker at stage 'denoise_t2v'" in missing
+        assert "i2v: no ready worker at stage 'image_encode'" in missing
+        assert not any(m.startswith("t2v") and "denoise" not in m for m in missing)
+        h.cluster.monitor_view = None
+        h.cluster.entrance_map["i2v"] = []
+        r = h.http.get("/readyz")
+        assert r.status_code == 503 and r.json()["missing"] == ["i2v: no instance of its first stage 'text_encode'"]
+        assert h.healthz()["status"] == "ok"  # alive all along
     finally:
         h.close()
