@@ -25,6 +25,7 @@ from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 from onepiece.config import Topology, Workflow
+from onepiece.heartbeat import stage_stats_problem
 from onepiece.nm.elastic import Elastic, Move
 from onepiece.nm.reaper import Reaper
 from onepiece.nm.state import ClusterState, Instance
@@ -129,6 +130,11 @@ class NodeManager:
         if not (isinstance(holding, list) and all(isinstance(u, str) for u in holding)):
             holding = None
         serving = req.get("serving")
+        known = self.state.instances.get(str(req.get("instance")))
+        if known is not None and known.role == "stage" and (problem := stage_stats_problem(stats)) is not None:
+            # Liveness still counts; the figures do not (they would break every capacity estimate).
+            log.warning("heartbeat of %s: stats dropped: %s", known.id, problem)
+            stats = known.stats
         inst = self.state.heartbeat(str(req.get("instance")), bool(req.get("ready")), stats,
                                     version if isinstance(version, int) else 0, holding,
                                     serving if isinstance(serving, str) else None)

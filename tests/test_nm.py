@@ -1,5 +1,6 @@
 """The embedded node manager over real sockets: registration, assignment, routes, expiry."""
 
+import logging
 import threading
 
 import pytest
@@ -176,3 +177,24 @@ def test_a_restarted_nm_gives_no_instance_another_ones_id_or_stage():
         stop.set()
         t.join()
         server.close()
+
+
+def test_a_malformed_stage_heartbeat_keeps_the_instance_alive_and_breaks_no_estimate(nm, caplog):
+    """Stats the NM computes capacity from are checked: before, one heartbeat with a string
+    where a count belongs broke every later estimate (the proxies' monitor views, status)."""
+    caplog.set_level(logging.WARNING)
+    m = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9500"}, stage="vae_decode")
+    m.register()
+    client = NmClient(nm.address)
+    try:
+        good = {"ready": 1, "queue": 0, "service": {"t2v": {"mean_s": 0.1, "recent": 3, "shapes": {"64x64x9:10": 0.1}}}}
+        client.call("heartbeat", instance=m.id, ready=True, stats=good, serving="vae_decode")
+        for bad in ({"ready": "x"}, {"queue": -1}, {"service": [1]}, {"service": {"t2v": {"mean_s": "fast"}}},
+                    {"service": {"t2v": {"mean_s": 0.1, "shapes": {"64x64x9:10": -2}}}}, {"ready": True}):
+            client.call("heartbeat", instance=m.id, ready=True, stats=bad, serving="vae_decode")
+        assert nm.state.instances[m.id].stats["service"] == good["service"]  # the last good figures stay
+        assert nm.state.monitor("set0")["apps"]["t2v"]["stages"]["vae_decode"]["service_s"] == 0.1
+        assert client.status()["sets"]["set0"]
+        assert f"heartbeat of {m.id}: stats dropped: stats.ready" in caplog.text
+    finally:
+        client.close()

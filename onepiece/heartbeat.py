@@ -1,0 +1,49 @@
+"""What a stage instance reports with its heartbeat, as the NM checks it before using it.
+
+The stage side writes these figures (stage/stats.py, stage/service_times.py); the NM computes
+capacity and the request monitor's view from them (nm/capacity.py). A report that does not
+match is not stored: one malformed heartbeat must not break every later capacity estimate.
+Only the fields the NM computes with are checked; the rest (histograms, costs) is shown by
+`onepiece status` as it came.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+Count = Annotated[int, Field(ge=0, strict=True)]
+Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Shapes = Annotated[dict[Annotated[str, Field(max_length=256)], Seconds], Field(max_length=1024)]
+
+
+class AppService(BaseModel):
+    """Measured service times of one application (``ServiceTimes.report``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    mean_s: Seconds
+    recent: Count = 0
+    shapes: Shapes = Field(default_factory=dict)
+    shares: Shapes = Field(default_factory=dict)
+
+
+class StageStats(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    ready: Count = 0
+    queue: Count = 0
+    workers: Count = 0
+    policy: Annotated[str, Field(max_length=64)] = ""
+    service: Annotated[dict[str, AppService], Field(max_length=256)] = Field(default_factory=dict)
+
+
+def stage_stats_problem(stats: Any) -> str | None:
+    """None if a stage's heartbeat stats may be used, else the field and what is wrong."""
+    try:
+        StageStats.model_validate(stats)
+    except ValidationError as e:
+        err = e.errors()[0]
+        return f"stats.{'.'.join(map(str, err['loc']))}: {err['msg']}"
+    return None
