@@ -6,7 +6,8 @@ Writes arrive on the DB's data address (any transport) as messages whose header 
 - ``result``: ``{uid, kind, trace, content_type}`` with part ``content`` (the artefact);
 - ``failed``: ``{uid, kind, stage, error}``;
 - ``replica``: ``{uid, kind, record}`` (+ ``content`` part if any): a peer's copy;
-- ``purge``: ``{uid, kind}``: a peer dropped the record (fetched or deleted).
+- ``purge``: ``{uid, kind}``: a peer dropped the record (deleted, or fetched with no grace);
+- ``fetched``: ``{uid, kind, expires_at}``: a peer served the result; the copy expires by then.
 
 Reads and the proxy's synchronous ``create`` go to the DB's control address (RPC ops, see
 ``db/server.py``): ``create``, ``get``, ``content``, ``delete``, ``stats``.

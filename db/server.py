@@ -1,7 +1,8 @@
 """The DB role (DESIGN §7): a :class:`ResultStore` behind three sockets, served by one thread.
 
 - data address (any transport, ``transport.registry.listen``): ``status`` / ``result`` /
-  ``failed`` reports from stages, ``replica`` / ``purge`` from peers (see ``db/protocol.py``);
+  ``failed`` reports from stages, ``replica`` / ``purge`` / ``fetched`` from peers (see
+  ``db/protocol.py``);
 - control address (``transport.rpc.RpcServer``): the ops below;
 - events address (ZMQ PUB): ``[b"done", {"uid", "status"}]`` on every terminal transition, and
   ``[b"cancel", {"uid"}]`` when a request that is not finished is deleted (stages drop it).
@@ -10,9 +11,9 @@ RPC ops (request fields -> reply fields; errors come back as ``{"ok": false, "er
 
 - ``create`` ``{record}`` -> ``{record}``; error ``"store full: ..."`` when it does not fit;
 - ``get`` ``{uid}`` -> ``{record}``; error ``"not found: <uid>"``;
-- ``content`` ``{uid}`` -> ``{record}`` + one blob frame, the artefact; purges it here and on
-  the peers when ``purge_after_fetch``; errors ``"not found: <uid>"``, ``"not ready: <uid> is
-  <status>"``;
+- ``content`` ``{uid}`` -> ``{record}`` + one blob frame, the artefact; it then expires here and
+  on the peers ``purge_after_fetch_s`` later (0: purged at once; None: at its TTL); errors
+  ``"not found: <uid>"``, ``"not ready: <uid> is <status>"``;
 - ``delete`` ``{uid}`` -> ``{deleted: bool}`` (peers are told to purge too);
 - ``stats`` -> ``{stats: {records, bytes, max_bytes, content_bytes, by_status, tombstones,
   name, addresses, peers, replication: {factor, queued, sent, dropped, short}, refused,
@@ -47,6 +48,7 @@ merge rules of ``db/store.py`` make peers converge whatever order copies arrive 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -68,6 +70,7 @@ from onepiece.transport.message import Message, MessageError
 from onepiece.transport.rpc import RpcServer
 from onepiece.transport.zmq_transport import bind_address
 
+EVERY_PEER = frozenset({"purge", "fetched"})  # sent to every peer: any may hold a copy
 log = logging.getLogger("onepiece.db")
 
 # Module-level metrics labelled by DB name: several DBs may share a process (tests, `up`),
@@ -98,7 +101,7 @@ class DbServer:
         events_address: str,
         ttl_s: float = 3600.0,
         max_bytes: int = 1 << 30,
-        purge_after_fetch: bool = True,
+        purge_after_fetch_s: float | None = 60.0,
         name: str = "db",
         *,
         peers: Iterable[Mapping[str, str]] = (),
@@ -114,7 +117,7 @@ class DbServer:
             raise ValueError(f"replication must be a positive int (got {replication!r})")
         self.name = name
         self.replication = replication  # holders per result, this DB included
-        self.store = ResultStore(ttl_s, max_bytes, purge_after_fetch, clock=clock,
+        self.store = ResultStore(ttl_s, max_bytes, purge_after_fetch_s, clock=clock,
                                  deadline_grace_s=deadline_grace_s)
         self.sweep_interval_s = sweep_interval_s
         self.replication_timeout_s = replication_timeout_s
@@ -268,6 +271,13 @@ class DbServer:
                 WRITES.labels(self.name, kind).inc()
                 log.debug("db %s: uid=%s purged by a peer", self.name, uid)
                 return
+            elif kind == "fetched":
+                at = h.get("expires_at")
+                if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
+                    raise InvalidUpdate(f"fetched: expires_at must be a time in seconds, got {at!r}")
+                self.store.expire_by(uid, float(at))
+                WRITES.labels(self.name, kind).inc()
+                return
             else:
                 raise InvalidUpdate(f"unknown data message kind {kind!r}")
         except StoreFull as e:
@@ -356,10 +366,13 @@ class DbServer:
         uid = _uid(req)
         READS.labels(self.name, "content").inc()
         rec, data = self.store.take_content(uid)
+        grace = self.store.purge_after_fetch_s
         log.info("db %s: uid=%s fetched (%d bytes)%s", self.name, uid, len(data),
-                 ", purged" if self.store.purge_after_fetch else "")
-        if self.store.purge_after_fetch:
+                 "" if grace is None else ", purged" if grace == 0 else f", purged in {grace:g}s")
+        if grace == 0:
             self._replicate(Message({"uid": uid, "kind": "purge"}))
+        elif grace is not None:  # the copies go when this one does
+            self._replicate(Message({"uid": uid, "kind": "fetched", "expires_at": self.store.clock() + grace}))
         return {"record": rec}, [data]
 
     def _op_delete(self, req: dict, blobs: list) -> dict:
@@ -402,9 +415,9 @@ class DbServer:
     # ---- replication (its own thread; owns the peer senders) ---------------------------------
 
     def _replicate(self, msg: Message) -> None:
-        # With a factor of 1 only purges travel: nobody else should hold copies, but a DB that
-        # got one while the set was configured differently must still drop it.
-        if not self.peers or (self.replication < 2 and msg.kind != "purge"):
+        # With a factor of 1 only purges (and fetches) travel: nobody else should hold copies,
+        # but a DB that got one while the set was configured differently must still drop it.
+        if not self.peers or (self.replication < 2 and msg.kind not in EVERY_PEER):
             return
         try:
             self._outq.put_nowait(msg)
@@ -480,7 +493,7 @@ class DbServer:
                 peers = self.peers
                 for gone in set(senders) - {p["data"] for p in peers}:
                     senders.pop(gone).close()
-                if msg.kind == "purge":
+                if msg.kind in EVERY_PEER:
                     for peer in peers:
                         send(peer["data"], msg)
                     continue
@@ -558,7 +571,7 @@ def serve(
     events_address: str,
     ttl_s: float = 3600.0,
     max_bytes: int = 1 << 30,
-    purge_after_fetch: bool = True,
+    purge_after_fetch_s: float | None = 60.0,
     name: str = "db",
     peers: Iterable[Mapping[str, str]] = (),
     on_ready: Callable[[DbServer], None] | None = None,
@@ -570,7 +583,7 @@ def serve(
     ``server.snapshot``. Call from the main thread of a role process."""
     stop = stop_on_signals()
     server = DbServer(data_address, control_address, events_address, ttl_s, max_bytes,
-                      purge_after_fetch, name, peers=peers, **options)
+                      purge_after_fetch_s, name, peers=peers, **options)
     try:
         if on_ready is not None:
             on_ready(server)

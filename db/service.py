@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def serve(nm_address: str, set_name: str, data: str, control: str, events: str, ttl_s: float, max_bytes: int,
-          purge_after_fetch: bool, replication: int = 2, advertise: str | None = None,
+          purge_after_fetch_s: float | None, replication: int = 2, advertise: str | None = None,
           zk: "ZkSettings | None" = None) -> None:
     metrics, _ = start_http_server(0, addr=host_of(data))
     member: Membership | None = None
@@ -47,7 +47,7 @@ def serve(nm_address: str, set_name: str, data: str, control: str, events: str, 
         member.start()
 
     try:
-        serve_db(data, control, events, ttl_s, max_bytes, purge_after_fetch, name=f"db@{set_name}", on_ready=on_ready,
+        serve_db(data, control, events, ttl_s, max_bytes, purge_after_fetch_s, name=f"db@{set_name}", on_ready=on_ready,
                  replication=replication)
     finally:
         if member is not None:

@@ -88,7 +88,7 @@ class ResultStore:
         self,
         ttl_s: float,
         max_bytes: int,
-        purge_after_fetch: bool = True,
+        purge_after_fetch_s: float | None = 60.0,
         clock: Callable[[], float] = time.time,
         deadline_grace_s: float = 0.0,
         max_tombstones: int = 100_000,
@@ -97,7 +97,9 @@ class ResultStore:
             raise ValueError("ttl_s and max_bytes must be positive")
         self.ttl_s = float(ttl_s)
         self.max_bytes = int(max_bytes)
-        self.purge_after_fetch = purge_after_fetch
+        # A fetched result goes this long after its first fetch (0: at once; None: at its TTL):
+        # a retrieve after the download, or a retried download, still finds it meanwhile.
+        self.purge_after_fetch_s = purge_after_fetch_s
         self.clock = clock
         # A deadline verdict waits this long past the deadline, so a result that reached a
         # peer in time has been replicated here before this replica declares it failed.
@@ -149,16 +151,29 @@ class ResultStore:
         }
 
     def take_content(self, uid: str) -> tuple[dict[str, Any], bytes]:
-        """The record and its artefact; purges the record if ``purge_after_fetch``."""
+        """The record and its artefact; the record then expires ``purge_after_fetch_s`` later."""
         rec = self._records.get(uid)
         if rec is None:
             raise NotFound(f"not found: {uid}")
         if rec["status"] != COMPLETED:
             raise NotReady(f"not ready: {uid} is {rec['status']}")
         data = self._content.get(uid, b"")
-        if self.purge_after_fetch:
+        out = dict(rec)
+        if self.purge_after_fetch_s == 0:
             self._drop(uid, tombstone=True)
-        return dict(rec), data
+        elif self.purge_after_fetch_s is not None:
+            self.expire_by(uid, self.clock() + self.purge_after_fetch_s)
+        return out, data
+
+    def expire_by(self, uid: str, at: float) -> bool:
+        """Let ``uid`` expire at ``at`` at the latest (a fetch here or on a peer); True if that
+        brought its expiry forward."""
+        rec = self._records.get(uid)
+        if rec is None or not rec["expires_at"] > at:
+            return False
+        rec["expires_at"] = at
+        self._schedule(uid, rec)
+        return True
 
     # ---- writes ----------------------------------------------------------------------------
 

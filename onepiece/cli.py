@@ -74,7 +74,8 @@ def cmd_db(args: argparse.Namespace) -> int:
 
     setup_logging("db", args.log_level)
     serve(args.nm, args.set, args.listen, args.control, args.events, args.ttl, args.max_bytes,
-          not args.keep_after_fetch, replication=args.replication, advertise=args.advertise, zk=_zk(args))
+          None if args.keep_after_fetch else args.purge_after_fetch, replication=args.replication,
+          advertise=args.advertise, zk=_zk(args))
     return 0
 
 
@@ -273,7 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--events", default="tcp://127.0.0.1:0", help="completion events (PUB) address")
             sp.add_argument("--ttl", type=float, default=3600.0, help="seconds a result is kept")
             sp.add_argument("--max-bytes", type=int, default=1 << 30, help="memory cap of the store")
-            sp.add_argument("--keep-after-fetch", action="store_true", help="do not purge a result once fetched")
+            sp.add_argument("--purge-after-fetch", type=_float_between(0, 86_400, " seconds"), default=60.0,
+                            metavar="SECONDS",
+                            help="purge a result this long after its first fetch (0: at once; default 60)")
+            sp.add_argument("--keep-after-fetch", action="store_true", help="keep a fetched result until its TTL")
             sp.add_argument("--replication", type=_positive_int, default=2,
                             help="DBs of the set that hold each result, this one included (default 2)")
             sp.set_defaults(fn=cmd_db)

@@ -283,7 +283,8 @@ class DbSpec(_Strict):
     replication: int = Field(2, gt=0, le=16, description="DBs that hold each result (capped at count)")
     ttl_s: float = Field(3600.0, gt=0)
     max_bytes: int = Field(1 << 30, gt=0)
-    purge_after_fetch: bool = True
+    purge_after_fetch_s: float | None = Field(60.0, ge=0, description="a fetched result is purged this long after its "
+                                                                     "first fetch (0: at once; null: kept until its TTL)")
 
 
 class ProxySpec(_Strict):

@@ -104,8 +104,8 @@ class Deployment:
                         "--control", self._address(name + "-ctl"), "--events", self._address(name + "-ev"),
                         "--ttl", str(s.db.ttl_s), "--max-bytes", str(s.db.max_bytes),
                         "--replication", str(min(s.db.replication, s.db.count)))
-            if not s.db.purge_after_fetch:
-                argv.append("--keep-after-fetch")
+            argv += ["--keep-after-fetch"] if s.db.purge_after_fetch_s is None else \
+                ["--purge-after-fetch", str(s.db.purge_after_fetch_s)]
             out.append(Child(name, argv, self.log_dir / f"{name}.log"))
         for stage, n in s.stages.items():
             for i in range(n):

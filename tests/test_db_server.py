@@ -31,7 +31,7 @@ from onepiece.transport.rpc import RpcClient, RpcError
 from waiting import wait_for
 
 FAST = {"sweep_interval_s": 0.05, "deadline_grace_s": 0.0, "replication_timeout_s": 0.2,
-        "peer_backoff_s": 0.2}
+        "peer_backoff_s": 0.2, "purge_after_fetch_s": 0.0}
 
 
 
@@ -136,8 +136,8 @@ def test_create_status_result_fetch_roundtrip(start_dbs) -> None:
     assert reads >= 1
 
 
-def test_write_to_any_db_is_readable_from_every_db_and_purge_reaches_all(start_dbs) -> None:
-    dbs = start_dbs(3)
+def test_write_to_any_db_is_readable_from_every_db_and_a_fetch_expires_every_copy(start_dbs) -> None:
+    dbs = start_dbs(3, purge_after_fetch_s=0.5)
     uid = new_uid()
     controls = [d.control for d in dbs]
     by_control = {d.control: d for d in dbs}
@@ -152,9 +152,12 @@ def test_write_to_any_db_is_readable_from_every_db_and_purge_reaches_all(start_d
     with DbClient(controls) as client:
         rec, data = client.content(uid)
         assert data == b"artefact"
-    for d in dbs:  # purge-after-fetch on every replica
-        wait_for(lambda d=d: get_from(d, uid) is None, what=f"purge on {d.server.name}")
-    # two changes to two peers, plus the purge to two peers
+        t0 = time.monotonic()
+        assert client.get(uid)["status"] == "completed" and client.content(uid)[1] == b"artefact"  # a retry
+    for d in dbs:  # the fetch's grace reaches every copy
+        wait_for(lambda d=d: get_from(d, uid) is None, what=f"expiry on {d.server.name}")
+    assert time.monotonic() - t0 > 0.3
+    # two changes to two peers, plus the fetch to two peers
     wait_for(lambda: sum(d.server.counts["sent"] for d in dbs) >= 6, what="sends counted")
 
 

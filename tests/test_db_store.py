@@ -79,7 +79,7 @@ def test_completed_beats_failed_so_replicas_converge() -> None:
 
 
 def test_take_content_purges_or_keeps() -> None:
-    s, _ = make()
+    s, _ = make(purge_after_fetch_s=0)
     s.create({"uid": "u"})
     with pytest.raises(NotReady, match="not ready: u is queued"):
         s.take_content("u")
@@ -92,9 +92,28 @@ def test_take_content_purges_or_keeps() -> None:
     # A late report for a fetched request does not resurrect it.
     assert s.set_status("u", "in_progress", "dit", 50) is None and s.get("u") is None
 
-    keep, _ = make(purge_after_fetch=False)
+    keep, _ = make(purge_after_fetch_s=None)
     keep.put_result("k", b"1")
     assert keep.take_content("k")[1] == b"1" and keep.take_content("k")[1] == b"1"
+
+
+def test_a_fetched_result_stays_for_the_grace_then_goes() -> None:
+    """The OpenAI API never loses a video on download: a retrieve after it, or a retried
+    download, finds it for ``purge_after_fetch_s``; then it goes, and nothing brings it back."""
+    s, clock = make(ttl=3600.0, purge_after_fetch_s=60.0)
+    s.put_result("u", b"data")
+    assert s.take_content("u")[1] == b"data"
+    assert s.get("u")["expires_at"] == clock.t + 60.0
+    clock.t += 30
+    assert s.take_content("u")[1] == b"data" and s.get("u")["expires_at"] == clock.t - 30 + 60.0  # not extended
+    assert s.sweep().expired == []
+    clock.t += 31
+    assert s.sweep().expired == ["u"] and s.get("u") is None and s.bytes_used == 0
+    assert s.put_result("u", b"late") is None  # a late copy does not resurrect it
+    # a peer's fetch brings the expiry forward, never back
+    s.put_result("v", b"1")
+    assert s.expire_by("v", clock.t + 5) and not s.expire_by("v", clock.t + 50)
+    assert s.get("v")["expires_at"] == clock.t + 5
 
 
 def test_ttl_expiry() -> None:

@@ -232,13 +232,16 @@ def test_killed_worker_fails_its_request_and_comes_back(up):
         assert c.wait(v2["id"], timeout=90)["status"] == "completed"
 
 
-def test_purge_after_fetch(up, tmp_path):
+def test_a_downloaded_video_can_be_retrieved_and_downloaded_again_for_a_while(up, tmp_path):
+    """As with the OpenAI API, a download does not make the video vanish: it is purged
+    `purge_after_fetch_s` (60 s) after the first fetch (tests/test_db_*.py time that)."""
     with Client(up.url) as c:
-        v = c.submit("fetch me once", model="t2v", size="32x32", num_frames=5, steps=2)
+        v = c.submit("fetch me twice", model="t2v", size="32x32", num_frames=5, steps=2)
         c.wait(v["id"], timeout=60)
-        c.download(v["id"], tmp_path / "once.mp4")
+        first = c.download(v["id"], tmp_path / "once.mp4").read_bytes()
+        assert httpx.get(f"{up.url}/v1/videos/{v['id']}").json()["status"] == "completed"
         r = httpx.get(f"{up.url}/v1/videos/{v['id']}/content")
-        assert r.status_code == 404
+        assert r.status_code == 200 and r.content == first
 
 
 def test_sigterm_stops_everything(up):
