@@ -112,7 +112,6 @@ def test_split_matches_monolithic(app: str, tiny_models, comps, image) -> None:
     assert float(mono.std()) > 0.01  # not a degenerate (constant) video
 
 
-@pytest.mark.filterwarnings("ignore::ResourceWarning")  # imageio's ffmpeg reader leaves its pipes to the GC
 def test_vae_decode_mp4(comps, image) -> None:
     import imageio.v3 as iio
 
