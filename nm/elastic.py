@@ -138,16 +138,19 @@ class Elastic:
     def loads(self, state: "ClusterState", set_name: str, now: float) -> dict[str, StageLoad]:
         spec = state.sets[set_name]
         # Heard from within two heartbeats: an instance silent longer may be dead (the NM drops
-        # it later, at dead_after_s) and must not count as the one that lets its twin leave.
+        # it later, at dead_after_s) and must not count as the one that lets its twin leave. One
+        # this NM has not heard yet (a new primary's restored view) may well be serving: it
+        # counts as starting, so no floor is refilled on a guess.
         fresh_s = 2.0 * state.topology.nm.heartbeat_s
         out = {}
         for stage in state.workflow.stages:
             mine = sorted((i for i in state.stage_instances(set_name) if i.stage == stage), key=lambda i: i.id)
             fresh = [i for i in mine if i.heard and now - i.last_seen <= fresh_s]
             live = [i.id for i in fresh if i.ready and i.serving == stage]
+            starting = len(fresh) - len(live) + sum(1 for i in mine if not i.heard)
             known = [u for i in mine if (u := self.util.of(i.id, now)) is not None]
             out[stage] = StageLoad(stage, [i.id for i in mine], sum(known) / len(known) if known else None,
-                                   spec.min_of(stage), live, len(fresh) - len(live))
+                                   spec.min_of(stage), live, starting)
         return out
 
     def tick(self, state: "ClusterState", now: float | None = None) -> list[Move]:

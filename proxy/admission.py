@@ -31,15 +31,23 @@ from onepiece.sched.options import DEADLINE_ORDERED
 log = logging.getLogger(__name__)
 
 
+# A request in flight as admission sees it: (seconds to its deadline, which orders it at a
+# deadline-first stage; seconds to the completion it was admitted for; its work in seconds at
+# the bottleneck). The two times differ for a request without its own timeout_s: the stage
+# orders it by the application's limit, admission held it to deadline_factor × its standalone.
+Ahead = tuple[float, float, float]
+
+
 class InflightTracker:
-    """Accepted-but-not-terminal requests, each with its deadline (ns since epoch), application
-    and work at its bottleneck stage (seconds): admission reads the requests ahead of a new one."""
+    """Accepted-but-not-terminal requests, each with its deadline (ns since epoch), application,
+    work at its bottleneck stage (seconds) and the completion time it was admitted for (ns):
+    admission reads the requests ahead of a new one."""
 
     def __init__(self, max_inflight: int) -> None:
         if max_inflight <= 0:
             raise ValueError("max_inflight must be positive")
         self.max_inflight = max_inflight
-        self._deadlines: dict[str, tuple[int, str, float]] = {}
+        self._deadlines: dict[str, tuple[int, str, float, int]] = {}
         self._last_sweep_ns = 0
 
     def __len__(self) -> int:
@@ -48,12 +56,13 @@ class InflightTracker:
     def __contains__(self, uid: str) -> bool:
         return uid in self._deadlines
 
-    def ahead(self, app: str, now_ns: int) -> list[tuple[float, float]]:
-        """(seconds to its deadline, work in seconds) of every request of ``app`` in flight."""
-        return [((d - now_ns) / 1e9, w) for d, a, w in self._deadlines.values() if a == app]
+    def ahead(self, app: str, now_ns: int) -> list[Ahead]:
+        """Every request of ``app`` in flight (see ``Ahead``)."""
+        return [((d - now_ns) / 1e9, (p - now_ns) / 1e9, w) for d, a, w, p in self._deadlines.values() if a == app]
 
-    def try_admit(self, uid: str, deadline_ns: int, app: str, work_s: float = 0.0) -> bool:
-        """Reserve a slot for ``uid``; False when the set is full."""
+    def try_admit(self, uid: str, deadline_ns: int, app: str, work_s: float = 0.0, promise_ns: int | None = None) -> bool:
+        """Reserve a slot for ``uid``; False when the set is full. ``promise_ns``: the completion
+        time admission held it to (default: its deadline)."""
         if len(self._deadlines) >= self.max_inflight:
             now = time.time_ns()
             # A slot may be free already, its deadline passed unseen. The sweep is O(n), so a
@@ -62,7 +71,7 @@ class InflightTracker:
                 self.sweep(now)
             if len(self._deadlines) >= self.max_inflight:
                 return False
-        self._deadlines[uid] = (deadline_ns, app, work_s)
+        self._deadlines[uid] = (deadline_ns, app, work_s, deadline_ns if promise_ns is None else promise_ns)
         return True
 
     def release(self, uid: str) -> bool:
@@ -72,7 +81,7 @@ class InflightTracker:
         """Drop entries whose deadline passed; returns how many."""
         now_ns = time.time_ns() if now_ns is None else now_ns
         self._last_sweep_ns = now_ns
-        expired = [u for u, (d, _, _) in self._deadlines.items() if d <= now_ns]
+        expired = [u for u, (d, *_) in self._deadlines.items() if d <= now_ns]
         for u in expired:
             self.release(u)
         return len(expired)
@@ -243,42 +252,49 @@ def cost(app_estimate: dict[str, Any], shape: str) -> float:
     return 1.0
 
 
+def admission_deadline(app_estimate: dict[str, Any], shape: str, timeout_s: float, explicit: bool,
+                       factor: float) -> float:
+    """Seconds within which a request must be predicted to complete to be admitted: its own
+    ``timeout_s`` when it gave one; otherwise ``factor`` × the standalone time of its shape,
+    unless the application's limit (``timeout_s`` then) is tighter."""
+    alone = standalone_latency(app_estimate, shape)
+    if not explicit and factor > 0 and alone is not None:
+        return min(timeout_s, factor * alone)
+    return timeout_s
+
+
 def deadline_refusal(app_estimate: dict[str, Any], shape: str, timeout_s: float, explicit: bool,
-                     factor: float, ahead: list[tuple[float, float]] = (), scale: float = 1.0) -> Refusal | None:
+                     factor: float, ahead: list[Ahead] = (), scale: float = 1.0) -> Refusal | None:
     """Refuse a request predicted to finish after its deadline.
 
-    ``ahead``: (seconds to its deadline, bottleneck work in seconds) of each request in flight
-    at this proxy, counted ``scale`` times (the proxies of the set hold about as many each).
-    How a new request waits for them depends on the bottleneck stage's policy:
+    ``ahead``: the requests in flight at this proxy (``Ahead``), counted ``scale`` times (the
+    proxies of the set hold about as many each). How a new request waits for them depends on
+    the bottleneck stage's policy:
 
     - one that serves earlier deadlines first (``edf``, ``slo``): the request waits only for the
-      work ahead of it with earlier deadlines, so it finishes after its standalone time plus
-      that work; and it must not make late a request already admitted with a later deadline
-      that would have made it (its work lands before theirs);
+      work ahead of it with earlier deadlines (``timeout_s``, what the stage orders by), so it
+      finishes after its standalone time plus that work; and it must not make late a request
+      already admitted with a later deadline that would have made it (its work lands first);
     - any other: two predictions, the later one counts: the NM's, from the stages' queues as of
       their last heartbeats (``predicted_latency``), and a live one: a pipeline whose bottleneck
       passes C requests a second finishes the last of n + 1 requests after at least
       (n + 1) / C seconds, and never before the standalone time. The live one sees the queue
       a burst builds before any heartbeat reports it.
 
-    The deadline is the request's own ``timeout_s`` when it gave one; otherwise ``factor`` ×
-    the standalone time of its shape, unless the application's limit (``timeout_s`` then) is
-    tighter. Both sides use the same service times, so for a default deadline this reads
-    "refuse when the queues ahead would stretch the request beyond factor × its idle time",
-    whatever the shape. No prediction (a stage unmeasured or without workers) admits.
+    The completion it is held to is ``admission_deadline``. Both sides use the same service
+    times, so for a default deadline this reads "refuse when the queues ahead would stretch the
+    request beyond factor × its idle time", whatever the shape. No prediction (a stage
+    unmeasured or without workers) admits.
     """
     predicted = predicted_latency(app_estimate, shape)
     if predicted is None:
         return None
     alone = standalone_latency(app_estimate, shape)
-    deadline = timeout_s
-    if not explicit and factor > 0 and alone is not None:
-        deadline = min(deadline, factor * alone)
+    deadline = admission_deadline(app_estimate, shape, timeout_s, explicit, factor)
     if deadline_first(app_estimate) and alone is not None:
-        before = scale * sum(w for d, w in ahead if d <= deadline)
-        predicted = alone + before
+        predicted = alone + scale * sum(w for due, _, w in ahead if due <= timeout_s)
         if predicted <= deadline:
-            return _makes_late(ahead, deadline, bottleneck_work(app_estimate, shape), scale)
+            return _makes_late(ahead, timeout_s, bottleneck_work(app_estimate, shape), scale)
     else:
         capacity = app_estimate.get("capacity")
         if ahead and alone is not None and isinstance(capacity, (int, float)) and capacity > 0:
@@ -290,16 +306,16 @@ def deadline_refusal(app_estimate: dict[str, Any], shape: str, timeout_s: float,
                    max(1, math.ceil(predicted - deadline)))
 
 
-def _makes_late(ahead: list[tuple[float, float]], deadline: float, work: float, scale: float) -> Refusal | None:
-    """Under a deadline-first stage, a new request (``deadline``, ``work``) runs before every
+def _makes_late(ahead: list[Ahead], due: float, work: float, scale: float) -> Refusal | None:
+    """Under a deadline-first stage, a new request (due in ``due``, ``work``) runs before every
     request in flight with a later deadline: refuse it if that turns one of them, on time so
-    far by the work before it, late."""
+    far for what it was admitted for by the work before it, late."""
     done = 0.0
-    for d, w in sorted(ahead):
+    for d, promised, w in sorted(ahead):
         done += scale * w
-        if d > deadline and done <= d < done + work:
+        if d > due and done <= promised < done + work:
             return Refusal("deadline", f"admitting it would make a request admitted earlier miss its deadline "
-                                       f"(due in {d:.2f}s)", max(1, math.ceil(done + work - d)))
+                                       f"(due in {promised:.2f}s)", max(1, math.ceil(done + work - promised)))
     return None
 
 
@@ -372,13 +388,22 @@ class CapacityAdmission:
         cap = self._capacity(app)
         return None if cap is None else cap / self.proxies
 
+    def deadline_s(self, app: str, shape: str, timeout_s: float, explicit_timeout: bool) -> float:
+        """Seconds within which a request is held to complete (``admission_deadline``)."""
+        est = self.app_view(app)
+        try:
+            return timeout_s if est is None else admission_deadline(est, shape, timeout_s, explicit_timeout,
+                                                                    self.deadline_factor)
+        except (KeyError, TypeError, AttributeError):
+            return timeout_s
+
     def work(self, app: str, shape: str) -> float:
         """Seconds of its bottleneck stage a request of ``shape`` takes (0: not known yet)."""
         est = self.app_view(app)
         return 0.0 if est is None else bottleneck_work(est, shape)
 
     def check(self, app: str, shape: str, timeout_s: float, explicit_timeout: bool,
-              *, ahead: list[tuple[float, float]]) -> Refusal | None:
+              *, ahead: list[Ahead]) -> Refusal | None:
         """Admit (takes a token; None) or say why not. ``give_back(app, shape)`` undoes an admission
         that a later check (the in-flight cap) refused.
 

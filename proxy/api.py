@@ -212,8 +212,11 @@ class ProxyState:
         uid = new_uid()
         ts = time.time_ns()
         deadline = ts + int(job.timeout_s * 1e9)
-        work = adm.work(job.app, shape_key(params)) if adm is not None else 0.0
-        if not self.tracker.try_admit(uid, deadline, job.app, work):
+        work, promise = 0.0, deadline
+        if adm is not None:
+            work = adm.work(job.app, shape_key(params))
+            promise = ts + int(adm.deadline_s(job.app, shape_key(params), job.timeout_s, job.timeout_given) * 1e9)
+        if not self.tracker.try_admit(uid, deadline, job.app, work, promise):
             if adm is not None:
                 adm.give_back(job.app, shape_key(params))  # the tokens were not used
             raise self._refuse(Refusal("inflight_full", f"full ({self.tracker.max_inflight} requests in flight)",

@@ -174,7 +174,8 @@ class RequestScheduler:
                 if stepped is None or h.app not in self.apps:
                     raise ValueError(f"application {h.app!r} is not served by stage {self.stage}")
                 limits = self.apps[h.app].limits
-                steps = self.apps[h.app].check_params(h.params).steps if stepped else 1
+                params = self.apps[h.app].check_params(h.params)  # at every stage, stepped or not
+                steps = params.steps if stepped else 1
             except (ValidationError, ValueError) as e:
                 err = e.errors()[0] if isinstance(e, ValidationError) else None
                 why = f"{'.'.join(map(str, err['loc']))}: {err['msg']}" if err else str(e)

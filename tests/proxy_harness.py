@@ -38,7 +38,8 @@ def png(w: int = 40, h: int = 30, color: tuple[int, int, int] = (200, 10, 30)) -
 class DbThread:
     def __init__(self, name: str = "db0") -> None:
         self.server = DbServer("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", ttl_s=60,
-                               max_bytes=1 << 26, name=name, sweep_interval_s=0.05, deadline_grace_s=0.0)
+                               max_bytes=1 << 26, name=name, sweep_interval_s=0.05, deadline_grace_s=0.0,
+                               purge_after_fetch_s=0.3)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.server.run, args=(self.stop,), daemon=True)
         self.thread.start()

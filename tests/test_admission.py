@@ -28,9 +28,11 @@ def stage(name: str, workers: int = 1, queue: int = 0, policy: str = "fcfs", **s
             "stats": {"ready": workers, "queue": queue, "service": svc, "policy": policy}}
 
 
-def flight(n: int, due_s: float = 600.0, work_s: float = 0.5) -> list[tuple[float, float]]:
-    """``n`` requests in flight, each due in ``due_s`` with ``work_s`` at the bottleneck."""
-    return [(due_s, work_s)] * n
+def flight(n: int, due_s: float = 600.0, work_s: float = 0.5,
+           promised_s: float | None = None) -> list[tuple[float, float, float]]:
+    """``n`` requests in flight, each due in ``due_s`` (admitted for ``promised_s``, default the
+    same) with ``work_s`` at the bottleneck."""
+    return [(due_s, due_s if promised_s is None else promised_s, work_s)] * n
 
 
 def view(denoise_s: float = 0.5, denoise_workers: int = 1, queue: int = 0, proxies: int = 1,
@@ -341,33 +343,47 @@ def test_headroom_admits_below_the_measured_capacity():
 
 
 def test_a_deadline_first_stage_makes_a_request_wait_only_for_earlier_deadlines():
-    # denoise runs slo: 64x64x9 alone 0.01 + 0.2 + 0.05 = 0.26 s, default deadline 2 × = 0.52 s
+    # denoise runs slo: 64x64x9 alone 0.01 + 0.2 + 0.05 = 0.26 s; the new request's deadline 0.52 s
     est = view(denoise_s=0.5, policy="slo", shapes={SHAPE: 0.2})["apps"]["t2v"]
     assert est["stages"]["denoise_t2v"]["policy"] == "slo"
     long_ahead = flight(3, due_s=20.0, work_s=2.0)  # three long requests due much later
     # a first-come stage would put the new one behind all three: (3 + 1) / 2 req/s = 2 s
     fcfs = view(denoise_s=0.5, shapes={SHAPE: 0.2})["apps"]["t2v"]
-    assert deadline_refusal(fcfs, SHAPE, 600.0, False, factor=2.0, ahead=long_ahead).code == "deadline"
+    assert deadline_refusal(fcfs, SHAPE, 0.52, True, factor=2.0, ahead=long_ahead).code == "deadline"
     # a deadline-first one runs it before them, and none of them becomes late
-    assert deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=long_ahead) is None
+    assert deadline_refusal(est, SHAPE, 0.52, True, factor=2.0, ahead=long_ahead) is None
     # earlier deadlines ahead count: 0.26 + 2 × 0.2 = 0.66 s > 0.52 s
-    r = deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=flight(2, due_s=0.3, work_s=0.2))
+    r = deadline_refusal(est, SHAPE, 0.52, True, factor=2.0, ahead=flight(2, due_s=0.3, work_s=0.2))
     assert r.code == "deadline" and "0.66s" in r.message
     # ... from every proxy of the set: one here stands for three
-    assert deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=flight(1, due_s=0.3, work_s=0.1)) is None
-    assert deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=flight(1, due_s=0.3, work_s=0.1),
+    assert deadline_refusal(est, SHAPE, 0.52, True, factor=2.0, ahead=flight(1, due_s=0.3, work_s=0.1)) is None
+    assert deadline_refusal(est, SHAPE, 0.52, True, factor=2.0, ahead=flight(1, due_s=0.3, work_s=0.1),
                             scale=3.0).code == "deadline"
 
 
 def test_a_deadline_first_stage_refuses_what_would_make_an_admitted_request_late():
     est = view(denoise_s=0.5, policy="edf", shapes={SHAPE: 0.2})["apps"]["t2v"]
     # on time by 0.1 s, and the new request's 0.2 s of denoising would land before it
-    r = deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=flight(1, due_s=2.1, work_s=2.0))
+    r = deadline_refusal(est, SHAPE, 0.52, True, factor=2.0, ahead=flight(1, due_s=2.1, work_s=2.0))
     assert r.code == "deadline" and "admitted earlier" in r.message
     # one already late whatever happens is not a reason to refuse
-    assert deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=flight(1, due_s=1.9, work_s=2.0)) is None
+    assert deadline_refusal(est, SHAPE, 0.52, True, factor=2.0, ahead=flight(1, due_s=1.9, work_s=2.0)) is None
     # enough slack for both
-    assert deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=flight(1, due_s=2.3, work_s=2.0)) is None
+    assert deadline_refusal(est, SHAPE, 0.52, True, factor=2.0, ahead=flight(1, due_s=2.3, work_s=2.0)) is None
+
+
+def test_without_its_own_timeout_a_request_is_ordered_by_the_limit_and_held_to_the_factor():
+    """No timeout_s: the stage orders it by the application's limit (600 s, after everything
+    admitted before it), while admission holds it to 2 × its standalone time (0.52 s)."""
+    est = view(denoise_s=0.5, policy="slo", shapes={SHAPE: 0.2})["apps"]["t2v"]
+    earlier = flight(2, due_s=599.0, work_s=0.2, promised_s=0.7)  # admitted a moment ago, the same way
+    r = deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=earlier)  # 0.26 + 0.4 > 0.52
+    assert r.code == "deadline" and "0.66s" in r.message
+    assert deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=earlier[:1]) is None  # 0.46 s
+    # one with its own, tighter deadline passes them, unless that makes one miss its promise
+    assert deadline_refusal(est, SHAPE, 0.52, True, factor=2.0, ahead=earlier) is None
+    assert deadline_refusal(est, SHAPE, 0.52, True, factor=2.0,
+                            ahead=flight(1, due_s=599.0, work_s=0.2, promised_s=0.3)).code == "deadline"
 
 
 def test_work_at_the_bottleneck_is_per_worker_and_zero_while_unmeasured():
@@ -412,7 +428,7 @@ def test_a_deadline_first_bottleneck_is_admitted_by_the_deadline_rule_alone():
     adm = CapacityAdmission(deadline_factor=2.0, headroom=1.0, clock=clock)
     adm.observe(view(denoise_s=0.5, policy="slo", shapes={SHAPE: 0.2}))
     for _ in range(20):  # far over the bucket's 2/s: nothing ahead has an earlier deadline
-        assert adm.check("t2v", SHAPE, 600.0, False, ahead=flight(5, due_s=60.0, work_s=1.0)) is None
+        assert adm.check("t2v", SHAPE, 0.52, True, ahead=flight(5, due_s=60.0, work_s=1.0)) is None
     r = adm.check("t2v", SHAPE, 600.0, False, ahead=flight(2, due_s=0.3, work_s=0.2))
     assert r.code == "deadline"
     adm.observe(view(denoise_s=0.5, policy="fcfs", shapes={SHAPE: 0.2}))  # first-come: the bucket again

@@ -126,6 +126,10 @@ def test_loads_count_serving_instances_of_a_real_state():
         inst.ready, inst.serving, inst.last_seen = ready, "vae_decode" if ready else None, seen
     load = el.loads(state, "set0", now)["vae_decode"]
     assert load.live == [ok.id] and load.starting == 1 and len(load.assigned) == 3 and not load.can_spare()
+    # a new primary has not heard it yet: it may be serving, so it counts as starting, not as dead
+    ok.heard = False
+    load = el.loads(state, "set0", now)["vae_decode"]
+    assert load.live == [] and load.starting == 2 and not load.below_floor()
 
 
 def test_config_rejects_a_low_watermark_above_the_threshold_and_unknown_min_stages(tmp_path, tiny_models):

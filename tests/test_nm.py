@@ -18,6 +18,9 @@ def nm():
     topo, wf, base = load_topology(deploy_dir() / "local.yaml")
     topo.nm.heartbeat_s = 0.1
     topo.nm.dead_after_s = 0.5
+    # These tests assign by hand; the elastic policy would refill the empty stages from the
+    # idle pool (its floors; tests/test_elastic_policy.py).
+    topo.nm.elastic.enabled = False
     server = NodeManager(topo, wf, base, "tcp://127.0.0.1:0")
     stop = threading.Event()
     t = threading.Thread(target=server.run, args=(stop,))

@@ -71,7 +71,7 @@ def sets(tiny_models, tmp_path_factory):
     folder = tmp_path_factory.mktemp("two-sets")
     topology = write_topology(folder, tiny_models, free_tcp_address(), sets=[
         {"name": "a", "proxy": {"max_inflight": 1}, "db": {"count": 1}},
-        {"name": "b", "db": {"count": 3, "replication": 2}},
+        {"name": "b", "db": {"count": 3, "replication": 2, "purge_after_fetch_s": 1.0}},
     ], stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1})
     dep = Deployment(topology, folder / "logs")
     state = None
@@ -161,6 +161,7 @@ def test_a_result_is_on_the_first_two_dbs_of_its_order_and_purged_from_both(sets
         wait_for(lambda: holders(sets, uid)[:2] == [True, True], 10, "copies on the first two DBs")
         assert get(order_dbs(uid, sets.dbs("b"))[2]["control"], uid) is None
         c.download(video["id"], tmp_path / "once.mp4")
+        c.download(video["id"], tmp_path / "twice.mp4")  # within purge_after_fetch_s (1 s): still there
     wait_for(lambda: holders(sets, uid) == [False, False, False], 10, "purged from both copies")
 
 

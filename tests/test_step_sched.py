@@ -80,7 +80,8 @@ def test_the_stage_rate_follows_the_batch_sizes_it_reaches(up):
     alone_rate, alone_s = wait(lambda: (r := stage_rate()) and r[0] and r[1] and r, 10, "a measured rate")
     assert alone_rate == pytest.approx(1 / alone_s, rel=0.35)
     with Client(up.url) as c:
-        vids = [c.submit(f"burst {i}", model="t2v", seed=i, **shape) for i in range(8)]
+        # 12: the rate is a mean over the window, which still holds the three alone
+        vids = [c.submit(f"burst {i}", model="t2v", seed=i, **shape) for i in range(12)]
         for v in vids:
             assert c.wait(v["id"], timeout=120)["status"] == "completed"
     batched_rate = wait(lambda: (r := stage_rate()[0]) > 1.3 * alone_rate and r, 10,
