@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from onepiece.schema import problem
 
 QUEUED, IN_PROGRESS, COMPLETED, FAILED = "queued", "in_progress", "completed", "failed"
 TERMINAL = frozenset({COMPLETED, FAILED})
@@ -66,12 +68,7 @@ class RecordSchema(BaseModel):
 
 def check_record(record: Any) -> str | None:
     """None if ``record`` may be stored, else what is wrong with it (field: reason)."""
-    try:
-        RecordSchema.model_validate(record)
-    except ValidationError as e:
-        err = e.errors()[0]
-        return f"{'.'.join(map(str, err['loc'])) or 'record'}: {err['msg']}"
-    return None
+    return problem(RecordSchema, record)
 
 
 def _progress(rec: dict[str, Any]) -> int:

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from onepiece.sched.options import ScheduleSpec
+from onepiece.schema import problem
 
 if TYPE_CHECKING:
     from onepiece.nm.zk import ZkSettings
@@ -113,11 +114,10 @@ class AppSpec(_Strict):
         """``params`` checked against their schema and this application's limits, so that a
         request that reaches a stage by any path obeys the limits the proxy enforces on create.
         Raises ValueError naming the field."""
-        try:
-            p = JobParams.model_validate(params)
-        except ValidationError as e:
-            err = e.errors()[0]
-            raise ValueError(f"{'.'.join(map(str, ('params', *err['loc'])))}: {err['msg']}") from None
+        wrong = problem(JobParams, params, "params")
+        if wrong is not None:
+            raise ValueError(wrong)
+        p = JobParams.model_validate(params)
         lim = self.limits
         bounds = (("width", p.width, lim.max_width), ("height", p.height, lim.max_height),
                   ("num_frames", p.num_frames, lim.max_frames), ("steps", p.steps, lim.max_steps),

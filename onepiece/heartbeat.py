@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
+
+from onepiece.schema import problem
 
 Count = Annotated[int, Field(ge=0, strict=True)]
 Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -41,9 +43,4 @@ class StageStats(BaseModel):
 
 def stage_stats_problem(stats: Any) -> str | None:
     """None if a stage's heartbeat stats may be used, else the field and what is wrong."""
-    try:
-        StageStats.model_validate(stats)
-    except ValidationError as e:
-        err = e.errors()[0]
-        return f"stats.{'.'.join(map(str, err['loc']))}: {err['msg']}"
-    return None
+    return problem(StageStats, stats, "stats")
