@@ -2,15 +2,16 @@
 
 ``decide`` is the policy, a pure function of per-stage utilization over a window:
 
-- a stage with fewer instances serving (or starting) than its minimum gets one from the idle
-  pool at once, before any window, even during a cooldown;
+- a stage with fewer instances than its minimum (its last one died and the NM dropped it, or
+  was moved away) gets one from the idle pool at once, before any window, even during a
+  cooldown;
 - the busiest stage at or above ``threshold`` gets an instance from the idle pool, or else
   from the least busy stage that has more than its minimum and would stay below the
   threshold without it (so the move cannot simply shift the saturation);
 - with no stage saturated, the least busy stage below ``low`` that has more than its minimum
   gives one instance back to the idle pool.
 
-Only instances serving their stage now (ready, heard within two heartbeats) count: a dead one
+Only instances serving their stage now (ready, heard within three heartbeats) count: a dead one
 not yet dropped, or a replacement still loading, never lets a healthy one leave, and the last
 one serving a stage never leaves.
 
@@ -53,7 +54,8 @@ class StageLoad:
     # Of those, the ones serving it now (ready, heartbeating): the only ones that count when a
     # move is judged, and the only donors (default: all assigned).
     live: list[str] | None = None
-    starting: int = 0  # assigned, heartbeating, not serving yet (a replacement loading)
+    had_min: bool = True  # it has had its minimum since this NM started: it can fall below it
+
 
     def __post_init__(self) -> None:
         if self.live is None:
@@ -69,8 +71,10 @@ class StageLoad:
         return len(self.live) > max(self.min, 1)
 
     def below_floor(self) -> bool:
-        """Fewer instances serving or about to than its minimum."""
-        return len(self.live) + self.starting < self.min
+        """Fewer instances than its minimum, counting every one the NM still holds (serving,
+        loading, or silent but not dropped yet): a late heartbeat under load is no reason to
+        move an instance in, the NM dropping a dead one is."""
+        return self.had_min and len(self.assigned) < self.min
 
 
 @dataclass
@@ -88,10 +92,9 @@ def decide(spec: ElasticSpec, loads: dict[str, StageLoad], idle: list[str],
     even during a cooldown or while another move settles)."""
     short = [l for l in loads.values() if l.below_floor()]
     if short and idle:
-        dst = min(short, key=lambda l: (len(l.live) + l.starting, l.stage))
+        dst = min(short, key=lambda l: (len(l.assigned), l.stage))
         return Move(sorted(idle)[0], None, dst.stage,
-                    f"{dst.stage} has {len(dst.live)} instance(s) serving and {dst.starting} starting, below its "
-                    f"minimum {dst.min}; from the idle pool")
+                    f"{dst.stage} has {len(dst.assigned)} instance(s), below its minimum {dst.min}; from the idle pool")
     if floors_only:
         return None
     known = [l for l in loads.values() if l.util is not None]
@@ -120,12 +123,22 @@ def decide(spec: ElasticSpec, loads: dict[str, StageLoad], idle: list[str],
     return None
 
 
+def _fresh_s(state: "ClusterState") -> float:
+    """How long an instance may be silent and still count as there: three heartbeats (a busy
+    process's heartbeat comes late under CPU contention), or half the NM's dead limit."""
+    nm = state.topology.nm
+    return max(3.0 * nm.heartbeat_s, nm.dead_after_s / 2)
+
+
 class Elastic:
     def __init__(self, spec: ElasticSpec) -> None:
         self.spec = spec
         self.util = Utilization(spec.window_s)
         self.last_move: dict[str, float] = {}  # set -> when its last move was decided
         self.moving: dict[str, float] = {}  # instance -> when it was moved (until it settled)
+        # (set, stage) that had their minimum once: only those can fall below it (a deployment
+        # that is still starting has empty stages that nothing needs to fill)
+        self.had_min: set[tuple[str, str]] = set()
         self.decisions: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
         self._next_turn = 0.0
 
@@ -137,20 +150,18 @@ class Elastic:
 
     def loads(self, state: "ClusterState", set_name: str, now: float) -> dict[str, StageLoad]:
         spec = state.sets[set_name]
-        # Heard from within two heartbeats: an instance silent longer may be dead (the NM drops
-        # it later, at dead_after_s) and must not count as the one that lets its twin leave. One
-        # this NM has not heard yet (a new primary's restored view) may well be serving: it
-        # counts as starting, so no floor is refilled on a guess.
-        fresh_s = 2.0 * state.topology.nm.heartbeat_s
+        # An instance silent for a while may be dead (the NM drops it later, at dead_after_s)
+        # and must not count as the one that lets its twin leave.
+        fresh_s = _fresh_s(state)
         out = {}
         for stage in state.workflow.stages:
             mine = sorted((i for i in state.stage_instances(set_name) if i.stage == stage), key=lambda i: i.id)
-            fresh = [i for i in mine if i.heard and now - i.last_seen <= fresh_s]
-            live = [i.id for i in fresh if i.ready and i.serving == stage]
-            starting = len(fresh) - len(live) + sum(1 for i in mine if not i.heard)
+            live = [i.id for i in mine if i.heard and now - i.last_seen <= fresh_s and i.ready and i.serving == stage]
             known = [u for i in mine if (u := self.util.of(i.id, now)) is not None]
+            if len(mine) >= spec.min_of(stage):
+                self.had_min.add((set_name, stage))
             out[stage] = StageLoad(stage, [i.id for i in mine], sum(known) / len(known) if known else None,
-                                   spec.min_of(stage), live, starting)
+                                   spec.min_of(stage), live, (set_name, stage) in self.had_min)
         return out
 
     def tick(self, state: "ClusterState", now: float | None = None) -> list[Move]:
@@ -170,7 +181,7 @@ class Elastic:
             waiting = now - self.last_move.get(set_name, float("-inf")) < self.spec.cooldown_s \
                 or any(i.id in self.moving for i in members)
             loads = self.loads(state, set_name, now)
-            idle = [i.id for i in members if i.stage is None and i.heard]
+            idle = [i.id for i in members if i.stage is None and i.heard and now - i.last_seen <= _fresh_s(state)]
             move = decide(self.spec, loads, idle, {i.id: self.util.of(i.id, now) for i in members}, floors_only=waiting)
             if move is not None:
                 self.apply(state, move, now, loads)

@@ -141,7 +141,8 @@ def test_the_idle_pool_serves_under_load_and_takes_the_instance_back_when_load_i
         assert load.bad() == []
         back = wait_for(lambda: next((d for d in decisions(nm) if d["to"] is None), None), 60,
                         "an instance to return to the idle pool")
-        assert back["from"] == "denoise_t2v" and "returns to the idle pool" in back["reason"], back
+        assert back["from"] == "denoise_t2v" and "returns to the idle pool" in back["reason"], \
+            [(d["instance"], d["from"], d["to"], d["reason"]) for d in decisions(nm)]
         wait_for(lambda: serving(nm, back["instance"], None), 30, "the returned instance to leave denoise_t2v")
         st = nm.status()["sets"]["set0"]
         assert [i["id"] for i in st["idle"]] == [back["instance"]]

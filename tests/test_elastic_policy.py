@@ -87,21 +87,24 @@ def test_a_cold_stage_returns_an_instance_to_the_idle_pool_and_low_zero_never_do
 
 
 def test_a_stage_below_its_minimum_is_refilled_from_the_idle_pool_at_once():
-    # decode's only instance died; nothing is measured yet, and a cooldown runs: it is refilled all the same
-    ls = {"denoise": StageLoad("denoise", ["d-0"], None, 1),
-          "decode": StageLoad("decode", ["x-0"], None, 1, live=[], starting=0)}
+    # decode's only instance died and the NM dropped it; nothing is measured yet, and a cooldown
+    # runs: it is refilled all the same
+    ls = {"denoise": StageLoad("denoise", ["d-0"], None, 1), "decode": StageLoad("decode", [], None, 1)}
     move = decide(SPEC, ls, ["idle-1"], {}, floors_only=True)
     assert (move.instance, move.src, move.dst) == ("idle-1", None, "decode") and "below its minimum 1" in move.reason
     assert decide(SPEC, ls, [], {}) is None  # nobody idle: nothing to move (and nobody taken from denoise)
-    # a replacement loading counts: no refill while it starts
-    ls["decode"] = StageLoad("decode", ["x-0", "x-1"], None, 1, live=[], starting=1)
+    # a stage that never had its minimum is starting up, not short: nothing to refill
+    starting = {**ls, "decode": StageLoad("decode", [], None, 1, had_min=False)}
+    assert decide(SPEC, starting, ["idle-1"], {}, floors_only=True) is None
+    # one the NM still holds counts (loading, or a heartbeat late under load): no refill on a guess
+    ls["decode"] = StageLoad("decode", ["x-1"], None, 1, live=[])
     assert decide(SPEC, ls, ["idle-1"], {}, floors_only=True) is None
 
 
 def test_only_live_instances_count_and_the_last_one_never_leaves():
     # decode has a dead instance and a replacement loading besides its one healthy instance:
     # three assigned, one serving. It is cold, and denoise is hot, but the healthy one stays.
-    decode = StageLoad("decode", ["x-dead", "x-new", "x-ok"], 0.05, 1, live=["x-ok"], starting=1)
+    decode = StageLoad("decode", ["x-dead", "x-new", "x-ok"], 0.05, 1, live=["x-ok"])
     assert decide(SPEC, {"decode": decode, "denoise": StageLoad("denoise", ["d-0"], 0.99, 1)}, [], {}) is None
     assert decide(SPEC, {"decode": decode}, [], {}) is None  # no return to the idle pool either
     # min 0 does not make the last one movable
@@ -125,11 +128,9 @@ def test_loads_count_serving_instances_of_a_real_state():
     for inst, ready, seen in ((ok, True, now), (dead, True, now - 10 * topo.nm.heartbeat_s), (new, False, now)):
         inst.ready, inst.serving, inst.last_seen = ready, "vae_decode" if ready else None, seen
     load = el.loads(state, "set0", now)["vae_decode"]
-    assert load.live == [ok.id] and load.starting == 1 and len(load.assigned) == 3 and not load.can_spare()
-    # a new primary has not heard it yet: it may be serving, so it counts as starting, not as dead
-    ok.heard = False
-    load = el.loads(state, "set0", now)["vae_decode"]
-    assert load.live == [] and load.starting == 2 and not load.below_floor()
+    assert load.live == [ok.id] and len(load.assigned) == 3 and not load.can_spare() and not load.below_floor()
+    # the deployment is still coming up for vae_encode: no instance yet, and none ever
+    assert not el.loads(state, "set0", now)["vae_encode"].had_min
 
 
 def test_config_rejects_a_low_watermark_above_the_threshold_and_unknown_min_stages(tmp_path, tiny_models):
