@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from onepiece.sched.options import ScheduleSpec
-from onepiece.schema import problem
+from onepiece.schema import checked
 
 if TYPE_CHECKING:
     from onepiece.nm.zk import ZkSettings
@@ -114,10 +114,7 @@ class AppSpec(_Strict):
         """``params`` checked against their schema and this application's limits, so that a
         request that reaches a stage by any path obeys the limits the proxy enforces on create.
         Raises ValueError naming the field."""
-        wrong = problem(JobParams, params, "params")
-        if wrong is not None:
-            raise ValueError(wrong)
-        p = JobParams.model_validate(params)
+        p = checked(JobParams, params, "params")  # validated once: this runs for every request at every stage
         lim = self.limits
         bounds = (("width", p.width, lim.max_width), ("height", p.height, lim.max_height),
                   ("num_frames", p.num_frames, lim.max_frames), ("steps", p.steps, lim.max_steps),

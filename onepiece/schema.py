@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+M = TypeVar("M", bound=BaseModel)
 
-def problem(model: type[BaseModel], value: Any, prefix: str = "") -> str | None:
-    """None if ``value`` matches ``model``, else ``"<prefix>.<field path>: <reason>"``."""
+
+def checked(model: type[M], value: Any, prefix: str = "") -> M:
+    """``value`` as ``model``; ValueError ``"<prefix>.<field path>: <reason>"`` if it does not match."""
     try:
-        model.model_validate(value)
+        return model.model_validate(value)
     except ValidationError as e:
         err = e.errors()[0]
-        return f"{'.'.join(map(str, (prefix, *err['loc']) if prefix else err['loc'])) or 'value'}: {err['msg']}"
+        where = ".".join(map(str, (prefix, *err["loc"]) if prefix else err["loc"])) or "value"
+        raise ValueError(f"{where}: {err['msg']}") from None
+
+
+def problem(model: type[BaseModel], value: Any, prefix: str = "") -> str | None:
+    """None if ``value`` matches ``model``, else what ``checked`` would say."""
+    try:
+        checked(model, value, prefix)
+    except ValueError as e:
+        return str(e)
     return None
