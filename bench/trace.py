@@ -8,12 +8,13 @@ A trace file is JSON::
      "classes": {"S": {"size": "64x64", "num_frames": 9, "steps": 20,
                        "standalone_s": 0.9, "alpha": 2.0, "slo_s": 1.8}, ...},
      "requests": [{"at": 0.0, "app": "t2v", "class": "S", "size": "64x64", "num_frames": 9,
-                   "steps": 20, "timeout_s": 1.8, "priority": 0, "seed": 17}, ...]}
+                   "steps": 20, "slo_s": 1.8, "timeout_s": 90.0, "priority": 0, "seed": 17}, ...]}
 
-``at`` is seconds after the trace starts (non-decreasing); ``timeout_s`` is the request's
-deadline (absent: the application's limit); ``class`` names an entry of ``classes``, whose
-``slo_s`` is what SLO attainment is judged against. ``load_trace`` checks all of it and says
-which field of which request is wrong.
+``at`` is seconds after the trace starts (non-decreasing); ``slo_s`` is the latency the request
+aims for (what the stages schedule for; absent: its deadline), ``timeout_s`` its deadline, where it
+fails (absent: the application's limit); ``class`` names an entry of ``classes``, whose ``slo_s``
+is what SLO attainment is judged against. ``load_trace`` checks all of it and says which field of
+which request is wrong.
 """
 
 from __future__ import annotations
@@ -49,15 +50,23 @@ class TraceRequest(BaseModel):
     size: str = Field(pattern=r"^\d+x\d+$")
     num_frames: int = Field(ge=1)
     steps: int = Field(ge=1)
+    slo_s: float | None = Field(None, gt=0)
     timeout_s: float | None = Field(None, gt=0)
     priority: int = 0
     seed: int = Field(0, ge=0)
 
+    @model_validator(mode="after")
+    def _within(self) -> "TraceRequest":
+        if self.slo_s is not None and self.timeout_s is not None and self.slo_s > self.timeout_s:
+            raise ValueError(f"slo_s: {self.slo_s} is after the deadline timeout_s {self.timeout_s}")
+        return self
+
     def body(self, prompt: str) -> dict[str, Any]:
         out = {"prompt": f"{prompt} {self.seed}", "model": self.app, "size": self.size, "num_frames": self.num_frames,
                "steps": self.steps, "seed": self.seed, "priority": self.priority}
-        if self.timeout_s is not None:
-            out["timeout_s"] = self.timeout_s
+        for k in ("slo_s", "timeout_s"):
+            if getattr(self, k) is not None:
+                out[k] = getattr(self, k)
         return out
 
 
@@ -105,9 +114,10 @@ def load_trace(path: str | Path) -> Trace:
 
 
 def poisson_trace(classes: dict[str, dict[str, Any]], mix: dict[str, float], rate: float, n: int, seed: int,
-                  deadlines: bool = True, **meta: Any) -> Trace:
+                  deadlines: bool = True, timeout_s: float | None = None, **meta: Any) -> Trace:
     """``n`` requests with exponential gaps at ``rate`` a second (the first at 0), classes drawn
-    by ``mix``, each with its class's ``slo_s`` as its deadline when ``deadlines``. The draws
+    by ``mix``. With ``deadlines``, each aims for its class's ``slo_s``: as its target (``slo_s``)
+    with ``timeout_s`` as its deadline, or as its deadline when ``timeout_s`` is None. The draws
     depend only on ``seed`` and ``n``: traces at other rates are the same sequence, stretched."""
     rng = random.Random(seed)
     names = sorted(mix)
@@ -117,9 +127,11 @@ def poisson_trace(classes: dict[str, dict[str, Any]], mix: dict[str, float], rat
             at += rng.expovariate(1.0) / rate
         name = rng.choices(names, weights=[mix[c] for c in names])[0]
         c = classes[name]
+        due: dict[str, float] = {}
+        if deadlines and c.get("slo_s"):
+            due = {"timeout_s": c["slo_s"]} if timeout_s is None else {"slo_s": c["slo_s"], "timeout_s": timeout_s}
         reqs.append({"at": round(at, 6), "app": "t2v", "class": name, "size": c["size"], "num_frames": c["num_frames"],
-                     "steps": c["steps"], "seed": rng.randrange(2**31),
-                     **({"timeout_s": c["slo_s"]} if deadlines and c.get("slo_s") else {})})
+                     "steps": c["steps"], "seed": rng.randrange(2**31), **due})
     return Trace.model_validate({"version": VERSION, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
                                  "classes": classes, "requests": reqs, **meta})
 
@@ -153,7 +165,7 @@ async def replay(target: Any, trace: Trace, prompt: str, max_duration: float) ->
 
         async def one(r: TraceRequest = r, body: bytes = body, lag: float = lag) -> dict[str, Any]:
             rec = await target.request(body)
-            rec.update({"class": r.cls, "at": r.at, "lag_s": lag, "timeout_s": r.timeout_s})
+            rec.update({"class": r.cls, "at": r.at, "lag_s": lag, "timeout_s": r.timeout_s, "slo_s": r.slo_s})
             return rec
 
         tasks.append(asyncio.create_task(one()))

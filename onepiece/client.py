@@ -169,7 +169,7 @@ class Client:
                size: str = "64x64", seconds: float | str | None = None, **extra: Any) -> dict:
         """Create a video job; returns the video object (``id``, ``status`` "queued", ...).
 
-        ``extra``: num_frames, steps, guidance, seed, negative_prompt, timeout_s.
+        ``extra``: num_frames, steps, guidance, seed, negative_prompt, timeout_s, slo_s, priority.
         Every proxy is offered the request in turn, for up to ``rounds`` rounds with a pause
         between them. Raises RequestRejected when every proxy still refused (429/503) in the last
         round, RequestFailed (code ``unreachable``) when none could be reached, RequestFailed

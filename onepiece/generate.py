@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deadline", type=float, metavar="SECONDS",
                         help="the request's own deadline (timeout_s): a set admits it only if it is predicted to "
                              "finish within it (default: twice its time through an idle set)")
+    parser.add_argument("--slo", type=float, metavar="SECONDS",
+                        help="the latency the request aims for (slo_s, within --deadline): what the stages schedule "
+                             "it for; missing it does not fail it")
     parser.add_argument("-o", "--output", required=True, help="where to save the MP4")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -61,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from onepiece.client import Client, RequestFailed, RequestRejected, Timeout
 
     extra = {"num_frames": args.frames, "steps": args.steps, "guidance": args.guidance, "seed": args.seed,
-             "negative_prompt": args.negative_prompt, "timeout_s": args.deadline}
+             "negative_prompt": args.negative_prompt, "timeout_s": args.deadline, "slo_s": args.slo}
     bar = tqdm(total=100, unit="%", desc="submitting", disable=args.quiet, file=sys.stderr,
                bar_format="{desc:>12} {percentage:3.0f}%|{bar}| {elapsed}")
 

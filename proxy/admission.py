@@ -31,23 +31,24 @@ from onepiece.sched.options import DEADLINE_ORDERED
 log = logging.getLogger(__name__)
 
 
-# A request in flight as admission sees it: (seconds to its deadline, which orders it at a
-# deadline-first stage; seconds to the completion it was admitted for; its work in seconds at
-# the bottleneck). The two times differ for a request without its own timeout_s: the stage
-# orders it by the application's limit, admission held it to deadline_factor × its standalone.
+# A request in flight as admission sees it: (seconds to its target, which orders it at a
+# deadline-first stage: its slo_s, else its deadline; seconds to the completion it was admitted
+# for; its work in seconds at the bottleneck). The two times differ for a request without its own
+# timeout_s or slo_s: the stage orders it by the application's limit, admission held it to
+# deadline_factor × its standalone.
 Ahead = tuple[float, float, float]
 
 
 class InflightTracker:
     """Accepted-but-not-terminal requests, each with its deadline (ns since epoch), application,
-    work at its bottleneck stage (seconds) and the completion time it was admitted for (ns):
-    admission reads the requests ahead of a new one."""
+    work at its bottleneck stage (seconds), the completion time it was admitted for and the time
+    the stages order it by (ns): admission reads the requests ahead of a new one."""
 
     def __init__(self, max_inflight: int) -> None:
         if max_inflight <= 0:
             raise ValueError("max_inflight must be positive")
         self.max_inflight = max_inflight
-        self._deadlines: dict[str, tuple[int, str, float, int]] = {}
+        self._deadlines: dict[str, tuple[int, str, float, int, int]] = {}
         self._last_sweep_ns = 0
 
     def __len__(self) -> int:
@@ -58,11 +59,13 @@ class InflightTracker:
 
     def ahead(self, app: str, now_ns: int) -> list[Ahead]:
         """Every request of ``app`` in flight (see ``Ahead``)."""
-        return [((d - now_ns) / 1e9, (p - now_ns) / 1e9, w) for d, a, w, p in self._deadlines.values() if a == app]
+        return [((o - now_ns) / 1e9, (p - now_ns) / 1e9, w) for _, a, w, p, o in self._deadlines.values() if a == app]
 
-    def try_admit(self, uid: str, deadline_ns: int, app: str, work_s: float = 0.0, promise_ns: int | None = None) -> bool:
-        """Reserve a slot for ``uid``; False when the set is full. ``promise_ns``: the completion
-        time admission held it to (default: its deadline)."""
+    def try_admit(self, uid: str, deadline_ns: int, app: str, work_s: float = 0.0, promise_ns: int | None = None,
+                  order_ns: int | None = None) -> bool:
+        """Reserve a slot for ``uid`` until its deadline; False when the set is full.
+        ``promise_ns``: the completion time admission held it to; ``order_ns``: the time the
+        stages order it by (both default to its deadline)."""
         if len(self._deadlines) >= self.max_inflight:
             now = time.time_ns()
             # A slot may be free already, its deadline passed unseen. The sweep is O(n), so a
@@ -71,7 +74,8 @@ class InflightTracker:
                 self.sweep(now)
             if len(self._deadlines) >= self.max_inflight:
                 return False
-        self._deadlines[uid] = (deadline_ns, app, work_s, deadline_ns if promise_ns is None else promise_ns)
+        order = deadline_ns if order_ns is None else order_ns
+        self._deadlines[uid] = (deadline_ns, app, work_s, order if promise_ns is None else promise_ns, order)
         return True
 
     def release(self, uid: str) -> bool:

@@ -199,7 +199,7 @@ class ProxyState:
         adm = self.admission
         if adm is not None:
             self.observe_monitor()
-            refusal = adm.check(job.app, shape_key(params), job.timeout_s, job.timeout_given,
+            refusal = adm.check(job.app, shape_key(params), job.target_s, job.target_given,
                                 ahead=self.tracker.ahead(job.app, time.time_ns()))
             if refusal is not None:
                 raise self._refuse(refusal)
@@ -211,12 +211,13 @@ class ProxyState:
                                 f"try again later or another set", code="no_entrance", headers=self._retry())
         uid = new_uid()
         ts = time.time_ns()
-        deadline = ts + int(job.timeout_s * 1e9)
-        work, promise = 0.0, deadline
+        deadline = ts + int(job.timeout_s * 1e9)  # where it fails
+        target = ts + int(job.target_s * 1e9)  # what the stages order it by
+        work, promise = 0.0, target
         if adm is not None:
             work = adm.work(job.app, shape_key(params))
-            promise = ts + int(adm.deadline_s(job.app, shape_key(params), job.timeout_s, job.timeout_given) * 1e9)
-        if not self.tracker.try_admit(uid, deadline, job.app, work, promise):
+            promise = ts + int(adm.deadline_s(job.app, shape_key(params), job.target_s, job.target_given) * 1e9)
+        if not self.tracker.try_admit(uid, deadline, job.app, work, promise, target):
             if adm is not None:
                 adm.give_back(job.app, shape_key(params))  # the tokens were not used
             raise self._refuse(Refusal("inflight_full", f"full ({self.tracker.max_inflight} requests in flight)",
@@ -243,6 +244,8 @@ class ProxyState:
                 "deadline": deadline, "priority": job.priority, "reserve": self.reserve(job.app, shape_key(params)),
                 "kind": "task", "params": params, "trace": [],
             }
+            if job.slo_s is not None:
+                header["target"] = target
             msg = Message(header, {"image": image} if image is not None else {})
             msg.mark("proxy", "leave")
             try:

@@ -49,9 +49,10 @@ class CreateFields(BaseModel):
     seed: int | None = None
     negative_prompt: str | None = None
     timeout_s: float | None = None
+    slo_s: float | None = None
     priority: int | None = None
 
-    @field_validator("seconds", "guidance", "guidance_scale", "timeout_s", mode="before")
+    @field_validator("seconds", "guidance", "guidance_scale", "timeout_s", "slo_s", mode="before")
     @classmethod
     def _no_bool_float(cls, v: Any) -> Any:
         # JSON true would otherwise read as 1.0; a boolean is never a duration or a scale.
@@ -86,6 +87,18 @@ class VideoJob:
     image_bytes: bytes | None = None
     timeout_given: bool = False  # the client set timeout_s (else: the app's limit, and admission's default)
     priority: int = 0  # stage policies serve higher first among requests they would otherwise tie
+    # The latency the client aims for, within timeout_s: what the stages schedule for and the
+    # monitor admits against. A request that misses it still completes; timeout_s is where it fails.
+    slo_s: float | None = None
+
+    @property
+    def target_s(self) -> float:
+        """Seconds to the time the request is scheduled and admitted for."""
+        return self.timeout_s if self.slo_s is None else self.slo_s
+
+    @property
+    def target_given(self) -> bool:
+        return self.timeout_given or self.slo_s is not None
 
     @property
     def size(self) -> str:
@@ -241,6 +254,8 @@ def build_job(workflow: Workflow, raw: dict[str, Any], image_bytes: bytes | None
             raise bad_request(f"'timeout_s' must be in (0, {lim.timeout_s:g}]; got {fields.timeout_s:g}",
                               param="timeout_s")
         timeout_s = fields.timeout_s
+    if fields.slo_s is not None and not 0 < fields.slo_s <= timeout_s:
+        raise bad_request(f"'slo_s' must be in (0, timeout_s = {timeout_s:g}]; got {fields.slo_s:g}", param="slo_s")
 
     priority = 0 if fields.priority is None else fields.priority
     if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
@@ -251,6 +266,7 @@ def build_job(workflow: Workflow, raw: dict[str, Any], image_bytes: bytes | None
         app=app, prompt=prompt, negative_prompt=negative, width=width, height=height, num_frames=num_frames,
         steps=steps, guidance=float(guidance), seed=seed, fps=d.fps, max_sequence_length=d.max_sequence_length,
         timeout_s=timeout_s, image_bytes=image_bytes, timeout_given=fields.timeout_s is not None, priority=priority,
+        slo_s=fields.slo_s,
     )
 
 

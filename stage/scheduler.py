@@ -56,7 +56,8 @@ class TaskHeader(BaseModel):
     uid: StrictStr = Field(min_length=1, max_length=128)
     app: StrictStr
     params: dict[str, Any]
-    deadline: StrictInt | None = None  # ns since the epoch
+    deadline: StrictInt | None = None  # ns since the epoch: where the request fails
+    target: StrictInt | None = None  # ns since the epoch: its slo_s, what policies schedule for (default: deadline)
     priority: StrictInt = Field(0, ge=-1000, le=1000)
     # Per stage: seconds the stages after it need alone (the proxy's view): this stage aims to
     # be done that much before the request's deadline.
@@ -194,9 +195,11 @@ class RequestScheduler:
             longest = now_ns() + int(limits.timeout_s * 1e9)
             if h.deadline is None or h.deadline > longest:
                 msg.header["deadline"] = h.deadline = longest
-            expires = now + (h.deadline - now_ns()) / 1e9
+            t_ns = now_ns()
+            expires = now + (h.deadline - t_ns) / 1e9
+            due = expires if h.target is None else now + (min(h.target, h.deadline) - t_ns) / 1e9
             key = compat_key(h.params) if stepped else call_key(h.params)
-            r = Request(h.uid, h.app, key, steps, now, expires - h.reserve.get(self.stage, 0.0),
+            r = Request(h.uid, h.app, key, steps, now, due - h.reserve.get(self.stage, 0.0),
                         h.priority, batchable=stepped, expires=expires)
             try:
                 self.core.add(r)

@@ -217,6 +217,9 @@ BAD_JSON = [
     (b'{"prompt": "x", "guidance": -1}', 400, "invalid_value", "guidance"),
     (b'{"prompt": "x", "seed": -5}', 400, "invalid_value", "seed"),
     (b'{"prompt": "x", "timeout_s": 100000}', 400, "invalid_value", "timeout_s"),
+    (b'{"prompt": "x", "slo_s": 0}', 400, "invalid_value", "slo_s"),
+    (b'{"prompt": "x", "slo_s": 5, "timeout_s": 4}', 400, "invalid_value", "slo_s"),
+    (b'{"prompt": "x", "slo_s": true}', 400, "invalid_value", "slo_s"),
     (b'{"prompt": "x", "stepz": 3}', 400, "unknown_parameter", "stepz"),
     (b'{"prompt": "x", "model": "i2v"}', 400, "missing_input_reference", "input_reference"),
     (('{"prompt": "x", "model": "t2v", "input_reference": "%s"}' % _b64(png())).encode(), 400,
@@ -732,9 +735,13 @@ def test_each_stage_is_told_what_the_stages_after_it_need():
         msg = h.recv()
         assert msg.header["priority"] == 3
         assert msg.header["reserve"] == {"text_encode": pytest.approx(0.55), "denoise_t2v": pytest.approx(0.05)}
+        assert "target" not in msg.header  # no slo_s: the deadline is what the stages order by
         h.cluster.monitor_view = None  # nothing measured: no reserve
-        assert h.create(prompt="y", model="t2v").status_code == 200
-        assert h.recv().header["reserve"] == {}
+        assert h.create(prompt="y", model="t2v", slo_s=2, timeout_s=30).status_code == 200
+        hd = h.recv().header
+        assert hd["reserve"] == {}
+        # The stages schedule for the target; the request fails only at its deadline.
+        assert hd["target"] == hd["ts"] + 2 * 10**9 and hd["deadline"] == hd["ts"] + 30 * 10**9
         assert h.create(prompt="z", model="t2v", priority=5000).status_code == 400
     finally:
         h.close()

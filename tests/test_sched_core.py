@@ -157,9 +157,9 @@ def test_slo_tries_a_batch_size_it_has_not_measured() -> None:
 @pytest.mark.parametrize("policy", POLICIES)
 def test_no_policy_starves_a_long_request_under_a_sustained_short_stream(policy: str) -> None:
     """A long request among short ones arriving faster than they are served one by one: every
-    policy finishes it within its aging bound (4x its standalone time) plus what was already
+    policy finishes it within its aging bound (4x its standalone time here) plus what was already
     aged, although srtf and slo would otherwise run the short ones forever."""
-    st = stage(policy, max_batch=1, chunk_steps=1)
+    st = stage(policy, max_batch=1, chunk_steps=1, aging=4.0)
     st.submit(0.0, request("long", L, steps=50))  # 2 s alone
     n = 400
     for i in range(n):  # one short request (0.1 s alone) every 0.09 s, for 36 s

@@ -75,7 +75,10 @@ def test_traces_round_trip_and_bad_ones_name_the_field(tmp_path):
     fast = poisson_trace(classes, {"S": 0.7, "L": 0.3}, rate=2.0, n=20, seed=3)
     assert [r.cls for r in slow.requests] == [r.cls for r in fast.requests]  # same sequence, stretched
     assert fast.requests[-1].at == pytest.approx(slow.requests[-1].at / 2, rel=1e-4)
-    assert all(r.timeout_s == classes[r.cls]["slo_s"] for r in slow.requests)
+    assert all(r.timeout_s == classes[r.cls]["slo_s"] and r.slo_s is None for r in slow.requests)
+    soft = poisson_trace(classes, {"S": 0.7, "L": 0.3}, rate=1.0, n=20, seed=3, timeout_s=60.0)
+    assert all(r.slo_s == classes[r.cls]["slo_s"] and r.timeout_s == 60.0 for r in soft.requests)
+    assert soft.requests[0].body("p")["slo_s"] == classes[soft.requests[0].cls]["slo_s"]
     path = tmp_path / "t.json"
     path.write_bytes(slow.dump())
     again = load_trace(path)
@@ -85,7 +88,8 @@ def test_traces_round_trip_and_bad_ones_name_the_field(tmp_path):
                           (lambda d: d["requests"][2].update({"at": -1}), "requests.2.at"),
                           (lambda d: d["requests"][1].update({"at": 1e9}), "requests[2].at"),
                           (lambda d: d.update(version=9), "version"),
-                          (lambda d: d["requests"][0].update({"steps": "many"}), "requests.0.steps")):
+                          (lambda d: d["requests"][0].update({"steps": "many"}), "requests.0.steps"),
+                          (lambda d: d["requests"][4].update({"slo_s": 1e6}), "requests.4: slo_s")):
         bad = json.loads(json.dumps(doc))
         mutate(bad)
         path.write_text(json.dumps(bad))
@@ -94,3 +98,12 @@ def test_traces_round_trip_and_bad_ones_name_the_field(tmp_path):
     path.write_text("{")
     with pytest.raises(TraceError, match="not JSON"):
         load_trace(path)
+
+
+def test_the_calibration_mix_has_the_shares_exactly():
+    from onepiece.bench.sched import exact_mix
+
+    names = exact_mix({"S": 0.6, "M": 0.3, "L": 0.1}, 20)
+    assert (names.count("S"), names.count("M"), names.count("L")) == (12, 6, 2)
+    names = exact_mix({"S": 0.6, "M": 0.3, "L": 0.1}, 7)  # 4.2, 2.1, 0.7: largest remainder
+    assert (names.count("S"), names.count("M"), names.count("L")) == (4, 2, 1)

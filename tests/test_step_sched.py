@@ -141,6 +141,16 @@ def test_a_request_past_its_deadline_is_dropped_with_a_reason(up):
     assert denoise(up)["stats"]["expired"] >= 1
 
 
+def test_a_request_that_misses_its_slo_still_completes(up):
+    """slo_s is a target: the stages schedule for it, and a request that misses it completes
+    (timeout_s is where it would fail)."""
+    with Client(up.url) as c:
+        t0 = time.monotonic()
+        v = c.submit("aims high", model="t2v", slo_s=0.2, timeout_s=60, size="256x256", num_frames=17, steps=20)
+        done = c.wait(v["id"], timeout=60)
+    assert done["status"] == "completed" and time.monotonic() - t0 > 0.2
+
+
 def test_a_killed_worker_fails_every_request_it_held_and_comes_back(up, tmp_path):
     c = Client(up.url)
     vids = [c.submit(f"held {i}", model="t2v", seed=i, **SLOW) for i in range(3)]
