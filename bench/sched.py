@@ -202,10 +202,27 @@ async def run_traces(t: Target, classes: dict[str, dict], traces: dict[str, Trac
             log(f"[{name}] trace at {load}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
             await t.drain(cfg.request_timeout)
             await asyncio.sleep(1.0)
-        st = (await t.status())["sets"][SET]["stages"]["denoise_t2v"]["instances"][0]["stats"]
+        stages = (await t.status())["sets"][SET]["stages"]
+        st = stages["denoise_t2v"]["instances"][0]["stats"]
         out["stage"] = {k: st.get(k) for k in ("policy", "batches", "batched", "preempted", "expired", "aged",
                                                "overhead_ms", "costs")}
+        out["costs"] = cost_table(stages)
         return out
+
+
+def cost_table(stages: dict[str, Any]) -> dict[str, Any]:
+    """What every stage measured in this run (its instances' heartbeats: seconds per step or
+    call, by key and batch size), as a cost table (``onepiece profile``'s format) that a
+    simulator replays this run's traces with."""
+    from onepiece.sched.costs import make_table
+
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for name, stage in stages.items():
+        for inst in stage.get("instances", []):
+            for key, by_batch in ((inst.get("stats") or {}).get("costs") or {}).items():
+                rows.setdefault(name, []).extend({"key": key, "batch": int(b), "seconds": t}
+                                                 for b, t in by_batch.items())
+    return make_table(rows, device="measured by onepiece bench sched", cpu=cpu_name())
 
 
 # --- figures --------------------------------------------------------------------------------------
@@ -375,6 +392,8 @@ def run(args: argparse.Namespace) -> int:
                 results[p] = _run_async(run_traces(s.target(), classes, traces, args, p))
         slo = {c: classes[c]["slo_s"] for c in names}
         stage = {p: by.pop("stage", None) for p, by in results.items()}  # the denoise stage's own counts
+        for p, by in results.items():  # each policy's measured costs, for a simulator to replay its traces with
+            (outdir / f"sched-costs-{p}.json").write_text(json.dumps(by.pop("costs"), indent=1))
         rows = {p: {load: summarize(recs, slo) for load, recs in by.items()} for p, by in results.items()}
         top = list(traces)[-1]
         targets = check_targets(rows, top, names)
