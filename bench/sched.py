@@ -47,9 +47,9 @@ from typing import Any
 
 import orjson
 
-from onepiece.bench.common import PROMPT, T2V_STAGES, cpu_name, model_dirs, percentile
+from onepiece.bench.common import PROMPT, T2V_STAGES, cpu_name, model_dirs
 from onepiece.bench.overload import SET, Target, _run_async
-from onepiece.bench.trace import Trace, load_trace, parse_classes, poisson_trace, replay
+from onepiece.bench.trace import Trace, load_trace, parse_classes, poisson_trace, replay, summarize
 
 DEFAULT_CLASSES = "S=64x64x9:25,M=128x128x17:25,L=192x192x17:25"
 TARGETS = {"mean_ratio_max": 0.5, "attainment_min": 0.9, "attainment_ratio_min": 1.5}
@@ -234,32 +234,6 @@ def exact_mix(mix: dict[str, float], n: int) -> list[str]:
     for c in sorted(want, key=lambda c: counts[c] - want[c])[:n - sum(counts.values())]:
         counts[c] += 1
     return [c for c in mix for _ in range(counts[c])]
-
-
-def summarize(recs: list[dict], slo: dict[str, float]) -> dict[str, Any]:
-    def one(rs: list[dict]) -> dict[str, Any]:
-        n = len(rs)
-        done = [r["latency_s"] for r in rs if r["outcome"] == "completed" and r.get("latency_s") is not None]
-        resolved = [r.get("latency_s") if r.get("latency_s") is not None else (r.get("timeout_s") or 0.0)
-                    for r in rs]
-        met = sum(1 for r in rs if r["outcome"] == "completed" and r.get("latency_s") is not None
-                  and r["latency_s"] <= slo[r["class"]])
-        return {"n": n, "completed": len(done), "failed": sum(1 for r in rs if r["outcome"] == "failed"),
-                "refused": sum(1 for r in rs if r["outcome"] == "rejected"),
-                "other": sum(1 for r in rs if r["outcome"] not in ("completed", "failed", "rejected")),
-                "mean_s": statistics.fmean(resolved) if resolved else None,
-                "mean_completed_s": statistics.fmean(done) if done else None,
-                "p50_s": percentile(done, 50), "p99_s": percentile(done, 99),
-                "slo_met": met, "attainment": met / n if n else None}
-
-    out = {"all": one(recs)}
-    for c in sorted({r["class"] for r in recs}):
-        out[c] = one([r for r in recs if r["class"] == c])
-    t0 = min(r["t_send"] for r in recs)
-    end = max(r["t_send"] + (r.get("latency_s") or r.get("answer_s") or 0.0) for r in recs)
-    out["all"]["duration_s"] = end - t0
-    out["all"]["goodput_rps"] = out["all"]["slo_met"] / (end - t0) if end > t0 else None
-    return out
 
 
 def check_targets(rows: dict[str, dict[str, dict]], top: str, classes: list[str]) -> dict[str, Any]:

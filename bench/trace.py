@@ -22,12 +22,15 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from onepiece.bench.common import percentile
 
 VERSION = 1
 
@@ -172,3 +175,34 @@ async def replay(target: Any, trace: Trace, prompt: str, max_duration: float) ->
     recs = list(await asyncio.gather(*tasks))
     await target.finish(recs)
     return recs
+
+
+def summarize(recs: list[dict], slo: dict[str, float]) -> dict[str, Any]:
+    """Per class and overall, the outcomes of a replay (records as ``replay`` returns them, or
+    as the simulator writes them): counts, mean latency (submit → resolved: completed, or
+    failed at its deadline), p50/p99 of completed ones, SLO attainment (completed within the
+    class's ``slo`` / sent) and goodput."""
+
+    def one(rs: list[dict]) -> dict[str, Any]:
+        n = len(rs)
+        done = [r["latency_s"] for r in rs if r["outcome"] == "completed" and r.get("latency_s") is not None]
+        resolved = [r.get("latency_s") if r.get("latency_s") is not None else (r.get("timeout_s") or 0.0)
+                    for r in rs]
+        met = sum(1 for r in rs if r["outcome"] == "completed" and r.get("latency_s") is not None
+                  and r["latency_s"] <= slo[r["class"]])
+        return {"n": n, "completed": len(done), "failed": sum(1 for r in rs if r["outcome"] == "failed"),
+                "refused": sum(1 for r in rs if r["outcome"] == "rejected"),
+                "other": sum(1 for r in rs if r["outcome"] not in ("completed", "failed", "rejected")),
+                "mean_s": statistics.fmean(resolved) if resolved else None,
+                "mean_completed_s": statistics.fmean(done) if done else None,
+                "p50_s": percentile(done, 50), "p99_s": percentile(done, 99),
+                "slo_met": met, "attainment": met / n if n else None}
+
+    out = {"all": one(recs)}
+    for c in sorted({r["class"] for r in recs}):
+        out[c] = one([r for r in recs if r["class"] == c])
+    t0 = min(r["t_send"] for r in recs)
+    end = max(r["t_send"] + (r.get("latency_s") or r.get("answer_s") or 0.0) for r in recs)
+    out["all"]["duration_s"] = end - t0
+    out["all"]["goodput_rps"] = out["all"]["slo_met"] / (end - t0) if end > t0 else None
+    return out

@@ -319,6 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
     profile_arguments(sp)
     sp.set_defaults(fn=profile_run)
 
+    sp = sub.add_parser("sim", help="replay a trace through workflow sets on a virtual clock (the real policies)")
+    from onepiece.sim.cli import add_arguments as sim_arguments, run as sim_run
+
+    sim_arguments(sp)
+    sp.set_defaults(fn=sim_run)
+
     sp = sub.add_parser("generate", help="generate a video through a running deployment")
     from onepiece.generate import add_arguments
 

@@ -34,6 +34,7 @@ from onepiece.proxy.dispatch import Dispatcher, NoEntrance, SendFailed
 from onepiece.proxy.errors import ApiError, JsonResponse, bad_request
 from onepiece.proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
 from onepiece.proxy.validation import VideoJob, build_job, decode_base64_image, decode_image
+from onepiece.sched import deadlines
 from onepiece.sched.keys import shape_key
 from onepiece.transport.message import Message, MessageError, new_uid
 
@@ -177,19 +178,17 @@ class ProxyState:
     def reserve(self, app: str, shape: str) -> dict[str, float]:
         """Per stage of ``app``, the seconds the stages after it take alone for ``shape`` (from
         the NM's view; unmeasured stages count 0): each stage schedules to be done that much
-        before the request's deadline, so the stages after it still have their time."""
+        before the request's target, so the stages after it still have their time."""
         try:
             stages = ((self.cluster.monitor() or {}).get("apps") or {})[app]["stages"]
         except (KeyError, TypeError):
             return {}
-        out, after = {}, 0.0
-        for stage in reversed(self.cluster.workflow.applications[app].stages):
-            if after > 0:
-                out[stage] = round(after, 4)
+
+        def alone_s(stage: str) -> float | None:
             row = stages.get(stage) if isinstance(stages, dict) else None
-            t = ((row or {}).get("shapes_s") or {}).get(shape) or (row or {}).get("service_s")
-            after += t if isinstance(t, (int, float)) and 0 < t < 86_400 else 0.0
-        return out
+            return ((row or {}).get("shapes_s") or {}).get(shape) or (row or {}).get("service_s")
+
+        return deadlines.reserve(self.cluster.workflow.applications[app].stages, alone_s)
 
     async def submit(self, job: VideoJob) -> dict[str, Any]:
         wf = self.cluster.workflow

@@ -82,12 +82,12 @@ class CostModel:
         when nothing comparable is known."""
         row = self.row(key)
         if row:
-            return _at(row, batch)
+            return at_batch(row, batch)
         near = self._nearest(key)
         if near is None:
             return None
         other, ratio = near
-        t = _at(self.row(other), batch)
+        t = at_batch(self.row(other), batch)
         return None if t is None else t * ratio
 
     def _nearest(self, key: str) -> tuple[str, float] | None:
@@ -123,7 +123,9 @@ class CostModel:
         return {k: {str(b): round(t, 6) for b, t in sorted(self.row(k).items())} for k in keys}
 
 
-def _at(row: dict[int, float], batch: int) -> float | None:
+def at_batch(row: dict[int, float], batch: int) -> float | None:
+    """Seconds per step of a batch of ``batch`` from a row {batch size: seconds}: interpolated
+    between known sizes, no gain assumed past the largest, never slower below the smallest."""
     if not row:
         return None
     if batch in row:

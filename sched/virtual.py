@@ -1,6 +1,7 @@
-"""One stage on a virtual clock: the scheduling core and a policy driven by simulated workers
-whose steps take what a cost function says. The tests of the policies run on it, and it is the
-seed of the trace-driven simulator (DESIGN §12): the same core, no copy of it.
+"""Stages on a virtual clock: the scheduling core and a policy driven by simulated workers whose
+steps take what a cost function says. The tests of the policies run on one (``VirtualStage``),
+and the trace-driven simulator (``onepiece sim``, DESIGN §12) wires many (``VirtualInstance``)
+into workflows on one ``EventLoop``: the same core, no copy of it.
 
 A worker executes a ``Run`` as the runtime's worker does: it admits the new requests, then
 advances the batch step by step, members leaving as they finish (so later steps of a chunk
@@ -12,12 +13,106 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
-from onepiece.sched.core import Drop, Run, SchedCore
+from onepiece.sched.core import Run, SchedCore
 from onepiece.sched.policy import Request
 
 StepCost = Callable[[str, int], float]  # (key, batch size) -> seconds of one step
+# (uid, status: completed | expired, the request as the core held it, the time its first step started)
+OnEnd = Callable[[str, str, Request, "float | None"], None]
+# (start, end, worker, uids, steps): one chunk a worker ran, for a schedule trace
+OnChunk = Callable[[float, float, str, tuple[str, ...], int], None]
+
+
+class EventLoop:
+    """A virtual clock and its pending events, run in time order (ties in the order pushed)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable, tuple]] = []
+        self._seq = itertools.count()
+
+    def at(self, t: float, fn: Callable[..., Any], *args: Any) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), fn, args))
+
+    def run(self, until: float = float("inf")) -> None:
+        while self._heap and self._heap[0][0] <= until:
+            self.now, _, fn, args = heapq.heappop(self._heap)
+            fn(*args)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+class VirtualInstance:
+    """One stage instance: a scheduling core and its workers, on ``loop``. ``on_end`` hears of
+    every request that leaves it (completed or expired); a cancelled one leaves silently."""
+
+    def __init__(self, loop: EventLoop, core: SchedCore, cost: StepCost, workers: int = 1,
+                 overhead_s: float = 0.0, on_end: OnEnd | None = None, on_chunk: OnChunk | None = None,
+                 name: str = "") -> None:
+        self.loop, self.core, self.cost, self.overhead_s = loop, core, cost, overhead_s
+        self.on_end = on_end or (lambda *a: None)
+        self.on_chunk = on_chunk
+        self.name = name
+        self.busy_s = 0.0  # worker-seconds spent in chunks
+        for i in range(workers):
+            core.worker_up(f"w{i}")
+
+    def add(self, r: Request) -> None:
+        r.arrival = self.loop.now
+        self.core.add(r)
+        self.decide()
+
+    def cancel(self, uid: str) -> bool:
+        if uid not in self.core.requests:
+            return False
+        self.core.cancel(uid)
+        self.decide()
+        return True
+
+    def decide(self) -> None:
+        d = self.core.schedule(self.loop.now)
+        for r in d.expired:
+            self.on_end(r.uid, "expired", r, r.started)
+        for cmd in d.commands:
+            if isinstance(cmd, Run):
+                self._execute(cmd)
+
+    def _execute(self, run: Run) -> None:
+        """Price the chunk now; its effects land when it ends (the core sees them then)."""
+        reqs = self.core.requests
+        left = {u: reqs[u].left for u in run.uids}
+        first = {u: reqs[u].started for u in run.uids}
+        t, steps = self.loop.now + self.overhead_s, []
+        for _ in range(run.steps):
+            live = [u for u in run.uids if left[u] > 0]
+            if not live:
+                break
+            dt = self.cost(reqs[live[0]].key, len(live))
+            t += dt
+            steps.append((live, dt))
+            for u in live:
+                left[u] -= 1
+        self.busy_s += t - self.loop.now
+        if self.on_chunk is not None:
+            self.on_chunk(self.loop.now, t, run.worker, run.uids, run.steps)
+        self.loop.at(t, self._finish_chunk, run, steps, first)
+
+    def _finish_chunk(self, run: Run, steps: list, first: dict) -> None:
+        for live, dt in steps:
+            live = [u for u in live if u in self.core.requests]  # cancelled or expired meanwhile
+            self.core.stepped(live, dt)
+            for u in live:
+                r = self.core.requests[u]
+                if r.left == 0:
+                    self.core.finished(u)
+                    self.on_end(u, "completed", r, first.get(u))
+        self.core.idle(run.worker)
+        if self.overhead_s:
+            self.core.note_overhead(self.overhead_s)
+        self.decide()
 
 
 @dataclass
@@ -31,86 +126,53 @@ class Outcome:
 
 @dataclass
 class VirtualStage:
+    """One instance alone, requests submitted straight to it: what the policy tests drive."""
+
     core: SchedCore
     cost: StepCost
     workers: int = 1
     overhead_s: float = 0.0  # added to every chunk (decision + IPC)
-    now: float = 0.0
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     trace: list[tuple[float, str, tuple[str, ...], int]] = field(default_factory=list)  # (start, worker, uids, steps)
-    _events: list = field(default_factory=list)
-    _seq: itertools.count = field(default_factory=itertools.count)
-    _arrivals: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for i in range(self.workers):
-            self.core.worker_up(f"w{i}")
+        self.loop = EventLoop()
+        self.instance = VirtualInstance(self.loop, self.core, self.cost, self.workers, self.overhead_s,
+                                        on_end=self._ended, on_chunk=self._chunk)
+        self._arrivals: dict[str, float] = {}
+
+    @property
+    def now(self) -> float:
+        return self.loop.now
 
     def submit(self, at: float, r: Request) -> None:
-        heapq.heappush(self._events, (at, next(self._seq), "arrive", r))
+        self.loop.at(at, self._arrive, r)
 
     def cancel_at(self, at: float, uid: str) -> None:
-        heapq.heappush(self._events, (at, next(self._seq), "cancel", uid))
+        self.loop.at(at, self._cancel, uid)
 
     def run(self, until: float = float("inf")) -> dict[str, Outcome]:
         """Process events until none is left or ``until``; returns the outcomes by uid."""
-        self._decide()
-        while self._events and self._events[0][0] <= until:
-            self.now, _, kind, what = heapq.heappop(self._events)
-            if kind == "arrive":
-                what.arrival = self.now
-                self._arrivals[what.uid] = self.now
-                self.core.add(what)
-            elif kind == "cancel" and what in self.core.requests:
-                self.core.cancel(what)
-                self._end(what, "cancelled")
-            elif kind == "done":
-                self._finish_chunk(*what)
-            self._decide()
+        self.loop.run(until)
         return self.outcomes
+
+    def _arrive(self, r: Request) -> None:
+        self._arrivals[r.uid] = self.loop.now
+        self.instance.add(r)
+
+    def _cancel(self, uid: str) -> None:
+        if self.instance.cancel(uid):
+            self._end(uid, "cancelled")
+
+    def _ended(self, uid: str, status: str, r: Request, first: float | None) -> None:
+        self._end(uid, status, first)
 
     def _end(self, uid: str, status: str, first: float | None = None) -> None:
         if uid not in self.outcomes:
-            self.outcomes[uid] = Outcome(uid, self._arrivals.get(uid, self.now), self.now, status, first)
+            self.outcomes[uid] = Outcome(uid, self._arrivals.get(uid, self.loop.now), self.loop.now, status, first)
 
-    def _decide(self) -> None:
-        d = self.core.schedule(self.now)
-        for r in d.expired:
-            self._end(r.uid, "expired")
-        for cmd in d.commands:
-            if isinstance(cmd, Run):
-                self._execute(cmd)
-
-    def _execute(self, run: Run) -> None:
-        """Price the chunk now; its effects land when it ends (the core sees them then)."""
-        self.trace.append((self.now, run.worker, run.uids, run.steps))
-        left = {u: self.core.requests[u].left for u in run.uids}
-        first = {u: self.core.requests[u].started for u in run.uids}
-        t, steps = self.now + self.overhead_s, []
-        for _ in range(run.steps):
-            live = [u for u in run.uids if left[u] > 0]
-            if not live:
-                break
-            key = self.core.requests[live[0]].key
-            dt = self.cost(key, len(live))
-            t += dt
-            steps.append((live, dt, t))
-            for u in live:
-                left[u] -= 1
-        heapq.heappush(self._events, (t, next(self._seq), "done", (run, steps, first)))
-
-    def _finish_chunk(self, run: Run, steps: list, first: dict) -> None:
-        for live, dt, _ in steps:
-            live = [u for u in live if u in self.core.requests]  # cancelled or expired meanwhile
-            self.core.stepped(live, dt)
-            for u in live:
-                r = self.core.requests[u]
-                if r.left == 0:
-                    self.core.finished(u)
-                    self._end(u, "completed", first.get(u))
-        self.core.idle(run.worker)
-        if self.overhead_s:
-            self.core.note_overhead(self.overhead_s)
+    def _chunk(self, start: float, end: float, worker: str, uids: tuple[str, ...], steps: int) -> None:
+        self.trace.append((start, worker, uids, steps))
 
 
 def request(uid: str, key: str = "64x64x9/cfg/L64", steps: int = 10, deadline: float | None = None,

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from onepiece.config import Workflow
 from onepiece.sched.core import Drop, Run, SchedCore
 from onepiece.sched.costs import CostModel
+from onepiece.sched.deadlines import stage_request
 from onepiece.sched.keys import call_key, compat_key, shape_key
 from onepiece.sched.policy import Request
 from onepiece.stage.service_times import ServiceTimes
@@ -196,11 +197,10 @@ class RequestScheduler:
             if h.deadline is None or h.deadline > longest:
                 msg.header["deadline"] = h.deadline = longest
             t_ns = now_ns()
-            expires = now + (h.deadline - t_ns) / 1e9
-            due = expires if h.target is None else now + (min(h.target, h.deadline) - t_ns) / 1e9
             key = compat_key(h.params) if stepped else call_key(h.params)
-            r = Request(h.uid, h.app, key, steps, now, due - h.reserve.get(self.stage, 0.0),
-                        h.priority, batchable=stepped, expires=expires)
+            r = stage_request(h.uid, h.app, key, steps, now, now + (h.deadline - t_ns) / 1e9,
+                              None if h.target is None else now + (h.target - t_ns) / 1e9,
+                              h.reserve.get(self.stage, 0.0), h.priority, batchable=stepped)
             try:
                 self.core.add(r)
             except ValueError:  # the same request twice (a duplicate forward): one is enough

@@ -1,0 +1,78 @@
+"""Cost tables as the simulator reads them: per stage, seconds per step (a stepped stage) or
+per call, by key and batch size, in the format `onepiece profile` writes (``sched.costs``),
+whether measured on this machine, saved by a benchmark run, or built from published figures
+for hardware the user does not have.
+
+A stage steps when its keys are compatibility keys (``WxHxF/cfg/L64``: `onepiece profile`
+times stepped stages by them) and is called once per request when they are call keys
+(``WxHxF``). The simulator prices only what the table has: a request whose key a stage's table
+lacks is refused up front, not extrapolated (the runtime's cost model fills gaps because it
+must start somewhere; a plan must not rest on a guess).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import orjson
+
+from onepiece.sched.costs import CostModel, TableError, at_batch, table_rows
+from onepiece.sched.keys import variant
+
+
+class CostTable:
+    def __init__(self, doc: dict[str, Any], source: str = "cost table") -> None:
+        self.source = source
+        try:
+            table_rows(doc)  # the whole document first: it says what is wrong
+            self.rows = {s: table_rows(doc, s) for s in doc["stages"]}
+        except TableError as e:
+            raise TableError(f"{source}: {e}") from None
+        self.meta = {k: v for k, v in doc.items() if k != "stages"}
+        self._stepped = {}
+        for s, rows in self.rows.items():
+            kinds = {bool(variant(k)) for k in rows}
+            if len(kinds) > 1:
+                raise TableError(f"{source}: stages.{s}: mixes step keys (WxHxF/cfg/L64) and call keys (WxHxF)")
+            self._stepped[s] = kinds == {True}
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostTable":
+        try:
+            doc = orjson.loads(Path(path).read_bytes())
+        except OSError as e:
+            raise TableError(f"{path}: cannot read: {e.strerror}") from None
+        except orjson.JSONDecodeError as e:
+            raise TableError(f"{path}: not JSON: {e}") from None
+        return cls(doc, str(path))
+
+    def stepped(self, stage: str) -> bool:
+        return self._stepped.get(stage, False)
+
+    def missing(self, stage: str, key: str) -> str | None:
+        """Why ``stage`` cannot price ``key`` (None: it can)."""
+        rows = self.rows.get(stage)
+        if not rows:
+            return f"{self.source}: no rows for stage {stage!r} (stages: {', '.join(sorted(self.rows)) or 'none'})"
+        if key not in rows:
+            return (f"{self.source}: stage {stage!r} has no row for key {key!r} "
+                    f"(keys: {', '.join(sorted(rows))})")
+        return None
+
+    def step_s(self, stage: str, key: str, batch: int) -> float:
+        """Seconds of one step (or call) of a batch of ``batch``: the row's figure, interpolated
+        between batch sizes, and no gain assumed past the largest (``sched.costs``' rule)."""
+        return at_batch(self.rows[stage][key], batch)
+
+    def alone_s(self, stage: str, key: str, steps: int) -> float:
+        return self.step_s(stage, key, 1) * steps
+
+    def pricer(self, stage: str) -> Callable[[str, int], float]:
+        """(key, batch) -> seconds, for a virtual instance of ``stage``."""
+        return lambda key, batch: self.step_s(stage, key, batch)
+
+    def model(self, stage: str) -> CostModel:
+        """The cost model a stage's core starts from: this table's rows, as a stage given
+        ``schedule.costs`` starts (the simulated workers report the same figures back)."""
+        return CostModel(self.rows.get(stage, {}))
