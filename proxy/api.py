@@ -22,12 +22,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Send
 
 from onepiece.db import protocol
 from onepiece.db.client import DbError, DbFull, DbUnavailable, NotReady
 from onepiece.proxy.admission import CapacityAdmission, DoneWatcher, InflightTracker, Refusal
+from onepiece.proxy.buffers import ByteBudget
 from onepiece.proxy.cluster import Cluster
 from onepiece.proxy.dbs import DbAccess
 from onepiece.proxy.dispatch import Dispatcher, NoEntrance, SendFailed
@@ -48,6 +50,7 @@ IMAGE_FIELD = "input_reference"
 class ProxyOptions:
     max_inflight: int = 64
     max_body_bytes: int = 16 << 20
+    max_buffered_bytes: int = 256 << 20  # all requests' bodies together (proxy/buffers.py)
     send_timeout: float = 1.0  # per entrance instance
     send_total_timeout: float = 3.0  # all entrance instances together
     db_timeout: float = 1.0
@@ -394,19 +397,24 @@ def _no_file_ids() -> ApiError:
                        param=IMAGE_FIELD, code="unsupported_reference")
 
 
-# --- body limit, metrics and last-resort errors, as one pure ASGI middleware ----------------
+# --- body limits, metrics and last-resort errors, as one pure ASGI middleware ---------------
 class BodyTooLarge(Exception):
     pass
 
 
+class BuffersFull(Exception):
+    pass
+
+
 class GuardMiddleware:
-    """Bounds request bodies (Content-Length up front, then the bytes actually streamed), counts
-    every response by route template and status, and turns anything that escapes into a JSON
-    500 for that request alone."""
+    """Bounds request bodies (Content-Length up front, then the bytes actually streamed), each
+    alone and all together (``budget``), counts every response by route template and status,
+    and turns anything that escapes into a JSON 500 for that request alone."""
 
     def __init__(self, app: ASGIApp, state: ProxyState) -> None:
         self.app = app
         self.st = state
+        self.budget = ByteBudget(state.opts.max_buffered_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -421,10 +429,20 @@ class GuardMiddleware:
                 status["code"], status["started"] = message["status"], True
             await send(message)
 
+        held = 0  # bytes of self.budget this request holds
+
+        def hold(n: int) -> None:
+            nonlocal held
+            if n > held:
+                if not self.budget.take(n - held):
+                    raise BuffersFull()
+                held = n
+
         try:
             declared = _content_length(scope)
             if declared is not None and declared > limit:
                 raise BodyTooLarge()
+            hold(declared or 0)  # refused before a byte is read when the total is spent
             received = 0
 
             async def receive_limited() -> AsgiMessage:
@@ -434,6 +452,7 @@ class GuardMiddleware:
                     received += len(message.get("body", b""))
                     if received > limit:
                         raise BodyTooLarge()
+                    hold(received)
                 return message
 
             await self.app(scope, receive_limited, send_tracked)
@@ -442,6 +461,13 @@ class GuardMiddleware:
             if not status["started"]:
                 await ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large")\
                     .response()(scope, receive, send_tracked)
+        except BuffersFull:
+            st.metrics.rejected.labels("buffers_full").inc()
+            if not status["started"]:
+                await ApiError(503, "the proxy holds too many request bodies now; retry later",
+                               code="buffers_full", headers={"Retry-After": str(st.opts.retry_after_s)}).response()(scope, receive, send_tracked)
+        except ClientDisconnect:
+            status["code"] = 499  # the client left (or was cut off as too slow): nobody to answer
         except ApiError as e:
             if not status["started"]:
                 await e.response()(scope, receive, send_tracked)
@@ -451,6 +477,7 @@ class GuardMiddleware:
                 await ApiError(500, "internal error in the proxy", code="internal_error")\
                     .response()(scope, receive, send_tracked)
         finally:
+            self.budget.give(held)
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or "unmatched"
             st.metrics.requests.labels(endpoint, scope.get("method", ""), str(status["code"])).inc()
