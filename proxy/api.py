@@ -35,7 +35,7 @@ from onepiece.proxy.dbs import DbAccess
 from onepiece.proxy.dispatch import Dispatcher, NoEntrance, SendFailed
 from onepiece.proxy.errors import ApiError, JsonResponse, bad_request
 from onepiece.proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
-from onepiece.proxy.validation import VideoJob, build_job, decode_base64_image, decode_image
+from onepiece.proxy.validation import CreateFields, VideoJob, build_job, decode_base64_image, decode_image
 from onepiece.sched.keys import shape_key
 from onepiece.transport.message import Message, MessageError, new_uid
 
@@ -510,7 +510,9 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
         finally:
             await state.stop()
 
-    app = FastAPI(title="onepiece proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # The schema (not the HTML docs pages, which load scripts from a CDN) at /openapi.json.
+    app = FastAPI(title="onepiece proxy", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.proxy = state
     app.add_middleware(GuardMiddleware, state=state)
 
@@ -525,13 +527,20 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
         if request.method == "POST" and exc.status_code == 400:  # e.g. a malformed multipart body
             state.metrics.rejected.labels(code).inc()
-        return ApiError(exc.status_code, str(exc.detail), code=code).response()
+        headers = dict(exc.headers or {})
+        message = str(exc.detail)
+        if exc.status_code == 405:
+            # Starlette names the first matching route's methods only; a path has several routes.
+            allowed = allowed_methods(app, request.url.path)
+            headers["Allow"] = ", ".join(allowed)
+            message = f"{request.method} is not allowed on {request.url.path}; allowed: {', '.join(allowed)}"
+        return ApiError(exc.status_code, message, code=code, headers=headers).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
         return ApiError(400, str(exc.errors()[:1]), code="invalid_request").response()
 
-    @app.post("/v1/videos")
+    @app.post("/v1/videos", openapi_extra=CREATE_BODY_SCHEMA)
     async def create_video(request: Request) -> Response:
         st = state
         t0 = time.perf_counter()
@@ -628,6 +637,32 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def allowed_methods(app: FastAPI, path: str) -> list[str]:
+    """Every method some route serves at ``path`` (for a 405's Allow header)."""
+    out: set[str] = set()
+    for route in app.router.routes:
+        regex, methods = getattr(route, "path_regex", None), getattr(route, "methods", None)
+        if regex is not None and methods and regex.match(path):
+            out |= methods
+    return sorted(out)
+
+
+def _create_body_schema() -> dict[str, Any]:
+    """The create request's body for the OpenAPI schema: the route reads the raw request (JSON or
+    multipart, validated by proxy/validation.py), so FastAPI cannot infer it."""
+    fields = CreateFields.model_json_schema()
+    image = {"description": "image-to-video: the first frame, as base64, a data URL or {\"image_url\": data URL}",
+             "anyOf": [{"type": "string"}, {"type": "object", "properties": {"image_url": {"type": "string"}}}]}
+    as_json = {**fields, "properties": {**fields["properties"], IMAGE_FIELD: image}}
+    as_form = {**fields, "properties": {**fields["properties"],
+                                        IMAGE_FIELD: {"type": "string", "format": "binary"}}}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": as_json},
+                                                          "multipart/form-data": {"schema": as_form}}}}
+
+
+CREATE_BODY_SCHEMA = _create_body_schema()
 
 
 def _not_ready(st: ProxyState) -> list[str]:

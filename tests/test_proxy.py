@@ -330,6 +330,34 @@ def test_healthz_and_metrics(h):
     assert {m["id"] for m in models["data"]} == {"t2v", "i2v"}
 
 
+def test_openapi_schema_is_served(h):
+    r = h.http.get("/openapi.json")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+    schema = r.json()
+    assert {"/v1/videos", "/v1/videos/{video_id}", "/v1/videos/{video_id}/content", "/v1/models",
+            "/healthz"} <= set(schema["paths"])
+    assert set(schema["paths"]["/v1/videos/{video_id}"]) == {"get", "delete"}
+    body = schema["paths"]["/v1/videos"]["post"]["requestBody"]["content"]
+    assert body["application/json"]["schema"]["required"] == ["prompt"]
+    assert {"prompt", "size", "seconds", "input_reference"} <= set(body["application/json"]["schema"]["properties"])
+    assert body["multipart/form-data"]["schema"]["properties"]["input_reference"]["format"] == "binary"
+
+
+@pytest.mark.parametrize("method, path, allow", [
+    ("PUT", "/v1/videos", "POST"),
+    ("GET", "/v1/videos", "POST"),
+    ("POST", f"/v1/videos/video_{'0' * 32}", "DELETE, GET"),  # two routes share the path
+    ("DELETE", "/healthz", "GET"),
+    ("POST", "/openapi.json", "GET, HEAD"),  # Starlette serves HEAD for its GET routes
+])
+def test_a_wrong_method_gets_405_with_allow(h, method, path, allow):
+    r = h.http.request(method, path)
+    assert r.status_code == 405, r.text
+    assert r.headers["allow"] == allow
+    err = r.json()["error"]
+    assert err["code"] == "method_not_allowed" and method in err["message"] and allow in err["message"]
+
+
 def test_heartbeat_stats_count_accepted_and_rejected():
     from onepiece.status import render
 
