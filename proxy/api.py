@@ -34,8 +34,9 @@ from onepiece.proxy.cluster import Cluster
 from onepiece.proxy.dbs import DbAccess
 from onepiece.proxy.dispatch import Dispatcher, NoEntrance, SendFailed
 from onepiece.proxy.errors import ApiError, JsonResponse, bad_request
+from onepiece.proxy.images import decode_base64_image, decode_image
 from onepiece.proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
-from onepiece.proxy.validation import CreateFields, VideoJob, build_job, decode_base64_image, decode_image
+from onepiece.proxy.validation import CreateFields, VideoJob, build_job
 from onepiece.sched.keys import shape_key
 from onepiece.transport.message import Message, MessageError, new_uid
 
@@ -228,7 +229,8 @@ class ProxyState:
         try:
             image = None
             if job.image_bytes is not None:
-                image = await asyncio.get_running_loop().run_in_executor(None, decode_image, job.image_bytes)
+                image = await asyncio.get_running_loop().run_in_executor(
+                    None, decode_image, job.image_bytes, (job.width, job.height), IMAGE_FIELD)
             record = {
                 "uid": uid, "app": job.app, "set": self.cluster.set_name, "status": protocol.QUEUED,
                 "stage": first_stage, "progress": 0, "created_at": ts / 1e9, "deadline": deadline,
