@@ -62,8 +62,8 @@ class NotPrimary(LookupError):
 
 
 def config_of(topology: Topology, workflow: Workflow, base_dir: Path) -> dict[str, Any]:
-    # The credentials stay out: they are each process's own, not cluster state.
-    return {"topology": topology.model_dump(mode="json", exclude={"nm": {"zk_auth"}}),
+    # The credentials (and where a process reads them) stay out: each process's own, not cluster state.
+    return {"topology": topology.model_dump(mode="json", exclude={"nm": {"zk_auth", "zk_auth_file"}}),
             "workflow": workflow.model_dump(mode="json"), "base_dir": str(base_dir)}
 
 

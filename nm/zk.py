@@ -17,7 +17,8 @@ Layout under the root (``/onepiece`` by default)::
     state/routes/<set>      the set's route table, as instances apply it (watched by them)
 
 Only the primary writes under ``state/`` and ``config``; instances write only their own member
-node. With credentials (``user:password``) every node gets a digest ACL for that user alone.
+node. With credentials (``user:password``, from a file or the environment: nm/zk_auth.py) every
+node gets a digest ACL for that user alone.
 
 Nothing here imports kazoo at module level: the embedded NM and the config schema use the
 validators without it.
@@ -26,7 +27,7 @@ validators without it.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -77,7 +78,9 @@ class ZkUnavailable(ConnectionError):
 class ZkSettings:
     hosts: str
     root: str = DEFAULT_ROOT
-    auth: str | None = None  # "user:password": digest ACLs on every node, and the client authenticates
+    # "user:password": digest ACLs on every node, and the client authenticates. Kept out of repr
+    # (logs) and out of args(): children get it by environment (nm/zk_auth.py).
+    auth: str | None = field(default=None, repr=False)
     session_s: float = 4.0
 
     def __post_init__(self) -> None:
@@ -119,11 +122,9 @@ class ZkSettings:
         return zk
 
     def args(self) -> list[str]:
-        """The same settings as `onepiece` command-line flags (for the launcher)."""
-        out = ["--zk", self.hosts, "--zk-root", self.root, "--zk-session", str(self.session_s)]
-        if self.auth:
-            out += ["--zk-auth", self.auth]
-        return out
+        """The same settings as `onepiece` command-line flags (for the launcher), but for the
+        credentials: they never go on a command line (nm/zk_auth.py)."""
+        return ["--zk", self.hosts, "--zk-root", self.root, "--zk-session", str(self.session_s)]
 
 
 class Paths:

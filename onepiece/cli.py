@@ -33,14 +33,18 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _zk(args: argparse.Namespace, spec: "NmSpec | None" = None) -> "ZkSettings | None":
     """ZooKeeper settings from the --zk* flags, over the topology's nm.zk* (None: no ZooKeeper)."""
     from onepiece.nm.zk import DEFAULT_ROOT, ZkSettings
+    from onepiece.nm.zk_auth import CredentialsError, resolve_auth
 
     hosts = args.zk or (spec.zk if spec is not None else None)
     if not hosts:
-        if args.zk_auth or args.zk_root:
-            raise ConfigError("--zk-root and --zk-auth need --zk (the ZooKeeper address)")
+        if args.zk_auth_file or args.zk_root:
+            raise ConfigError("--zk-root and --zk-auth-file need --zk (the ZooKeeper address)")
         return None
-    return ZkSettings(hosts, args.zk_root or (spec.zk_root if spec is not None else DEFAULT_ROOT),
-                      args.zk_auth or (spec.zk_auth if spec is not None else None),
+    try:
+        auth = resolve_auth(args.zk_auth_file, spec.zk_auth_file if spec is not None else None)
+    except CredentialsError as e:
+        raise ConfigError(str(e)) from None
+    return ZkSettings(hosts, args.zk_root or (spec.zk_root if spec is not None else DEFAULT_ROOT), auth,
                       args.zk_session or (spec.zk_session_s if spec is not None else 4.0))
 
 
@@ -202,16 +206,28 @@ def _checked(parse, what: str):
     return check
 
 
+def _refused(why: str):
+    """An argparse type for a flag that is gone: any value is a usage error saying ``why`` (and not
+    echoing the value)."""
+    def refuse(value: str) -> str:
+        raise argparse.ArgumentTypeError(why)
+    refuse.__name__ = "refused"
+    return refuse
+
+
 def _zk_flags(sp: argparse.ArgumentParser) -> None:
-    from onepiece.nm.zk import parse_auth, parse_hosts, parse_root
+    from onepiece.nm.zk import parse_hosts, parse_root
+    from onepiece.nm.zk_auth import ENV, NO_COMMAND_LINE
 
     g = sp.add_argument_group("ZooKeeper (highly available node managers)")
     g.add_argument("--zk", metavar="HOST:PORT[,...]", type=_checked(parse_hosts, "ZooKeeper address"),
                    help="ZooKeeper ensemble the node managers run on")
     g.add_argument("--zk-root", metavar="PATH", type=_checked(parse_root, "znode root"),
                    help="znode under which the cluster lives (default /onepiece)")
-    g.add_argument("--zk-auth", metavar="USER:PASSWORD", type=_checked(parse_auth, "credentials"),
-                   help="digest credentials: the cluster's znodes get ACLs for this user only")
+    g.add_argument("--zk-auth-file", metavar="PATH",
+                   help=f"file of mode 0600 holding user:password (or set {ENV}): the cluster's znodes get digest "
+                        f"ACLs for this user only")
+    g.add_argument("--zk-auth", help=argparse.SUPPRESS, type=_refused(NO_COMMAND_LINE))
     g.add_argument("--zk-session", metavar="S", type=_float_between(1, 600, " seconds"),
                    help="ZooKeeper session timeout in seconds (default 4): how soon a dead process is noticed")
 

@@ -220,7 +220,9 @@ class NmSpec(_Strict):
     zk: str | None = Field(None, description="ZooKeeper host:port[,host:port...]: the NMs elect a primary there "
                                              "and keep the cluster state in it; instances hold member nodes there")
     zk_root: str = Field("/onepiece", description="the znode under which everything of this cluster lives")
-    zk_auth: str | None = Field(None, description="user:password: digest ACLs on every znode, for this user only")
+    zk_auth_file: str | None = Field(None, description="file (mode 0600) holding user:password: digest ACLs on "
+                                                       "every znode, for this user only; relative to this file")
+    zk_auth: str | None = Field(None, description="refused: credentials do not belong in a topology file")
     zk_session_s: float = Field(4.0, ge=1, le=600, description="ZooKeeper session timeout: how soon a dead NM or "
                                                                "instance is noticed (the server may bound it)")
     count: int = Field(1, ge=1, le=9, description="NM processes `onepiece up` starts: one primary, the rest backups")
@@ -242,10 +244,13 @@ class NmSpec(_Strict):
 
     @field_validator("zk_auth")
     @classmethod
-    def _zk_auth(cls, v: str | None) -> str | None:
-        from onepiece.nm.zk import parse_auth
+    def _zk_auth(cls, v: str | None) -> None:
+        from onepiece.nm.zk_auth import ENV
 
-        return None if v is None else parse_auth(v)
+        if v is not None:  # a topology file is shared and checked in; secrets live apart from it
+            raise ValueError(f"credentials do not belong in the topology; put user:password in a file of mode 0600 "
+                             f"named by nm.zk_auth_file (or --zk-auth-file), or in the environment variable {ENV}")
+        return None
 
     @field_validator("count")
     @classmethod
@@ -268,9 +273,17 @@ class NmSpec(_Strict):
         return [f"{host}:{int(port) + i}" for i in range(self.count)]
 
     def zk_settings(self) -> "ZkSettings | None":
+        """The ZooKeeper settings, credentials from $ONEPIECE_ZK_AUTH or zk_auth_file (nm/zk_auth.py)."""
         from onepiece.nm.zk import ZkSettings
+        from onepiece.nm.zk_auth import CredentialsError, resolve_auth
 
-        return ZkSettings(self.zk, self.zk_root, self.zk_auth, self.zk_session_s) if self.zk else None
+        if not self.zk:
+            return None
+        try:
+            auth = resolve_auth(None, self.zk_auth_file)
+        except CredentialsError as e:
+            raise ConfigError(f"nm.zk_auth_file: {e}") from None
+        return ZkSettings(self.zk, self.zk_root, auth, self.zk_session_s)
 
 
 class DbSpec(_Strict):
@@ -365,11 +378,16 @@ def _read_yaml(path: Path) -> object:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
 
 
+_SECRET_KEYS = {"zk_auth"}
+
+
 def _explain(path: Path, err: ValidationError) -> ConfigError:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
+        if e["loc"] and e["loc"][-1] in _SECRET_KEYS:
+            got = ""  # an error message must not carry the secret into logs
         msg = e["msg"].removeprefix("Value error, ")
         if not e["loc"] and e["type"] == "value_error":
             # A model-level check names its own key ("sets.b.proxy.port: ..."): show just that.
@@ -402,6 +420,8 @@ def load_topology(path: str | Path) -> tuple[Topology, Workflow, Path]:
     except ValidationError as e:
         raise _explain(path, e) from None
     wf_path = resolve_path(topo.workflow, path.parent)
+    if topo.nm.zk_auth_file:
+        topo.nm.zk_auth_file = str(resolve_path(topo.nm.zk_auth_file, path.parent))
     wf = load_workflow(wf_path)
     for s in topo.sets:
         for key in ("stages", "min"):

@@ -25,6 +25,7 @@ from typing import Any
 
 from onepiece.config import SetSpec, load_topology
 from onepiece.nm.client import NmClient
+from onepiece.nm.zk_auth import child_env
 from onepiece.supervise import Backoff, child_preexec
 from onepiece.transport.rpc import RpcError
 
@@ -36,6 +37,7 @@ class Child:
     name: str
     argv: list[str]
     log_path: Path
+    env: dict[str, str] | None = field(default=None, repr=False)  # None: ours; may hold credentials
     proc: subprocess.Popen | None = None
     next_start: float = 0.0
     backoff: Backoff = field(default_factory=lambda: Backoff(base_s=0.5, cap_s=30.0))
@@ -45,7 +47,7 @@ class Child:
         with open(self.log_path, "ab", buffering=0) as log_file:
             self.proc = subprocess.Popen(
                 self.argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=child_preexec,
+                preexec_fn=child_preexec, env=self.env,
             )
         self.backoff.started_now()
 
@@ -85,15 +87,17 @@ class Deployment:
         return f"ring+tcp://127.0.0.1:0{size}"
 
     def plan(self) -> list[Child]:
-        """The processes of the topology, NMs first."""
+        """The processes of the topology, NMs first. ZooKeeper credentials reach them by
+        environment, never on their command lines (nm/zk_auth.py)."""
         zk = self.zk.args() if self.zk else []
+        env = child_env(self.zk.auth if self.zk else None)
         out = []
         for i, address in enumerate(self.nm_addresses):
             name = "nm" if self.nm_count == 1 else f"nm{i}"
             out.append(Child(name, _cli("nm", "--topology", str(self.topology_path), "--address", address, *zk),
-                             self.log_dir / f"{name}.log"))
+                             self.log_dir / f"{name}.log", env))
         for s in self.topo.sets:
-            out += [Child(c.name, c.argv + zk, c.log_path) for c in self._set_children(s, self.nm_address)]
+            out += [Child(c.name, c.argv + zk, c.log_path, env) for c in self._set_children(s, self.nm_address)]
         return out
 
     def _set_children(self, s: SetSpec, nm: str) -> list[Child]:

@@ -22,18 +22,21 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Send
 
 from onepiece.db import protocol
 from onepiece.db.client import DbError, DbFull, DbUnavailable, NotReady
 from onepiece.proxy.admission import CapacityAdmission, DoneWatcher, InflightTracker, Refusal
+from onepiece.proxy.buffers import ByteBudget
 from onepiece.proxy.cluster import Cluster
 from onepiece.proxy.dbs import DbAccess
 from onepiece.proxy.dispatch import Dispatcher, NoEntrance, SendFailed
 from onepiece.proxy.errors import ApiError, JsonResponse, bad_request
+from onepiece.proxy.images import decode_base64_image, decode_image
 from onepiece.proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
-from onepiece.proxy.validation import VideoJob, build_job, decode_base64_image, decode_image
+from onepiece.proxy.validation import CreateFields, VideoJob, build_job
 from onepiece.sched import deadlines
 from onepiece.sched.keys import shape_key
 from onepiece.transport.message import Message, MessageError, new_uid
@@ -49,6 +52,7 @@ IMAGE_FIELD = "input_reference"
 class ProxyOptions:
     max_inflight: int = 64
     max_body_bytes: int = 16 << 20
+    max_buffered_bytes: int = 256 << 20  # all requests' bodies together (proxy/buffers.py)
     send_timeout: float = 1.0  # per entrance instance
     send_total_timeout: float = 3.0  # all entrance instances together
     db_timeout: float = 1.0
@@ -225,7 +229,8 @@ class ProxyState:
         try:
             image = None
             if job.image_bytes is not None:
-                image = await asyncio.get_running_loop().run_in_executor(None, decode_image, job.image_bytes)
+                image = await asyncio.get_running_loop().run_in_executor(
+                    None, decode_image, job.image_bytes, (job.width, job.height), IMAGE_FIELD)
             record = {
                 "uid": uid, "app": job.app, "set": self.cluster.set_name, "status": protocol.QUEUED,
                 "stage": first_stage, "progress": 0, "created_at": ts / 1e9, "deadline": deadline,
@@ -396,19 +401,24 @@ def _no_file_ids() -> ApiError:
                        param=IMAGE_FIELD, code="unsupported_reference")
 
 
-# --- body limit, metrics and last-resort errors, as one pure ASGI middleware ----------------
+# --- body limits, metrics and last-resort errors, as one pure ASGI middleware ---------------
 class BodyTooLarge(Exception):
     pass
 
 
+class BuffersFull(Exception):
+    pass
+
+
 class GuardMiddleware:
-    """Bounds request bodies (Content-Length up front, then the bytes actually streamed), counts
-    every response by route template and status, and turns anything that escapes into a JSON
-    500 for that request alone."""
+    """Bounds request bodies (Content-Length up front, then the bytes actually streamed), each
+    alone and all together (``budget``), counts every response by route template and status,
+    and turns anything that escapes into a JSON 500 for that request alone."""
 
     def __init__(self, app: ASGIApp, state: ProxyState) -> None:
         self.app = app
         self.st = state
+        self.budget = ByteBudget(state.opts.max_buffered_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -423,10 +433,20 @@ class GuardMiddleware:
                 status["code"], status["started"] = message["status"], True
             await send(message)
 
+        held = 0  # bytes of self.budget this request holds
+
+        def hold(n: int) -> None:
+            nonlocal held
+            if n > held:
+                if not self.budget.take(n - held):
+                    raise BuffersFull()
+                held = n
+
         try:
             declared = _content_length(scope)
             if declared is not None and declared > limit:
                 raise BodyTooLarge()
+            hold(declared or 0)  # refused before a byte is read when the total is spent
             received = 0
 
             async def receive_limited() -> AsgiMessage:
@@ -436,6 +456,7 @@ class GuardMiddleware:
                     received += len(message.get("body", b""))
                     if received > limit:
                         raise BodyTooLarge()
+                    hold(received)
                 return message
 
             await self.app(scope, receive_limited, send_tracked)
@@ -444,6 +465,13 @@ class GuardMiddleware:
             if not status["started"]:
                 await ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large")\
                     .response()(scope, receive, send_tracked)
+        except BuffersFull:
+            st.metrics.rejected.labels("buffers_full").inc()
+            if not status["started"]:
+                await ApiError(503, "the proxy holds too many request bodies now; retry later",
+                               code="buffers_full", headers={"Retry-After": str(st.opts.retry_after_s)}).response()(scope, receive, send_tracked)
+        except ClientDisconnect:
+            status["code"] = 499  # the client left (or was cut off as too slow): nobody to answer
         except ApiError as e:
             if not status["started"]:
                 await e.response()(scope, receive, send_tracked)
@@ -453,6 +481,7 @@ class GuardMiddleware:
                 await ApiError(500, "internal error in the proxy", code="internal_error")\
                     .response()(scope, receive, send_tracked)
         finally:
+            self.budget.give(held)
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or "unmatched"
             st.metrics.requests.labels(endpoint, scope.get("method", ""), str(status["code"])).inc()
@@ -485,7 +514,9 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
         finally:
             await state.stop()
 
-    app = FastAPI(title="onepiece proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # The schema (not the HTML docs pages, which load scripts from a CDN) at /openapi.json.
+    app = FastAPI(title="onepiece proxy", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.proxy = state
     app.add_middleware(GuardMiddleware, state=state)
 
@@ -500,13 +531,20 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
         if request.method == "POST" and exc.status_code == 400:  # e.g. a malformed multipart body
             state.metrics.rejected.labels(code).inc()
-        return ApiError(exc.status_code, str(exc.detail), code=code).response()
+        headers = dict(exc.headers or {})
+        message = str(exc.detail)
+        if exc.status_code == 405:
+            # Starlette names the first matching route's methods only; a path has several routes.
+            allowed = allowed_methods(app, request.url.path)
+            headers["Allow"] = ", ".join(allowed)
+            message = f"{request.method} is not allowed on {request.url.path}; allowed: {', '.join(allowed)}"
+        return ApiError(exc.status_code, message, code=code, headers=headers).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
         return ApiError(400, str(exc.errors()[:1]), code="invalid_request").response()
 
-    @app.post("/v1/videos")
+    @app.post("/v1/videos", openapi_extra=CREATE_BODY_SCHEMA)
     async def create_video(request: Request) -> Response:
         st = state
         t0 = time.perf_counter()
@@ -603,6 +641,32 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def allowed_methods(app: FastAPI, path: str) -> list[str]:
+    """Every method some route serves at ``path`` (for a 405's Allow header)."""
+    out: set[str] = set()
+    for route in app.router.routes:
+        regex, methods = getattr(route, "path_regex", None), getattr(route, "methods", None)
+        if regex is not None and methods and regex.match(path):
+            out |= methods
+    return sorted(out)
+
+
+def _create_body_schema() -> dict[str, Any]:
+    """The create request's body for the OpenAPI schema: the route reads the raw request (JSON or
+    multipart, validated by proxy/validation.py), so FastAPI cannot infer it."""
+    fields = CreateFields.model_json_schema()
+    image = {"description": "image-to-video: the first frame, as base64, a data URL or {\"image_url\": data URL}",
+             "anyOf": [{"type": "string"}, {"type": "object", "properties": {"image_url": {"type": "string"}}}]}
+    as_json = {**fields, "properties": {**fields["properties"], IMAGE_FIELD: image}}
+    as_form = {**fields, "properties": {**fields["properties"],
+                                        IMAGE_FIELD: {"type": "string", "format": "binary"}}}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": as_json},
+                                                          "multipart/form-data": {"schema": as_form}}}}
+
+
+CREATE_BODY_SCHEMA = _create_body_schema()
 
 
 def _not_ready(st: ProxyState) -> list[str]:

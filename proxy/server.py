@@ -19,6 +19,7 @@ import uvloop
 
 from onepiece.proxy.api import ProxyOptions, create_app
 from onepiece.proxy.cluster import Cluster
+from onepiece.proxy.http_limits import HttpLimits, protocol_factory
 
 log = logging.getLogger(__name__)
 
@@ -62,19 +63,20 @@ class ProxyServer:
         max_inflight: int = 64,
         max_body_bytes: int = 16 << 20,
         log_level: str = "warning",
-        max_connections: int = 4096,
+        http_limits: HttpLimits | None = None,
         **options: float | bool,
     ) -> None:
         self.host = host
         self.opts = ProxyOptions(max_inflight=max_inflight, max_body_bytes=max_body_bytes, **options)  # type: ignore[arg-type]
+        self.limits = http_limits or HttpLimits()
         self.app = create_app(cluster, self.opts)
         self.config = uvicorn.Config(
             # httptools (C) parses HTTP several times faster than h11, which matters for the
-            # time a refused client waits for its 429.
-            self.app, host=host, port=port, loop="uvloop", http="httptools", lifespan="on", log_level=log_level,
-            access_log=False, timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024,
-            # Bounded: each open request may buffer up to max_body_bytes; beyond this, 503.
-            limit_concurrency=max_connections,
+            # time a refused client waits for its 429; proxy/http_limits.py bounds what uvicorn
+            # leaves open with it (head size, slow heads and bodies, open connections).
+            self.app, host=host, port=port, loop="uvloop", http=protocol_factory(self.limits), lifespan="on",
+            log_level=log_level, access_log=False, timeout_graceful_shutdown=5,
+            limit_concurrency=self.limits.max_connections,
         )
         self.server = _Server(self.config)
         self.port: int | None = None

@@ -8,18 +8,12 @@ diffusers names as aliases (num_inference_steps, guidance_scale).
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
 import math
 import re
 import secrets
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from onepiece.config import MAX_GUIDANCE, MAX_SEED, AppSpec, Workflow
@@ -27,9 +21,7 @@ from onepiece.proxy.errors import ApiError, bad_request
 
 MAX_SECONDS = 3600.0
 MAX_PRIORITY = 1000  # what the stages accept in a header
-MAX_IMAGE_PIXELS = 4096 * 4096  # decoded size bound: a small PNG can expand to gigabytes
 SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
-_B64_WS = re.compile(rb"\s+")
 
 
 class CreateFields(BaseModel):
@@ -268,55 +260,3 @@ def build_job(workflow: Workflow, raw: dict[str, Any], image_bytes: bytes | None
         timeout_s=timeout_s, image_bytes=image_bytes, timeout_given=fields.timeout_s is not None, priority=priority,
         slo_s=fields.slo_s,
     )
-
-
-def decode_base64_image(value: str, param: str = "input_reference") -> bytes:
-    """Bytes of a base64 image given plain or as a ``data:image/...;base64,`` URL."""
-    text = value.strip()
-    if text.startswith(("http://", "https://")):
-        # Fetching client-chosen URLs from inside the cluster would be an SSRF hole.
-        raise bad_request(f"'{param}' as a remote URL is not supported; send the image itself "
-                          f"(multipart upload, a data URL or base64)", param=param, code="unsupported_reference")
-    if text.startswith("data:"):
-        head, sep, text = text.partition(",")
-        if not sep or ";base64" not in head:
-            raise bad_request(f"'{param}' data URL must be 'data:image/...;base64,<data>'", param=param,
-                              code="invalid_base64")
-        mime = head[5:].split(";")[0].strip().lower()
-        if mime and not mime.startswith("image/"):
-            raise bad_request(f"'{param}' data URL has type {mime!r}, expected an image", param=param,
-                              code="invalid_image")
-    try:
-        raw = _B64_WS.sub(b"", text.encode("ascii"))
-        raw += b"=" * (-len(raw) % 4)  # tolerate stripped padding
-        data = base64.b64decode(raw, validate=True)
-    except (UnicodeEncodeError, binascii.Error, ValueError):
-        raise bad_request(f"'{param}' is not valid base64", param=param, code="invalid_base64") from None
-    if not data:
-        raise bad_request(f"'{param}' is empty", param=param, code="invalid_image")
-    return data
-
-
-def decode_image(data: bytes, param: str = "input_reference") -> np.ndarray:
-    """The image as uint8 HxWx3 RGB, as uploaded (the stage does the pipeline's resizing).
-
-    CPU-bound: callers run it off the event loop.
-    """
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
-            w, h = img.size  # read from the header, before any pixel is decoded
-            if w * h > MAX_IMAGE_PIXELS or w < 1 or h < 1:
-                raise bad_request(f"'{param}' is {w}x{h}; at most {MAX_IMAGE_PIXELS} pixels allowed", param=param,
-                                  code="image_too_large")
-            img = ImageOps.exif_transpose(img)  # phone photos store rotation in EXIF
-            arr = np.asarray(img.convert("RGB"), dtype=np.uint8)
-    except ApiError:
-        raise
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise bad_request(f"'{param}' is not a readable image (PNG, JPEG, WebP, ...)", param=param,
-                          code="invalid_image") from None
-    except (OSError, ValueError, SyntaxError, TypeError, EOFError, MemoryError) as e:  # truncated or corrupt data
-        raise bad_request(f"'{param}' could not be decoded as an image: {e}", param=param, code="invalid_image") from None
-    return np.ascontiguousarray(arr)

@@ -250,6 +250,97 @@ def test_bad_json_input_is_a_clear_4xx(h, body, status, code, param):
     assert err["code"] == code and err["param"] == param and err["message"] and err["type"]
 
 
+def _png_bomb(width: int, height: int) -> bytes:
+    """A valid 1-bit PNG of ``width`` x ``height`` zeros: tens of KB that decode to gigabytes."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    z = zlib.compressobj(9)
+    row = b"\x00" * (1 + (width + 7) // 8)  # filter byte + packed bits
+    idat = b"".join(z.compress(row) for _ in range(height)) + z.flush()
+    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("side", [5000, 30_000])  # over our bound; over PIL's own bomb bound too
+def test_a_decompression_bomb_is_refused_without_decoding(h, side):
+    bomb = _png_bomb(side, side)
+    assert len(bomb) < 200_000
+    t0 = time.perf_counter()
+    r = h.http.post("/v1/videos", data={"prompt": "x", "model": "i2v", "size": "64x64"},
+                    files={"input_reference": ("bomb.png", bomb, "image/png")})
+    took = time.perf_counter() - t0
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "image_too_large" and err["param"] == "input_reference" and "pixels" in err["message"]
+    assert took < 1.0, took  # decoding 0.9 Gpx would take seconds and gigabytes
+    assert h.healthz()["status"] == "ok"
+
+
+def _noise(w: int, h: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def _photo(w: int, h: int) -> np.ndarray:
+    """Smooth gradients: a large image that still fits the test proxy's 1 MiB body as PNG."""
+    y, x = np.mgrid[0:h, 0:w]
+    return np.stack([x * 255 // w, y * 255 // h, (x + y) % 256], axis=-1).astype(np.uint8)
+
+
+def _encode(arr: np.ndarray, fmt: str = "PNG", **save: object) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, fmt, **save)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("w, h_, fmt, orientation, want", [
+    (1024, 1024, "PNG", None, (64, 64)),
+    (1600, 1200, "PNG", None, (64, 85)),  # the aspect ratio kept: covers 64x64 for the VAE and CLIP
+    (1200, 1600, "JPEG", 6, (64, 85)),  # stored portrait, shown landscape (EXIF): reduced upright
+    (48, 40, "PNG", None, (40, 48)),  # smaller than the request: as is (the stage scales it up)
+])
+def test_a_large_image_leaves_the_proxy_at_the_requests_size(h, w, h_, fmt, orientation, want):
+    from PIL import Image
+
+    save = {}
+    if orientation is not None:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        save["exif"] = exif
+    r = h.http.post("/v1/videos", data={"prompt": "x", "model": "i2v", "size": "64x64"},
+                    files={"input_reference": ("a", _encode(_photo(w, h_), fmt, **save), f"image/{fmt.lower()}")})
+    assert r.status_code == 200, r.text
+    img = recv_uid(h, uid_of(r.json())).parts["image"]
+    assert img.dtype == np.uint8 and img.shape == (*want, 3)
+
+
+def test_an_image_at_the_requests_size_reaches_the_stages_unchanged(h):
+    """Byte for byte the uploaded pixels: what the i2v stages compute from it cannot change."""
+    pixels = _noise(96, 64, seed=3)
+    r = h.http.post("/v1/videos", data={"prompt": "x", "model": "i2v", "size": "96x64"},
+                    files={"input_reference": ("a.png", _encode(pixels), "image/png")})
+    assert r.status_code == 200, r.text
+    img = recv_uid(h, uid_of(r.json())).parts["image"]
+    assert img.shape == pixels.shape and np.array_equal(img, pixels)
+
+
+def test_cover_size():
+    from onepiece.proxy.images import cover_size
+
+    assert cover_size(1600, 1200, 64, 64) == (85, 64)
+    assert cover_size(1200, 1600, 832, 480) == (832, 1109)
+    assert cover_size(100, 100, 832, 480) == (100, 100)
+    assert cover_size(832, 480, 832, 480) == (832, 480)
+    assert cover_size(4000, 10, 64, 64) == (4000, 10)  # never scaled up
+
+
 def test_bad_form_input_is_a_clear_4xx(h):
     cases = [
         ({"prompt": "x", "model": "i2v"}, {"input_reference": ("a.txt", b"hello", "text/plain")}, "invalid_image"),
@@ -331,6 +422,34 @@ def test_healthz_and_metrics(h):
     assert "onepiece_proxy_submit_seconds_bucket" in text
     models = h.http.get("/v1/models").json()
     assert {m["id"] for m in models["data"]} == {"t2v", "i2v"}
+
+
+def test_openapi_schema_is_served(h):
+    r = h.http.get("/openapi.json")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+    schema = r.json()
+    assert {"/v1/videos", "/v1/videos/{video_id}", "/v1/videos/{video_id}/content", "/v1/models",
+            "/healthz"} <= set(schema["paths"])
+    assert set(schema["paths"]["/v1/videos/{video_id}"]) == {"get", "delete"}
+    body = schema["paths"]["/v1/videos"]["post"]["requestBody"]["content"]
+    assert body["application/json"]["schema"]["required"] == ["prompt"]
+    assert {"prompt", "size", "seconds", "input_reference"} <= set(body["application/json"]["schema"]["properties"])
+    assert body["multipart/form-data"]["schema"]["properties"]["input_reference"]["format"] == "binary"
+
+
+@pytest.mark.parametrize("method, path, allow", [
+    ("PUT", "/v1/videos", "POST"),
+    ("GET", "/v1/videos", "POST"),
+    ("POST", f"/v1/videos/video_{'0' * 32}", "DELETE, GET"),  # two routes share the path
+    ("DELETE", "/healthz", "GET"),
+    ("POST", "/openapi.json", "GET, HEAD"),  # Starlette serves HEAD for its GET routes
+])
+def test_a_wrong_method_gets_405_with_allow(h, method, path, allow):
+    r = h.http.request(method, path)
+    assert r.status_code == 405, r.text
+    assert r.headers["allow"] == allow
+    err = r.json()["error"]
+    assert err["code"] == "method_not_allowed" and method in err["message"] and allow in err["message"]
 
 
 def test_heartbeat_stats_count_accepted_and_rejected():

@@ -9,6 +9,7 @@ Each test works under its own znode root, so one standalone server serves the mo
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import zk_harness
 from onepiece.config import ConfigError, deploy_dir, load_topology
 from onepiece.nm.client import Membership, NmClient
 from onepiece.nm.zk import ZkSettings
+from onepiece.nm.zk_auth import ENV
 from onepiece.transport.rpc import RpcClient, RpcError
 from proxy_harness import DbThread
 from waiting import wait_for
@@ -63,8 +65,10 @@ def topology(tmp_path_factory) -> Path:
 class Nms:
     """``n`` `onepiece nm` processes on one ZooKeeper root, each logging to its own file."""
 
-    def __init__(self, hosts: str, root: str, topology: Path, logs: Path, n: int = 3, auth: str | None = None) -> None:
+    def __init__(self, hosts: str, root: str, topology: Path, logs: Path, n: int = 3, auth: str | None = None,
+                 auth_via: str = "file") -> None:
         self.hosts, self.root, self.topology, self.logs, self.auth = hosts, root, topology, logs, auth
+        self.auth_via = auth_via  # how the credentials reach the processes: "file" or "env"
         self.addresses = [f"tcp://127.0.0.1:{p}" for p in zk_harness.free_ports(n)]
         self.procs: dict[str, subprocess.Popen] = {}
         for a in self.addresses:
@@ -74,10 +78,16 @@ class Nms:
     def start(self, address: str) -> None:
         argv = [sys.executable, "-m", "onepiece", "nm", "--topology", str(self.topology), "--address", address,
                 "--zk", self.hosts, "--zk-root", self.root, "--zk-session", str(SESSION_S)]
-        if self.auth:
-            argv += ["--zk-auth", self.auth]
+        env = {k: v for k, v in os.environ.items() if k != ENV}
+        if self.auth and self.auth_via == "file":
+            path = self.logs / "zk-auth"
+            path.write_text(self.auth + "\n")
+            path.chmod(0o600)
+            argv += ["--zk-auth-file", str(path)]
+        elif self.auth:
+            env[ENV] = self.auth
         log = open(self.logs / f"nm-{address.rsplit(':', 1)[1]}.log", "ab")
-        self.procs[address] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[address] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
 
     def status(self) -> dict | None:
@@ -112,8 +122,8 @@ class Nms:
 def nms_factory(zk, root, topology, tmp_path):
     made: list[Nms] = []
 
-    def make(n: int = 3, auth: str | None = None) -> Nms:
-        nms = Nms(zk.hosts, root, topology, tmp_path, n, auth)
+    def make(n: int = 3, auth: str | None = None, auth_via: str = "file") -> Nms:
+        nms = Nms(zk.hosts, root, topology, tmp_path, n, auth, auth_via)
         made.append(nms)
         return nms
 
@@ -378,11 +388,14 @@ def test_the_embedded_nm_also_fails_what_a_silent_instance_held():
 
 # ---- security ----------------------------------------------------------------------------------
 
-def test_digest_acls_keep_others_out(nms_factory, zk):
+@pytest.mark.parametrize("auth_via", ["file", "env"])
+def test_digest_acls_keep_others_out(nms_factory, zk, auth_via):
     from kazoo.exceptions import NoAuthError
 
-    nms = nms_factory(1, auth="onepiece:s3cret")
+    nms = nms_factory(1, auth="onepiece:s3cret", auth_via=auth_via)
     nms.primary()
+    for p in nms.procs.values():  # what `ps` shows every user of the host
+        assert b"s3cret" not in Path(f"/proc/{p.pid}/cmdline").read_bytes()
     m = member(nms, "proxy", {"http": "http://127.0.0.1:8770"})  # an instance with the credentials joins
     outsiders = [zk_harness.kazoo_client(zk.hosts), zk_harness.kazoo_client(zk.hosts, auth="onepiece:wrong")]
     insider = zk_harness.kazoo_client(zk.hosts, auth="onepiece:s3cret")
@@ -427,7 +440,8 @@ def test_digest_acls_keep_others_out(nms_factory, zk):
     ({"zk": "localhost"}, "nm.zk: 'localhost' is not host:port"),
     ({"zk": "h:2181/chroot"}, "put the znode root in zk_root"),
     ({"zk": "h:2181", "zk_root": "onepiece"}, "nm.zk_root: 'onepiece': expected an absolute znode path"),
-    ({"zk": "h:2181", "zk_auth": "nopassword"}, "nm.zk_auth: expected user:password"),
+    ({"zk": "h:2181", "zk_auth": "u:s3cret"}, "nm.zk_auth: credentials do not belong in the topology; put "
+                                              "user:password in a file of mode 0600 named by nm.zk_auth_file"),
     ({"zk": "h:2181", "zk_session_s": 0.5}, "nm.zk_session_s: Input should be greater than or equal to 1"),
     ({"zk": "h:2181", "count": 2, "address": "ipc:///tmp/nm"}, "consecutive ports from nm.address"),
 ])
@@ -439,11 +453,12 @@ def test_bad_nm_settings_are_named(tmp_path, nm, error):
     topo["nm"].update(nm)
     path = tmp_path / "t.yaml"
     path.write_text(yaml.safe_dump(topo))
-    with pytest.raises(ConfigError, match=error.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=error.replace("(", r"\(")) as e:
         load_topology(path)
+    assert "s3cret" not in str(e.value)
 
 
-def test_ha_topology_plans_three_nms_and_passes_zookeeper_to_every_role(tmp_path):
+def test_ha_topology_plans_three_nms_and_passes_zookeeper_to_every_role(tmp_path, monkeypatch):
     import yaml
 
     from onepiece.launcher import Deployment
@@ -451,9 +466,12 @@ def test_ha_topology_plans_three_nms_and_passes_zookeeper_to_every_role(tmp_path
     topo = yaml.safe_load((deploy_dir() / "local.yaml").read_text())
     topo["workflow"] = str(deploy_dir() / "wan21.yaml")
     topo["nm"] = {"address": "tcp://127.0.0.1:17700", "zk": "127.0.0.1:2181,127.0.0.1:2182", "count": 3,
-                  "zk_auth": "u:p", "zk_session_s": 2}
+                  "zk_auth_file": "zk-auth", "zk_session_s": 2}  # relative to the topology file
+    (tmp_path / "zk-auth").write_text("u:s3cret\n")
+    (tmp_path / "zk-auth").chmod(0o600)
     path = tmp_path / "t.yaml"
     path.write_text(yaml.safe_dump(topo))
+    monkeypatch.delenv(ENV, raising=False)
     dep = Deployment(path, tmp_path / "logs")
     try:
         plan = dep.plan()
@@ -463,7 +481,10 @@ def test_ha_topology_plans_three_nms_and_passes_zookeeper_to_every_role(tmp_path
             "tcp://127.0.0.1:17700", "tcp://127.0.0.1:17701", "tcp://127.0.0.1:17702"]
         for c in plan:
             assert c.argv[c.argv.index("--zk") + 1] == "127.0.0.1:2181,127.0.0.1:2182"
-            assert c.argv[c.argv.index("--zk-auth") + 1] == "u:p"
+            # The credentials reach every child by environment, never on its command line (ps).
+            assert not any("s3cret" in a for a in c.argv) and "--zk-auth" not in c.argv, c.argv
+            assert c.env is not None and c.env[ENV] == "u:s3cret"
+            assert "s3cret" not in repr(c)
             if not c.name.startswith("nm"):
                 assert c.argv[c.argv.index("--nm") + 1] == ",".join(nm.argv[nm.argv.index("--address") + 1] for nm in nms)
     finally:
@@ -472,7 +493,9 @@ def test_ha_topology_plans_three_nms_and_passes_zookeeper_to_every_role(tmp_path
 
 @pytest.mark.parametrize("argv, error", [
     (["stage", "--zk", "nohost"], "argument --zk: ZooKeeper address: 'nohost' is not host:port"),
-    (["db", "--zk", "h:1", "--zk-auth", "user"], "argument --zk-auth: credentials: expected user:password"),
+    (["db", "--zk", "h:1", "--zk-auth", "u:s3cret"], "argument --zk-auth: credentials on a command line are "
+                                                     "readable by every user of the host (ps); put user:password in "
+                                                     "a file of mode 0600 named by --zk-auth-file"),
     (["proxy", "--zk", "h:1", "--zk-root", "/a/../b"], "argument --zk-root: znode root"),
     (["nm", "--zk", "h:1", "--zk-session", "0.1"], "argument --zk-session: must be between 1 and 600"),
     (["stage", "--nm", "host:7700"], "argument --nm: address 'host:7700' has no scheme"),
@@ -484,7 +507,55 @@ def test_bad_flags_get_usage_errors(argv, error, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
-    assert error in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert error in err and "s3cret" not in err
+
+
+def test_credentials_come_from_a_private_file_or_the_environment(tmp_path, monkeypatch, capsys):
+    from onepiece.cli import main
+    from onepiece.nm.zk_auth import CredentialsError, child_env, resolve_auth
+
+    monkeypatch.delenv(ENV, raising=False)
+    private, shared, link = tmp_path / "private", tmp_path / "shared", tmp_path / "link"
+    private.write_text("u:from-file\n")
+    private.chmod(0o600)
+    shared.write_text("u:s3cret\n")
+    shared.chmod(0o644)
+    link.symlink_to(private)
+    assert resolve_auth(private, None) == "u:from-file"
+    with pytest.raises(CredentialsError, match=f"{shared}: mode 0644 lets others read it; run: chmod 600"):
+        resolve_auth(shared, None)
+    with pytest.raises(CredentialsError, match="a symbolic link; name the file itself"):
+        resolve_auth(link, None)
+    with pytest.raises(CredentialsError, match="No such file"):
+        resolve_auth(tmp_path / "missing", None)
+    bad = tmp_path / "bad"
+    bad.write_text("s3cret")
+    bad.chmod(0o600)
+    with pytest.raises(CredentialsError, match="expected user:password") as e:
+        resolve_auth(bad, None)
+    assert "s3cret" not in str(e.value)
+
+    # The environment, between the flag's file and the topology's.
+    monkeypatch.setenv(ENV, "u:from-env")
+    assert resolve_auth(None, private) == "u:from-env"
+    assert resolve_auth(private, None) == "u:from-file"
+    monkeypatch.setenv(ENV, "s3cret")
+    with pytest.raises(CredentialsError, match=f"environment variable {ENV}: expected user:password") as e:
+        resolve_auth(None, None)
+    assert "s3cret" not in str(e.value)
+    monkeypatch.delenv(ENV)
+
+    # Children get them by environment only, and none when there are none.
+    assert child_env("u:p", {"PATH": "/bin"}) == {"PATH": "/bin", ENV: "u:p"}
+    assert child_env(None, {"PATH": "/bin", ENV: "u:p"}) == {"PATH": "/bin"}
+
+    # The command line says what is wrong with the file, without the secret.
+    with pytest.raises(SystemExit) as e:
+        main(["db", "--zk", "127.0.0.1:1", "--zk-auth-file", str(shared)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "mode 0644 lets others read it" in err and "s3cret" not in err
 
 
 def test_zk_flags_without_an_address_are_refused(capsys):
@@ -493,7 +564,7 @@ def test_zk_flags_without_an_address_are_refused(capsys):
     with pytest.raises(SystemExit) as e:
         main(["db", "--zk-root", "/x"])
     assert e.value.code == 2
-    assert "--zk-root and --zk-auth need --zk" in capsys.readouterr().err
+    assert "--zk-root and --zk-auth-file need --zk" in capsys.readouterr().err
 
 
 def test_a_move_is_kept_in_zookeeper_across_a_failover(nms_factory):

@@ -1,0 +1,106 @@
+"""The image of an image-to-video request: from base64 or upload bytes to the uint8 HxWx3 RGB array
+that travels to the stages.
+
+Decoding is bounded: the pixel count is read from the file's header and checked before a pixel is
+decoded (a few KB of PNG can claim gigapixels). The decoded image is then reduced to what the
+request's size needs, so a large photo does not travel through the i2v stages at full size: the
+VAE stage stretches the image to exactly width x height and the CLIP stage resizes its shorter
+side and crops the centre, so the least image that loses nothing for either covers width x height
+with the original aspect ratio. An image already within that is passed on untouched.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+import warnings
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from onepiece.proxy.errors import ApiError, bad_request
+
+MAX_IMAGE_PIXELS = 4096 * 4096  # decoded size bound (48 MiB as RGB)
+_B64_WS = re.compile(rb"\s+")
+_EXIF_ORIENTATION = 0x0112
+_TRANSPOSED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
+
+
+def decode_base64_image(value: str, param: str = "input_reference") -> bytes:
+    """Bytes of a base64 image given plain or as a ``data:image/...;base64,`` URL."""
+    text = value.strip()
+    if text.startswith(("http://", "https://")):
+        # Fetching client-chosen URLs from inside the cluster would be an SSRF hole.
+        raise bad_request(f"'{param}' as a remote URL is not supported; send the image itself "
+                          f"(multipart upload, a data URL or base64)", param=param, code="unsupported_reference")
+    if text.startswith("data:"):
+        head, sep, text = text.partition(",")
+        if not sep or ";base64" not in head:
+            raise bad_request(f"'{param}' data URL must be 'data:image/...;base64,<data>'", param=param,
+                              code="invalid_base64")
+        mime = head[5:].split(";")[0].strip().lower()
+        if mime and not mime.startswith("image/"):
+            raise bad_request(f"'{param}' data URL has type {mime!r}, expected an image", param=param,
+                              code="invalid_image")
+    try:
+        raw = _B64_WS.sub(b"", text.encode("ascii"))
+        raw += b"=" * (-len(raw) % 4)  # tolerate stripped padding
+        data = base64.b64decode(raw, validate=True)
+    except (UnicodeEncodeError, binascii.Error, ValueError):
+        raise bad_request(f"'{param}' is not valid base64", param=param, code="invalid_base64") from None
+    if not data:
+        raise bad_request(f"'{param}' is empty", param=param, code="invalid_image")
+    return data
+
+
+def cover_size(width: int, height: int, need_w: int, need_h: int) -> tuple[int, int]:
+    """The smallest size with the aspect ratio of ``width`` x ``height`` that covers ``need_w`` x
+    ``need_h`` (or the size itself when it is no larger)."""
+    scale = max(need_w / width, need_h / height)
+    if scale >= 1:
+        return width, height
+    return max(need_w, round(width * scale)), max(need_h, round(height * scale))
+
+
+def _too_large(param: str, what: str) -> ApiError:
+    return bad_request(f"'{param}' {what}; at most {MAX_IMAGE_PIXELS} pixels ({MAX_IMAGE_PIXELS ** 0.5:.0f}^2) allowed",
+                       param=param, code="image_too_large")
+
+
+def decode_image(data: bytes, need: tuple[int, int] | None = None, param: str = "input_reference") -> np.ndarray:
+    """The image as uint8 HxWx3 RGB, upright (EXIF), reduced to cover ``need`` = (width, height)
+    when it is larger (see the module doc). 400 ``image_too_large`` for more than MAX_IMAGE_PIXELS,
+    400 ``invalid_image`` for data that is no image. CPU-bound: callers run it off the event loop."""
+    try:
+        with warnings.catch_warnings():
+            # PIL's own bomb check (at 89 Mpx) would otherwise only warn, and decode.
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+            w, h = img.size  # read from the header, before any pixel is decoded
+            if w < 1 or h < 1:
+                raise bad_request(f"'{param}' is {w}x{h} pixels", param=param, code="invalid_image")
+            if w * h > MAX_IMAGE_PIXELS:
+                raise _too_large(param, f"is {w}x{h}")
+            if need is not None:
+                # JPEG decodes at 1/2, 1/4 or 1/8 scale for free; ask for what covers the need.
+                nw, nh = need[::-1] if img.getexif().get(_EXIF_ORIENTATION) in _TRANSPOSED else need
+                img.draft(img.mode, cover_size(w, h, nw, nh))
+            img = ImageOps.exif_transpose(img)  # phone photos store rotation in EXIF
+            img = img.convert("RGB")
+            if need is not None:
+                size = cover_size(img.width, img.height, *need)
+                if size != img.size:
+                    img = img.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
+            arr = np.asarray(img, dtype=np.uint8)
+    except ApiError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise _too_large(param, "has more pixels than decoding is allowed") from None
+    except UnidentifiedImageError:
+        raise bad_request(f"'{param}' is not a readable image (PNG, JPEG, WebP, ...)", param=param,
+                          code="invalid_image") from None
+    except (OSError, ValueError, SyntaxError, TypeError, EOFError, MemoryError) as e:  # truncated or corrupt data
+        raise bad_request(f"'{param}' could not be decoded as an image: {e}", param=param, code="invalid_image") from None
+    return np.ascontiguousarray(arr)

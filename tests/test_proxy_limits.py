@@ -1,0 +1,255 @@
+"""HTTP limits of the proxy (proxy/http_limits.py, the body budget in proxy/api.py) against a real
+proxy process on a real socket: huge and slow heads, slow bodies, too many buffered bodies, too
+many connections. The proxy runs in its own process so its memory can be measured alone."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+HEADER_BYTES = 16 * 1024
+TIMEOUT_S = 1.0
+MAX_BODY = 1 << 20
+MAX_CONNECTIONS = 48
+
+SCRIPT = f"""
+from onepiece.config import deploy_dir, load_workflow
+from onepiece.proxy.cluster import StaticCluster
+from onepiece.proxy.http_limits import HttpLimits
+from onepiece.proxy.server import ProxyServer
+
+limits = HttpLimits(max_header_bytes={HEADER_BYTES}, header_timeout_s={TIMEOUT_S}, body_timeout_s={TIMEOUT_S},
+                    max_connections={MAX_CONNECTIONS})
+server = ProxyServer(StaticCluster(load_workflow(deploy_dir() / "wan21.yaml")), max_body_bytes={MAX_BODY},
+                     max_buffered_bytes={3 * MAX_BODY}, http_limits=limits, log_level="warning")
+server.run(lambda host, port: print("PORT", port, flush=True))
+"""
+
+
+@pytest.fixture(scope="module")
+def proxy():
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(60, proc.kill)  # bounds the readline below if the proxy hangs
+    watchdog.start()
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PORT "), line
+        yield proc, int(line.split()[1])
+    finally:
+        watchdog.cancel()
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def healthy(port: int) -> bool:
+    return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+
+
+def connect(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def answer(s: socket.socket, timeout: float = 5.0) -> bytes:
+    """What the proxy sent until it closed the connection (b"" if it reset it)."""
+    s.settimeout(timeout)
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except ConnectionResetError:
+        pass
+    return out
+
+
+class HealthPoller:
+    """Asks /healthz every 50 ms on a thread; every answer must be a quick 200."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.results, self.stop = port, [], threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        with httpx.Client(timeout=2) as c:
+            while True:
+                try:
+                    self.results.append(c.get(f"http://127.0.0.1:{self.port}/healthz").status_code)
+                except httpx.HTTPError as e:
+                    self.results.append(repr(e))
+                if self.stop.wait(0.05):
+                    return
+
+    def __enter__(self) -> "HealthPoller":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        assert self.results and all(r == 200 for r in self.results), self.results
+
+
+def test_a_head_over_the_bound_gets_431(proxy):
+    _, port = proxy
+    with connect(port) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (HEADER_BYTES + 100) + b"\r\n\r\n")
+        got = answer(s)
+    assert got.startswith(b"HTTP/1.1 431 "), got[:200]
+    assert b'"code":"headers_too_large"' in got
+    with connect(port) as s:  # many small headers count the same
+        s.sendall(b"GET /healthz HTTP/1.1\r\n" + b"X-A: b\r\n" * (HEADER_BYTES // 8 + 10) + b"\r\n")
+        assert answer(s).startswith(b"HTTP/1.1 431 ")
+    # Within the bound, a large head is served.
+    with connect(port) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Big: " + b"a" * (HEADER_BYTES - 200)
+                  + b"\r\n\r\n")
+        assert answer(s).startswith(b"HTTP/1.1 200 ")
+
+
+def test_never_ending_headers_do_not_grow_the_proxy(proxy):
+    """Four clients each stream a 64 MiB header (before the bound, the proxy grew by ~250 MB)."""
+    proc, port = proxy
+    for _ in range(20):
+        assert healthy(port)
+    before = rss_mb(proc.pid)
+    sent: list[int] = []
+
+    def stream() -> None:
+        n = 0
+        chunk = b"a" * 65536
+        with connect(port) as s:
+            try:
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+                while n < 64 << 20:
+                    s.sendall(chunk)
+                    n += len(chunk)
+            except (BrokenPipeError, ConnectionResetError, socket.timeout):
+                pass
+        sent.append(n)
+
+    with HealthPoller(port):
+        threads = [threading.Thread(target=stream) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    grown = rss_mb(proc.pid) - before
+    assert len(sent) == 4 and all(n < 16 << 20 for n in sent), sent  # cut off, not read to the end
+    assert grown < 20, f"the proxy grew by {grown:.0f} MB"
+    assert healthy(port)
+
+
+def test_slow_heads_and_idle_connections_are_cut_off(proxy):
+    _, port = proxy
+    with HealthPoller(port):
+        with connect(port) as s:
+            t0 = time.monotonic()
+            s.sendall(b"GET /healthz HTTP/1.1\r\n")
+            got, closed = b"", False
+            for _ in range(40):  # one header line every 0.1 s: never complete
+                try:
+                    s.sendall(b"X-Slow: a\r\n")
+                except (BrokenPipeError, ConnectionResetError):
+                    closed = True
+                    break
+                time.sleep(0.1)
+                s.settimeout(0.001)
+                try:
+                    got = s.recv(4096)
+                except (socket.timeout, BlockingIOError):
+                    continue
+                except ConnectionResetError:
+                    closed = True
+                    break
+                if got:
+                    break
+            took = time.monotonic() - t0
+        assert got.startswith(b"HTTP/1.1 408 ") or closed, got
+        assert TIMEOUT_S * 0.9 <= took < TIMEOUT_S + 2, took
+        with connect(port) as s:  # a connection that never sends anything
+            t0 = time.monotonic()
+            assert answer(s) == b""
+            assert time.monotonic() - t0 < TIMEOUT_S + 2
+
+
+def test_slow_bodies_are_cut_off(proxy):
+    _, port = proxy
+    with HealthPoller(port):
+        with connect(port) as s:
+            t0 = time.monotonic()
+            s.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"prompt\": \"")
+            got = b""
+            s.settimeout(0.001)
+            for _ in range(40):
+                try:
+                    s.sendall(b"a")
+                    got = s.recv(4096)
+                except (socket.timeout, BlockingIOError):
+                    time.sleep(0.1)
+                    continue
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+                break
+            took = time.monotonic() - t0
+        assert got.startswith(b"HTTP/1.1 408 ") and b"body_timeout" in got, got
+        assert TIMEOUT_S * 0.9 <= took < TIMEOUT_S + 2, took
+
+
+def test_buffered_bodies_are_bounded_in_total(proxy):
+    """Three requests each announce a 1 MiB body and hold it back: with a 3 MiB total, a fourth
+    body is refused at once; once the three are cut off (body timeout), bodies are taken again."""
+    _, port = proxy
+    head = (b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % MAX_BODY)
+    holders = [connect(port) for _ in range(3)]
+    try:
+        for s in holders:
+            s.sendall(head + b"{")
+        time.sleep(0.3)  # the three reach the app and reserve their bodies
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/videos", content=b"{}", timeout=5,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "buffers_full", r.text
+        assert r.headers["retry-after"]
+        for s in holders:
+            assert answer(s).startswith(b"HTTP/1.1 408 ")
+    finally:
+        for s in holders:
+            s.close()
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/videos", content=b"{}", timeout=5,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def test_connections_beyond_the_bound_get_503(proxy):
+    _, port = proxy
+    idle = []
+    try:
+        for _ in range(MAX_CONNECTIONS):
+            idle.append(connect(port))
+        time.sleep(0.1)  # accepted by the proxy
+        with connect(port) as s:
+            got = answer(s)
+        assert got.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in got, got
+    finally:
+        for s in idle:
+            s.close()
+    assert healthy(port)
