@@ -49,7 +49,7 @@ import orjson
 
 from onepiece.bench.common import PROMPT, T2V_STAGES, cpu_name, model_dirs
 from onepiece.bench.overload import SET, Target, _run_async
-from onepiece.bench.trace import Trace, load_trace, parse_classes, poisson_trace, replay, summarize
+from onepiece.bench.trace import Trace, load_trace, parse_classes, parse_floats, poisson_trace, replay, summarize
 
 DEFAULT_CLASSES = "S=64x64x9:25,M=128x128x17:25,L=192x192x17:25"
 TARGETS = {"mean_ratio_max": 0.5, "attainment_min": 0.9, "attainment_ratio_min": 1.5}
@@ -89,16 +89,6 @@ def session_arguments(p: argparse.ArgumentParser, request_timeout: float, out: s
     p.add_argument("--models", help="folder for the models (default: ~/.cache/onepiece/models)")
     p.add_argument("--logs", help="keep the deployments' logs here")
     p.add_argument("--out", default="bench/results", help=f"folder for {out}")
-
-
-def _floats(spec: str, n: int, what: str) -> list[float]:
-    try:
-        out = [float(x) for x in spec.split(",")]
-    except ValueError:
-        raise SystemExit(f"bad {what} {spec!r}: expected {n} comma-separated numbers") from None
-    if len(out) != n or min(out) <= 0:
-        raise SystemExit(f"bad {what} {spec!r}: expected {n} positive numbers")
-    return out
 
 
 def log(msg: str) -> None:
@@ -323,8 +313,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"bad --policies {args.policies!r}: known policies are {', '.join(POLICIES)}")
     classes = parse_classes(args.classes)
     names = list(classes)
-    mix = dict(zip(names, _floats(args.mix, len(names), "--mix")))
-    alpha = dict(zip(names, _floats(args.alpha, len(names), "--alpha")))
+    mix = dict(zip(names, parse_floats(args.mix, len(names), "--mix")))
+    alpha = dict(zip(names, parse_floats(args.alpha, len(names), "--alpha")))
     given = load_trace(args.trace) if args.trace else None
     if given is not None:
         classes = {k: v.model_dump(exclude_none=True) for k, v in given.classes.items()}

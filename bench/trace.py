@@ -117,7 +117,7 @@ def load_trace(path: str | Path) -> Trace:
 
 
 def poisson_trace(classes: dict[str, dict[str, Any]], mix: dict[str, float], rate: float, n: int, seed: int,
-                  deadlines: bool = True, timeout_s: float | None = None, **meta: Any) -> Trace:
+                  deadlines: bool = True, timeout_s: float | None = None, app: str = "t2v", **meta: Any) -> Trace:
     """``n`` requests with exponential gaps at ``rate`` a second (the first at 0), classes drawn
     by ``mix``. With ``deadlines``, each aims for its class's ``slo_s``: as its target (``slo_s``)
     with ``timeout_s`` as its deadline, or as its deadline when ``timeout_s`` is None. The draws
@@ -133,10 +133,21 @@ def poisson_trace(classes: dict[str, dict[str, Any]], mix: dict[str, float], rat
         due: dict[str, float] = {}
         if deadlines and c.get("slo_s"):
             due = {"timeout_s": c["slo_s"]} if timeout_s is None else {"slo_s": c["slo_s"], "timeout_s": timeout_s}
-        reqs.append({"at": round(at, 6), "app": "t2v", "class": name, "size": c["size"], "num_frames": c["num_frames"],
+        reqs.append({"at": round(at, 6), "app": app, "class": name, "size": c["size"], "num_frames": c["num_frames"],
                      "steps": c["steps"], "seed": rng.randrange(2**31), **due})
     return Trace.model_validate({"version": VERSION, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
                                  "classes": classes, "requests": reqs, **meta})
+
+
+def parse_floats(spec: str, n: int, what: str) -> list[float]:
+    """``n`` comma-separated positive numbers (a flag's value), or SystemExit naming ``what``."""
+    try:
+        out = [float(x) for x in spec.split(",")]
+    except ValueError:
+        raise SystemExit(f"bad {what} {spec!r}: expected {n} comma-separated numbers") from None
+    if len(out) != n or min(out) <= 0:
+        raise SystemExit(f"bad {what} {spec!r}: expected {n} positive numbers")
+    return out
 
 
 def parse_classes(spec: str) -> dict[str, dict[str, Any]]:

@@ -341,6 +341,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim_arguments(sp)
     sp.set_defaults(fn=sim_run)
 
+    sp = sub.add_parser("plan", help="the fewest devices that meet an SLO for a load: monolithic vs disaggregated")
+    from onepiece.sim.cli import add_plan_arguments, run_plan
+
+    add_plan_arguments(sp)
+    sp.set_defaults(fn=run_plan)
+
     sp = sub.add_parser("generate", help="generate a video through a running deployment")
     from onepiece.generate import add_arguments
 
@@ -349,12 +355,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("bench", help="benchmarks (see bench/)")
     benches = sp.add_subparsers(dest="which", required=True, metavar="BENCHMARK")
-    from onepiece.bench import batching, e2e, elastic, failover, overload, sched, transport
+    from onepiece.bench import batching, e2e, elastic, failover, overload, sched, simval, transport
 
     for module, help_text in (
         (e2e, "end-to-end latency against the monolithic pipeline"),
         (batching, "denoise throughput and latency at max batch 1, 2, 4, 8 (scale models)"),
         (sched, "the stage scheduling policies on a seeded trace of mixed requests (scale models)"),
+        (simval, "the simulator against a bench sched run: predicted vs measured, every policy and load"),
         (overload, "open-loop load at multiples of capacity, request monitor on and off"),
         (transport, "transport throughput and one-way latency against memcpy"),
         (failover, "node manager failover on ZooKeeper: SIGKILL and graceful handover times"),

@@ -39,6 +39,7 @@ class CostModel:
         self._seed: dict[str, dict[int, float]] = {k: dict(v) for k, v in (table or {}).items()}
         self._obs: collections.OrderedDict[str, dict[int, collections.deque]] = collections.OrderedDict()
         self._fixed: collections.OrderedDict[str, collections.deque] = collections.OrderedDict()
+        self._rows: dict[str, dict[int, float]] = {}  # row() of each key, until it is observed again
 
     # --- measurements ---------------------------------------------------------------------------
     def observe(self, key: str, batch: int, seconds: float) -> None:
@@ -47,15 +48,21 @@ class CostModel:
         row = self._obs.pop(key, None) or {}
         row.setdefault(batch, collections.deque(maxlen=self.window)).append(float(seconds))
         self._obs[key] = row  # most recently observed last
+        self._rows.pop(key, None)
         while len(self._obs) > MAX_KEYS:
-            self._obs.popitem(last=False)
+            self._rows.pop(self._obs.popitem(last=False)[0], None)
 
     def row(self, key: str) -> dict[int, float]:
-        """Known seconds per batch size for ``key``: measured medians (a step that shared the
-        cores with another process is an outlier, not the cost) over the table's."""
-        out = dict(self._seed.get(key, {}))
-        for b, d in self._obs.get(key, {}).items():
-            out[b] = statistics.median(d)
+        """Known seconds per batch size for ``key`` (do not change it): measured medians (a step
+        that shared the cores with another process is an outlier, not the cost) over the table's.
+        Kept until the key is observed again: the scheduler asks for it at every decision."""
+        out = self._rows.get(key)
+        if out is None:
+            out = dict(self._seed.get(key, {}))
+            for b, d in self._obs.get(key, {}).items():
+                out[b] = statistics.median(d)
+            if key in self._seed or key in self._obs:
+                self._rows[key] = out
         return out
 
     def observe_fixed(self, key: str, seconds: float) -> None:

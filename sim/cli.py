@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=_counts, help="with --workflow: STAGE=N,... instances per set")
     p.add_argument("--sets", type=int, default=1, help="with --workflow: how many such sets (default 1)")
     p.add_argument("--schedule", action="append", default=[], metavar="STAGE.OPTION=VALUE",
-                   help="override a stage's schedule option, e.g. denoise_t2v.policy=edf (repeatable)")
+                   help="override a stage's schedule option, e.g. denoise_t2v.policy=edf (repeatable, in order; "
+                        "a policy resets max_batch to its default)")
     p.add_argument("--hop-ms", type=float, default=HOP_S * 1000, help="time of one message between stages (ms)")
     p.add_argument("--overhead-ms", type=float, default=OVERHEAD_S * 1000,
                    help="decision and IPC per chunk of steps (ms)")
@@ -69,8 +70,8 @@ def apply_schedule(wf: Workflow, overrides: list[str]) -> Workflow:
         if stage not in wf.stages:
             raise ConfigError(f"--schedule {item!r}: unknown stage {stage!r} (known: {sorted(wf.stages)})")
         spec = wf.stages[stage].schedule.model_dump()
-        if option == "policy" and spec["policy"] == "fcfs" and value != "fcfs":
-            spec["max_batch"] = None  # fcfs pinned it to 1; the new policy takes its own default
+        if option == "policy":
+            spec["max_batch"] = None  # the new policy's default, unless a later override sets it
         spec[option] = yaml.safe_load(value)
         try:
             wf.stages[stage].schedule = ScheduleSpec.model_validate(spec)
@@ -130,3 +131,125 @@ def run(args: argparse.Namespace) -> int:
     print(report.markdown(result))
     print("saved " + ", ".join(str(p) for p in paths))
     return 0
+
+
+# --- onepiece plan ---------------------------------------------------------------------------------
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workflow", required=True, help="workflow YAML: the stages, their policies and workers")
+    p.add_argument("--costs", required=True, help="cost table of the hardware planned for (onepiece profile's format)")
+    p.add_argument("--trace", help="the load (a trace file); or generate one with --rate, --classes, --mix, --alpha")
+    p.add_argument("--app", default="t2v", help="application of generated requests (default t2v)")
+    p.add_argument("--rate", type=float, help="requests per second of a generated trace")
+    p.add_argument("--classes", default="S=832x480x33:50,L=832x480x81:50", help="NAME=WxHxFRAMES:STEPS,...")
+    p.add_argument("--mix", default="0.7,0.3", help="share of each class by count, in --classes order")
+    p.add_argument("--alpha", default="2.0,3.0", help="SLO = alpha x standalone (from the cost table), per class")
+    p.add_argument("--requests", type=int, default=2000, help="requests in a generated trace (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target", type=float, default=0.99, help="share of requests within their SLO (default 0.99)")
+    p.add_argument("--loads", default="1", help="multiples of the load to plan for, for the curve (default 1)")
+    p.add_argument("--out", default="plan-out", help="folder for plan.json, .md, .png")
+
+
+def planning_trace(args: argparse.Namespace, wf: Workflow, costs: CostTable) -> Trace:
+    """The trace to plan for: ``--trace``, or seeded Poisson arrivals of the classes at
+    ``--rate`` with SLO = alpha x each class's standalone time on the cost table."""
+    from onepiece.bench.trace import parse_classes, parse_floats, poisson_trace
+    from onepiece.sim.plan import alone_by_request
+
+    if args.trace:
+        return load_trace(args.trace)
+    if not args.rate or args.rate <= 0:
+        raise ConfigError("plan needs --trace, or --rate (requests per second) for a generated trace")
+    classes = parse_classes(args.classes)
+    names = list(classes)
+    mix = dict(zip(names, parse_floats(args.mix, len(names), "--mix")))
+    alpha = dict(zip(names, parse_floats(args.alpha, len(names), "--alpha")))
+    one = Trace.model_validate({"version": 1, "classes": classes, "requests": [
+        {"at": 0, "app": args.app, "class": c, "size": v["size"], "num_frames": v["num_frames"], "steps": v["steps"]}
+        for c, v in classes.items()]})
+    try:
+        alone = alone_by_request(wf, costs, one)
+    except SimInputError as e:
+        raise ConfigError(f"--classes: {e}") from None
+    for (c, v), a in zip(classes.items(), alone):
+        v["standalone_s"] = sum(a.values()) + HOP_S * len(a)
+        v["alpha"], v["slo_s"] = alpha[c], alpha[c] * v["standalone_s"]
+    # A missed SLO still completes: the deadline only bounds the run.
+    return poisson_trace(classes, mix, args.rate, args.requests, args.seed, app=args.app,
+                         timeout_s=10 * max(v["slo_s"] for v in classes.values()))
+
+
+def scaled(trace: Trace, factor: float) -> Trace:
+    """The same requests arriving ``factor`` times as fast."""
+    return trace.model_copy(update={"requests": [r.model_copy(update={"at": r.at / factor}) for r in trace.requests]})
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from onepiece.sim import plan
+
+    try:
+        costs = CostTable.load(args.costs)
+    except TableError as e:
+        raise ConfigError(str(e)) from None
+    wf = load_workflow(args.workflow)
+    try:
+        base = planning_trace(args, wf, costs)
+        loads = sorted(float(x) for x in args.loads.split(","))
+    except (TraceError, ValueError) as e:
+        raise ConfigError(f"plan: {e}") from None
+    if not 0 < args.target <= 1:
+        raise ConfigError(f"--target {args.target}: expected a share in (0, 1]")
+    rows = []
+    for load in loads:
+        trace = scaled(base, load)
+        try:
+            mono_wf, mono_costs = plan.monolithic(wf, costs, trace)
+            mono = plan.fewest(lambda n: plan.attainment(mono_wf, {plan.PIPELINE: n}, mono_costs, trace),
+                               args.target)
+            dis = plan.disaggregated(wf, costs, trace, args.target)
+        except SimInputError as e:
+            raise ConfigError(f"plan: {e}") from None
+        rate = len(trace.requests) / max(trace.requests[-1].at, 1e-9)
+        rows.append({"load": load, "rate_rps": rate, "monolithic": mono.devices, "mono_attainment": mono.attainment,
+                     "disaggregated": dis.devices, "counts": dis.counts, "dis_attainment": dis.attainment,
+                     "saved": 1 - dis.devices / mono.devices})
+        print(f"load {load:g}x ({rate:.3g} req/s): monolithic {mono.devices} devices ({mono.attainment:.1%}); "
+              f"disaggregated {dis.devices} {dis.counts} ({dis.attainment:.1%}); saved {rows[-1]['saved']:.0%}",
+              flush=True)
+    doc = {"costs": costs.source, "costs_meta": costs.meta, "workflow": args.workflow, "target": args.target,
+           "classes": {c: v.model_dump(exclude_none=True) for c, v in base.classes.items()},
+           "requests": len(base.requests), "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(doc, indent=1))
+    md = [f"`onepiece plan` — {len(base.requests)} requests, {args.target:.1%} within SLO; costs {costs.source}", "",
+          "| load | req/s | monolithic devices | disaggregated devices | per stage | saved |", "|---|---|---|---|---|---|"]
+    md += [f"| {r['load']:g}x | {r['rate_rps']:.3g} | {r['monolithic']} | {r['disaggregated']} | "
+           f"{', '.join(f'{s} {n}' for s, n in r['counts'].items())} | {r['saved']:.0%} |" for r in rows]
+    (out / "plan.md").write_text("\n".join(md) + "\n")
+    _plot_plan(out / "plan.png", rows, f"devices for {args.target:.0%} within SLO")
+    print("\n".join(md))
+    print(f"saved {out / 'plan.json'}, plan.md, plan.png")
+    return 0
+
+
+def _plot_plan(path: Path, rows: list[dict[str, Any]], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [r["rate_rps"] for r in rows]
+    ax.plot(xs, [r["monolithic"] for r in rows], marker="o", label="monolithic")
+    ax.plot(xs, [r["disaggregated"] for r in rows], marker="o", label="disaggregated")
+    ax.set_xlabel("load (requests/s)")
+    ax.set_ylabel("devices")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

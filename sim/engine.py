@@ -51,13 +51,16 @@ class Journey:
     stages: list[str]
     deadline: float  # absolute, virtual seconds
     target: float | None
-    reserve: dict[str, float]
+    alone: dict[str, float]  # seconds each stage takes for it alone
     set: str = ""
     at_stage: int = 0
     end: float | None = None
     outcome: str = ""  # completed | failed
     error: str | None = None
     spans: list[tuple[str, str, float, float]] = field(default_factory=list)  # (stage, instance, enter, leave)
+
+    def __post_init__(self) -> None:
+        self.reserve = reserve(self.stages, self.alone.get)  # as the proxy splits the deadline
 
     def record(self) -> dict[str, Any]:
         """What ``bench.trace.summarize`` reads, as the benchmark's client records it."""
@@ -138,8 +141,7 @@ class Simulation:
             alone = {s: self.costs.alone_s(s, self._key(s, params), self._steps(s, params)) for s in stages}
             uid = f"r{i}"
             self.journeys[uid] = Journey(uid, i, tr, job.app, params, stages, tr.at + job.timeout_s,
-                                         None if job.slo_s is None else tr.at + job.slo_s,
-                                         reserve(stages, alone.get))
+                                         None if job.slo_s is None else tr.at + job.slo_s, alone)
             self.loop.at(tr.at, self._arrive, self.journeys[uid])
 
     def _wants_image(self, app: str) -> bool:

@@ -5,6 +5,7 @@ NM's capacity view sees it. The policies themselves are tested without processes
 
 from __future__ import annotations
 
+import asyncio
 import re
 import subprocess
 import sys
@@ -14,9 +15,15 @@ import httpx
 import psutil
 import pytest
 
+from onepiece.bench.overload import Target
+from onepiece.bench.sched import cost_table
+from onepiece.bench.trace import poisson_trace, replay
 from onepiece.client import Client, RequestFailed
+from onepiece.config import load_topology
 from onepiece.launcher import free_tcp_address
 from onepiece.nm.client import NmClient
+from onepiece.sim.cli import simulate
+from onepiece.sim.costs import CostTable
 
 from deployment import Up
 
@@ -33,6 +40,7 @@ def up(tiny_models, tmp_path_factory, make_topology):
                              proxy={"count": 1, "port": 0, "monitor": False}, threads=1,
                              schedule={"denoise_t2v": {"policy": "slo", "max_batch": 4, "chunk_steps": 2}})
     dep = Up(topology, folder / "logs", nm)
+    dep.topology = topology
     try:
         dep.url = dep.wait_for(r"serves the API at (http://\S+)", timeout=240).group(1)
         yield dep
@@ -149,6 +157,37 @@ def test_a_request_that_misses_its_slo_still_completes(up):
         v = c.submit("aims high", model="t2v", slo_s=0.2, timeout_s=60, size="256x256", num_frames=17, steps=20)
         done = c.wait(v["id"], timeout=60)
     assert done["status"] == "completed" and time.monotonic() - t0 > 0.2
+
+
+def test_the_simulator_predicts_a_real_run(up):
+    """DESIGN §12's validation in small: a trace sent open loop to the running deployment, then
+    the same trace through the simulator priced by what the deployment's own stages measured.
+    The bound is loose (a CI machine's speed drifts while it runs); `onepiece bench simval` is
+    the full comparison."""
+    classes = {"S": {"size": "64x64", "num_frames": 9, "steps": 10, "slo_s": 3.0},
+               "M": {"size": "128x128", "num_frames": 9, "steps": 10, "slo_s": 6.0}}
+    warm = poisson_trace(classes, {"S": 0.5, "M": 0.5}, rate=4.0, n=6, seed=1, timeout_s=60)
+    trace = poisson_trace(classes, {"S": 0.7, "M": 0.3}, rate=4.0, n=16, seed=2, timeout_s=60)
+
+    async def send() -> list[dict]:
+        async with Target(up.url, up.nm, (64, 64, 9, 10), 60.0) as t:
+            await replay(t, warm, "warm", 60.0)  # every shape measured before the trace
+            return await replay(t, trace, "sim", 60.0)
+
+    measured = asyncio.run(send())
+    assert all(r["outcome"] == "completed" for r in measured), measured
+    client = NmClient(up.nm)
+    try:
+        costs = CostTable(cost_table(client.status()["sets"]["set0"]["stages"]), "the deployment's heartbeats")
+    finally:
+        client.close()
+    topo, wf, _ = load_topology(up.topology)
+    result, _ = simulate(wf, {"set0": dict(topo.sets[0].stages)}, costs, trace, chunks=False)
+    predicted = result["requests"]
+    assert all(r["outcome"] == "completed" for r in predicted)
+    mean_m = sum(r["latency_s"] for r in measured) / len(measured)
+    mean_p = sum(r["latency_s"] for r in predicted) / len(predicted)
+    assert 0.6 < mean_p / mean_m < 1.5, (mean_p, mean_m)
 
 
 def test_a_killed_worker_fails_every_request_it_held_and_comes_back(up, tmp_path):

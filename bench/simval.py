@@ -1,0 +1,111 @@
+"""`onepiece bench simval`: the simulator against real runs (DESIGN §12).
+
+It replays the exact traces a `onepiece bench sched` run saved (``sched-trace-<load>.json``),
+for every policy that run measured, through `onepiece sim`'s engine with the cost table that
+policy's own run measured (``sched-costs-<policy>.json``: every stage's heartbeat figures at
+the end of its traces), on the topology the benchmark ran (one set: text_encode, denoise_t2v
+and vae_decode, one instance each, denoise_t2v on the policy with the run's max batch), and
+puts predicted beside measured: SLO attainment and mean latency, per class and overall.
+Target (GF-DiT validates its simulator the same way): within 5 points of attainment and 10% of
+mean latency at every level. Saved as ``simval.json`` and ``simval.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from onepiece.bench.common import T2V_STAGES, cpu_name
+from onepiece.bench.trace import Trace, load_trace
+from onepiece.cli import PROFILE_WORKFLOWS
+from onepiece.config import deploy_dir, load_workflow
+from onepiece.sim.cli import apply_schedule, simulate
+from onepiece.sim.costs import CostTable
+
+TARGETS = {"attainment_points": 5.0, "mean_rel": 0.10}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--results", default="bench/results", help="folder of a bench sched run (sched.json, traces, costs)")
+    p.add_argument("--out", default="bench/results", help="folder for simval.json and simval.md")
+
+
+def validate(results: Path) -> dict[str, Any]:
+    """Predicted and measured figures for every (policy, load) of the run in ``results``."""
+    run = json.loads((results / "sched.json").read_text())
+    settings = run["settings"]
+    wf = load_workflow(deploy_dir() / PROFILE_WORKFLOWS[settings.get("profile", "scale")])
+    rows: dict[str, dict[str, Any]] = {}
+    for policy, by_load in run["rows"].items():
+        costs_path = results / f"sched-costs-{policy}.json"
+        if "monitor" in policy or not costs_path.exists():
+            continue  # the simulator does not run the request monitor yet; or no costs were saved
+        costs = CostTable.load(costs_path)
+        opts = [f"denoise_t2v.policy={policy}"] + ([] if policy == "fcfs" else
+                                                   [f"denoise_t2v.max_batch={settings['max_batch']}"])
+        pwf = apply_schedule(wf, opts)
+        for load, measured in by_load.items():
+            trace = _sent(load_trace(results / f"sched-trace-{load}.json"), settings["max_duration"])
+            result, _ = simulate(pwf, {"set0": dict(T2V_STAGES)}, costs, trace, chunks=False)
+            rows.setdefault(policy, {})[load] = {"measured": measured, "predicted": result["summary"],
+                                                 "wall_s": result["wall_s"]}
+    return {"bench": "simval", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
+            "run": {"when": run.get("when"), "results": str(results)}, "rows": rows, "targets": _targets(rows)}
+
+
+def _sent(trace: Trace, max_duration: float) -> Trace:
+    """The requests the benchmark sent: those within its arrival window."""
+    return trace.model_copy(update={"requests": [r for r in trace.requests if r.at <= max_duration]})
+
+
+def _targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    worst_points, worst_rel = 0.0, 0.0
+    for by_load in rows.values():
+        for cell in by_load.values():
+            m, p = cell["measured"]["all"], cell["predicted"]["all"]
+            worst_points = max(worst_points, abs(p["attainment"] - m["attainment"]) * 100)
+            worst_rel = max(worst_rel, abs(p["mean_s"] - m["mean_s"]) / m["mean_s"])
+    return {"attainment_points": {"value": worst_points, "met": worst_points <= TARGETS["attainment_points"]},
+            "mean_rel": {"value": worst_rel, "met": worst_rel <= TARGETS["mean_rel"]}}
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    lines = [f"`onepiece bench simval` — {doc['when']}: the simulator against the `bench sched` run of "
+             f"{doc['run']['when']} ({doc['run']['results']}), each policy priced by the costs its own run measured.",
+             "", "| policy | load | class | n | attainment measured | predicted | Δ points | mean ms measured | "
+                 "predicted | Δ |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for policy, by_load in doc["rows"].items():
+        for load, cell in by_load.items():
+            for c, m in cell["measured"].items():
+                p = cell["predicted"].get(c)
+                if p is None:
+                    continue
+                lines.append(f"| {policy} | {load} | {c} | {m['n']} | {m['attainment']:.0%} | {p['attainment']:.0%} "
+                             f"| {(p['attainment'] - m['attainment']) * 100:+.0f} | {m['mean_s'] * 1000:.0f} "
+                             f"| {p['mean_s'] * 1000:.0f} | {(p['mean_s'] - m['mean_s']) / m['mean_s']:+.0%} |")
+    t = doc["targets"]
+    if t:
+        lines += ["", "Worst over every policy and load, all classes together: "
+                      f"{t['attainment_points']['value']:.1f} points of attainment (target ≤ "
+                      f"{TARGETS['attainment_points']:g}: {'met' if t['attainment_points']['met'] else 'not met'}), "
+                      f"{t['mean_rel']['value']:.0%} of mean latency (target ≤ {TARGETS['mean_rel']:.0%}: "
+                      f"{'met' if t['mean_rel']['met'] else 'not met'})."]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    doc = validate(Path(args.results))
+    if not doc["rows"]:
+        raise SystemExit(f"{args.results}: no policy with a sched-costs-<policy>.json beside sched.json "
+                         f"(rerun `onepiece bench sched`, which saves them)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "simval.json").write_text(json.dumps(doc, indent=1))
+    text = markdown(doc)
+    (out / "simval.md").write_text(text + "\n")
+    print(text)
+    print(f"saved {out / 'simval.json'} and simval.md")
+    return 0

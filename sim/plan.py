@@ -1,0 +1,148 @@
+"""`onepiece plan`'s search (DESIGN §12): the fewest devices that meet an SLO target for a load,
+judged by the simulator running the real policies.
+
+- **Monolithic**: every device runs whole requests, one after another, each through every stage
+  of its application (the paper's baseline: one instance holds the whole pipeline). Priced from
+  the same table: a request's call is the sum of its stages' standalone times.
+- **Disaggregated**: one device per stage instance, counts per stage first from the paper's
+  Theorem 1 (each stage gets devices in proportion to the work it is offered, so none falls
+  behind the others), then refined by simulation: add a device where the workers are busiest
+  until the target is met, then take back any device the target does not need.
+
+A device is one worker of one instance (``workers`` of a stage in the workflow YAML is kept at
+what it says; set it to 1 to count GPUs one by one).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from onepiece.bench.trace import Trace, summarize
+from onepiece.config import StageSpec, Workflow
+from onepiece.sched.keys import call_key
+from onepiece.sched.options import ScheduleSpec
+from onepiece.sim.costs import CostTable
+from onepiece.sim.engine import HOP_S, SimInputError, Simulation
+
+PIPELINE = "pipeline"  # the monolithic stage
+MAX_DEVICES = 100_000
+
+
+@dataclass
+class Verdict:
+    devices: int
+    counts: dict[str, int]
+    attainment: float
+    utilization: dict[str, float]
+    summary: dict[str, Any] = field(repr=False, default_factory=dict)
+
+
+def attainment(wf: Workflow, counts: dict[str, int], costs: CostTable, trace: Trace, hop_s: float = HOP_S) -> Verdict:
+    """Simulate ``trace`` on one set of ``counts`` instances; SLO attainment over all requests."""
+    sim = Simulation(wf, {"set0": counts}, costs, hop_s=hop_s, keep_chunks=False)
+    sim.load(trace)
+    records = sim.run()
+    summary = summarize(records, {c: v.slo_s or math.inf for c, v in trace.classes.items()})
+    devices = sum(n * wf.stages[s].workers for s, n in counts.items())
+    return Verdict(devices, dict(counts), summary["all"]["attainment"], sim.utilization(), summary)
+
+
+# --- monolithic ---------------------------------------------------------------------------------
+def alone_by_request(wf: Workflow, costs: CostTable, trace: Trace) -> list[dict[str, float]]:
+    """Per request of ``trace``, the seconds each stage of its application takes for it alone
+    (the simulator's own check and pricing: bad requests and missing rows are refused)."""
+    stages = {s for app in {r.app for r in trace.requests} if app in wf.applications
+              for s in wf.applications[app].stages}
+    sim = Simulation(wf, {"set0": {s: 1 for s in stages}}, costs, keep_chunks=False)
+    sim.load(trace)
+    return [j.alone for j in sorted(sim.journeys.values(), key=lambda j: j.index)]
+
+
+def monolithic(wf: Workflow, costs: CostTable, trace: Trace) -> tuple[Workflow, CostTable]:
+    """The workflow and table of whole-pipeline devices: each application becomes one stage,
+    ``pipeline``, a call that costs the sum of its stages alone (no hops: one process)."""
+    rows: dict[str, float] = {}
+    for i, (r, alone) in enumerate(zip(trace.requests, alone_by_request(wf, costs, trace))):
+        w, h = r.size.split("x")
+        key, t = call_key({"width": w, "height": h, "num_frames": r.num_frames}), sum(alone.values())
+        if key in rows and not math.isclose(rows[key], t):
+            raise SimInputError(f"requests[{i}]: shape {key} comes with another cost too (other step counts?); a "
+                                f"monolithic device is priced per shape, so give each shape one step count")
+        rows[key] = t
+    mono = wf.model_copy(deep=True)
+    first = next(iter(mono.stages.values()))
+    mono.stages = {PIPELINE: StageSpec(model=first.model, components=first.components, workers=1,
+                                       schedule=ScheduleSpec(policy="fcfs"))}
+    for app in mono.applications.values():
+        app.stages = [PIPELINE]
+    table = CostTable({"version": 1, "stages": {PIPELINE: {"rows": [{"key": k, "batch": 1, "seconds": t}
+                                                                    for k, t in rows.items()]}}},
+                      f"{costs.source} (whole pipeline)")
+    return mono, table
+
+
+def fewest(verdict_of: Callable[[int], Verdict], target: float, start: int = 1) -> Verdict:
+    """The smallest n whose verdict meets ``target`` (attainment grows with n: doubling, then
+    bisection)."""
+    lo, hi = start - 1, max(start, 1)
+    best = verdict_of(hi)
+    while best.attainment < target:
+        if hi >= MAX_DEVICES:
+            raise SimInputError(f"no fleet of up to {MAX_DEVICES} devices meets {target:.1%}")
+        lo, hi = hi, min(MAX_DEVICES, hi * 2)
+        best = verdict_of(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        v = verdict_of(mid)
+        if v.attainment >= target:
+            hi, best = mid, v
+        else:
+            lo = mid
+    return best
+
+
+# --- disaggregated ------------------------------------------------------------------------------
+def theorem1(wf: Workflow, costs: CostTable, trace: Trace, utilization: float = 0.7) -> dict[str, int]:
+    """Counts in proportion to each stage's offered work (device-seconds per second), each
+    stage at ``utilization`` and at least one instance: Theorem 1's balance, so no stage falls
+    behind the one before it."""
+    span = max(trace.requests[-1].at - trace.requests[0].at, 1e-9)
+    work: dict[str, float] = {}
+    for alone in alone_by_request(wf, costs, trace):
+        for s, t in alone.items():
+            work[s] = work.get(s, 0.0) + t
+    return {s: max(1, math.ceil(w / span / utilization / wf.stages[s].workers)) for s, w in sorted(work.items())}
+
+
+def disaggregated(wf: Workflow, costs: CostTable, trace: Trace, target: float, hop_s: float = HOP_S,
+                  max_runs: int = 200) -> Verdict:
+    """Theorem 1's counts, then: add one instance to the busiest stage until ``target`` is met,
+    then remove any instance the target does not need (the least busy stages first)."""
+    counts = theorem1(wf, costs, trace)
+    stages = list(counts)
+    runs = 0
+
+    def judge(c: dict[str, int]) -> Verdict:
+        nonlocal runs
+        runs += 1
+        if runs > max_runs:
+            raise SimInputError(f"no plan within {max_runs} simulations")
+        return attainment(wf, c, costs, trace, hop_s)
+
+    v = judge(counts)
+    while v.attainment < target:
+        busiest = max(stages, key=lambda s: v.utilization.get(s, 0.0))
+        counts = {**counts, busiest: counts[busiest] + 1}
+        v = judge(counts)
+    improved = True
+    while improved:
+        improved = False
+        for s in sorted(stages, key=lambda s: v.utilization.get(s, 0.0)):
+            if counts[s] > 1:
+                trial = judge({**counts, s: counts[s] - 1})
+                if trial.attainment >= target:
+                    counts, v, improved = trial.counts, trial, True
+                    break
+    return v

@@ -1,0 +1,159 @@
+"""The trace-driven simulator (sim/): the engine on hand-made cost tables where the answer can
+be worked out by hand, bad inputs refused with where and why, the command's outputs, and the
+validation against a saved benchmark run. No processes: the simulator has no I/O."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from onepiece.bench.trace import Trace, parse_classes, poisson_trace
+from onepiece.cli import main
+from onepiece.config import ConfigError, deploy_dir, load_workflow
+from onepiece.sched.costs import TableError
+from onepiece.sim.cli import apply_schedule, simulate
+from onepiece.sim.costs import CostTable
+from onepiece.sim.engine import SimInputError, Simulation
+
+WF = load_workflow(deploy_dir() / "wan21-scale.yaml")
+SET = {"set0": {"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1}}
+S, L = "64x64x9", "192x192x17"
+
+
+def table(denoise: dict[str, dict[int, float]] | None = None) -> CostTable:
+    denoise = denoise or {f"{S}/cfg/L64": {1: 0.02, 2: 0.03, 4: 0.05}, f"{L}/cfg/L64": {1: 0.2, 2: 0.4}}
+    rows = {"text_encode": [{"key": k, "batch": 1, "seconds": 0.01} for k in (S, L)],
+            "vae_decode": [{"key": S, "batch": 1, "seconds": 0.05}, {"key": L, "batch": 1, "seconds": 0.3}],
+            "denoise_t2v": [{"key": k, "batch": b, "seconds": t} for k, row in denoise.items() for b, t in row.items()]}
+    return CostTable({"version": 1, "stages": {s: {"rows": r} for s, r in rows.items()}}, "t.json")
+
+
+def trace(reqs: list[dict], classes: dict | None = None) -> Trace:
+    classes = classes or {"S": {"size": "64x64", "num_frames": 9, "steps": 10, "slo_s": 1.0},
+                          "L": {"size": "192x192", "num_frames": 17, "steps": 10, "slo_s": 8.0}}
+    full = [{"app": "t2v", "size": classes[r["class"]]["size"], "num_frames": classes[r["class"]]["num_frames"],
+             "steps": classes[r["class"]]["steps"], **r} for r in reqs]
+    return Trace.model_validate({"version": 1, "classes": classes, "requests": full})
+
+
+def test_one_request_takes_its_stages_and_hops_exactly():
+    sim = Simulation(WF, SET, table(), hop_s=0.002, overhead_s=0.001)
+    sim.load(trace([{"at": 1.0, "class": "S"}]))
+    (rec,) = sim.run()
+    # text 0.01 + overhead; hop; 10 denoise steps in chunks of 1 step (overhead each); hop; vae 0.05 + overhead; hop
+    chunks = [c for c in sim.chunks if "denoise" in c.instance]
+    want = (0.01 + 0.001) + 0.002 + 10 * 0.02 + len(chunks) * 0.001 + 0.002 + (0.05 + 0.001) + 0.002
+    assert rec["outcome"] == "completed"
+    assert rec["latency_s"] == pytest.approx(want, abs=1e-9)
+    assert [s["stage"] for s in rec["stages"]] == ["text_encode", "denoise_t2v", "vae_decode"]
+
+
+def test_compatible_requests_share_forward_passes_and_a_long_one_is_passed():
+    """Four small requests arriving while a large one denoises: slo batches them and runs them
+    before the large one's remaining steps (its deadline is far), so they all meet 1 s."""
+    reqs = [{"at": 0.0, "class": "L", "slo_s": 8.0, "timeout_s": 60}] + [
+        {"at": 0.3 + 0.01 * i, "class": "S", "slo_s": 1.0, "timeout_s": 60} for i in range(4)]
+    result, sim = simulate(WF, SET, table(), trace(reqs))
+    recs = result["requests"]
+    assert all(r["outcome"] == "completed" for r in recs)
+    assert all(r["latency_s"] <= 1.0 for r in recs if r["class"] == "S")
+    assert max(len(c.uids) for c in sim.chunks if "denoise" in c.instance) >= 2
+    assert result["summary"]["all"]["attainment"] == 1.0
+    # fcfs runs the large one to its end first: the small ones miss
+    fcfs, _ = simulate(apply_schedule(WF, ["denoise_t2v.policy=fcfs"]), SET, table(), trace(reqs))
+    assert fcfs["summary"]["S"]["attainment"] == 0.0
+
+
+def test_a_request_past_its_deadline_fails_where_it_waits_and_a_missed_slo_still_completes():
+    reqs = [{"at": 0.0, "class": "L", "timeout_s": 60}, {"at": 0.0, "class": "L", "timeout_s": 60},
+            {"at": 0.01, "class": "S", "timeout_s": 0.3}, {"at": 0.01, "class": "S", "slo_s": 0.3, "timeout_s": 60}]
+    result, _ = simulate(apply_schedule(WF, ["denoise_t2v.policy=fcfs"]), SET, table(), trace(reqs))
+    by = {r["uid"]: r for r in result["requests"]}
+    assert by["r2"]["outcome"] == "failed" and by["r2"]["error"] == "deadline exceeded at stage denoise_t2v"
+    assert by["r3"]["outcome"] == "completed" and by["r3"]["latency_s"] > 0.3
+
+
+def test_the_same_inputs_give_the_same_result():
+    classes = parse_classes("S=64x64x9:10,L=192x192x17:10")
+    classes["S"]["slo_s"], classes["L"]["slo_s"] = 1.0, 8.0
+    tr = poisson_trace(classes, {"S": 0.8, "L": 0.2}, rate=3.0, n=200, seed=1, timeout_s=60)
+    a, _ = simulate(WF, SET, table(), tr, chunks=False)
+    b, _ = simulate(WF, SET, table(), tr, chunks=False)
+    assert a["requests"] == b["requests"]
+    two, _ = simulate(WF, {"a": SET["set0"], "b": SET["set0"]}, table(), tr, chunks=False)
+    assert two["summary"]["all"]["mean_s"] < a["summary"]["all"]["mean_s"]  # two sets share the load
+    assert {r["set"] for r in two["requests"]} == {"a", "b"}
+
+
+def test_bad_inputs_are_refused_with_where_and_why():
+    sim = Simulation(WF, SET, table({f"{S}/cfg/L64": {1: 0.02}}))
+    with pytest.raises(SimInputError, match=r"requests\[1\] \(192x192x17:10\): t.json: stage 'denoise_t2v' has no "
+                                            r"row for key '192x192x17/cfg/L64'"):
+        sim.load(trace([{"at": 0, "class": "S"}, {"at": 1, "class": "L"}]))
+    with pytest.raises(SimInputError, match=r"requests\[0\]: unknown model 'v2v'"):
+        Simulation(WF, SET, table()).load(trace([{"at": 0, "class": "S", "app": "v2v"}]))
+    with pytest.raises(SimInputError, match=r"requests\[0\]: 'steps' must be between 1 and 100"):
+        Simulation(WF, SET, table()).load(trace([{"at": 0, "class": "S", "steps": 500}]))
+    with pytest.raises(SimInputError, match="application 'i2v' needs stage 'image_encode', which no set runs"):
+        Simulation(WF, SET, table()).load(trace([{"at": 0, "class": "S", "app": "i2v"}]))
+    with pytest.raises(SimInputError, match=r"sets.set0.denoise: unknown stage"):
+        Simulation(WF, {"set0": {"denoise": 1}}, table())
+    with pytest.raises(TableError, match=r"t.json: stages.vae_decode.rows\[0\]: expected \{key, batch, seconds\}"):
+        CostTable({"version": 1, "stages": {"vae_decode": {"rows": [{"key": S}]}}}, "t.json")
+    with pytest.raises(TableError, match="mixes step keys"):
+        CostTable({"version": 1, "stages": {"x": {"rows": [{"key": S, "batch": 1, "seconds": 1},
+                                                           {"key": S + "/cfg/L64", "batch": 1, "seconds": 1}]}}})
+    with pytest.raises(ConfigError, match=r"denoise_t2v.max_batch=0.*max_batch: Input should be greater"):
+        apply_schedule(WF, ["denoise_t2v.max_batch=0"])
+    with pytest.raises(ConfigError, match="expected STAGE.OPTION=VALUE"):
+        apply_schedule(WF, ["policy=edf"])
+
+
+def test_the_command_writes_its_figures_and_a_schedule_trace(tmp_path, capsys):
+    (tmp_path / "t.json").write_bytes(trace([{"at": 0.1 * i, "class": "SL"[i % 2], "slo_s": [1.0, 8.0][i % 2],
+                                              "timeout_s": 30} for i in range(12)]).dump())
+    (tmp_path / "c.json").write_text(json.dumps({"version": 1, "stages": {
+        s: {"rows": [{"key": k, "batch": b, "seconds": t} for k, row in rows.items() for b, t in row.items()]}
+        for s, rows in table().rows.items()}}))
+    with pytest.raises(SystemExit) as e:
+        main(["sim", "--trace", str(tmp_path / "t.json"), "--costs", str(tmp_path / "c.json"),
+              "--workflow", str(deploy_dir() / "wan21-scale.yaml"), "--instances", "text_encode=1,denoise_t2v=2,vae_decode=1",
+              "--schedule", "denoise_t2v.policy=edf", "--out", str(tmp_path / "out")])
+    assert e.value.code == 0, capsys.readouterr()
+    doc = json.loads((tmp_path / "out" / "sim.json").read_text())
+    assert doc["summary"]["all"]["n"] == 12 and "denoise_t2v: edf" in doc["title"]
+    events = json.loads((tmp_path / "out" / "sim.perfetto.json").read_text())["traceEvents"]
+    slices = [ev for ev in events if ev["ph"] == "X"]
+    assert slices and all(ev["dur"] > 0 for ev in slices)
+    assert {ev["args"]["name"] for ev in events if ev["ph"] == "M"} >= {"set0-denoise_t2v0", "set0-denoise_t2v1"}
+    assert (tmp_path / "out" / "sim.png").stat().st_size > 1000
+    with pytest.raises(SystemExit) as e:  # a cost table without a shape the trace needs
+        main(["sim", "--trace", str(tmp_path / "t.json"), "--costs", str(tmp_path / "t.json"),
+              "--workflow", str(deploy_dir() / "wan21-scale.yaml"), "--instances", "denoise_t2v=1"])
+    assert e.value.code == 2 and "not a version-1 cost table" in capsys.readouterr().err
+
+
+def test_the_planner_finds_the_fewest_devices_that_meet_the_target():
+    from onepiece.sim import plan
+
+    classes = parse_classes("S=64x64x9:10,L=192x192x17:10")
+    classes["S"]["slo_s"], classes["L"]["slo_s"] = 0.8, 6.0
+    tr = poisson_trace(classes, {"S": 0.8, "L": 0.2}, rate=10.0, n=300, seed=4, timeout_s=60)
+    mono_wf, mono_costs = plan.monolithic(WF, table(), tr)
+    # a whole S request is its three stages alone: 0.01 + 10 x 0.02 + 0.05
+    assert mono_costs.step_s(plan.PIPELINE, S, 1) == pytest.approx(0.26)
+    best = plan.fewest(lambda n: plan.attainment(mono_wf, {plan.PIPELINE: n}, mono_costs, tr), 0.95)
+    assert best.attainment >= 0.95
+    assert plan.attainment(mono_wf, {plan.PIPELINE: best.devices - 1}, mono_costs, tr).attainment < 0.95
+    dis = plan.disaggregated(WF, table(), tr, 0.95)
+    assert dis.attainment >= 0.95 and dis.devices == sum(dis.counts.values())
+    for stage, n in dis.counts.items():  # none of them can give one back
+        if n > 1:
+            assert plan.attainment(WF, {**dis.counts, stage: n - 1}, table(), tr).attainment < 0.95
+    # Theorem 1's start: the denoise stage is offered most of the work, so it gets most devices
+    start = plan.theorem1(WF, table(), tr)
+    assert start["denoise_t2v"] == max(start.values()) and min(start.values()) >= 1
+    mixed = tr.model_copy(update={"requests": [*tr.requests[:2], tr.requests[2].model_copy(update={"steps": 20})]})
+    with pytest.raises(SimInputError, match="give each shape one step count"):
+        plan.monolithic(WF, table(), mixed)
