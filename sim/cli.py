@@ -145,6 +145,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", default="2.0,3.0", help="SLO = alpha x standalone (from the cost table), per class")
     p.add_argument("--requests", type=int, default=2000, help="requests in a generated trace (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gpus", type=_counts, default={}, metavar="STAGE=N,...",
+                   help="GPUs one device of a stage holds (default 1 each), e.g. denoise_i2v=2")
     p.add_argument("--target", type=float, default=0.99, help="share of requests within their SLO (default 0.99)")
     p.add_argument("--loads", default="1", help="multiples of the load to plan for, for the curve (default 1)")
     p.add_argument("--out", default="plan-out", help="folder for plan.json, .md, .png")
@@ -205,31 +207,32 @@ def run_plan(args: argparse.Namespace) -> int:
     for load in loads:
         trace = scaled(base, load)
         try:
-            mono_wf, mono_costs = plan.monolithic(wf, costs, trace)
-            mono = plan.fewest(lambda n: plan.attainment(mono_wf, {plan.PIPELINE: n}, mono_costs, trace),
-                               args.target)
-            dis = plan.disaggregated(wf, costs, trace, args.target)
+            mono_wf, mono_costs, mono_gpus = plan.monolithic(wf, costs, trace, args.gpus)
+            mono = plan.fewest(lambda n: plan.attainment(mono_wf, {plan.PIPELINE: n}, mono_costs, trace,
+                                                         gpus=mono_gpus), args.target)
+            dis = plan.disaggregated(wf, costs, trace, args.target, gpus=args.gpus)
         except SimInputError as e:
             raise ConfigError(f"plan: {e}") from None
         rate = len(trace.requests) / max(trace.requests[-1].at, 1e-9)
         rows.append({"load": load, "rate_rps": rate, "monolithic": mono.devices, "mono_attainment": mono.attainment,
                      "disaggregated": dis.devices, "counts": dis.counts, "dis_attainment": dis.attainment,
                      "saved": 1 - dis.devices / mono.devices})
-        print(f"load {load:g}x ({rate:.3g} req/s): monolithic {mono.devices} devices ({mono.attainment:.1%}); "
+        print(f"load {load:g}x ({rate:.3g} req/s): monolithic {mono.devices} GPUs ({mono.attainment:.1%}); "
               f"disaggregated {dis.devices} {dis.counts} ({dis.attainment:.1%}); saved {rows[-1]['saved']:.0%}",
               flush=True)
     doc = {"costs": costs.source, "costs_meta": costs.meta, "workflow": args.workflow, "target": args.target,
+           "gpus": args.gpus,
            "classes": {c: v.model_dump(exclude_none=True) for c, v in base.classes.items()},
            "requests": len(base.requests), "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(doc, indent=1))
     md = [f"`onepiece plan` — {len(base.requests)} requests, {args.target:.1%} within SLO; costs {costs.source}", "",
-          "| load | req/s | monolithic devices | disaggregated devices | per stage | saved |", "|---|---|---|---|---|---|"]
+          "| load | req/s | monolithic GPUs | disaggregated GPUs | instances per stage | saved |", "|---|---|---|---|---|---|"]
     md += [f"| {r['load']:g}x | {r['rate_rps']:.3g} | {r['monolithic']} | {r['disaggregated']} | "
            f"{', '.join(f'{s} {n}' for s, n in r['counts'].items())} | {r['saved']:.0%} |" for r in rows]
     (out / "plan.md").write_text("\n".join(md) + "\n")
-    _plot_plan(out / "plan.png", rows, f"devices for {args.target:.0%} within SLO")
+    _plot_plan(out / "plan.png", rows, f"GPUs for {args.target:.0%} within SLO")
     print("\n".join(md))
     print(f"saved {out / 'plan.json'}, plan.md, plan.png")
     return 0
@@ -246,7 +249,7 @@ def _plot_plan(path: Path, rows: list[dict[str, Any]], title: str) -> None:
     ax.plot(xs, [r["monolithic"] for r in rows], marker="o", label="monolithic")
     ax.plot(xs, [r["disaggregated"] for r in rows], marker="o", label="disaggregated")
     ax.set_xlabel("load (requests/s)")
-    ax.set_ylabel("devices")
+    ax.set_ylabel("GPUs")
     ax.set_title(title, fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend()

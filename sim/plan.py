@@ -10,7 +10,8 @@ judged by the simulator running the real policies.
   until the target is met, then take back any device the target does not need.
 
 A device is one worker of one instance (``workers`` of a stage in the workflow YAML is kept at
-what it says; set it to 1 to count GPUs one by one).
+what it says), and it holds ``gpus[stage]`` GPUs (1 unless said: e.g. a 14B transformer that
+runs sequence-parallel on 2). A monolithic device holds what the largest of its stages needs.
 """
 
 from __future__ import annotations
@@ -39,13 +40,15 @@ class Verdict:
     summary: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
-def attainment(wf: Workflow, counts: dict[str, int], costs: CostTable, trace: Trace, hop_s: float = HOP_S) -> Verdict:
-    """Simulate ``trace`` on one set of ``counts`` instances; SLO attainment over all requests."""
+def attainment(wf: Workflow, counts: dict[str, int], costs: CostTable, trace: Trace, hop_s: float = HOP_S,
+               gpus: dict[str, int] | None = None) -> Verdict:
+    """Simulate ``trace`` on one set of ``counts`` instances; SLO attainment over all requests,
+    and the GPUs the set holds."""
     sim = Simulation(wf, {"set0": counts}, costs, hop_s=hop_s, keep_chunks=False)
     sim.load(trace)
     records = sim.run()
     summary = summarize(records, {c: v.slo_s or math.inf for c, v in trace.classes.items()})
-    devices = sum(n * wf.stages[s].workers for s, n in counts.items())
+    devices = sum(n * wf.stages[s].workers * (gpus or {}).get(s, 1) for s, n in counts.items())
     return Verdict(devices, dict(counts), summary["all"]["attainment"], sim.utilization(), summary)
 
 
@@ -60,9 +63,11 @@ def alone_by_request(wf: Workflow, costs: CostTable, trace: Trace) -> list[dict[
     return [j.alone for j in sorted(sim.journeys.values(), key=lambda j: j.index)]
 
 
-def monolithic(wf: Workflow, costs: CostTable, trace: Trace) -> tuple[Workflow, CostTable]:
-    """The workflow and table of whole-pipeline devices: each application becomes one stage,
-    ``pipeline``, a call that costs the sum of its stages alone (no hops: one process)."""
+def monolithic(wf: Workflow, costs: CostTable, trace: Trace,
+               gpus: dict[str, int] | None = None) -> tuple[Workflow, CostTable, dict[str, int]]:
+    """The workflow, table and GPUs of whole-pipeline devices: each application becomes one
+    stage, ``pipeline``, a call that costs the sum of its stages alone (no hops: one process),
+    on as many GPUs as the largest of its stages takes."""
     rows: dict[str, float] = {}
     for i, (r, alone) in enumerate(zip(trace.requests, alone_by_request(wf, costs, trace))):
         w, h = r.size.split("x")
@@ -80,7 +85,8 @@ def monolithic(wf: Workflow, costs: CostTable, trace: Trace) -> tuple[Workflow, 
     table = CostTable({"version": 1, "stages": {PIPELINE: {"rows": [{"key": k, "batch": 1, "seconds": t}
                                                                     for k, t in rows.items()]}}},
                       f"{costs.source} (whole pipeline)")
-    return mono, table
+    need = max((gpus or {}).get(s, 1) for app in {r.app for r in trace.requests} for s in wf.applications[app].stages)
+    return mono, table, {PIPELINE: need}
 
 
 def fewest(verdict_of: Callable[[int], Verdict], target: float, start: int = 1) -> Verdict:
@@ -117,7 +123,7 @@ def theorem1(wf: Workflow, costs: CostTable, trace: Trace, utilization: float = 
 
 
 def disaggregated(wf: Workflow, costs: CostTable, trace: Trace, target: float, hop_s: float = HOP_S,
-                  max_runs: int = 200) -> Verdict:
+                  gpus: dict[str, int] | None = None, max_runs: int = 200) -> Verdict:
     """Theorem 1's counts, then: add one instance to the busiest stage until ``target`` is met,
     then remove any instance the target does not need (the least busy stages first)."""
     counts = theorem1(wf, costs, trace)
@@ -129,7 +135,7 @@ def disaggregated(wf: Workflow, costs: CostTable, trace: Trace, target: float, h
         runs += 1
         if runs > max_runs:
             raise SimInputError(f"no plan within {max_runs} simulations")
-        return attainment(wf, c, costs, trace, hop_s)
+        return attainment(wf, c, costs, trace, hop_s, gpus)
 
     v = judge(counts)
     while v.attainment < target:
