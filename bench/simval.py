@@ -5,7 +5,8 @@ for every policy that run measured, through `onepiece sim`'s engine with the cos
 policy's own run measured (``sched-costs-<policy>.json``: every stage's heartbeat figures at
 the end of its traces), on the topology the benchmark ran (one set: text_encode, denoise_t2v
 and vae_decode, one instance each, denoise_t2v on the policy with the run's max batch), and
-puts predicted beside measured: SLO attainment and mean latency, per class and overall.
+puts predicted beside measured: SLO attainment and mean latency, per class and overall; the run
+with the request monitor on is replayed with the simulator's monitor on (the proxy's own rule).
 Target (GF-DiT validates its simulator the same way): within 5 points of attainment and 10% of
 mean latency at every level. Saved as ``simval.json`` and ``simval.md`` under ``--out``.
 """
@@ -21,7 +22,7 @@ from typing import Any
 from onepiece.bench.common import T2V_STAGES, cpu_name
 from onepiece.bench.trace import Trace, load_trace
 from onepiece.cli import PROFILE_WORKFLOWS
-from onepiece.config import deploy_dir, load_workflow
+from onepiece.config import ProxySpec, deploy_dir, load_workflow
 from onepiece.sim.cli import apply_schedule, simulate
 from onepiece.sim.costs import CostTable
 
@@ -39,18 +40,24 @@ def validate(results: Path) -> dict[str, Any]:
     settings = run["settings"]
     wf = load_workflow(deploy_dir() / PROFILE_WORKFLOWS[settings.get("profile", "scale")])
     rows: dict[str, dict[str, Any]] = {}
-    for policy, by_load in run["rows"].items():
+    for row, by_load in run["rows"].items():
+        policy, monitor = row.removesuffix(" (monitor on)"), row.endswith("(monitor on)")
         costs_path = results / f"sched-costs-{policy}.json"
-        if "monitor" in policy or not costs_path.exists():
-            continue  # the simulator does not run the request monitor yet; or no costs were saved
+        if not costs_path.exists():
+            continue  # a run from before the benchmark saved its costs
         costs = CostTable.load(costs_path)
         opts = [f"denoise_t2v.policy={policy}"] + ([] if policy == "fcfs" else
                                                    [f"denoise_t2v.max_batch={settings['max_batch']}"])
         pwf = apply_schedule(wf, opts)
+        # as bench sched's Session: one proxy, the in-flight bound at 1000, the monitor on or off
+        proxy = {"set0": ProxySpec(count=1, port=0, max_inflight=1000, monitor=monitor)}
         for load, measured in by_load.items():
-            trace = _sent(load_trace(results / f"sched-trace-{load}.json"), settings["max_duration"])
-            result, _ = simulate(pwf, {"set0": dict(T2V_STAGES)}, costs, trace, chunks=False)
-            rows.setdefault(policy, {})[load] = {"measured": measured, "predicted": result["summary"],
+            path = results / f"sched-trace-{load.replace('monitor on ', 'monitor-') if monitor else load}.json"
+            if not path.exists():
+                continue  # a replayed --trace: its file is not beside the results
+            trace = _sent(load_trace(path), settings["max_duration"])
+            result, _ = simulate(pwf, {"set0": dict(T2V_STAGES)}, costs, trace, chunks=False, proxies=proxy)
+            rows.setdefault(row, {})[load] = {"measured": measured, "predicted": result["summary"],
                                                  "wall_s": result["wall_s"]}
     return {"bench": "simval", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
             "run": {"when": run.get("when"), "results": str(results)}, "rows": rows, "targets": _targets(rows)}
@@ -75,15 +82,16 @@ def _targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def markdown(doc: dict[str, Any]) -> str:
     lines = [f"`onepiece bench simval` — {doc['when']}: the simulator against the `bench sched` run of "
              f"{doc['run']['when']} ({doc['run']['results']}), each policy priced by the costs its own run measured.",
-             "", "| policy | load | class | n | attainment measured | predicted | Δ points | mean ms measured | "
-                 "predicted | Δ |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "", "| policy | load | class | n | refused measured / predicted | attainment measured | predicted "
+                 "| Δ points | mean ms measured | predicted | Δ |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for policy, by_load in doc["rows"].items():
         for load, cell in by_load.items():
             for c, m in cell["measured"].items():
                 p = cell["predicted"].get(c)
                 if p is None:
                     continue
-                lines.append(f"| {policy} | {load} | {c} | {m['n']} | {m['attainment']:.0%} | {p['attainment']:.0%} "
+                lines.append(f"| {policy} | {load} | {c} | {m['n']} | {m['refused']} / {p['refused']} "
+                             f"| {m['attainment']:.0%} | {p['attainment']:.0%} "
                              f"| {(p['attainment'] - m['attainment']) * 100:+.0f} | {m['mean_s'] * 1000:.0f} "
                              f"| {p['mean_s'] * 1000:.0f} | {(p['mean_s'] - m['mean_s']) / m['mean_s']:+.0%} |")
     t = doc["targets"]

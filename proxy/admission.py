@@ -62,12 +62,12 @@ class InflightTracker:
         return [((o - now_ns) / 1e9, (p - now_ns) / 1e9, w) for _, a, w, p, o in self._deadlines.values() if a == app]
 
     def try_admit(self, uid: str, deadline_ns: int, app: str, work_s: float = 0.0, promise_ns: int | None = None,
-                  order_ns: int | None = None) -> bool:
+                  order_ns: int | None = None, now_ns: int | None = None) -> bool:
         """Reserve a slot for ``uid`` until its deadline; False when the set is full.
         ``promise_ns``: the completion time admission held it to; ``order_ns``: the time the
         stages order it by (both default to its deadline)."""
         if len(self._deadlines) >= self.max_inflight:
-            now = time.time_ns()
+            now = time.time_ns() if now_ns is None else now_ns
             # A slot may be free already, its deadline passed unseen. The sweep is O(n), so a
             # flood of requests against a full set sweeps at most every 10 ms.
             if now - self._last_sweep_ns > 10_000_000:
@@ -458,3 +458,23 @@ class CapacityAdmission:
         bucket, est = self.buckets.get(app), self.app_view(app)
         if bucket is not None and est is not None:
             bucket.give_back(cost(est, shape))
+
+
+def admit(adm: CapacityAdmission | None, tracker: InflightTracker, uid: str, app: str, shape: str, ts_ns: int,
+          timeout_s: float, target_s: float, target_given: bool, retry_after_s: int = 1) -> Refusal | None:
+    """The request monitor's whole decision on one create, the proxy's and the simulator's:
+    the capacity and deadline rules (when ``adm`` is on), then a slot in flight until the
+    request's deadline. None: admitted, its slot taken; else why not, nothing taken."""
+    deadline, target = ts_ns + int(timeout_s * 1e9), ts_ns + int(target_s * 1e9)
+    work, promise = 0.0, target
+    if adm is not None:
+        refusal = adm.check(app, shape, target_s, target_given, ahead=tracker.ahead(app, ts_ns))
+        if refusal is not None:
+            return refusal
+        work = adm.work(app, shape)
+        promise = ts_ns + int(adm.deadline_s(app, shape, target_s, target_given) * 1e9)
+    if not tracker.try_admit(uid, deadline, app, work, promise, target, now_ns=ts_ns):
+        if adm is not None:
+            adm.give_back(app, shape)  # the tokens were not used
+        return Refusal("inflight_full", f"full ({tracker.max_inflight} requests in flight)", retry_after_s)
+    return None

@@ -15,7 +15,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import orjson
 from fastapi import FastAPI, Request
@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Sen
 
 from onepiece.db import protocol
 from onepiece.db.client import DbError, DbFull, DbUnavailable, NotReady
-from onepiece.proxy.admission import CapacityAdmission, DoneWatcher, InflightTracker, Refusal
+from onepiece.proxy.admission import CapacityAdmission, DoneWatcher, InflightTracker, Refusal, admit
 from onepiece.proxy.buffers import ByteBudget
 from onepiece.proxy.cluster import Cluster
 from onepiece.proxy.dbs import DbAccess
@@ -65,6 +65,11 @@ class ProxyOptions:
     deadline_factor: float = 2.0  # default deadline = factor × standalone time (0: limit only)
     headroom: float = 0.9  # admit at this fraction of the measured capacity
 
+    def admission(self, clock: Callable[[], float] = time.monotonic) -> CapacityAdmission | None:
+        """The request monitor these options describe (None: off)."""
+        return (CapacityAdmission(burst_s=self.burst_s, deadline_factor=self.deadline_factor, headroom=self.headroom,
+                                  no_capacity_retry_s=self.retry_after_s, clock=clock) if self.monitor else None)
+
 
 class ProxyState:
     """Everything the routes share; built in the app's lifespan, on the serving loop."""
@@ -75,9 +80,7 @@ class ProxyState:
         self.metrics = ProxyMetrics()
         self.metrics.max_inflight.set(opts.max_inflight)
         self.tracker = InflightTracker(opts.max_inflight)
-        self.admission: CapacityAdmission | None = (
-            CapacityAdmission(burst_s=opts.burst_s, deadline_factor=opts.deadline_factor, headroom=opts.headroom,
-                              no_capacity_retry_s=opts.retry_after_s) if opts.monitor else None)
+        self.admission = opts.admission()
         self.metrics.watch(self.monitor_snapshot)
         self.dbs = DbAccess(timeout=opts.db_timeout)
         self.dispatcher = Dispatcher(
@@ -198,33 +201,20 @@ class ProxyState:
         wf = self.cluster.workflow
         first_stage = wf.applications[job.app].stages[0]
         params = job.params()
-        # Admission first, all in memory: a refusal never waits on a DB, a stage or the NM.
-        adm = self.admission
-        if adm is not None:
-            self.observe_monitor()
-            refusal = adm.check(job.app, shape_key(params), job.target_s, job.target_given,
-                                ahead=self.tracker.ahead(job.app, time.time_ns()))
-            if refusal is not None:
-                raise self._refuse(refusal)
         self.follow_dbs()  # cheap (set compares): a DB that just joined is used at once
         if not self.cluster.entrances(job.app):
-            if adm is not None:
-                adm.give_back(job.app, shape_key(params))
             raise ApiError(503, f"no instance of stage {first_stage!r} (entrance of model {job.app!r}) is up; "
                                 f"try again later or another set", code="no_entrance", headers=self._retry())
+        # Admission, all in memory: a refusal never waits on a DB, a stage or the NM.
+        self.observe_monitor()
         uid = new_uid()
         ts = time.time_ns()
+        refusal = admit(self.admission, self.tracker, uid, job.app, shape_key(params), ts, job.timeout_s,
+                        job.target_s, job.target_given, self.opts.retry_after_s)
+        if refusal is not None:
+            raise self._refuse(refusal)
         deadline = ts + int(job.timeout_s * 1e9)  # where it fails
         target = ts + int(job.target_s * 1e9)  # what the stages order it by
-        work, promise = 0.0, target
-        if adm is not None:
-            work = adm.work(job.app, shape_key(params))
-            promise = ts + int(adm.deadline_s(job.app, shape_key(params), job.target_s, job.target_given) * 1e9)
-        if not self.tracker.try_admit(uid, deadline, job.app, work, promise, target):
-            if adm is not None:
-                adm.give_back(job.app, shape_key(params))  # the tokens were not used
-            raise self._refuse(Refusal("inflight_full", f"full ({self.tracker.max_inflight} requests in flight)",
-                                       self.opts.retry_after_s))
         self.metrics.inflight.set(len(self.tracker))
         try:
             image = None

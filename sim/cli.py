@@ -20,7 +20,7 @@ import yaml
 from pydantic import ValidationError
 
 from onepiece.bench.trace import Trace, TraceError, load_trace, summarize
-from onepiece.config import ConfigError, Workflow, load_topology, load_workflow
+from onepiece.config import ConfigError, ProxySpec, Workflow, load_topology, load_workflow
 from onepiece.sched.costs import TableError
 from onepiece.sched.options import ScheduleSpec
 from onepiece.sim import report
@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--workflow", help="a workflow YAML, with --instances")
     p.add_argument("--instances", type=_counts, help="with --workflow: STAGE=N,... instances per set")
     p.add_argument("--sets", type=int, default=1, help="with --workflow: how many such sets (default 1)")
+    p.add_argument("--monitor", action="store_true",
+                   help="with --workflow: each set's proxy runs the request monitor (a topology says per set)")
     p.add_argument("--schedule", action="append", default=[], metavar="STAGE.OPTION=VALUE",
                    help="override a stage's schedule option, e.g. denoise_t2v.policy=edf (repeatable, in order; "
                         "a policy resets max_batch to its default)")
@@ -84,11 +86,11 @@ def apply_schedule(wf: Workflow, overrides: list[str]) -> Workflow:
 
 def simulate(wf: Workflow, sets: dict[str, dict[str, int]], costs: CostTable, trace: Trace,
              hop_s: float = HOP_S, overhead_s: float = OVERHEAD_S, chunks: bool = True,
-             title: str = "") -> tuple[dict[str, Any], Simulation]:
+             title: str = "", proxies: dict[str, ProxySpec] | None = None) -> tuple[dict[str, Any], Simulation]:
     """Run ``trace`` through ``sets``; the result document (summary per class, utilization,
     every request's record) and the simulation (its chunks, for a schedule trace)."""
     t0 = time.perf_counter()
-    sim = Simulation(wf, sets, costs, hop_s=hop_s, overhead_s=overhead_s, keep_chunks=chunks)
+    sim = Simulation(wf, sets, costs, hop_s=hop_s, overhead_s=overhead_s, keep_chunks=chunks, proxies=proxies)
     sim.load(trace)
     records = sim.run()
     slo = {c: (v.slo_s or 0.0) for c, v in trace.classes.items()}
@@ -107,11 +109,13 @@ def run(args: argparse.Namespace) -> int:
     if args.topology:
         topo, wf, _ = load_topology(args.topology)
         sets = {s.name: dict(s.stages) for s in topo.sets}
+        proxies = {s.name: s.proxy for s in topo.sets}
     else:
         if not args.instances:
             raise ConfigError("--workflow needs --instances STAGE=N,... (how many instances of each stage a set runs)")
         wf = load_workflow(args.workflow)
         sets = {f"set{i}": dict(args.instances) for i in range(args.sets)}
+        proxies = {s: ProxySpec(monitor=args.monitor, max_inflight=100_000) for s in sets}
     wf = apply_schedule(wf, args.schedule)
     missing = [c for c, v in trace.classes.items() if not v.slo_s]
     if missing:
@@ -120,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
              f"{', '.join(f'{s}={n}' for s, n in next(iter(sets.values())).items())}; costs {Path(args.costs).name}; "
              + ", ".join(f"{s}: {wf.stages[s].schedule.policy}" for s in next(iter(sets.values()))))
     try:
-        result, sim = simulate(wf, sets, costs, trace, args.hop_ms / 1000, args.overhead_ms / 1000, title=title)
+        result, sim = simulate(wf, sets, costs, trace, args.hop_ms / 1000, args.overhead_ms / 1000, title=title,
+                               proxies=proxies)
     except SimInputError as e:
         raise ConfigError(f"{args.trace}: {e}") from None
     workers: dict[str, int] = {}

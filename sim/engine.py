@@ -7,7 +7,12 @@ the runtime's own pieces, not copies of them:
   YAML, and its workers execute the core's plans step by step (``sched.virtual``), priced by a
   cost table;
 - instances of a stage are sent to round-robin, as the ResultDeliver does, with a hop time per
-  message between stages.
+  message between stages;
+- with a set's request monitor on, every arrival goes through the proxy's own ``admit`` against
+  the NM's own capacity view (``nm.capacity.estimate``), rebuilt every heartbeat from what each
+  simulated instance measured (``ServiceTimes``, as the stage's scheduler records it); a set that
+  refuses passes the request to the next set, as the client does, and a request every set
+  refuses is ``rejected``.
 
 No I/O and no wall clock: the same inputs give the same result, so a test can pin it.
 """
@@ -21,16 +26,21 @@ from typing import Any, Callable
 import orjson
 
 from onepiece.bench.trace import Trace, TraceRequest
-from onepiece.config import Workflow
+from onepiece.config import ProxySpec, Workflow
+from onepiece.nm.capacity import estimate
+from onepiece.proxy.admission import InflightTracker, admit
+from onepiece.proxy.api import ProxyOptions
 from onepiece.proxy.errors import ApiError
-from onepiece.proxy.validation import build_job
+from onepiece.proxy.validation import VideoJob, build_job
 from onepiece.sched.core import SchedCore
 from onepiece.sched.deadlines import reserve, stage_request
-from onepiece.sched.keys import call_key, compat_key
+from onepiece.sched.keys import call_key, compat_key, shape_key
 from onepiece.sched.virtual import EventLoop, VirtualInstance
 from onepiece.sim.costs import CostTable
+from onepiece.stage.service_times import ServiceTimes
 
 HOP_S = 0.0015  # one message between stages on one host (bench e2e: hop p50 0.6-1.5 ms)
+HEARTBEAT_S = 0.5  # how often an instance reports and the NM's view is rebuilt (bench sched's setting)
 OVERHEAD_S = 0.001  # decision + IPC per chunk (bench batching: 0.7-1.0 ms)
 _NO_PIXELS = b"sim"  # an i2v request's image: validation only asks that there is one
 
@@ -46,7 +56,7 @@ class Journey:
     uid: str
     index: int  # in the trace
     req: TraceRequest
-    app: str
+    job: VideoJob
     params: dict[str, Any]
     stages: list[str]
     deadline: float  # absolute, virtual seconds
@@ -55,17 +65,22 @@ class Journey:
     set: str = ""
     at_stage: int = 0
     end: float | None = None
-    outcome: str = ""  # completed | failed
-    error: str | None = None
+    outcome: str = ""  # completed | failed | rejected
+    error: str | None = None  # why it failed, or the code of its last refusal
     spans: list[tuple[str, str, float, float]] = field(default_factory=list)  # (stage, instance, enter, leave)
 
     def __post_init__(self) -> None:
         self.reserve = reserve(self.stages, self.alone.get)  # as the proxy splits the deadline
 
+    @property
+    def app(self) -> str:
+        return self.job.app
+
     def record(self) -> dict[str, Any]:
         """What ``bench.trace.summarize`` reads, as the benchmark's client records it."""
         return {"uid": self.uid, "class": self.req.cls, "app": self.app, "at": self.req.at, "t_send": self.req.at,
-                "outcome": self.outcome, "latency_s": None if self.end is None else self.end - self.req.at,
+                "outcome": self.outcome, "reason": self.error if self.outcome == "rejected" else None,
+                "latency_s": None if self.end is None or self.outcome == "rejected" else self.end - self.req.at,
                 "timeout_s": self.req.timeout_s, "slo_s": self.req.slo_s, "error": self.error,
                 "set": self.set, "stages": [{"stage": s, "instance": i, "enter": a, "leave": b}
                                             for s, i, a, b in self.spans]}
@@ -85,12 +100,25 @@ class Chunk:
 
 class Simulation:
     def __init__(self, workflow: Workflow, sets: dict[str, dict[str, int]], costs: CostTable,
-                 hop_s: float = HOP_S, overhead_s: float = OVERHEAD_S, keep_chunks: bool = True) -> None:
-        """``sets``: per workflow set, the instances of each stage."""
+                 hop_s: float = HOP_S, overhead_s: float = OVERHEAD_S, keep_chunks: bool = True,
+                 proxies: dict[str, ProxySpec] | None = None, heartbeat_s: float = HEARTBEAT_S) -> None:
+        """``sets``: per workflow set, the instances of each stage; ``proxies``: per set, its
+        proxies' settings (the request monitor, the in-flight bound; default: no monitor)."""
         self.wf, self.costs, self.hop_s, self.overhead_s = workflow, costs, hop_s, overhead_s
+        self.heartbeat_s = heartbeat_s
         self.loop = EventLoop()
+        now = lambda: self.loop.now  # noqa: E731 - the proxies' clock is the virtual one
+        self.admission, self.trackers, self.n_proxies, self.service = {}, {}, {}, {}
+        for set_name in sets:
+            spec = (proxies or {}).get(set_name) or ProxySpec(monitor=False, max_inflight=100_000)
+            opts = ProxyOptions(max_inflight=spec.max_inflight, monitor=spec.monitor,
+                                deadline_factor=spec.deadline_factor)
+            self.admission[set_name] = opts.admission(clock=now)
+            self.trackers[set_name] = InflightTracker(spec.max_inflight)
+            self.n_proxies[set_name] = spec.count
         self.chunks: list[Chunk] | None = [] if keep_chunks else None
         self.journeys: dict[str, Journey] = {}
+        self._open = 0  # journeys loaded and not resolved
         self.instances: dict[str, dict[str, list[VirtualInstance]]] = {}
         self._rr: dict[tuple[str, str], itertools.cycle] = {}
         self._set_rr = itertools.cycle(list(sets))
@@ -106,18 +134,21 @@ class Simulation:
         spec = self.wf.stages[stage]
         name = f"{set_name}-{stage}{i}"
         core = SchedCore(spec.schedule, self.costs.model(stage))
+        service = self.service[name] = ServiceTimes(clock=lambda: self.loop.now)
+
+        def ended(uid: str, status: str, r: Any, first: float | None) -> None:
+            j = self.journeys[uid]
+            if status == "completed":
+                service.finished(core, r, shape_key(j.params))  # what its heartbeat will report
+            self._left_stage(j, stage, name, status)
+
         chunk = None if self.chunks is None else self._chunk_hook(name)
         return VirtualInstance(self.loop, core, self.costs.pricer(stage), spec.workers, self.overhead_s,
-                               on_end=self._end_hook(set_name, stage, name), on_chunk=chunk, name=name)
+                               on_end=ended, on_chunk=chunk, name=name)
 
     def _chunk_hook(self, name: str) -> Callable:
         def hook(start: float, end: float, worker: str, uids: tuple[str, ...], steps: int) -> None:
             self.chunks.append(Chunk(name, worker, start, end, uids, steps))
-        return hook
-
-    def _end_hook(self, set_name: str, stage: str, name: str) -> Callable:
-        def hook(uid: str, status: str, r: Any, first: float | None) -> None:
-            self._left_stage(self.journeys[uid], stage, name, status)
         return hook
 
     # --- requests -----------------------------------------------------------------------------
@@ -140,9 +171,12 @@ class Simulation:
                     raise SimInputError(f"requests[{i}] ({tr.size}x{tr.num_frames}:{tr.steps}): {why}")
             alone = {s: self.costs.alone_s(s, self._key(s, params), self._steps(s, params)) for s in stages}
             uid = f"r{i}"
-            self.journeys[uid] = Journey(uid, i, tr, job.app, params, stages, tr.at + job.timeout_s,
+            self.journeys[uid] = Journey(uid, i, tr, job, params, stages, tr.at + job.timeout_s,
                                          None if job.slo_s is None else tr.at + job.slo_s, alone)
             self.loop.at(tr.at, self._arrive, self.journeys[uid])
+            self._open += 1
+        if any(a is not None for a in self.admission.values()) and self._open:
+            self.loop.at(0.0, self._heartbeat)
 
     def _wants_image(self, app: str) -> bool:
         spec = self.wf.applications.get(app)
@@ -155,9 +189,34 @@ class Simulation:
         return int(params["steps"]) if self.costs.stepped(stage) else 1
 
     def _arrive(self, j: Journey) -> None:
-        sets = [s for s in self.instances if j.stages[0] in self.instances[s]]
-        j.set = next(s for s in self._set_rr if s in sets)  # round-robin over the sets that serve it
-        self._enter(j)
+        """The client offers the request to the sets that serve it, from the next one round-robin,
+        until one admits it (the proxy's own ``admit``)."""
+        serving = [s for s in self.instances if j.stages[0] in self.instances[s]]
+        first = next(s for s in self._set_rr if s in serving)
+        order = serving[serving.index(first):] + serving[:serving.index(first)]
+        for set_name in order:
+            refusal = admit(self.admission[set_name], self.trackers[set_name], j.uid, j.app, shape_key(j.params),
+                            int(self.loop.now * 1e9), j.job.timeout_s, j.job.target_s, j.job.target_given)
+            if refusal is None:
+                j.set = set_name
+                self._enter(j)
+                return
+            j.error = refusal.code
+        self._resolve(j, self.loop.now, "rejected", j.error)
+
+    def _heartbeat(self) -> None:
+        """Every instance reports and the NM rebuilds each set's capacity view, which its proxies
+        take (``nm.state.monitor``'s document)."""
+        for set_name, adm in self.admission.items():
+            if adm is None:
+                continue
+            members = [{"role": "stage", "stage": stage, "ready": True,
+                        "stats": {"ready": len(inst.core.workers), "queue": inst.core.waiting(),
+                                  "service": self.service[inst.name].report(), "policy": inst.core.policy.name}}
+                       for stage, insts in self.instances[set_name].items() for inst in insts]
+            adm.observe({"apps": estimate(self.wf, members), "proxies": self.n_proxies[set_name]})
+        if self._open:
+            self.loop.at(self.loop.now + self.heartbeat_s, self._heartbeat)
 
     def _enter(self, j: Journey) -> None:
         stage = j.stages[j.at_stage]
@@ -182,6 +241,9 @@ class Simulation:
 
     def _resolve(self, j: Journey, t: float, outcome: str, error: str | None = None) -> None:
         j.end, j.outcome, j.error = t, outcome, error
+        self._open -= 1
+        if j.set:
+            self.trackers[j.set].release(j.uid)  # the DB's "done" event frees the proxy's slot
 
     # --- running ------------------------------------------------------------------------------
     def run(self, until: float = float("inf")) -> list[dict[str, Any]]:

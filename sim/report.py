@@ -62,11 +62,12 @@ def write(out: Path, name: str, result: dict[str, Any], chunks: list[Chunk] | No
 def markdown(result: dict[str, Any]) -> str:
     s = result["summary"]
     lines = [f"`onepiece sim` — {result['title']}", "",
-             "| class | n | completed | failed | mean ms | p50 ms | p99 ms | SLO attainment |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| class | n | completed | failed | refused | mean ms | p50 ms | p99 ms | SLO attainment |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c, r in s.items():
         att = "—" if r["attainment"] is None else f"{r['attainment']:.0%}"
-        lines.append(f"| {c} | {r['n']} | {r['completed']} | {r['failed']} | {_ms(r['mean_s'])} | {_ms(r['p50_s'])} "
+        lines.append(f"| {c} | {r['n']} | {r['completed']} | {r['failed']} | {r['refused']} | {_ms(r['mean_s'])} "
+                     f"| {_ms(r['p50_s'])} "
                      f"| {_ms(r['p99_s'])} | {att} |")
     lines += ["", "Utilization per stage (busy worker-seconds over worker-seconds): " + ", ".join(
         f"{k} {v:.0%}" for k, v in result["utilization"].items()),

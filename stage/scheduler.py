@@ -325,10 +325,9 @@ class RequestScheduler:
         fixed = self.fixed.pop(r.uid, None)
         if fixed is not None:
             self.core.costs.observe_fixed(r.key, fixed)
-        alone, share = self.core.standalone_s(r), self.core.share_s(r)
         shape = self.shapes.pop(r.uid, None)
-        if alone is not None and share is not None and shape is not None:
-            self._service.add(r.app, shape, share, alone)
+        if shape is not None:
+            self._service.finished(self.core, r, shape)
 
     def _lost(self, wid: str, reason: str) -> None:
         for r in self.sample_later.pop(wid, []):

@@ -17,7 +17,11 @@ from __future__ import annotations
 import collections
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from onepiece.sched.core import SchedCore
+    from onepiece.sched.policy import Request
 
 WINDOW = 32  # requests per (app) and per (app, shape) window
 MAX_SHAPES = 64  # shapes kept per app, least recently seen dropped first
@@ -47,6 +51,13 @@ class ServiceTimes:
         while len(shapes) > MAX_SHAPES:
             shapes.popitem(last=False)
         self._recent.append((self.clock(), app))
+
+    def finished(self, core: "SchedCore", r: "Request", shape: str) -> None:
+        """``r`` of ``shape`` left ``core``: its times from the core's cost model (the stage's
+        scheduler and the simulator both record them so)."""
+        alone, share = core.standalone_s(r), core.share_s(r)
+        if alone is not None and share is not None:
+            self.add(r.app, shape, share, alone)
 
     def report(self) -> dict[str, dict[str, Any]]:
         """{app: {"mean_s" (share), "recent" (count in the last MIX_WINDOW_S), "shapes": {shape: standalone s},

@@ -159,3 +159,26 @@ def test_the_planner_finds_the_fewest_devices_that_meet_the_target():
     mixed = tr.model_copy(update={"requests": [*tr.requests[:2], tr.requests[2].model_copy(update={"steps": 20})]})
     with pytest.raises(SimInputError, match="give each shape one step count"):
         plan.monolithic(WF, table(), mixed)
+
+
+def test_the_request_monitor_refuses_what_the_set_cannot_absorb_and_the_client_tries_the_next_set():
+    """Three times what one set can do: with the proxy's own monitor on (against the NM's own
+    capacity view of the simulated stages), requests are refused at once and what is admitted
+    meets its SLO; without it, everything is admitted and most are late. With two sets the
+    client takes a refusal to the other set."""
+    from onepiece.config import ProxySpec
+
+    classes = parse_classes("S=64x64x9:10")
+    classes["S"]["slo_s"] = 1.0
+    tr = poisson_trace(classes, {"S": 1.0}, rate=15.0, n=600, seed=5, timeout_s=1.0)  # the SLO is the deadline
+    on = {"set0": ProxySpec(monitor=True, max_inflight=1000)}
+    mon, _ = simulate(WF, SET, table(), tr, chunks=False, proxies=on)
+    off, _ = simulate(WF, SET, table(), tr, chunks=False)
+    m, o = mon["summary"]["all"], off["summary"]["all"]
+    assert m["refused"] > 100 and o["refused"] == 0
+    assert m["slo_met"] / (m["n"] - m["refused"]) > 0.9 > o["attainment"]
+    assert {r["reason"] for r in mon["requests"] if r["outcome"] == "rejected"} <= {"deadline", "over_capacity"}
+    two = {"a": SET["set0"], "b": SET["set0"]}
+    both, _ = simulate(WF, two, table(), tr, chunks=False,
+                       proxies={s: ProxySpec(monitor=True, max_inflight=1000) for s in two})
+    assert both["summary"]["all"]["refused"] < m["refused"] / 2
