@@ -198,14 +198,14 @@ class ClusterState:
         return inst
 
     def heartbeat(self, inst_id: str, ready: bool, stats: dict[str, Any], routes_version: int = 0,
-                  holding: list[str] | None = None, serving: str | None = None) -> Instance:
+                  holding: list[str] | None = None, serving: str | None = None, now: float | None = None) -> Instance:
         inst = self.instances.get(inst_id)
         if inst is None:
             raise LookupError(f"unknown instance {inst_id}")
         if inst.role == "stage":
             inst.serving = serving
             ready = ready and serving is not None and serving == inst.stage
-        inst.last_seen = time.monotonic()
+        inst.last_seen = time.monotonic() if now is None else now  # a simulator passes its clock
         inst.stats = stats
         inst.routes_version = routes_version
         inst.holding = holding or []

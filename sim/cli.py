@@ -20,12 +20,12 @@ import yaml
 from pydantic import ValidationError
 
 from onepiece.bench.trace import Trace, TraceError, load_trace, summarize
-from onepiece.config import ConfigError, ProxySpec, Workflow, load_topology, load_workflow
+from onepiece.config import ConfigError, ProxySpec, Topology, Workflow, load_topology, load_workflow
 from onepiece.sched.costs import TableError
 from onepiece.sched.options import ScheduleSpec
 from onepiece.sim import report
 from onepiece.sim.costs import CostTable
-from onepiece.sim.engine import HOP_S, OVERHEAD_S, SimInputError, Simulation
+from onepiece.sim.engine import HOP_S, MOVE_S, OVERHEAD_S, SimInputError, Simulation
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", action="append", default=[], metavar="STAGE.OPTION=VALUE",
                    help="override a stage's schedule option, e.g. denoise_t2v.policy=edf (repeatable, in order; "
                         "a policy resets max_batch to its default)")
+    p.add_argument("--move-s", type=float, default=MOVE_S,
+                   help="with --topology (its NM moves instances: nm.elastic): seconds a moved instance takes to "
+                        "load its new stage, after its drain (default %(default)s)")
     p.add_argument("--hop-ms", type=float, default=HOP_S * 1000, help="time of one message between stages (ms)")
     p.add_argument("--overhead-ms", type=float, default=OVERHEAD_S * 1000,
                    help="decision and IPC per chunk of steps (ms)")
@@ -86,18 +89,20 @@ def apply_schedule(wf: Workflow, overrides: list[str]) -> Workflow:
 
 def simulate(wf: Workflow, sets: dict[str, dict[str, int]], costs: CostTable, trace: Trace,
              hop_s: float = HOP_S, overhead_s: float = OVERHEAD_S, chunks: bool = True,
-             title: str = "", proxies: dict[str, ProxySpec] | None = None) -> tuple[dict[str, Any], Simulation]:
+             title: str = "", proxies: dict[str, ProxySpec] | None = None, elastic: Topology | None = None,
+             move_s: float = MOVE_S) -> tuple[dict[str, Any], Simulation]:
     """Run ``trace`` through ``sets``; the result document (summary per class, utilization,
-    every request's record) and the simulation (its chunks, for a schedule trace)."""
+    every request's record, the NM's moves) and the simulation (its chunks, for a schedule trace)."""
     t0 = time.perf_counter()
-    sim = Simulation(wf, sets, costs, hop_s=hop_s, overhead_s=overhead_s, keep_chunks=chunks, proxies=proxies)
+    sim = Simulation(wf, sets, costs, hop_s=hop_s, overhead_s=overhead_s, keep_chunks=chunks, proxies=proxies,
+                     elastic=elastic, move_s=move_s)
     sim.load(trace)
     records = sim.run()
     slo = {c: (v.slo_s or 0.0) for c, v in trace.classes.items()}
     return {"title": title, "sets": sets, "costs": costs.source, "hop_s": hop_s, "overhead_s": overhead_s,
             "simulated_s": sim.loop.now, "wall_s": time.perf_counter() - t0,
             "summary": summarize(records, slo), "utilization": sim.utilization(),
-            "requests": records}, sim
+            "moves": sim.elastic.moves if sim.elastic is not None else [], "requests": records}, sim
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,12 +115,14 @@ def run(args: argparse.Namespace) -> int:
         topo, wf, _ = load_topology(args.topology)
         sets = {s.name: dict(s.stages) for s in topo.sets}
         proxies = {s.name: s.proxy for s in topo.sets}
+        elastic = topo
     else:
         if not args.instances:
             raise ConfigError("--workflow needs --instances STAGE=N,... (how many instances of each stage a set runs)")
         wf = load_workflow(args.workflow)
         sets = {f"set{i}": dict(args.instances) for i in range(args.sets)}
         proxies = {s: ProxySpec(monitor=args.monitor, max_inflight=100_000) for s in sets}
+        elastic = None
     wf = apply_schedule(wf, args.schedule)
     missing = [c for c, v in trace.classes.items() if not v.slo_s]
     if missing:
@@ -125,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
              + ", ".join(f"{s}: {wf.stages[s].schedule.policy}" for s in next(iter(sets.values()))))
     try:
         result, sim = simulate(wf, sets, costs, trace, args.hop_ms / 1000, args.overhead_ms / 1000, title=title,
-                               proxies=proxies)
+                               proxies=proxies, elastic=elastic, move_s=args.move_s)
     except SimInputError as e:
         raise ConfigError(f"{args.trace}: {e}") from None
     workers: dict[str, int] = {}

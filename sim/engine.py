@@ -26,7 +26,7 @@ from typing import Any, Callable
 import orjson
 
 from onepiece.bench.trace import Trace, TraceRequest
-from onepiece.config import ProxySpec, Workflow
+from onepiece.config import ProxySpec, Topology, Workflow
 from onepiece.nm.capacity import estimate
 from onepiece.proxy.admission import InflightTracker, admit
 from onepiece.proxy.api import ProxyOptions
@@ -41,6 +41,7 @@ from onepiece.stage.service_times import ServiceTimes
 
 HOP_S = 0.0015  # one message between stages on one host (bench e2e: hop p50 0.6-1.5 ms)
 HEARTBEAT_S = 0.5  # how often an instance reports and the NM's view is rebuilt (bench sched's setting)
+MOVE_S = 5.0  # a moved instance's workers exiting and loading the new stage (bench elastic: 6.6 s p50 on CPU)
 OVERHEAD_S = 0.001  # decision + IPC per chunk (bench batching: 0.7-1.0 ms)
 _NO_PIXELS = b"sim"  # an i2v request's image: validation only asks that there is one
 
@@ -101,9 +102,13 @@ class Chunk:
 class Simulation:
     def __init__(self, workflow: Workflow, sets: dict[str, dict[str, int]], costs: CostTable,
                  hop_s: float = HOP_S, overhead_s: float = OVERHEAD_S, keep_chunks: bool = True,
-                 proxies: dict[str, ProxySpec] | None = None, heartbeat_s: float = HEARTBEAT_S) -> None:
+                 proxies: dict[str, ProxySpec] | None = None, heartbeat_s: float = HEARTBEAT_S,
+                 elastic: Topology | None = None, move_s: float = MOVE_S) -> None:
         """``sets``: per workflow set, the instances of each stage; ``proxies``: per set, its
-        proxies' settings (the request monitor, the in-flight bound; default: no monitor)."""
+        proxies' settings (the request monitor, the in-flight bound; default: no monitor);
+        ``elastic``: a topology whose NM moves instances between stages (its ``nm.elastic``, its
+        sets' minimums and idle pools; its heartbeat replaces ``heartbeat_s``), each move taking
+        ``move_s`` beyond the drain to load the new stage's models."""
         self.wf, self.costs, self.hop_s, self.overhead_s = workflow, costs, hop_s, overhead_s
         self.heartbeat_s = heartbeat_s
         self.loop = EventLoop()
@@ -119,20 +124,30 @@ class Simulation:
         self.chunks: list[Chunk] | None = [] if keep_chunks else None
         self.journeys: dict[str, Journey] = {}
         self._open = 0  # journeys loaded and not resolved
+        # The route table: per set and stage, the instances serving it now, sent to round-robin.
         self.instances: dict[str, dict[str, list[VirtualInstance]]] = {}
-        self._rr: dict[tuple[str, str], itertools.cycle] = {}
+        self._rr: dict[tuple[str, str], int] = {}
         self._set_rr = itertools.cycle(list(sets))
+        self.lifetimes: list[tuple[str, VirtualInstance, float, float | None]] = []  # stage, vi, born, retired
+        self._names: dict[tuple[str, str], itertools.count] = {}  # instance numbers per set and stage
         for set_name, counts in sets.items():
             self.instances[set_name] = {}
             for stage, n in counts.items():
                 if stage not in workflow.stages:
                     raise SimInputError(f"sets.{set_name}.{stage}: unknown stage (known: {sorted(workflow.stages)})")
-                self.instances[set_name][stage] = [self._instance(set_name, stage, i) for i in range(n)]
-                self._rr[(set_name, stage)] = itertools.cycle(self.instances[set_name][stage])
+                self.instances[set_name][stage] = [self.new_instance(set_name, stage) for _ in range(n)]
+        self.elastic = None
+        if elastic is not None and elastic.nm.elastic.enabled:
+            from onepiece.sim.elastic import SimElastic
 
-    def _instance(self, set_name: str, stage: str, i: int) -> VirtualInstance:
+            self.heartbeat_s = elastic.nm.heartbeat_s
+            self.elastic = SimElastic(self, elastic, move_s)
+
+    # --- instances and routes -------------------------------------------------------------------
+    def new_instance(self, set_name: str, stage: str) -> VirtualInstance:
+        """A fresh instance of ``stage`` (empty, its models loaded), not routed yet."""
         spec = self.wf.stages[stage]
-        name = f"{set_name}-{stage}{i}"
+        name = f"{set_name}-{stage}{next(self._names.setdefault((set_name, stage), itertools.count()))}"
         core = SchedCore(spec.schedule, self.costs.model(stage))
         service = self.service[name] = ServiceTimes(clock=lambda: self.loop.now)
 
@@ -143,8 +158,21 @@ class Simulation:
             self._left_stage(j, stage, name, status)
 
         chunk = None if self.chunks is None else self._chunk_hook(name)
-        return VirtualInstance(self.loop, core, self.costs.pricer(stage), spec.workers, self.overhead_s,
-                               on_end=ended, on_chunk=chunk, name=name)
+        vi = VirtualInstance(self.loop, core, self.costs.pricer(stage), spec.workers, self.overhead_s,
+                             on_end=ended, on_chunk=chunk, name=name)
+        self.lifetimes.append((stage, vi, self.loop.now, None))
+        return vi
+
+    def retire(self, vi: VirtualInstance) -> None:
+        """``vi`` stopped (its workers exited): its time ends here."""
+        self.lifetimes = [(s, v, b, self.loop.now if v is vi else r) for s, v, b, r in self.lifetimes]
+
+    def _pick(self, set_name: str, stage: str) -> VirtualInstance | None:
+        insts = self.instances[set_name].get(stage) or []
+        if not insts:
+            return None
+        i = self._rr[(set_name, stage)] = (self._rr.get((set_name, stage), -1) + 1) % len(insts)
+        return insts[i]
 
     def _chunk_hook(self, name: str) -> Callable:
         def hook(start: float, end: float, worker: str, uids: tuple[str, ...], steps: int) -> None:
@@ -175,7 +203,7 @@ class Simulation:
                                          None if job.slo_s is None else tr.at + job.slo_s, alone)
             self.loop.at(tr.at, self._arrive, self.journeys[uid])
             self._open += 1
-        if any(a is not None for a in self.admission.values()) and self._open:
+        if (self.elastic is not None or any(a is not None for a in self.admission.values())) and self._open:
             self.loop.at(0.0, self._heartbeat)
 
     def _wants_image(self, app: str) -> bool:
@@ -206,7 +234,9 @@ class Simulation:
 
     def _heartbeat(self) -> None:
         """Every instance reports and the NM rebuilds each set's capacity view, which its proxies
-        take (``nm.state.monitor``'s document)."""
+        take (``nm.state.monitor``'s document), and runs its elastic policy."""
+        if self.elastic is not None:
+            self.elastic.heartbeat(self.loop.now)
         for set_name, adm in self.admission.items():
             if adm is None:
                 continue
@@ -220,8 +250,11 @@ class Simulation:
 
     def _enter(self, j: Journey) -> None:
         stage = j.stages[j.at_stage]
-        inst = next(self._rr[(j.set, stage)])
+        inst = self._pick(j.set, stage)
         now = self.loop.now
+        if inst is None:  # every instance of it moved away: the deliverer finds no route
+            self._resolve(j, now, "failed", f"no instance of stage {stage} in set {j.set}")
+            return
         r = stage_request(j.uid, j.app, self._key(stage, j.params), self._steps(stage, j.params), now, j.deadline,
                           j.target, j.reserve.get(stage, 0.0), j.req.priority, batchable=self.costs.stepped(stage))
         j.spans.append((stage, inst.name, now, now))
@@ -259,11 +292,9 @@ class Simulation:
 
     def utilization(self) -> dict[str, float]:
         """Per stage, the share of its workers' time spent in chunks over the run."""
-        span = max(self.loop.now, 1e-9)
         busy: dict[str, float] = {}
-        workers: dict[str, int] = {}
-        for by_stage in self.instances.values():
-            for stage, insts in by_stage.items():
-                busy[stage] = busy.get(stage, 0.0) + sum(i.busy_s for i in insts)
-                workers[stage] = workers.get(stage, 0) + sum(len(i.core.workers) for i in insts)
-        return {s: busy[s] / (span * workers[s]) if workers[s] else 0.0 for s in busy}
+        slots: dict[str, float] = {}
+        for stage, vi, born, retired in self.lifetimes:
+            busy[stage] = busy.get(stage, 0.0) + vi.busy_s
+            slots[stage] = slots.get(stage, 0.0) + len(vi.core.workers) * ((retired or self.loop.now) - born)
+        return {s: busy[s] / slots[s] if slots[s] > 0 else 0.0 for s in busy}

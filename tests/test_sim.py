@@ -182,3 +182,32 @@ def test_the_request_monitor_refuses_what_the_set_cannot_absorb_and_the_client_t
     both, _ = simulate(WF, two, table(), tr, chunks=False,
                        proxies={s: ProxySpec(monitor=True, max_inflight=1000) for s in two})
     assert both["summary"]["all"]["refused"] < m["refused"] / 2
+
+
+def test_the_nm_moves_an_idle_stage_s_instance_to_the_saturated_one():
+    """bench elastic's scenario on the virtual clock: denoise saturates while one of two
+    vae_decode instances idles; the NM's own elastic policy moves it, the move drains and loads,
+    and the stage then completes requests faster. Nothing is lost on the way."""
+    from onepiece.config import Topology
+
+    topo = Topology.model_validate({
+        "workflow": "wan21-scale.yaml",
+        "nm": {"heartbeat_s": 0.25, "elastic": {"window_s": 5, "cooldown_s": 5, "threshold": 0.85, "low": 0.0}},
+        "sets": [{"name": "set0", "stages": {"text_encode": 1, "denoise_t2v": 1, "vae_decode": 2},
+                  "min": {"vae_decode": 1}}]})
+    classes = parse_classes("L=192x192x17:10")
+    classes["L"]["slo_s"] = 60.0
+    tr = poisson_trace(classes, {"L": 1.0}, rate=6.0, n=300, seed=2, timeout_s=600)
+    sets = {"set0": {"text_encode": 1, "denoise_t2v": 1, "vae_decode": 2}}
+    sim = Simulation(WF, sets, table(), keep_chunks=False, elastic=topo, move_s=3.0)
+    sim.load(tr)
+    recs = sim.run()
+    moves = sim.elastic.moves
+    assert moves and moves[0]["from"] == "vae_decode" and moves[0]["to"] == "denoise_t2v", moves
+    assert moves[0]["serving_at"] - moves[0]["at"] >= 3.0  # drained, then loaded
+    assert len(sim.instances["set0"]["denoise_t2v"]) == 2 and len(sim.instances["set0"]["vae_decode"]) == 1
+    assert all(r["outcome"] == "completed" for r in recs)
+    static = Simulation(WF, sets, table(), keep_chunks=False)
+    static.load(tr)
+    mean = lambda rs: sum(r["latency_s"] for r in rs) / len(rs)  # noqa: E731
+    assert mean(recs) < mean(static.run())
