@@ -133,7 +133,7 @@ def poisson_trace(classes: dict[str, dict[str, Any]], mix: dict[str, float], rat
         due: dict[str, float] = {}
         if deadlines and c.get("slo_s"):
             due = {"timeout_s": c["slo_s"]} if timeout_s is None else {"slo_s": c["slo_s"], "timeout_s": timeout_s}
-        reqs.append({"at": round(at, 6), "app": app, "class": name, "size": c["size"], "num_frames": c["num_frames"],
+        reqs.append({"at": round(at, 6), "app": c.get("app", app), "class": name, "size": c["size"], "num_frames": c["num_frames"],
                      "steps": c["steps"], "seed": rng.randrange(2**31), **due})
     return Trace.model_validate({"version": VERSION, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
                                  "classes": classes, "requests": reqs, **meta})
@@ -151,14 +151,15 @@ def parse_floats(spec: str, n: int, what: str) -> list[float]:
 
 
 def parse_classes(spec: str) -> dict[str, dict[str, Any]]:
-    """``S=64x64x9:20,M=...`` -> {name: {size, num_frames, steps}}."""
+    """``S=64x64x9:20,M=...`` -> {name: {size, num_frames, steps}}; ``I=i2v/64x64x9:20``
+    also names the class's application (default: the trace's)."""
     out = {}
     for item in spec.split(","):
-        m = re.match(r"^\s*(\w+)=(\d+)x(\d+)x(\d+):(\d+)\s*$", item)
+        m = re.match(r"^\s*(\w+)=(?:(\w+)/)?(\d+)x(\d+)x(\d+):(\d+)\s*$", item)
         if not m:
-            raise SystemExit(f"bad class {item!r}: expected NAME=WxHxFRAMES:STEPS, e.g. S=64x64x9:20")
-        name, w, h, f, steps = m.groups()
-        out[name] = {"size": f"{w}x{h}", "num_frames": int(f), "steps": int(steps)}
+            raise SystemExit(f"bad class {item!r}: expected NAME=[APP/]WxHxFRAMES:STEPS, e.g. S=64x64x9:20")
+        name, app, w, h, f, steps = m.groups()
+        out[name] = {"size": f"{w}x{h}", "num_frames": int(f), "steps": int(steps), **({"app": app} if app else {})}
     return out
 
 

@@ -20,7 +20,7 @@ import yaml
 from pydantic import ValidationError
 
 from onepiece.bench.trace import Trace, TraceError, load_trace, summarize
-from onepiece.config import ConfigError, ProxySpec, Topology, Workflow, load_topology, load_workflow
+from onepiece.config import ConfigError, ElasticSpec, ProxySpec, Topology, Workflow, load_topology, load_workflow
 from onepiece.sched.costs import TableError
 from onepiece.sched.options import ScheduleSpec
 from onepiece.sim import report
@@ -152,8 +152,15 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", help="the load (a trace file); or generate one with --rate, --classes, --mix, --alpha")
     p.add_argument("--app", default="t2v", help="application of generated requests (default t2v)")
     p.add_argument("--rate", type=float, help="requests per second of a generated trace")
-    p.add_argument("--classes", default="S=832x480x33:50,L=832x480x81:50", help="NAME=WxHxFRAMES:STEPS,...")
+    p.add_argument("--classes", default="S=832x480x25:50",
+                   help="NAME=[APP/]WxHxFRAMES:STEPS,... (APP: the class's application, default --app)")
     p.add_argument("--mix", default="0.7,0.3", help="share of each class by count, in --classes order")
+    p.add_argument("--day", metavar="MIX;MIX;...",
+                   help="a load whose mix shifts: phases of equal length, each a --mix (e.g. '0.8,0.2;0.2,0.8')")
+    p.add_argument("--elastic", action="store_true",
+                   help="also plan disaggregated stages with the NM's elastic moves (the topology default policy)")
+    p.add_argument("--move-s", type=float, default=MOVE_S,
+                   help="with --elastic: seconds a moved instance takes to load its new stage (default %(default)s)")
     p.add_argument("--alpha", default="2.0,3.0", help="SLO = alpha x standalone (from the cost table), per class")
     p.add_argument("--requests", type=int, default=2000, help="requests in a generated trace (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
@@ -176,11 +183,11 @@ def planning_trace(args: argparse.Namespace, wf: Workflow, costs: CostTable) -> 
         raise ConfigError("plan needs --trace, or --rate (requests per second) for a generated trace")
     classes = parse_classes(args.classes)
     names = list(classes)
-    mix = dict(zip(names, parse_floats(args.mix, len(names), "--mix")))
     alpha = dict(zip(names, parse_floats(args.alpha, len(names), "--alpha")))
+    phases = [dict(zip(names, parse_floats(m, len(names), "--day phase"))) for m in (args.day or args.mix).split(";")]
     one = Trace.model_validate({"version": 1, "classes": classes, "requests": [
-        {"at": 0, "app": args.app, "class": c, "size": v["size"], "num_frames": v["num_frames"], "steps": v["steps"]}
-        for c, v in classes.items()]})
+        {"at": 0, "app": v.get("app", args.app), "class": c, "size": v["size"], "num_frames": v["num_frames"],
+         "steps": v["steps"]} for c, v in classes.items()]})
     try:
         alone = alone_by_request(wf, costs, one)
     except SimInputError as e:
@@ -188,9 +195,19 @@ def planning_trace(args: argparse.Namespace, wf: Workflow, costs: CostTable) -> 
     for (c, v), a in zip(classes.items(), alone):
         v["standalone_s"] = sum(a.values()) + HOP_S * len(a)
         v["alpha"], v["slo_s"] = alpha[c], alpha[c] * v["standalone_s"]
-    # A missed SLO still completes: the deadline only bounds the run.
-    return poisson_trace(classes, mix, args.rate, args.requests, args.seed, app=args.app,
-                         timeout_s=10 * max(v["slo_s"] for v in classes.values()))
+    # A missed SLO still completes: the deadline only bounds the run. Each phase of a --day is
+    # its own seeded Poisson stretch, one after another.
+    requests, t0 = [], 0.0
+    for i, mix in enumerate(phases):
+        part = poisson_trace(classes, mix, args.rate, args.requests // len(phases), args.seed + i, app=args.app,
+                             timeout_s=10 * max(v["slo_s"] for v in classes.values()))
+        requests += [r.model_copy(update={"at": round(t0 + r.at, 6)}) for r in part.requests]
+        t0 = requests[-1].at + 1 / args.rate
+    return part.model_copy(update={"requests": requests})
+
+
+def _only(trace: Trace, app: str) -> Trace:
+    return trace.model_copy(update={"requests": [r for r in trace.requests if r.app == app]})
 
 
 def scaled(trace: Trace, factor: float) -> Trace:
@@ -219,18 +236,25 @@ def run_plan(args: argparse.Namespace) -> int:
     for load in loads:
         trace = scaled(base, load)
         try:
-            mono_wf, mono_costs, mono_gpus = plan.monolithic(wf, costs, trace, args.gpus)
-            mono = plan.fewest(lambda n: plan.attainment(mono_wf, {plan.PIPELINE: n}, mono_costs, trace,
-                                                         gpus=mono_gpus), args.target)
+            mono = plan.fewest_monolithic(wf, costs, trace, args.target, args.gpus)
             dis = plan.disaggregated(wf, costs, trace, args.target, gpus=args.gpus)
+            row = {"load": load, "rate_rps": len(trace.requests) / max(trace.requests[-1].at, 1e-9),
+                   "monolithic": mono.devices, "mono_counts": mono.counts, "mono_attainment": mono.attainment,
+                   "disaggregated": dis.devices, "counts": dis.counts, "dis_attainment": dis.attainment}
+            if args.elastic:
+                el = plan.disaggregated(wf, costs, trace, args.target, gpus=args.gpus,
+                                        elastic=ElasticSpec(), move_s=args.move_s)
+                row.update(elastic=el.devices, elastic_counts=el.counts, elastic_attainment=el.attainment)
+            apps = sorted({r.app for r in trace.requests})
+            if len(apps) > 1:  # the stages shared by the applications, against a deployment of each
+                row["separate"] = sum(plan.disaggregated(wf, costs, _only(trace, a), args.target,
+                                                         gpus=args.gpus).devices for a in apps)
         except SimInputError as e:
             raise ConfigError(f"plan: {e}") from None
-        rate = len(trace.requests) / max(trace.requests[-1].at, 1e-9)
-        rows.append({"load": load, "rate_rps": rate, "monolithic": mono.devices, "mono_attainment": mono.attainment,
-                     "disaggregated": dis.devices, "counts": dis.counts, "dis_attainment": dis.attainment,
-                     "saved": 1 - dis.devices / mono.devices})
-        print(f"load {load:g}x ({rate:.3g} req/s): monolithic {mono.devices} GPUs ({mono.attainment:.1%}); "
-              f"disaggregated {dis.devices} {dis.counts} ({dis.attainment:.1%}); saved {rows[-1]['saved']:.0%}",
+        rows.append(row)
+        print(f"load {load:g}x ({row['rate_rps']:.3g} req/s): monolithic {mono.devices} GPUs; disaggregated "
+              f"{dis.devices} {dis.counts}" + (f"; with elastic moves {row['elastic']}" if "elastic" in row else "")
+              + (f"; separate deployments per application {row['separate']}" if "separate" in row else ""),
               flush=True)
     doc = {"costs": costs.source, "costs_meta": costs.meta, "workflow": args.workflow, "target": args.target,
            "gpus": args.gpus,
@@ -239,10 +263,14 @@ def run_plan(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(doc, indent=1))
+    extra = [c for c in ("elastic", "separate") if c in rows[0]]
+    names = {"elastic": "with elastic moves", "separate": "a deployment per application"}
     md = [f"`onepiece plan` — {len(base.requests)} requests, {args.target:.1%} within SLO; costs {costs.source}", "",
-          "| load | req/s | monolithic GPUs | disaggregated GPUs | instances per stage | saved |", "|---|---|---|---|---|---|"]
+          "| load | req/s | monolithic GPUs | disaggregated GPUs | instances per stage | saved | "
+          + "".join(f" {names[c]} |" for c in extra), "|---|---|---|---|---|---|" + "---|" * len(extra)]
     md += [f"| {r['load']:g}x | {r['rate_rps']:.3g} | {r['monolithic']} | {r['disaggregated']} | "
-           f"{', '.join(f'{s} {n}' for s, n in r['counts'].items())} | {r['saved']:.0%} |" for r in rows]
+           f"{', '.join(f'{s} {n}' for s, n in r['counts'].items())} | {1 - r['disaggregated'] / r['monolithic']:.0%} | "
+           + "".join(f" {r[c]} |" for c in extra) for r in rows]
     (out / "plan.md").write_text("\n".join(md) + "\n")
     _plot_plan(out / "plan.png", rows, f"GPUs for {args.target:.0%} within SLO")
     print("\n".join(md))
@@ -260,6 +288,10 @@ def _plot_plan(path: Path, rows: list[dict[str, Any]], title: str) -> None:
     xs = [r["rate_rps"] for r in rows]
     ax.plot(xs, [r["monolithic"] for r in rows], marker="o", label="monolithic")
     ax.plot(xs, [r["disaggregated"] for r in rows], marker="o", label="disaggregated")
+    if "elastic" in rows[0]:
+        ax.plot(xs, [r["elastic"] for r in rows], marker="o", label="disaggregated, elastic moves")
+    if "separate" in rows[0]:
+        ax.plot(xs, [r["separate"] for r in rows], marker="o", label="a deployment per application")
     ax.set_xlabel("load (requests/s)")
     ax.set_ylabel("GPUs")
     ax.set_title(title, fontsize=9)

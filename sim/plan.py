@@ -8,6 +8,9 @@ judged by the simulator running the real policies.
   Theorem 1 (each stage gets devices in proportion to the work it is offered, so none falls
   behind the others), then refined by simulation: add a device where the workers are busiest
   until the target is met, then take back any device the target does not need.
+- **Disaggregated with elastic moves**: the same search with the NM's elastic policy running in
+  every simulation (``sim/elastic.py``), so a load whose mix shifts over the day is met by
+  moving instances rather than by holding each stage's peak at once.
 
 A device is one worker of one instance (``workers`` of a stage in the workflow YAML is kept at
 what it says), and it holds ``gpus[stage]`` GPUs (1 unless said: e.g. a 14B transformer that
@@ -21,14 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from onepiece.bench.trace import Trace, summarize
-from onepiece.config import StageSpec, Workflow
+from onepiece.config import ElasticSpec, NmSpec, SetSpec, StageSpec, Topology, Workflow
 from onepiece.sched.keys import call_key
 from onepiece.sched.options import ScheduleSpec
 from onepiece.sim.costs import CostTable
-from onepiece.sim.engine import HOP_S, SimInputError, Simulation
+from onepiece.sim.engine import HOP_S, MOVE_S, SimInputError, Simulation
 
-PIPELINE = "pipeline"  # the monolithic stage
 MAX_DEVICES = 100_000
+MAX_ELASTIC = 64  # instances of a stage in one set, as a topology allows
 
 
 @dataclass
@@ -41,10 +44,17 @@ class Verdict:
 
 
 def attainment(wf: Workflow, counts: dict[str, int], costs: CostTable, trace: Trace, hop_s: float = HOP_S,
-               gpus: dict[str, int] | None = None) -> Verdict:
-    """Simulate ``trace`` on one set of ``counts`` instances; SLO attainment over all requests,
-    and the GPUs the set holds."""
-    sim = Simulation(wf, {"set0": counts}, costs, hop_s=hop_s, keep_chunks=False)
+               gpus: dict[str, int] | None = None, elastic: ElasticSpec | None = None,
+               move_s: float = MOVE_S) -> Verdict:
+    """Simulate ``trace`` on one set of ``counts`` instances (with ``elastic``: the NM moving
+    them); SLO attainment over all requests, and the GPUs the set holds."""
+    topo = None
+    if elastic is not None:
+        if max(counts.values()) > MAX_ELASTIC:
+            raise SimInputError(f"with elastic moves a set holds at most {MAX_ELASTIC} instances of a stage "
+                                f"(asked for {counts}); plan several sets, or without --elastic")
+        topo = Topology(workflow="(planned)", nm=NmSpec(elastic=elastic), sets=[SetSpec(name="set0", stages=counts)])
+    sim = Simulation(wf, {"set0": counts}, costs, hop_s=hop_s, keep_chunks=False, elastic=topo, move_s=move_s)
     sim.load(trace)
     records = sim.run()
     summary = summarize(records, {c: v.slo_s or math.inf for c, v in trace.classes.items()})
@@ -66,27 +76,52 @@ def alone_by_request(wf: Workflow, costs: CostTable, trace: Trace) -> list[dict[
 def monolithic(wf: Workflow, costs: CostTable, trace: Trace,
                gpus: dict[str, int] | None = None) -> tuple[Workflow, CostTable, dict[str, int]]:
     """The workflow, table and GPUs of whole-pipeline devices: each application becomes one
-    stage, ``pipeline``, a call that costs the sum of its stages alone (no hops: one process),
-    on as many GPUs as the largest of its stages takes."""
-    rows: dict[str, float] = {}
+    stage, ``pipeline(app)``, a call that costs the sum of its stages alone (no hops: one
+    process), on as many GPUs as the largest of its stages takes. A device holds one
+    application's pipeline, so each application has its own pool."""
+    rows: dict[str, dict[str, float]] = {}
     for i, (r, alone) in enumerate(zip(trace.requests, alone_by_request(wf, costs, trace))):
         w, h = r.size.split("x")
         key, t = call_key({"width": w, "height": h, "num_frames": r.num_frames}), sum(alone.values())
-        if key in rows and not math.isclose(rows[key], t):
-            raise SimInputError(f"requests[{i}]: shape {key} comes with another cost too (other step counts?); a "
-                                f"monolithic device is priced per shape, so give each shape one step count")
-        rows[key] = t
+        mine = rows.setdefault(pipeline(r.app), {})
+        if key in mine and not math.isclose(mine[key], t):
+            raise SimInputError(f"requests[{i}]: shape {key} of {r.app} comes with another cost too (other step "
+                                f"counts?); a monolithic device is priced per shape, so give each shape one step count")
+        mine[key] = t
     mono = wf.model_copy(deep=True)
     first = next(iter(mono.stages.values()))
-    mono.stages = {PIPELINE: StageSpec(model=first.model, components=first.components, workers=1,
-                                       schedule=ScheduleSpec(policy="fcfs"))}
-    for app in mono.applications.values():
-        app.stages = [PIPELINE]
-    table = CostTable({"version": 1, "stages": {PIPELINE: {"rows": [{"key": k, "batch": 1, "seconds": t}
-                                                                    for k, t in rows.items()]}}},
+    mono.stages = {stage: StageSpec(model=first.model, components=first.components, workers=1,
+                                    schedule=ScheduleSpec(policy="fcfs")) for stage in rows}
+    need = {}
+    for app, spec in mono.applications.items():
+        need[pipeline(app)] = max((gpus or {}).get(s, 1) for s in spec.stages)
+        spec.stages = [pipeline(app)]
+    table = CostTable({"version": 1, "stages": {stage: {"rows": [{"key": k, "batch": 1, "seconds": t}
+                                                                 for k, t in by_key.items()]}
+                                                for stage, by_key in rows.items()}},
                       f"{costs.source} (whole pipeline)")
-    need = max((gpus or {}).get(s, 1) for app in {r.app for r in trace.requests} for s in wf.applications[app].stages)
-    return mono, table, {PIPELINE: need}
+    return mono, table, need
+
+
+def pipeline(app: str) -> str:
+    """The monolithic stage of ``app``."""
+    return f"pipeline_{app}"
+
+
+def fewest_monolithic(wf: Workflow, costs: CostTable, trace: Trace, target: float,
+                      gpus: dict[str, int] | None = None) -> Verdict:
+    """The fewest whole-pipeline devices: each application's pool, the fewest that meet
+    ``target`` on that application's requests (the pools share nothing)."""
+    mono_wf, mono_costs, mono_gpus = monolithic(wf, costs, trace, gpus)
+    pools = []
+    for app in sorted({r.app for r in trace.requests}):
+        only = [r for r in trace.requests if r.app == app]
+        sub = trace.model_copy(update={"requests": only})
+        pools.append((fewest(lambda n: attainment(mono_wf, {pipeline(app): n}, mono_costs, sub, gpus=mono_gpus),
+                             target), only))
+    met = sum(v.attainment * len(only) for v, only in pools) / len(trace.requests)
+    return Verdict(sum(v.devices for v, _ in pools), {k: c for v, _ in pools for k, c in v.counts.items()}, met,
+                   {k: u for v, _ in pools for k, u in v.utilization.items()})
 
 
 def fewest(verdict_of: Callable[[int], Verdict], target: float, start: int = 1) -> Verdict:
@@ -123,9 +158,11 @@ def theorem1(wf: Workflow, costs: CostTable, trace: Trace, utilization: float = 
 
 
 def disaggregated(wf: Workflow, costs: CostTable, trace: Trace, target: float, hop_s: float = HOP_S,
-                  gpus: dict[str, int] | None = None, max_runs: int = 200) -> Verdict:
+                  gpus: dict[str, int] | None = None, elastic: ElasticSpec | None = None, move_s: float = MOVE_S,
+                  max_runs: int = 200) -> Verdict:
     """Theorem 1's counts, then: add one instance to the busiest stage until ``target`` is met,
-    then remove any instance the target does not need (the least busy stages first)."""
+    then remove any instance the target does not need (the least busy stages first); with
+    ``elastic``, every simulation runs the NM's moves."""
     counts = theorem1(wf, costs, trace)
     stages = list(counts)
     runs = 0
@@ -135,7 +172,7 @@ def disaggregated(wf: Workflow, costs: CostTable, trace: Trace, target: float, h
         runs += 1
         if runs > max_runs:
             raise SimInputError(f"no plan within {max_runs} simulations")
-        return attainment(wf, c, costs, trace, hop_s, gpus)
+        return attainment(wf, c, costs, trace, hop_s, gpus, elastic, move_s)
 
     v = judge(counts)
     while v.attainment < target:

@@ -141,13 +141,15 @@ def test_the_planner_finds_the_fewest_devices_that_meet_the_target():
     classes["S"]["slo_s"], classes["L"]["slo_s"] = 0.8, 6.0
     tr = poisson_trace(classes, {"S": 0.8, "L": 0.2}, rate=10.0, n=300, seed=4, timeout_s=60)
     mono_wf, mono_costs, mono_gpus = plan.monolithic(WF, table(), tr, {"denoise_t2v": 2})
-    assert mono_gpus == {plan.PIPELINE: 2}  # a whole pipeline holds what its largest stage needs
+    P = plan.pipeline("t2v")
+    assert mono_gpus[P] == 2  # a whole pipeline holds what its largest stage needs
     # a whole S request is its three stages alone: 0.01 + 10 x 0.02 + 0.05
-    assert mono_costs.step_s(plan.PIPELINE, S, 1) == pytest.approx(0.26)
-    best = plan.fewest(lambda n: plan.attainment(mono_wf, {plan.PIPELINE: n}, mono_costs, tr), 0.95)
+    assert mono_costs.step_s(P, S, 1) == pytest.approx(0.26)
+    best = plan.fewest(lambda n: plan.attainment(mono_wf, {P: n}, mono_costs, tr), 0.95)
+    assert plan.fewest_monolithic(WF, table(), tr, 0.95).devices == best.devices
     assert best.attainment >= 0.95
-    assert plan.attainment(mono_wf, {plan.PIPELINE: best.devices - 1}, mono_costs, tr).attainment < 0.95
-    assert plan.attainment(mono_wf, {plan.PIPELINE: 3}, mono_costs, tr, gpus=mono_gpus).devices == 6
+    assert plan.attainment(mono_wf, {P: best.devices - 1}, mono_costs, tr).attainment < 0.95
+    assert plan.attainment(mono_wf, {P: 3}, mono_costs, tr, gpus=mono_gpus).devices == 6
     dis = plan.disaggregated(WF, table(), tr, 0.95)
     assert dis.attainment >= 0.95 and dis.devices == sum(dis.counts.values())
     for stage, n in dis.counts.items():  # none of them can give one back
