@@ -173,13 +173,18 @@ def table_rows(doc: Any, stage: str | None = None) -> dict[str, dict[int, float]
     return out
 
 
-def load_table(path: str | Path, stage: str | None = None) -> dict[str, dict[int, float]]:
+def read_table(path: str | Path) -> Any:
+    """A table file's parsed JSON (not checked yet), or TableError saying why it cannot be read."""
     try:
-        doc = orjson.loads(Path(path).read_bytes())
+        return orjson.loads(Path(path).read_bytes())
     except OSError as e:
         raise TableError(f"{path}: cannot read: {e.strerror}") from None
     except orjson.JSONDecodeError as e:
         raise TableError(f"{path}: not JSON: {e}") from None
+
+
+def load_table(path: str | Path, stage: str | None = None) -> dict[str, dict[int, float]]:
+    doc = read_table(path)
     try:
         return table_rows(doc, stage)
     except TableError as e:

@@ -15,9 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-import orjson
-
-from onepiece.sched.costs import CostModel, TableError, at_batch, table_rows
+from onepiece.sched.costs import CostModel, TableError, at_batch, read_table, table_rows
 from onepiece.sched.keys import variant
 
 
@@ -39,13 +37,7 @@ class CostTable:
 
     @classmethod
     def load(cls, path: str | Path) -> "CostTable":
-        try:
-            doc = orjson.loads(Path(path).read_bytes())
-        except OSError as e:
-            raise TableError(f"{path}: cannot read: {e.strerror}") from None
-        except orjson.JSONDecodeError as e:
-            raise TableError(f"{path}: not JSON: {e}") from None
-        return cls(doc, str(path))
+        return cls(read_table(path), str(path))
 
     def stepped(self, stage: str) -> bool:
         return self._stepped.get(stage, False)
