@@ -12,7 +12,12 @@ the runtime's own pieces, not copies of them:
   the NM's own capacity view (``nm.capacity.estimate``), rebuilt every heartbeat from what each
   simulated instance measured (``ServiceTimes``, as the stage's scheduler records it); a set that
   refuses passes the request to the next set, as the client does, and a request every set
-  refuses is ``rejected``.
+  refuses is ``rejected``;
+- with a topology's elastic policy, the NM's own state and policy move instances between stages
+  (``sim/elastic.py``).
+
+Not modelled: a stage's per-request preparing and finishing beyond its steps, processes sharing
+CPU cores (each worker is a device of its own), transports beyond a fixed hop time, failures.
 
 No I/O and no wall clock: the same inputs give the same result, so a test can pin it.
 """
