@@ -409,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
     due = ("its class's SLO" if not soft else f"{', '.join(f'{x:g}' for x in sorted(soft))} s; its class's SLO is "
            "its target (slo_s), which a request may miss and still complete")
     md += ["", f"Each request's deadline: {due}. Latency: submit → the DB's completed_at (completed) or its failure "
-               "(a request whose deadline passed is dropped where it is and fails); mean over all requests sent, "
+               "(a request whose deadline passed is dropped where it is and fails); mean over all requests admitted, "
                "p50/p99 over completed ones. SLO attainment: completed within the class's SLO / sent. Goodput: those "
                "/ duration."]
     text = "\n".join(md)

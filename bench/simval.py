@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from onepiece.bench.common import T2V_STAGES, cpu_name
-from onepiece.bench.trace import Trace, load_trace
+from onepiece.bench.trace import Trace, load_trace, summarize
 from onepiece.cli import PROFILE_WORKFLOWS
 from onepiece.config import ProxySpec, deploy_dir, load_workflow
 from onepiece.sim.cli import apply_schedule, simulate
@@ -51,12 +51,14 @@ def validate(results: Path) -> dict[str, Any]:
         pwf = apply_schedule(wf, opts)
         # as bench sched's Session: one proxy, the in-flight bound at 1000, the monitor on or off
         proxy = {"set0": ProxySpec(count=1, port=0, max_inflight=1000, monitor=monitor)}
-        for load, measured in by_load.items():
+        for load in by_load:
             path = results / f"sched-trace-{load.replace('monitor on ', 'monitor-') if monitor else load}.json"
             if not path.exists():
                 continue  # a replayed --trace: its file is not beside the results
             trace = _sent(load_trace(path), settings["max_duration"])
             result, _ = simulate(pwf, {"set0": dict(T2V_STAGES)}, costs, trace, chunks=False, proxies=proxy)
+            # both sides summarized by the same function, from the run's own records
+            measured = summarize(run["requests"][row][load], {c: v["slo_s"] for c, v in run["classes"].items()})
             rows.setdefault(row, {})[load] = {"measured": measured, "predicted": result["summary"],
                                                  "wall_s": result["wall_s"]}
     return {"bench": "simval", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),

@@ -191,15 +191,16 @@ async def replay(target: Any, trace: Trace, prompt: str, max_duration: float) ->
 
 def summarize(recs: list[dict], slo: dict[str, float]) -> dict[str, Any]:
     """Per class and overall, the outcomes of a replay (records as ``replay`` returns them, or
-    as the simulator writes them): counts, mean latency (submit → resolved: completed, or
-    failed at its deadline), p50/p99 of completed ones, SLO attainment (completed within the
-    class's ``slo`` / sent) and goodput."""
+    as the simulator writes them): counts, mean latency of the admitted ones (submit → resolved:
+    completed, or failed), p50/p99 of completed ones, SLO attainment (completed within the
+    class's ``slo`` / sent, refusals included) and goodput."""
 
     def one(rs: list[dict]) -> dict[str, Any]:
         n = len(rs)
         done = [r["latency_s"] for r in rs if r["outcome"] == "completed" and r.get("latency_s") is not None]
+        # A refused request was answered at once; a failed one at its failure (or its deadline).
         resolved = [r.get("latency_s") if r.get("latency_s") is not None else (r.get("timeout_s") or 0.0)
-                    for r in rs]
+                    for r in rs if r["outcome"] != "rejected"]
         met = sum(1 for r in rs if r["outcome"] == "completed" and r.get("latency_s") is not None
                   and r["latency_s"] <= slo[r["class"]])
         return {"n": n, "completed": len(done), "failed": sum(1 for r in rs if r["outcome"] == "failed"),

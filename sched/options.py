@@ -27,7 +27,7 @@ class ScheduleSpec(BaseModel):
     resident_bytes: int = Field(1 << 30, gt=0, description="bound on the request states a worker keeps resident")
     # 10, not 4: aged requests go first in arrival order, so a bound that short requests reach
     # under an ordinary queue (4 x 0.7 s) turns every policy into fcfs exactly when it matters
-    # (simulated at the bench's costs: slo met 75% of SLOs at 1.0x with 4, 89% with 10, 90% with none).
+    # (bench sched's 1.2x trace on the simulator: slo meets 90% of SLOs with 4, 97% with 10 or none).
     aging: float = Field(10.0, gt=0, le=1000, description="a request in the stage for longer than this many times "
                                                            "its standalone time runs before any that is not: no "
                                                            "policy can starve it")
