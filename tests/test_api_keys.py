@@ -232,3 +232,83 @@ def test_onepiece_up_refuses_an_open_proxy_without_keys_and_passes_only_the_file
         assert not any(ALICE in arg for c in dep.plan() for arg in c.argv)
     finally:
         dep.stop()
+
+
+def test_a_proxy_process_takes_its_keys_from_a_file_or_the_environment(tmp_path):
+    """`onepiece proxy` as its own process on 0.0.0.0, beside a real NM: keys from its file or
+    from ONEPIECE_API_KEYS, never on its command line."""
+    import os
+    import socket
+    import time
+
+    from onepiece.launcher import free_tcp_address, write_topology
+
+    nm = free_tcp_address()
+    topology = write_topology(tmp_path, {"t2v": tmp_path, "i2v": tmp_path}, nm)
+    keys = tmp_path / "keys"
+    keys.write_text(f"{ALICE}\n")
+    keys.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    log = open(tmp_path / "roles.log", "ab")
+    nm_proc = subprocess.Popen([sys.executable, "-m", "onepiece", "nm", "--topology", str(topology), "--address", nm],
+                               stdout=log, stderr=log, env=env)
+    try:
+        for key, extra, extra_env in ((ALICE, ["--api-keys-file", str(keys)], {}), (BOB, [], {ENV: BOB})):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            proc = subprocess.Popen([sys.executable, "-m", "onepiece", "proxy", "--nm", nm, "--host", "0.0.0.0",
+                                     "--port", str(port), *extra], stdout=log, stderr=log, env={**env, **extra_env})
+            try:
+                url = f"http://127.0.0.1:{port}"
+                deadline = time.monotonic() + 60
+                while True:
+                    assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "roles.log").read_text()
+                    try:
+                        if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        time.sleep(0.2)
+                assert httpx.get(f"{url}/v1/models").status_code == 401
+                assert httpx.get(f"{url}/v1/models", headers=bearer(EVE)).status_code == 401
+                assert httpx.get(f"{url}/v1/models", headers=bearer(key)).status_code == 200
+                cmdline = open(f"/proc/{proc.pid}/cmdline", "rb").read().decode()
+                assert key not in cmdline
+            finally:
+                proc.terminate()
+                proc.wait(20)
+        assert ALICE not in (tmp_path / "roles.log").read_text() and BOB not in (tmp_path / "roles.log").read_text()
+    finally:
+        nm_proc.terminate()
+        nm_proc.wait(20)
+        log.close()
+
+
+@pytest.mark.slow
+def test_onepiece_up_with_keys_serves_generate_with_its_key_file(tmp_path, tiny_models):
+    """What a user does to open a deployment to other hosts: a key file, a topology whose proxy
+    binds 0.0.0.0 and names the file, `onepiece up`, and `onepiece generate --api-key-file`."""
+    from deployment import Up
+
+    from onepiece.launcher import free_tcp_address, write_topology
+
+    keys = tmp_path / "keys"
+    assert run_cli("keys", "new", "--file", str(keys)).returncode == 0
+    nm = free_tcp_address()
+    topology = write_topology(tmp_path, tiny_models, nm, dbs=1, threads=1,
+                              stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1},
+                              sets=[{"proxy": {"host": "0.0.0.0", "api_keys_file": "keys"}}])
+    dep = Up(topology, tmp_path / "logs", nm)
+    try:
+        url = dep.wait_for(r"serves the API at (http://\S+)", timeout=240).group(1)
+        out = run_cli("generate", "--url", url, "--prompt", "a fox", "--size", "32x32", "--frames", "5", "--steps",
+                      "2", "--quiet", "-o", str(tmp_path / "fox.mp4"), "--api-key-file", str(keys))
+        assert out.returncode == 0, out.stderr
+        assert (tmp_path / "fox.mp4").stat().st_size > 0
+        out = run_cli("generate", "--url", url, "--prompt", "a fox", "--quiet", "-o", str(tmp_path / "no.mp4"),
+                      env={k: v for k, v in __import__("os").environ.items() if k != "ONEPIECE_API_KEY"})
+        assert out.returncode == 1 and "API key" in out.stderr
+        key = keys.read_text().strip()
+        assert not any(key in (tmp_path / "logs" / f).read_text() for f in ("set0-proxy0.log", "nm.log"))
+    finally:
+        dep.stop()
