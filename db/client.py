@@ -23,7 +23,9 @@ import threading
 import time
 from typing import Any, Generator
 
+from onepiece.db.listing import created_key
 from onepiece.db.placement import order
+from onepiece.db.protocol import merge
 from onepiece.transport.rpc import AsyncRpcClient, RpcClient, RpcError, RpcTimeout
 
 
@@ -37,6 +39,10 @@ class DbUnavailable(DbError):
 
 class DbFull(DbError):
     """Every DB that answered refused the record because its store is full."""
+
+
+class DbGone(DbError):
+    """A create-once whose UID a DB dropped within a TTL (or holds for another owner)."""
 
 
 class NotReady(DbError):
@@ -84,22 +90,25 @@ class _Failover:
 
     # ---- plans -------------------------------------------------------------------------------
 
-    def _create(self, record: dict[str, Any]) -> Plan:
+    def _create(self, record: dict[str, Any], if_absent: bool = False) -> Plan:
         uid = record["uid"]
         errors: list[str] = []
         for address in self._order(uid):
             try:
-                yield address, "create", {"record": record}
-                return address
+                reply, _ = yield address, "create", {"record": record, **({"if_absent": True} if if_absent else {})}
+                return address, reply
             except RpcError as e:
+                if _reason(e, "create").startswith("gone"):
+                    # Decided: a later DB that never held it must not create it again.
+                    raise DbGone(f"create {uid}: {_reason(e, 'create')}") from None
                 errors.append(f"{address}: {e}")
         raise _create_error(uid, errors)
 
-    def _get(self, uid: str) -> Plan:
+    def _get(self, uid: str, owner: str | None = None) -> Plan:
         answered, errors = False, []
         for address in self._order(uid):
             try:
-                reply, _ = yield address, "get", {"uid": uid}
+                reply, _ = yield address, "get", _args(uid, owner)
                 return reply["record"]
             except RpcTimeout as e:
                 errors.append(str(e))
@@ -109,11 +118,11 @@ class _Failover:
             return None
         raise DbUnavailable(f"get {uid}: no DB answered: {'; '.join(errors)}")
 
-    def _content(self, uid: str) -> Plan:
+    def _content(self, uid: str, owner: str | None = None) -> Plan:
         answered, not_ready, errors = False, False, []
         for address in self._order(uid):
             try:
-                reply, blobs = yield address, "content", {"uid": uid}
+                reply, blobs = yield address, "content", _args(uid, owner)
                 return reply["record"], bytes(blobs[0]) if blobs else b""
             except RpcTimeout as e:
                 errors.append(str(e))
@@ -121,17 +130,18 @@ class _Failover:
                 answered = True
                 not_ready |= _reason(e, "content").startswith("not ready")
         if not_ready:
-            record = yield from self._get(uid)
+            record = yield from self._get(uid, owner)
             raise NotReady(f"{uid} is {record['status'] if record else 'gone'}", record)
         if answered:
             return None
         raise DbUnavailable(f"content {uid}: no DB answered: {'; '.join(errors)}")
 
-    def _delete(self, uid: str) -> Plan:
+    def _delete(self, uid: str, owner: str | None = None, forget: bool = False) -> Plan:
         answered, deleted = False, False
+        args = {**_args(uid, owner), **({"forget": True} if forget else {})}
         for address in self._order(uid):
             try:
-                reply, _ = yield address, "delete", {"uid": uid}
+                reply, _ = yield address, "delete", args
                 answered, deleted = True, deleted or bool(reply.get("deleted"))
             except RpcTimeout:
                 continue
@@ -140,6 +150,28 @@ class _Failover:
         if not answered:
             raise DbUnavailable(f"delete {uid}: no DB answered")
         return deleted
+
+    def _list(self, owner: str | None, after: tuple[float, str] | None, limit: int, order: str) -> Plan:
+        """A page from every DB that answers, merged: with fewer replicas than DBs no one DB
+        holds every record. DBs recently down are asked only when no other answered."""
+        args = {"limit": limit, "order": order, **({"owner": owner} if owner is not None else {}),
+                **({"after": list(after)} if after is not None else {})}
+        now = time.monotonic()
+        up = [a for a in self.addresses if self._down_until.get(a, 0.0) <= now]
+        pages: list[tuple[list[dict], bool]] = []
+        errors: list[str] = []
+        for group in (up, [a for a in self.addresses if a not in up]):
+            for address in group:
+                try:
+                    reply, _ = yield address, "list", args
+                    pages.append((reply["records"], bool(reply["has_more"])))
+                except RpcTimeout as e:
+                    errors.append(str(e))
+                except RpcError as e:  # an answer: the arguments are wrong everywhere alike
+                    raise DbError(_reason(e, "list")) from None
+            if pages:
+                return merge_pages(pages, limit, order == "desc")
+        raise DbUnavailable(f"list: no DB answered: {'; '.join(errors)}")
 
     def _stats(self) -> Plan:
         out: dict[str, dict[str, Any]] = {}
@@ -194,22 +226,36 @@ class DbClient(_Failover):
     def create(self, record: dict[str, Any]) -> str:
         """Store a new record on the first DB (in placement order) that accepts it; returns
         that DB's control address. Raises DbFull / DbUnavailable / DbError otherwise."""
-        return self._run(self._create(record))
+        return self._run(self._create(record))[0]
 
-    def get(self, uid: str) -> dict[str, Any] | None:
+    def create_once(self, record: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Create ``record`` unless its UID exists: (the record held, whether this created it).
+        Raises DbGone when the UID was dropped within a TTL or belongs to another owner."""
+        reply = self._run(self._create(record, if_absent=True))[1]
+        return reply["record"], bool(reply.get("created"))
+
+    def get(self, uid: str, owner: str | None = None) -> dict[str, Any] | None:
         """The record from the first DB that has it; None when every DB that answered lacks
-        it. Raises DbUnavailable when no DB answered at all."""
-        return self._run(self._get(uid))
+        it (or holds it for an owner other than a given ``owner``). Raises DbUnavailable when
+        no DB answered at all."""
+        return self._run(self._get(uid, owner))
 
-    def content(self, uid: str) -> tuple[dict[str, Any], bytes] | None:
+    def content(self, uid: str, owner: str | None = None) -> tuple[dict[str, Any], bytes] | None:
         """(record, artefact) from the first DB that has it completed (it may purge it there
         and on its peers); None when no DB has the record; NotReady when one has it but it is
         not completed."""
-        return self._run(self._content(uid))
+        return self._run(self._content(uid, owner))
 
-    def delete(self, uid: str) -> bool:
-        """Delete on every DB of the set (each tells its peers too); True if any held it."""
-        return self._run(self._delete(uid))
+    def delete(self, uid: str, owner: str | None = None, forget: bool = False) -> bool:
+        """Delete on every DB of the set (each tells its peers too); True if any held it.
+        ``forget``: no tombstone and no cancel, so the UID may be created again."""
+        return self._run(self._delete(uid, owner, forget))
+
+    def list(self, owner: str | None = None, after: tuple[float, str] | None = None, limit: int = 20,
+             order: str = "desc") -> tuple[list[dict[str, Any]], bool]:
+        """A page of records by creation time (``owner``'s only, unless None) after the
+        ``(created_at, uid)`` key ``after``, and whether more follow."""
+        return self._run(self._list(owner, after, limit, order))
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per control address: that DB's stats, or ``{"error": ...}``."""
@@ -267,16 +313,24 @@ class AsyncDbClient(_Failover):
             return done.value
 
     async def create(self, record: dict[str, Any]) -> str:
-        return await self._run(self._create(record))
+        return (await self._run(self._create(record)))[0]
 
-    async def get(self, uid: str) -> dict[str, Any] | None:
-        return await self._run(self._get(uid))
+    async def create_once(self, record: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        reply = (await self._run(self._create(record, if_absent=True)))[1]
+        return reply["record"], bool(reply.get("created"))
 
-    async def content(self, uid: str) -> tuple[dict[str, Any], bytes] | None:
-        return await self._run(self._content(uid))
+    async def get(self, uid: str, owner: str | None = None) -> dict[str, Any] | None:
+        return await self._run(self._get(uid, owner))
 
-    async def delete(self, uid: str) -> bool:
-        return await self._run(self._delete(uid))
+    async def content(self, uid: str, owner: str | None = None) -> tuple[dict[str, Any], bytes] | None:
+        return await self._run(self._content(uid, owner))
+
+    async def delete(self, uid: str, owner: str | None = None, forget: bool = False) -> bool:
+        return await self._run(self._delete(uid, owner, forget))
+
+    async def list(self, owner: str | None = None, after: tuple[float, str] | None = None, limit: int = 20,
+                   order: str = "desc") -> tuple[list[dict[str, Any]], bool]:
+        return await self._run(self._list(owner, after, limit, order))
 
     async def stats(self) -> dict[str, dict[str, Any]]:
         return await self._run(self._stats())
@@ -285,6 +339,22 @@ class AsyncDbClient(_Failover):
         for client in self._clients.values():
             client.close()
         self._clients.clear()
+
+
+def _args(uid: str, owner: str | None) -> dict[str, Any]:
+    return {"uid": uid, **({"owner": owner} if owner is not None else {})}
+
+
+def merge_pages(pages: list[tuple[list[dict[str, Any]], bool]], limit: int,
+                descending: bool) -> tuple[list[dict[str, Any]], bool]:
+    """One page from the pages several DBs gave for the same request: copies of a record
+    merged as replicas converge, the first ``limit`` in order, and whether more follow."""
+    held: dict[str, dict[str, Any]] = {}
+    for records, _ in pages:
+        for rec in records:
+            held[rec["uid"]] = merge(held.get(rec["uid"]), rec)
+    ordered = sorted(held.values(), key=lambda r: created_key(r["uid"], r.get("created_at")), reverse=descending)
+    return ordered[:limit], len(ordered) > limit or any(more for _, more in pages)
 
 
 def _create_error(uid: str, errors: list[str]) -> DbError:

@@ -10,7 +10,9 @@ Writes arrive on the DB's data address (any transport) as messages whose header 
 - ``fetched``: ``{uid, kind, expires_at}``: a peer served the result; the copy expires by then.
 
 Reads and the proxy's synchronous ``create`` go to the DB's control address (RPC ops, see
-``db/server.py``): ``create``, ``get``, ``content``, ``delete``, ``stats``.
+``db/server.py``): ``create``, ``get``, ``content``, ``delete``, ``list``, ``stats``. Reads,
+deletes and lists may name an ``owner`` (the key tag the record was created with): a record of
+another owner is then "not found", so its id leaks nothing.
 Terminal transitions are published on the DB's events address as ``[b"done", json]``.
 
 A record is a JSON object; ``merge`` makes replicas converge whatever order updates arrive in.
@@ -64,6 +66,24 @@ class RecordSchema(BaseModel):
     content_type: StrictStr | None = Field(None, max_length=256)
     bytes: StrictInt = Field(0, ge=0)
     trace: list[dict[str, Any]] | None = Field(None, max_length=1024)
+    owner: StrictStr | None = Field(None, max_length=64)  # the creator's key tag (proxy/keys.py)
+    request_hash: StrictStr | None = Field(None, max_length=128)  # an idempotent create's body digest
+
+
+MAX_PAGE = 100  # records per list page, as the OpenAI API bounds its pages
+Owner = Annotated[StrictStr, Field(min_length=1, max_length=64)]
+
+
+class ListArgs(BaseModel):
+    """The arguments of the ``list`` op, checked before any is used (a request is untrusted)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    owner: Owner | None = None  # None: every record of this DB
+    after: tuple[Annotated[float, Field(strict=True, allow_inf_nan=False)],
+                 Annotated[StrictStr, Field(min_length=1, max_length=128)]] | None = None  # (created_at, uid)
+    limit: Annotated[StrictInt, Field(ge=1, le=MAX_PAGE)] = 20
+    order: Literal["asc", "desc"] = "desc"
 
 
 def check_record(record: Any) -> str | None:

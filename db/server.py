@@ -9,12 +9,22 @@
 
 RPC ops (request fields -> reply fields; errors come back as ``{"ok": false, "error": ...}``):
 
-- ``create`` ``{record}`` -> ``{record}``; error ``"store full: ..."`` when it does not fit;
-- ``get`` ``{uid}`` -> ``{record}``; error ``"not found: <uid>"``;
-- ``content`` ``{uid}`` -> ``{record}`` + one blob frame, the artefact; it then expires here and
-  on the peers ``purge_after_fetch_s`` later (0: purged at once; None: at its TTL); errors
-  ``"not found: <uid>"``, ``"not ready: <uid> is <status>"``;
-- ``delete`` ``{uid}`` -> ``{deleted: bool}`` (peers are told to purge too);
+- ``create`` ``{record, if_absent?}`` -> ``{record, created}``; error ``"store full: ..."`` when
+  it does not fit. With ``if_absent`` (an idempotent create, whose UID is derived from its
+  key) a record already held is answered as it is (``created: false``), and a UID dropped here
+  within a TTL, or held for another owner, is refused with ``"gone: <uid>"``: one DB loop
+  thread decides, so two concurrent retries cannot both create;
+- ``get`` ``{uid, owner?}`` -> ``{record}``; error ``"not found: <uid>"``;
+- ``content`` ``{uid, owner?}`` -> ``{record}`` + one blob frame, the artefact; it then expires
+  here and on the peers ``purge_after_fetch_s`` later (0: purged at once; None: at its TTL);
+  errors ``"not found: <uid>"``, ``"not ready: <uid> is <status>"``;
+- ``delete`` ``{uid, owner?, forget?}`` -> ``{deleted: bool}`` (peers are told to purge too);
+  with ``owner``, a DB that does not hold the record leaves its peers alone (the client asks
+  every DB, and one that holds it checks the owner); ``forget`` leaves no tombstone and sends
+  no cancel (a create that never reached a stage, so that a retry may create it again);
+- ``list`` ``{owner?, after?, limit, order}`` (``db.protocol.ListArgs``) -> ``{records,
+  has_more}``: a page of records by creation time, without their traces;
+- a given ``owner`` that differs from the record's makes it "not found";
 - ``stats`` -> ``{stats: {records, bytes, max_bytes, content_bytes, by_status, tombstones,
   name, addresses, peers, replication: {factor, queued, sent, dropped, short}, refused,
   malformed}}``;
@@ -61,8 +71,9 @@ import zmq
 from prometheus_client import Counter, Gauge
 
 from onepiece.db.placement import order_dbs
-from onepiece.db.protocol import CONTENT, TERMINAL
-from onepiece.db.store import Change, InvalidUpdate, NotFound, ResultStore, StoreFull
+from onepiece.db.protocol import CONTENT, TERMINAL, ListArgs
+from onepiece.db.store import Change, Gone, InvalidUpdate, NotFound, ResultStore, StoreFull
+from onepiece.schema import checked
 from onepiece.supervise import stop_on_signals
 from onepiece.transport import registry
 from onepiece.transport.base import Receiver, Sender, TransportError
@@ -143,7 +154,7 @@ class DbServer:
             self.data_address = self.receiver.address
             self.rpc = RpcServer(control_address, {
                 "create": self._op_create, "get": self._op_get, "content": self._op_content,
-                "delete": self._op_delete, "stats": self._op_stats, "ping": self._op_ping,
+                "delete": self._op_delete, "list": self._op_list, "stats": self._op_stats, "ping": self._op_ping,
             })
             self.control_address = self.rpc.address
             self.pub = zmq.Context.instance().socket(zmq.PUB)
@@ -267,7 +278,7 @@ class DbServer:
                     self._on_change(change, replicate=False)  # never forwarded: no loops
                 return
             elif kind == "purge":
-                self.store.purge(uid)
+                self.store.purge(uid, tombstone=h.get("forget") is not True)
                 WRITES.labels(self.name, kind).inc()
                 log.debug("db %s: uid=%s purged by a peer", self.name, uid)
                 return
@@ -343,6 +354,13 @@ class DbServer:
         record = req.get("record")
         if not isinstance(record, dict):
             raise InvalidUpdate("create: 'record' must be an object")
+        if _flag(req, "if_absent"):
+            uid = _uid(record)
+            held = self.store.get(uid)
+            if held is not None and held.get("owner") == record.get("owner"):
+                return {"record": held, "created": False}
+            if held is not None or self.store.gone(uid):
+                raise Gone(f"gone: {uid} was created before and is not available to create again")
         try:
             change = self.store.create(record)
         except StoreFull as e:
@@ -352,19 +370,28 @@ class DbServer:
         if change is not None:
             log.info("db %s: uid=%s created", self.name, change.record["uid"])
             self._on_change(change, replicate=True)
-        return {"record": self.store.get(record["uid"])}
+        return {"record": self.store.get(record["uid"]), "created": True}
+
+    def _owned(self, req: dict) -> tuple[str, dict[str, Any] | None]:
+        """The request's uid and its record here, None when absent or another owner's."""
+        uid, owner = _uid(req), _owner(req)
+        rec = self.store.get(uid)
+        if rec is not None and owner is not None and rec.get("owner") != owner:
+            rec = None
+        return uid, rec
 
     def _op_get(self, req: dict, blobs: list) -> dict:
-        uid = _uid(req)
+        uid, rec = self._owned(req)
         READS.labels(self.name, "get").inc()
-        rec = self.store.get(uid)
         if rec is None:
             raise NotFound(f"not found: {uid}")
         return {"record": rec}
 
     def _op_content(self, req: dict, blobs: list) -> tuple[dict, list]:
-        uid = _uid(req)
+        uid, rec = self._owned(req)
         READS.labels(self.name, "content").inc()
+        if rec is None:
+            raise NotFound(f"not found: {uid}")
         rec, data = self.store.take_content(uid)
         grace = self.store.purge_after_fetch_s
         log.info("db %s: uid=%s fetched (%d bytes)%s", self.name, uid, len(data),
@@ -376,16 +403,28 @@ class DbServer:
         return {"record": rec}, [data]
 
     def _op_delete(self, req: dict, blobs: list) -> dict:
-        uid = _uid(req)
-        rec = self.store.get(uid)
-        if rec is not None and rec.get("status") not in TERMINAL:
+        uid, rec = self._owned(req)
+        forget = _flag(req, "forget")
+        if rec is None and req.get("owner") is not None:
+            if uid in self.store:
+                raise NotFound(f"not found: {uid}")  # another owner's: nothing to say about it
+            return {"deleted": False}  # a DB that holds it checks the owner and tells its peers
+        if rec is not None and rec.get("status") not in TERMINAL and not forget:
             # Still being generated: stages subscribe to this and drop it where it is.
             self._event(b"cancel", uid, "")
-        existed = self.store.purge(uid)
+        existed = self.store.purge(uid, tombstone=not forget)
         WRITES.labels(self.name, "delete").inc()
-        log.info("db %s: uid=%s deleted (%s)", self.name, uid, "held" if existed else "not held")
-        self._replicate(Message({"uid": uid, "kind": "purge"}))  # peers may hold it even if we do not
+        log.info("db %s: uid=%s %s (%s)", self.name, uid, "forgotten" if forget else "deleted",
+                 "held" if existed else "not held")
+        # Peers may hold it even if we do not.
+        self._replicate(Message({"uid": uid, "kind": "purge", **({"forget": True} if forget else {})}))
         return {"deleted": existed}
+
+    def _op_list(self, req: dict, blobs: list) -> dict:
+        args = checked(ListArgs, {k: v for k, v in req.items() if k not in ("id", "op")}, "list")
+        READS.labels(self.name, "list").inc()
+        records, more = self.store.page(args.owner, args.after, args.limit, args.order == "desc")
+        return {"records": records, "has_more": more}
 
     def _op_stats(self, req: dict, blobs: list) -> dict:
         READS.labels(self.name, "stats").inc()
@@ -552,6 +591,20 @@ def _uid(req: dict) -> str:
     if not isinstance(uid, str) or not uid:
         raise InvalidUpdate(f"{req.get('op')}: 'uid' must be a non-empty string")
     return uid
+
+
+def _owner(req: dict) -> str | None:
+    owner = req.get("owner")
+    if owner is not None and (not isinstance(owner, str) or not 0 < len(owner) <= 64):
+        raise InvalidUpdate(f"{req.get('op')}: 'owner' must be a string of 1 to 64 characters")
+    return owner
+
+
+def _flag(req: dict, name: str) -> bool:
+    value = req.get(name, False)
+    if not isinstance(value, bool):
+        raise InvalidUpdate(f"{req.get('op')}: {name!r} must be true or false")
+    return value
 
 
 def _content_of(msg: Message, required: bool) -> bytes | None:

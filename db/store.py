@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import orjson
 
+from onepiece.db.listing import CreatedIndex, Key
 from onepiece.db.protocol import COMPLETED, FAILED, IN_PROGRESS, QUEUED, TERMINAL, check_record, merge
 
 STATUSES = (QUEUED, IN_PROGRESS, COMPLETED, FAILED)
@@ -60,6 +61,10 @@ class NotFound(StoreError, LookupError):
 
 class NotReady(StoreError, LookupError):
     """The record exists but has no artefact to hand out yet."""
+
+
+class Gone(StoreError, LookupError):
+    """A create-once for a UID that this DB dropped within a TTL, or that another owner holds."""
 
 
 class InvalidUpdate(StoreError, ValueError):
@@ -120,12 +125,24 @@ class ResultStore:
         self._expiry_at: dict[str, float] = {}
         self._deadline_heap: list[tuple[float, str]] = []
         self._deadline_at: dict[str, float] = {}
+        self._index = CreatedIndex()  # the listing order (db/listing.py)
 
     # ---- reads -----------------------------------------------------------------------------
 
     def get(self, uid: str) -> dict[str, Any] | None:
         rec = self._records.get(uid)
         return dict(rec) if rec is not None else None
+
+    def gone(self, uid: str) -> bool:
+        """Whether ``uid`` was held here and dropped (fetched, deleted, expired) within a TTL."""
+        return uid in self._tombstones
+
+    def page(self, owner: str | None, after: Key | None, limit: int,
+             descending: bool) -> tuple[list[dict[str, Any]], bool]:
+        """Up to ``limit`` records after ``after`` (a ``(created_at, uid)`` key) by creation
+        time, only ``owner``'s unless it is None, without their traces; and whether more follow."""
+        uids, more = self._index.page(owner, after, limit, descending)
+        return [{k: v for k, v in self._records[uid].items() if k != "trace"} for uid in uids], more
 
     def __contains__(self, uid: object) -> bool:
         return uid in self._records
@@ -189,6 +206,9 @@ class ResultStore:
         uid = self._check(upd)
         if upd["status"] in TERMINAL:
             raise InvalidUpdate(f"create: {uid} cannot start {upd['status']}")
+        problem = check_record(upd)  # its owner and times are indexed and compared: types checked
+        if problem is not None:
+            raise InvalidUpdate(f"create: {problem}")
         self._tombstones.pop(uid, None)
         return self._apply(upd, local=True)
 
@@ -241,11 +261,12 @@ class ResultStore:
             return None
         return self._apply(dict(record), local=False, content=content)
 
-    def purge(self, uid: str) -> bool:
+    def purge(self, uid: str, tombstone: bool = True) -> bool:
         """Drop ``uid`` (deleted by a client, or fetched/deleted on a peer) and ignore late
-        updates for it; True if it was held."""
+        updates for it; True if it was held. Without ``tombstone`` the uid may be created again
+        at once (a create that never reached the stages, forgotten so that a retry can)."""
         existed = uid in self._records
-        self._drop(uid, tombstone=True)
+        self._drop(uid, tombstone=tombstone)
         return existed
 
     def sweep(self) -> Sweep:
@@ -375,6 +396,7 @@ class ResultStore:
         if out == old and not attach:
             return None
         self._records[uid] = out
+        self._index.put(uid, out.get("created_at"), out.get("owner"))
         self._schedule(uid, out)
         if attach:
             self._content[uid] = content
@@ -389,6 +411,7 @@ class ResultStore:
             self._bytes -= self._sizes.pop(uid, 0)
             self._expiry_at.pop(uid, None)  # their heap entries are now stale
             self._deadline_at.pop(uid, None)
+            self._index.remove(uid)
         if tombstone:
             self._tombstones[uid] = self.clock() + self.ttl_s
             self._tombstones.move_to_end(uid)

@@ -9,50 +9,32 @@ echoes the secret.
 
 from __future__ import annotations
 
-import errno
 import os
-import stat
 from pathlib import Path
 from typing import Mapping
 
 from onepiece.nm.zk import parse_auth
+from onepiece.secret_file import MAX_FILE_BYTES, SecretFileError, read_secret_file
 
 ENV = "ONEPIECE_ZK_AUTH"
-MAX_FILE_BYTES = 4096
 NO_COMMAND_LINE = (f"credentials on a command line are readable by every user of the host (ps); put user:password "
                    f"in a file of mode 0600 named by --zk-auth-file, or in the environment variable {ENV}")
 
 
-class CredentialsError(ValueError):
+class CredentialsError(SecretFileError):
     """Credentials given but unusable; the message names where they came from, not the secret."""
 
 
 def read_auth_file(path: str | Path) -> str:
     """``user:password`` from ``path``: a regular file, owned by us, that no group or other user
-    may read or write (mode 0600 or 0400)."""
-    path = Path(path)
+    may read or write (mode 0600 or 0400; onepiece/secret_file.py)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as e:
-        why = "a symbolic link; name the file itself" if e.errno == errno.ELOOP else e.strerror
-        raise CredentialsError(f"ZooKeeper credentials file {path}: {why}") from None
+        text = read_secret_file(path, "ZooKeeper credentials", MAX_FILE_BYTES)
+    except SecretFileError as e:
+        raise CredentialsError(str(e)) from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CredentialsError(f"ZooKeeper credentials file {path}: not a regular file")
-        if st.st_mode & 0o077:
-            raise CredentialsError(f"ZooKeeper credentials file {path}: mode {stat.S_IMODE(st.st_mode):04o} lets "
-                                   f"others read it; run: chmod 600 {path}")
-        if st.st_uid != os.geteuid():
-            raise CredentialsError(f"ZooKeeper credentials file {path}: owned by another user (uid {st.st_uid})")
-        data = os.read(fd, MAX_FILE_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) > MAX_FILE_BYTES:
-        raise CredentialsError(f"ZooKeeper credentials file {path}: larger than {MAX_FILE_BYTES} bytes")
-    try:
-        return parse_auth(data.decode("utf-8").strip())
-    except (UnicodeDecodeError, ValueError) as e:
+        return parse_auth(text.strip())
+    except ValueError as e:
         raise CredentialsError(f"ZooKeeper credentials file {path}: {e}") from None
 
 

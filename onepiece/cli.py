@@ -84,12 +84,39 @@ def cmd_db(args: argparse.Namespace) -> int:
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
+    from onepiece.proxy.keys import check_bind, load_keys
     from onepiece.proxy.service import serve
+    from onepiece.secret_file import SecretFileError
     from onepiece.supervise import setup_logging
 
+    try:
+        keys = load_keys(args.api_keys_file)
+        check_bind(args.host, keys)
+    except SecretFileError as e:
+        raise ConfigError(str(e)) from None
     setup_logging("proxy", args.log_level)
     serve(args.nm, args.set, args.host, args.port, args.max_inflight, args.max_body_bytes, monitor=args.monitor,
-          deadline_factor=args.deadline_factor, advertise=args.advertise, zk=_zk(args))
+          deadline_factor=args.deadline_factor, advertise=args.advertise, zk=_zk(args), keys=keys)
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from onepiece.proxy.keys import new_key
+    from onepiece.secret_file import SecretFileError, write_secret_file
+
+    key = new_key()
+    if not args.file:
+        print(key)
+        return 0
+    try:
+        write_secret_file(args.file, key + "\n")
+    except (SecretFileError, OSError) as e:
+        print(f"onepiece keys: {e}", file=sys.stderr)
+        return 1
+    # Not printed: a terminal's scrollback or a CI log would keep it. It is the file's last line.
+    print(f"added a key to {args.file} (mode 0600); a client sends it with "
+          f"ONEPIECE_API_KEY=\"$(tail -n 1 {args.file})\" or, from a file holding it alone, --api-key-file",
+          file=sys.stderr)
     return 0
 
 
@@ -232,6 +259,17 @@ def _zk_flags(sp: argparse.ArgumentParser) -> None:
                    help="ZooKeeper session timeout in seconds (default 4): how soon a dead process is noticed")
 
 
+def _api_keys_flags(sp: argparse.ArgumentParser) -> None:
+    from onepiece.proxy.keys import ENV
+
+    sp.add_argument("--api-keys-file", metavar="PATH",
+                    help=f"file of mode 0600 with the client API keys, one a line (or set {ENV}); required when "
+                         f"--host is beyond loopback")
+    sp.add_argument("--api-keys", "--api-key", help=argparse.SUPPRESS, type=_refused(
+        f"keys on a command line are readable by every user of the host (ps); put them in a file of mode 0600 "
+        f"named by --api-keys-file, or in the environment variable {ENV}"))
+
+
 def _nm_addresses(value: str) -> str:
     from onepiece.nm.client import split_addresses
 
@@ -307,12 +345,19 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--deadline-factor", type=_float_between(0, 1000), default=2.0,
                             help="refuse a request without timeout_s that is predicted to take more than this many "
                                  "times its standalone time (0: only the app's limit; default %(default)s)")
+            _api_keys_flags(sp)
             sp.set_defaults(fn=cmd_proxy)
 
     sp = sub.add_parser("status", help="print sets, stages, instances, health and queues")
     sp.add_argument("--nm", default=DEFAULT_NM, type=_nm_addresses, help="node manager address(es), a,b,c")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_status)
+
+    sp = sub.add_parser("keys", help="make a client API key for the proxies")
+    sp.add_argument("action", choices=["new"])
+    sp.add_argument("--file", metavar="PATH",
+                    help="append it to this keys file (created with mode 0600) instead of printing it")
+    sp.set_defaults(fn=cmd_keys)
 
     sp = sub.add_parser("move", help="move a stage instance to another stage, or to the idle pool")
     sp.add_argument("instance", help="instance id, as `onepiece status` shows it")

@@ -22,11 +22,14 @@ import itertools
 import mimetypes
 import os
 import random
+import secrets
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import httpx
+
+from onepiece.proxy.keys import client_key
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TERMINAL = ("completed", "failed")
@@ -102,10 +105,10 @@ class Client:
     def __init__(self, base_url: str | Sequence[str] | Mapping[str, Sequence[str]] = DEFAULT_URL,
                  timeout: float = 30.0, api_key: str | None = None, *, rounds: int = 3,
                  backoff_s: float = 0.25, backoff_cap_s: float = 5.0) -> None:
-        """``base_url``: one proxy URL, several, or ``{set name: [urls]}``. A create refused by
-        every proxy is tried again ``rounds - 1`` more times; between rounds the client waits
-        ``backoff_s`` doubling per round, jittered, at least the smallest Retry-After, at most
-        ``backoff_cap_s``."""
+        """``base_url``: one proxy URL, several, or ``{set name: [urls]}``. ``api_key``: sent as
+        a bearer key (default ``$ONEPIECE_API_KEY``). A create refused by every proxy is tried
+        again ``rounds - 1`` more times; between rounds the client waits ``backoff_s`` doubling
+        per round, jittered, at least the smallest Retry-After, at most ``backoff_cap_s``."""
         if rounds < 1 or backoff_s < 0 or backoff_cap_s < 0:
             raise ValueError("rounds must be at least 1 and the backoff times not negative")
         if isinstance(base_url, Mapping):
@@ -118,6 +121,7 @@ class Client:
         # proxy URL -> its set: from the mapping, and learnt from the video objects proxies answer
         self._set_of_url: dict[str, str] = {u: name for u, name in pairs if name is not None}
         self.rounds, self.backoff_s, self.backoff_cap_s = rounds, backoff_s, backoff_cap_s
+        api_key = api_key if api_key is not None else client_key()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(timeout=timeout, headers=headers)
         # Bounded (least recently added dropped first): a long-lived client must not grow
@@ -166,8 +170,13 @@ class Client:
 
     # --- API -----------------------------------------------------------------------------------
     def submit(self, prompt: str, model: str = "t2v", image: str | os.PathLike | bytes | None = None,
-               size: str = "64x64", seconds: float | str | None = None, **extra: Any) -> dict:
+               size: str = "64x64", seconds: float | str | None = None, idempotency_key: str | None = None,
+               **extra: Any) -> dict:
         """Create a video job; returns the video object (``id``, ``status`` "queued", ...).
+
+        Every try of one submit carries the same ``Idempotency-Key`` (a fresh random one unless
+        given), so a try whose answer was lost and is repeated on another proxy of the same set
+        gets the video the first try made instead of a second one.
 
         ``extra``: num_frames, steps, guidance, seed, negative_prompt, timeout_s, slo_s, priority.
         Every proxy is offered the request in turn, for up to ``rounds`` rounds with a pause
@@ -190,10 +199,11 @@ class Client:
 
         self.last_refusals = []
         rejected: list[RequestRejected] = []
+        headers = {"Idempotency-Key": idempotency_key or secrets.token_urlsafe(24)}
         for rnd in range(self.rounds):
             if rnd:
                 time.sleep(self._pause(rnd, rejected))
-            video, rejected, unreachable = self._submit_round(fields, files)
+            video, rejected, unreachable = self._submit_round(fields, files, headers)
             if video is not None:
                 return video
         if rejected:
@@ -213,7 +223,7 @@ class Client:
             delay = max(delay, min(waits))
         return min(delay, self.backoff_cap_s)
 
-    def _submit_round(self, fields: dict[str, Any], files: dict | None
+    def _submit_round(self, fields: dict[str, Any], files: dict | None, headers: dict[str, str]
                       ) -> tuple[dict | None, list[RequestRejected], list[str]]:
         """Offer the request to every proxy once, from the next in rotation: the video object
         of the first that accepts, else the refusals and the unreachable proxies."""
@@ -224,10 +234,10 @@ class Client:
             url = self.urls[(start + i) % len(self.urls)]
             try:
                 if files is None:
-                    resp = self._http.post(f"{url}/v1/videos", json=fields)
+                    resp = self._http.post(f"{url}/v1/videos", json=fields, headers=headers)
                 else:
                     data = {k: str(v) for k, v in fields.items()}
-                    resp = self._http.post(f"{url}/v1/videos", data=data, files=files)
+                    resp = self._http.post(f"{url}/v1/videos", data=data, files=files, headers=headers)
             except httpx.TransportError as e:
                 unreachable.append(f"{url}: {e}")
                 continue
@@ -241,7 +251,9 @@ class Client:
                 self._home[video["id"]] = url
                 return video, rejected, unreachable
             message, code, param = _error_of(resp)
-            if resp.status_code in (429, 503):  # full or without an entrance: another set may take it
+            if resp.status_code in (429, 503) or code == "idempotency_key_in_use":
+                # Full or without an entrance (another set may take it), or still storing an
+                # earlier try of this request: go on, and come back after the pause.
                 where = f"{url} (set {self._set_of_url[url]})" if url in self._set_of_url else url
                 rejected.append(RequestRejected(f"{where}: {message}", _retry_after(resp), code))
                 self.last_refusals.append(rejected[-1].message)

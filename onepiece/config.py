@@ -19,6 +19,7 @@ from onepiece.schema import checked
 
 if TYPE_CHECKING:
     from onepiece.nm.zk import ZkSettings
+    from onepiece.proxy.keys import ApiKeys
 
 
 def deploy_dir() -> Path:
@@ -308,6 +309,22 @@ class ProxySpec(_Strict):
     deadline_factor: float = Field(2.0, ge=0, le=1000,
                                    description="a request without timeout_s must be predicted to finish within this "
                                                "many times its standalone time (0: only the app's limit)")
+    api_keys_file: str | None = Field(None, description="file (mode 0600) with the client API keys, one a line; "
+                                                        "relative to this file; required when host is beyond loopback "
+                                                        "unless ONEPIECE_API_KEYS is set")
+
+    def keys(self) -> "ApiKeys | None":
+        """The client API keys: api_keys_file, else $ONEPIECE_API_KEYS; ConfigError if unusable,
+        or missing while the proxies bind beyond loopback."""
+        from onepiece.proxy.keys import check_bind, load_keys
+        from onepiece.secret_file import SecretFileError
+
+        try:
+            keys = load_keys(self.api_keys_file)
+            check_bind(self.host, keys)
+        except SecretFileError as e:
+            raise ConfigError(f"proxy: {e}") from None
+        return keys
 
 
 class SetSpec(_Strict):
@@ -424,6 +441,8 @@ def load_topology(path: str | Path) -> tuple[Topology, Workflow, Path]:
         topo.nm.zk_auth_file = str(resolve_path(topo.nm.zk_auth_file, path.parent))
     wf = load_workflow(wf_path)
     for s in topo.sets:
+        if s.proxy.api_keys_file:
+            s.proxy.api_keys_file = str(resolve_path(s.proxy.api_keys_file, path.parent))
         for key in ("stages", "min"):
             for stage in getattr(s, key):
                 if stage not in wf.stages:

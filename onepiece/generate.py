@@ -38,6 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--nm", metavar="ADDR",
                        help="node manager address (e.g. tcp://127.0.0.1:7700): use every set's proxies, "
                             "going on to another set when one refuses")
+    from onepiece.cli import _refused
+    from onepiece.proxy.keys import CLIENT_ENV as KEY_ENV
+
+    parser.add_argument("--api-key-file", metavar="PATH",
+                        help=f"file of mode 0600 holding the API key for the proxies (default ${KEY_ENV})")
+    parser.add_argument("--api-key", help=argparse.SUPPRESS, type=_refused(
+        f"a key on a command line is readable by every user of the host (ps); put it in a file of mode 0600 named "
+        f"by --api-key-file, or in the environment variable {KEY_ENV}"))
     parser.add_argument("--rounds", type=int, default=3,
                         help="times to go round all proxies while they refuse, with backoff (default 3)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the video")
@@ -62,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from onepiece.client import Client, RequestFailed, RequestRejected, Timeout
+    from onepiece.proxy.keys import client_key
+    from onepiece.secret_file import SecretFileError
 
     extra = {"num_frames": args.frames, "steps": args.steps, "guidance": args.guidance, "seed": args.seed,
              "negative_prompt": args.negative_prompt, "timeout_s": args.deadline, "slo_s": args.slo}
@@ -79,7 +89,14 @@ def run(args: argparse.Namespace) -> int:
 
     rounds = max(1, args.rounds)
     try:
-        client = Client.from_nm(args.nm, rounds=rounds) if args.nm else Client(_urls(args.url), rounds=rounds)
+        key = client_key(args.api_key_file)
+    except SecretFileError as e:
+        bar.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:
+        client = (Client.from_nm(args.nm, rounds=rounds, api_key=key) if args.nm
+                  else Client(_urls(args.url), rounds=rounds, api_key=key))
         with client:
             video = client.submit(args.prompt, model=args.model, image=args.image, size=args.size,
                                   seconds=args.seconds, **extra)

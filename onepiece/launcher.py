@@ -131,6 +131,8 @@ class Deployment:
                         "--deadline-factor", str(s.proxy.deadline_factor))
             if not s.proxy.monitor:
                 argv.append("--no-monitor")
+            if s.proxy.api_keys_file:  # the file's path; the keys themselves never travel by argv
+                argv += ["--api-keys-file", s.proxy.api_keys_file]
             out.append(Child(name, argv, self.log_dir / f"{name}.log"))
         return out
 
@@ -161,6 +163,8 @@ class Deployment:
         from onepiece.stage.wan.tiny import ensure_models
 
         self.check_ports()
+        for s in self.topo.sets:
+            s.proxy.keys()  # refuse now, not as a proxy that dies at every restart
         for path in ensure_models(self.workflow, self.base_dir):
             print(f"built tiny random-weight model at {path}", flush=True)
         self.children = self.plan()

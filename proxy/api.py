@@ -27,14 +27,20 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Send
 
 from onepiece.db import protocol
-from onepiece.db.client import DbError, DbFull, DbUnavailable, NotReady
+from onepiece.db.client import DbError, DbFull, DbGone, DbUnavailable, NotReady
+from onepiece.db.listing import created_key
 from onepiece.proxy.admission import CapacityAdmission, DoneWatcher, InflightTracker, Refusal, admit
+from onepiece.proxy.auth import AuthMiddleware, caller_of
 from onepiece.proxy.buffers import ByteBudget
 from onepiece.proxy.cluster import Cluster
 from onepiece.proxy.dbs import DbAccess
 from onepiece.proxy.dispatch import Dispatcher, NoEntrance, SendFailed
 from onepiece.proxy.errors import ApiError, JsonResponse, bad_request
+from onepiece.proxy.idempotency import HEADER as IDEM_HEADER, check_same, gone, idempotency_key, idempotent_uid, \
+    request_hash
 from onepiece.proxy.images import decode_base64_image, decode_image
+from onepiece.proxy.keys import ANYONE, ApiKeys, Caller
+from onepiece.proxy.listing import list_object, parse_query
 from onepiece.proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
 from onepiece.proxy.validation import CreateFields, VideoJob, build_job
 from onepiece.sched import deadlines
@@ -197,19 +203,36 @@ class ProxyState:
 
         return deadlines.reserve(self.cluster.workflow.applications[app].stages, alone_s)
 
-    async def submit(self, job: VideoJob) -> dict[str, Any]:
+    async def submit(self, job: VideoJob, caller: Caller = ANYONE, idem: tuple[str, str] | None = None
+                     ) -> tuple[dict[str, Any], bool]:
+        """Accept ``job`` for ``caller``: (its video object, whether it is a replay). ``idem``:
+        (Idempotency-Key, request digest); a create with a key that made a video before answers
+        that video (or a 409 when its request differed or it is gone), admitted or not."""
         wf = self.cluster.workflow
         first_stage = wf.applications[job.app].stages[0]
         params = job.params()
+        uid = new_uid()
+        if idem is not None:
+            uid = idempotent_uid(caller, idem[0])
+            held = await _db(self.dbs.get(uid, caller.owner))  # a retry of an accepted create
+            if held is not None:
+                check_same(held, idem[1])
+                return video_object(held), True
+            if uid in self.tracker:  # its first create is still being stored or handed over here
+                raise ApiError(409, f"a request with this '{IDEM_HEADER}' is in progress; retry in a moment",
+                               code="idempotency_key_in_use", param=IDEM_HEADER,
+                               headers={"Retry-After": "1"})
         self.follow_dbs()  # cheap (set compares): a DB that just joined is used at once
         if not self.cluster.entrances(job.app):
             raise ApiError(503, f"no instance of stage {first_stage!r} (entrance of model {job.app!r}) is up; "
                                 f"try again later or another set", code="no_entrance", headers=self._retry())
-        # Admission, all in memory: a refusal never waits on a DB, a stage or the NM.
+        # Admission, all in memory: a refusal never waits on a DB, a stage or the NM (a create with
+        # an Idempotency-Key read its UID before: a retry of an accepted one gets its video even
+        # while the set refuses new work).
+        adm = self.admission
         self.observe_monitor()
-        uid = new_uid()
         ts = time.time_ns()
-        refusal = admit(self.admission, self.tracker, uid, job.app, shape_key(params), ts, job.timeout_s,
+        refusal = admit(adm, self.tracker, uid, job.app, shape_key(params), ts, job.timeout_s,
                         job.target_s, job.target_given, self.opts.retry_after_s)
         if refusal is not None:
             raise self._refuse(refusal)
@@ -226,9 +249,23 @@ class ProxyState:
                 "stage": first_stage, "progress": 0, "created_at": ts / 1e9, "deadline": deadline,
                 # Echoed by GET so the video object is complete without the proxy keeping state.
                 "size": job.size, "seconds": job.seconds, "prompt": job.prompt,
+                # Whose it is (a hash of the API key, proxy/keys.py) and what an idempotent
+                # create asked for: reads and retries compare them.
+                "owner": caller.owner, "request_hash": idem[1] if idem is not None else None,
             }
             try:
-                await self.dbs.create(record)
+                if idem is None:
+                    await self.dbs.create(record)
+                else:
+                    held, created = await self.dbs.create_once(record)
+                    if not created:  # a concurrent retry created it first: this one was not needed
+                        if adm is not None:
+                            adm.give_back(job.app, shape_key(params))
+                        self.tracker.release(uid)  # the first create holds a slot on its own proxy
+                        check_same(held, idem[1])
+                        return video_object(held), True
+            except DbGone:
+                raise gone() from None
             except DbError as e:  # DbFull, DbUnavailable, or refused by every DB: not stored
                 raise ApiError(503, f"the request could not be stored: {e}",
                                code="db_full" if isinstance(e, DbFull) else "db_unavailable",
@@ -245,10 +282,11 @@ class ProxyState:
             try:
                 addr = await self.dispatcher.send(job.app, msg)
             except (NoEntrance, SendFailed, MessageError) as e:
-                # The client never learns this uid: drop the record so nothing waits on it.
-                # If even that fails, the DB's deadline sweep marks it failed.
+                # The client never learns this uid: drop the record so nothing waits on it,
+                # leaving no tombstone, so that a retry with the same Idempotency-Key can
+                # create it again. If even that fails, the DB's deadline sweep marks it failed.
                 with contextlib.suppress(DbError):
-                    await self.dbs.delete(uid)
+                    await self.dbs.delete(uid, caller.owner, forget=True)
                 what = "no entrance instance is up" if isinstance(e, NoEntrance) else str(e)
                 raise ApiError(503, f"model {job.app!r}: the request could not be handed to the pipeline: {what}",
                                code="entrance_unavailable", headers=self._retry()) from None
@@ -259,7 +297,7 @@ class ProxyState:
         log.info("uid=%s accepted app=%s size=%s frames=%d steps=%d -> %s", uid, job.app, job.size, job.num_frames,
                  job.steps, addr)
         self.metrics.accepted.labels(job.app).inc()
-        return video_object({**record, "progress": 0})
+        return video_object({**record, "progress": 0}), False
 
 
 def video_object(record: dict[str, Any]) -> dict[str, Any]:
@@ -301,10 +339,14 @@ def _unix_s(v: Any) -> int | None:
     return int(v)
 
 
-def uid_of(video_id: str) -> str:
-    """The uid behind a client-facing id; 404 for anything that cannot be one of ours."""
+def uid_of(video_id: str, param: str = "video_id") -> str:
+    """The uid behind a client-facing id; 404 for anything that cannot be one of ours (a 400
+    when it is a query parameter, ``param``, rather than the path)."""
     uid = video_id.removeprefix(ID_PREFIX)
     if not _UID_RE.match(uid):
+        if param != "video_id":
+            raise bad_request(f"'{param}' must be a video id like 'video_<32 hex digits>' (got {video_id[:80]!r})",
+                              param=param)
         raise ApiError(404, f"no video with id {video_id[:80]!r}", code="video_not_found", param="video_id")
     return uid
 
@@ -491,8 +533,9 @@ def _content_length(scope: Scope) -> int | None:
 
 
 # --- the app ------------------------------------------------------------------------------------
-def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
-    """The proxy's ASGI app for ``cluster``; background work starts with the app's lifespan."""
+def create_app(cluster: Cluster, opts: ProxyOptions | None = None, keys: ApiKeys | None = None) -> FastAPI:
+    """The proxy's ASGI app for ``cluster``; background work starts with the app's lifespan.
+    ``keys``: the client API keys every /v1 request must carry one of (None: no keys)."""
     opts = opts or ProxyOptions()
     state = ProxyState(cluster, opts)
 
@@ -508,7 +551,8 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
     app = FastAPI(title="onepiece proxy", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.state.proxy = state
-    app.add_middleware(GuardMiddleware, state=state)
+    app.add_middleware(AuthMiddleware, keys=keys)
+    app.add_middleware(GuardMiddleware, state=state)  # outermost: renders the 401s of the one inside
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
@@ -538,22 +582,40 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
     async def create_video(request: Request) -> Response:
         st = state
         t0 = time.perf_counter()
+        key = idempotency_key(request)  # checked before the body is read
         raw, image_bytes = await read_create_body(request, st.opts.max_body_bytes)
+        idem = (key, request_hash(raw, image_bytes)) if key is not None else None
         job = build_job(st.cluster.workflow, raw, image_bytes)
         try:
-            obj = await st.submit(job)
+            obj, replayed = await st.submit(job, caller_of(request), idem)
         except ApiError as e:
             if e.status == 429:
                 st.metrics.refusal_latency.observe(time.perf_counter() - t0)
             raise
         st.metrics.submit_latency.observe(time.perf_counter() - t0)
-        return JsonResponse(obj)
+        return JsonResponse(obj, headers={"Idempotent-Replayed": "true"} if replayed else None)
+
+    @app.get("/v1/videos")
+    async def list_videos(request: Request) -> Response:
+        st = state
+        query = parse_query(request.query_params)
+        owner = caller_of(request).owner
+        after = None
+        if query.after is not None:
+            uid = uid_of(query.after, param="after")
+            held = await _db(st.dbs.get(uid, owner))
+            if held is None:
+                raise bad_request(f"'after': no video with id {query.after[:80]!r} (unknown, expired or deleted)",
+                                  param="after")
+            after = created_key(uid, held.get("created_at"))
+        records, more = await _db(st.dbs.list(owner, after, query.limit, query.order))
+        return JsonResponse(list_object([video_object(r) for r in records], more))
 
     @app.get("/v1/videos/{video_id}")
-    async def retrieve_video(video_id: str) -> Response:
+    async def retrieve_video(video_id: str, request: Request) -> Response:
         st = state
         uid = uid_of(video_id)
-        record = await _db(st.dbs.get(uid))
+        record = await _db(st.dbs.get(uid, caller_of(request).owner))
         if record is None:
             raise ApiError(404, f"no video with id {video_id!r} (unknown, expired or already fetched)",
                            code="video_not_found", param="video_id")
@@ -562,13 +624,13 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
         return JsonResponse(video_object(record))
 
     @app.get("/v1/videos/{video_id}/content")
-    async def download_video(video_id: str, variant: str | None = None) -> Response:
+    async def download_video(video_id: str, request: Request, variant: str | None = None) -> Response:
         st = state
         if variant not in (None, "", "video"):
             raise bad_request(f"variant {variant!r} is not available; only 'video'", param="variant")
         uid = uid_of(video_id)
         try:
-            got = await _db(st.dbs.content(uid))
+            got = await _db(st.dbs.content(uid, caller_of(request).owner))
         except NotReady as e:
             record = e.record
             if record is None:  # gone between the two reads (fetched by someone else, expired)
@@ -588,10 +650,10 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None) -> FastAPI:
                         headers={"Content-Disposition": f'attachment; filename="{ID_PREFIX}{uid}.mp4"'})
 
     @app.delete("/v1/videos/{video_id}")
-    async def delete_video(video_id: str) -> Response:
+    async def delete_video(video_id: str, request: Request) -> Response:
         st = state
         uid = uid_of(video_id)
-        if not await _db(st.dbs.delete(uid)):
+        if not await _db(st.dbs.delete(uid, caller_of(request).owner)):
             raise ApiError(404, f"no video with id {video_id!r}", code="video_not_found", param="video_id")
         # A cancelled request frees its slot now, not at its deadline (the DBs tell the stages).
         if st.tracker.release(uid):

@@ -4,8 +4,9 @@ When the list of control addresses changes, a new client is built; the old one i
 little later, so calls already in flight on it finish rather than break.
 
 Errors are the DB client's own (onepiece.db.client): DbUnavailable when no DB answered (or none
-is registered), DbFull when every DB refused for lack of memory, DbError when they refused
-otherwise, NotReady for content that is not completed yet. They pass through unchanged.
+is registered), DbFull when every DB refused for lack of memory, DbGone for a create-once whose
+UID is gone, DbError when they refused otherwise, NotReady for content that is not completed yet.
+A given ``owner`` (the caller's key tag) makes other owners' records look absent. They pass through unchanged.
 """
 
 from __future__ import annotations
@@ -60,16 +61,25 @@ class DbAccess:
     async def create(self, record: dict[str, Any]) -> None:
         await self._require().create(record)
 
-    async def get(self, uid: str) -> dict | None:
-        return await self._require().get(uid)
+    async def create_once(self, record: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """(the record held under its UID, whether this call created it); DbGone if the UID
+        was dropped within a TTL."""
+        return await self._require().create_once(record)
 
-    async def content(self, uid: str) -> tuple[dict, bytes] | None:
+    async def get(self, uid: str, owner: str | None = None) -> dict | None:
+        return await self._require().get(uid, owner)
+
+    async def content(self, uid: str, owner: str | None = None) -> tuple[dict, bytes] | None:
         """(record, artefact), None when unknown; raises NotReady (with the record) when it
         exists but is not completed."""
-        return await self._require().content(uid)
+        return await self._require().content(uid, owner)
 
-    async def delete(self, uid: str) -> bool:
-        return await self._require().delete(uid)
+    async def delete(self, uid: str, owner: str | None = None, forget: bool = False) -> bool:
+        return await self._require().delete(uid, owner, forget)
+
+    async def list(self, owner: str | None, after: tuple[float, str] | None, limit: int,
+                   order: str) -> tuple[list[dict[str, Any]], bool]:
+        return await self._require().list(owner, after, limit, order)
 
     def close(self) -> None:
         for _, c in self._retired:

@@ -20,6 +20,7 @@ import uvloop
 from onepiece.proxy.api import ProxyOptions, create_app
 from onepiece.proxy.cluster import Cluster
 from onepiece.proxy.http_limits import HttpLimits, protocol_factory
+from onepiece.proxy.keys import ApiKeys, check_bind
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +65,14 @@ class ProxyServer:
         max_body_bytes: int = 16 << 20,
         log_level: str = "warning",
         http_limits: HttpLimits | None = None,
+        keys: ApiKeys | None = None,
         **options: float | bool,
     ) -> None:
+        check_bind(host, keys)  # beyond loopback, no keys: refused before anything binds
         self.host = host
         self.opts = ProxyOptions(max_inflight=max_inflight, max_body_bytes=max_body_bytes, **options)  # type: ignore[arg-type]
         self.limits = http_limits or HttpLimits()
-        self.app = create_app(cluster, self.opts)
+        self.app = create_app(cluster, self.opts, keys)
         self.config = uvicorn.Config(
             # httptools (C) parses HTTP several times faster than h11, which matters for the
             # time a refused client waits for its 429; proxy/http_limits.py bounds what uvicorn
@@ -143,7 +146,8 @@ def serve(
     max_body_bytes: int = 16 << 20,
     on_bound: OnBound | None = None,
     log_level: str = "info",
+    keys: ApiKeys | None = None,
 ) -> None:
     """Run a proxy for ``cluster`` until SIGTERM/SIGINT. ``port=0`` binds any free port; the
     actual one is passed to ``on_bound(host, port)`` (e.g. to register with the NM)."""
-    ProxyServer(cluster, host, port, max_inflight, max_body_bytes, log_level=log_level).run(on_bound)
+    ProxyServer(cluster, host, port, max_inflight, max_body_bytes, log_level=log_level, keys=keys).run(on_bound)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from onepiece.config import Workflow
 from onepiece.nm.client import Membership
+from onepiece.proxy.keys import ApiKeys, check_bind
 from onepiece.proxy.server import ProxyServer
 
 if TYPE_CHECKING:
@@ -48,9 +49,11 @@ class NmCluster:
 
 def serve(nm_address: str, set_name: str, host: str, port: int, max_inflight: int, max_body_bytes: int,
           monitor: bool = True, deadline_factor: float = 2.0, advertise: str | None = None,
-          zk: "ZkSettings | None" = None) -> None:
+          zk: "ZkSettings | None" = None, keys: ApiKeys | None = None) -> None:
     """Run a proxy of ``set_name`` until SIGTERM; ``monitor=False`` admits by the in-flight cap
-    only (no capacity or deadline refusals). ``zk``: the NMs run on ZooKeeper."""
+    only (no capacity or deadline refusals). ``zk``: the NMs run on ZooKeeper. ``keys``: the
+    client API keys (required when ``host`` is beyond loopback)."""
+    check_bind(host, keys)  # before joining the cluster: a refused proxy never registers
     server: ProxyServer | None = None
 
     def stats() -> dict:
@@ -62,7 +65,7 @@ def serve(nm_address: str, set_name: str, host: str, port: int, max_inflight: in
                         capacity={"max_inflight": max_inflight})
     workflow = member.workflow()
     server = ProxyServer(NmCluster(workflow, member), host, port, max_inflight, max_body_bytes, log_level="info",
-                         monitor=monitor, deadline_factor=deadline_factor)
+                         monitor=monitor, deadline_factor=deadline_factor, keys=keys)
 
     def on_bound(bound_host: str, bound_port: int) -> None:
         member.addresses = {"http": server.url}

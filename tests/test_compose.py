@@ -65,6 +65,22 @@ def test_everyone_finds_the_nm_and_advertises_its_own_name():
                 assert a.name == name, f"{name} must register under its service name"
 
 
+def test_a_proxy_on_all_interfaces_gets_its_keys_as_a_private_secret():
+    from onepiece.proxy.keys import ENV, beyond_loopback
+
+    for name, a in by_role("proxy").items():
+        if not beyond_loopback(a.host):
+            continue
+        mounts = {m["target"]: m for m in SERVICES[name].get("secrets", [])}
+        assert a.api_keys_file, f"{name} binds {a.host} and would refuse to start without keys"
+        target = a.api_keys_file.removeprefix("/run/secrets/")
+        mount = mounts[target]
+        # Copied (not bind-mounted) from the environment, owned by the container's root, 0400:
+        # what the proxy's file check (onepiece/secret_file.py) accepts.
+        assert COMPOSE["secrets"][mount["source"]] == {"environment": ENV}
+        assert mount["uid"] == "0" and int(str(mount["mode"]).replace("0o", ""), 8) & 0o077 == 0
+
+
 def test_dependencies_exist_and_stages_wait_for_models():
     for name, svc in SERVICES.items():
         deps = svc.get("depends_on") or []

@@ -431,6 +431,7 @@ def test_openapi_schema_is_served(h):
     assert {"/v1/videos", "/v1/videos/{video_id}", "/v1/videos/{video_id}/content", "/v1/models",
             "/healthz"} <= set(schema["paths"])
     assert set(schema["paths"]["/v1/videos/{video_id}"]) == {"get", "delete"}
+    assert set(schema["paths"]["/v1/videos"]) == {"get", "post"}
     body = schema["paths"]["/v1/videos"]["post"]["requestBody"]["content"]
     assert body["application/json"]["schema"]["required"] == ["prompt"]
     assert {"prompt", "size", "seconds", "input_reference"} <= set(body["application/json"]["schema"]["properties"])
@@ -438,8 +439,8 @@ def test_openapi_schema_is_served(h):
 
 
 @pytest.mark.parametrize("method, path, allow", [
-    ("PUT", "/v1/videos", "POST"),
-    ("GET", "/v1/videos", "POST"),
+    ("PUT", "/v1/videos", "GET, POST"),
+    ("DELETE", "/v1/videos", "GET, POST"),
     ("POST", f"/v1/videos/video_{'0' * 32}", "DELETE, GET"),  # two routes share the path
     ("DELETE", "/healthz", "GET"),
     ("POST", "/openapi.json", "GET, HEAD"),  # Starlette serves HEAD for its GET routes

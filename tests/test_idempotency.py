@@ -1,0 +1,134 @@
+"""``Idempotency-Key`` on ``POST /v1/videos`` with real proxies (two of one set, sharing real
+DBs): a retry, on the same proxy or another, gets the video the first create made and nothing
+reaches the stages twice; concurrent retries create one video; another body with the same key
+is a 409; another API key's same Idempotency-Key is another video; a malformed key is a 400;
+a create whose hand-over failed can be retried with its key."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import httpx
+import pytest
+
+import proxy_harness as H
+from onepiece.client import Client
+from onepiece.proxy.keys import ApiKeys, new_key
+from onepiece.proxy.server import ProxyServer
+
+ALICE, BOB = new_key(), new_key()
+
+
+@pytest.fixture(scope="module")
+def h():
+    harness = H.Harness(max_inflight=1000, keys=ApiKeys([ALICE, BOB]), send_timeout=0.2, send_total_timeout=0.5)
+    # A second proxy of the same set: same DB, same entrance.
+    second = ProxyServer(harness.cluster, max_inflight=1000, keys=ApiKeys([ALICE, BOB]), refresh_s=0.05)
+    second.start()
+    harness.second = httpx.Client(base_url=second.url, timeout=10.0)
+    yield harness
+    harness.second.close()
+    second.stop()
+    harness.close()
+
+
+def post(http: httpx.Client, idem: str | None, key: str = ALICE, **body) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}", **({"Idempotency-Key": idem} if idem is not None else {})}
+    return http.post("/v1/videos", json={"prompt": "a cat", "model": "t2v", "seed": 1, **body}, headers=headers)
+
+
+def entrance_uids(h, timeout: float = 0.5) -> list[str]:
+    out = []
+    while (msg := h.entrance.recv(timeout)) is not None:
+        out.append(msg.uid)
+    return out
+
+
+def test_a_retry_on_any_proxy_of_the_set_gets_the_same_video(h):
+    entrance_uids(h, 0.05)
+    first = post(h.http, "order-17")
+    assert first.status_code == 200 and "idempotent-replayed" not in first.headers
+    again = post(h.http, "order-17")
+    elsewhere = post(h.second, "order-17")
+    assert again.json()["id"] == elsewhere.json()["id"] == first.json()["id"]
+    assert again.headers["idempotent-replayed"] == "true" == elsewhere.headers["idempotent-replayed"]
+    assert entrance_uids(h) == [first.json()["id"].removeprefix("video_")]  # handed to the stages once
+    # Without a key, the same body is a new video each time.
+    assert post(h.http, None).json()["id"] != post(h.http, None).json()["id"]
+
+
+def test_another_body_with_the_same_key_is_a_409(h):
+    assert post(h.http, "order-18", prompt="a cat").status_code == 200
+    r = post(h.second, "order-18", prompt="a dog")
+    assert r.status_code == 409
+    err = r.json()["error"]
+    assert err["code"] == "idempotency_key_reused" and err["param"] == "Idempotency-Key"
+    assert "different request" in err["message"]
+
+
+def test_the_same_key_of_another_api_key_is_another_video(h):
+    a, b = post(h.http, "order-19"), post(h.http, "order-19", key=BOB)
+    assert a.status_code == b.status_code == 200 and a.json()["id"] != b.json()["id"]
+
+
+@pytest.mark.parametrize("idem", ["", "has space", "x" * 256, "tab\there", "ünïcode"])
+def test_a_malformed_key_is_a_400_naming_the_header(h, idem):
+    r = h.http.post("/v1/videos", json={"prompt": "x"},
+                    headers={"Authorization": f"Bearer {ALICE}", "Idempotency-Key": idem.encode("utf-8")})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "Idempotency-Key", r.text
+
+
+def test_concurrent_retries_create_one_video(h):
+    entrance_uids(h, 0.05)
+    answers: list[httpx.Response] = []
+    lock = threading.Lock()
+
+    def go(http: httpx.Client) -> None:
+        r = post(http, "order-20")
+        with lock:
+            answers.append(r)
+
+    with httpx.Client(base_url=h.url, timeout=10.0) as c1, httpx.Client(base_url=h.second.base_url, timeout=10.0) as c2:
+        threads = [threading.Thread(target=go, args=(c,)) for c in (h.http, h.second, c1, c2) * 3]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+    made = {r.json()["id"] for r in answers if r.status_code == 200}
+    busy = [r for r in answers if r.status_code == 409]
+    assert len(made) == 1 and len(answers) == 12, [r.text for r in answers]
+    assert all(r.json()["error"]["code"] == "idempotency_key_in_use" for r in busy)
+    assert entrance_uids(h) == [made.pop().removeprefix("video_")]
+
+
+def test_a_deleted_videos_key_is_a_409_not_a_second_video(h):
+    vid = post(h.http, "order-21").json()["id"]
+    assert h.http.delete(f"/v1/videos/{vid}", headers={"Authorization": f"Bearer {ALICE}"}).status_code == 200
+    r = post(h.second, "order-21")
+    assert r.status_code == 409 and "is gone" in r.json()["error"]["message"]
+
+
+def test_a_create_whose_hand_over_failed_can_be_retried(h):
+    live = h.cluster.entrance_map["t2v"]
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    h.cluster.entrance_map["t2v"] = [f"tcp://127.0.0.1:{dead.getsockname()[1]}"]
+    dead.close()
+    try:
+        r = post(h.http, "order-22")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "entrance_unavailable"
+    finally:
+        h.cluster.entrance_map["t2v"] = live
+    entrance_uids(h, 0.05)
+    r = post(h.second, "order-22")
+    assert r.status_code == 200 and "idempotent-replayed" not in r.headers
+    assert entrance_uids(h) == [r.json()["id"].removeprefix("video_")]
+
+
+def test_the_client_sends_one_key_for_every_try_of_a_submit(h):
+    with Client([h.url, str(h.second.base_url)], api_key=ALICE) as c:
+        a = c.submit("a cat", model="t2v", idempotency_key="order-23")
+        b = c.submit("a cat", model="t2v", idempotency_key="order-23")
+        assert a["id"] == b["id"]
+        assert c.submit("a cat", model="t2v")["id"] != c.submit("a cat", model="t2v")["id"]
