@@ -157,8 +157,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mix", default="0.7,0.3", help="share of each class by count, in --classes order")
     p.add_argument("--day", metavar="MIX;MIX;...",
                    help="a load whose mix shifts: phases of equal length, each a --mix (e.g. '0.8,0.2;0.2,0.8')")
-    p.add_argument("--elastic", action="store_true",
-                   help="also plan disaggregated stages with the NM's elastic moves (the topology default policy)")
+    p.add_argument("--elastic", nargs="?", const="", metavar="OPTION=VALUE,...",
+                   help="also plan disaggregated stages with the NM's elastic moves: the topology's default policy, "
+                        "or these nm.elastic options (e.g. 'threshold=0.7,low=0')")
     p.add_argument("--move-s", type=float, default=MOVE_S,
                    help="with --elastic: seconds a moved instance takes to load its new stage (default %(default)s)")
     p.add_argument("--alpha", default="2.0,3.0", help="SLO = alpha x standalone (from the cost table), per class")
@@ -206,6 +207,23 @@ def planning_trace(args: argparse.Namespace, wf: Workflow, costs: CostTable) -> 
     return part.model_copy(update={"requests": requests})
 
 
+def elastic_spec(options: str) -> ElasticSpec:
+    """``threshold=0.7,low=0`` over the NM's defaults, checked by the topology's own schema."""
+    fields = {}
+    for item in filter(None, (x.strip() for x in options.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--elastic {options!r}: expected OPTION=VALUE,... (options: {', '.join(ElasticSpec.model_fields)})")
+        fields[key.strip()] = yaml.safe_load(value)
+    try:
+        return ElasticSpec.model_validate(fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise ConfigError(f"--elastic {options!r}: {where + ': ' if where else ''}"
+                          f"{err['msg'].removeprefix('Value error, ')}") from None
+
+
 def _only(trace: Trace, app: str) -> Trace:
     return trace.model_copy(update={"requests": [r for r in trace.requests if r.app == app]})
 
@@ -241,9 +259,9 @@ def run_plan(args: argparse.Namespace) -> int:
             row = {"load": load, "rate_rps": len(trace.requests) / max(trace.requests[-1].at, 1e-9),
                    "monolithic": mono.devices, "mono_counts": mono.counts, "mono_attainment": mono.attainment,
                    "disaggregated": dis.devices, "counts": dis.counts, "dis_attainment": dis.attainment}
-            if args.elastic:
+            if args.elastic is not None:
                 el = plan.disaggregated(wf, costs, trace, args.target, gpus=args.gpus,
-                                        elastic=ElasticSpec(), move_s=args.move_s)
+                                        elastic=elastic_spec(args.elastic), move_s=args.move_s)
                 row.update(elastic=el.devices, elastic_counts=el.counts, elastic_attainment=el.attainment)
             apps = sorted({r.app for r in trace.requests})
             if len(apps) > 1:  # the stages shared by the applications, against a deployment of each
@@ -257,7 +275,8 @@ def run_plan(args: argparse.Namespace) -> int:
               + (f"; separate deployments per application {row['separate']}" if "separate" in row else ""),
               flush=True)
     doc = {"costs": costs.source, "costs_meta": costs.meta, "workflow": args.workflow, "target": args.target,
-           "gpus": args.gpus,
+           "gpus": args.gpus, "elastic": None if args.elastic is None else elastic_spec(args.elastic).model_dump(),
+           "move_s": args.move_s, "day": args.day,
            "classes": {c: v.model_dump(exclude_none=True) for c, v in base.classes.items()},
            "requests": len(base.requests), "rows": rows}
     out = Path(args.out)

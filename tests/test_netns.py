@@ -17,6 +17,8 @@ import pytest
 
 from onepiece.client import Client
 from onepiece.nm.client import NmClient
+from onepiece.proxy import keys
+from onepiece.proxy.keys import new_key
 from onepiece.supervise import child_preexec
 from onepiece.transport.rpc import RpcError
 
@@ -71,18 +73,21 @@ def test_stages_on_another_host_serve_through_proxy_and_db_on_this_one(data, two
     logs.mkdir()
     procs: list[subprocess.Popen] = []
 
-    def start(name: str, *args: str, netns: str | None = None) -> None:
+    key = new_key()  # a proxy beyond loopback serves only with API keys
+
+    def start(name: str, *args: str, netns: str | None = None, env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "onepiece", *args]
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]
         with open(logs / f"{name}.log", "wb") as log:
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=child_preexec))
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=child_preexec,
+                                          env={**os.environ, **(env or {})}))
 
     try:
         start("nm", "nm", "--topology", str(topology), "--address", nm)
         start("db", "db", "--nm", nm, "--listen", f"{data}://{host_a}:0", "--control", f"tcp://{host_a}:0",
               "--events", f"tcp://{host_a}:0", "--replication", "1")
-        start("proxy", "proxy", "--nm", nm, "--host", host_a, "--port", "0")
+        start("proxy", "proxy", "--nm", nm, "--host", host_a, "--port", "0", env={keys.ENV: key})
         for stage in STAGES:
             start(stage, "stage", "--nm", nm, "--stage", stage, "--listen", f"{data}://{host_b}:0", netns=ns)
 
@@ -104,7 +109,7 @@ def test_stages_on_another_host_serve_through_proxy_and_db_on_this_one(data, two
             assert routes["stages"][s] and routes["stages"][s][0].startswith(f"{data}://{host_b}:"), routes
         assert routes["proxies"][0].startswith(f"http://{host_a}:")
 
-        with Client(routes["proxies"], rounds=10) as c:
+        with Client(routes["proxies"], rounds=10, api_key=key) as c:
             path = c.generate("across two hosts", tmp_path / "x.mp4", model="t2v", size="32x32", num_frames=5,
                               steps=2, timeout=120)
         assert iio.imread(path.read_bytes(), extension=".mp4").shape == (5, 32, 32, 3)
