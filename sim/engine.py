@@ -28,8 +28,6 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import orjson
-
 from onepiece.bench.trace import Trace, TraceRequest
 from onepiece.config import ProxySpec, Topology, Workflow
 from onepiece.nm.capacity import estimate
@@ -189,9 +187,8 @@ class Simulation:
         """Check every request of ``trace`` as a proxy would, and price every stage it needs;
         a request the simulation cannot run is refused with its index and the reason."""
         for i, tr in enumerate(trace.requests):
-            body = orjson.loads(orjson.dumps(tr.body("simulated")))
             try:
-                job = build_job(self.wf, body, _NO_PIXELS if self._wants_image(tr.app) else None)
+                job = build_job(self.wf, tr.body("simulated"), _NO_PIXELS if self._wants_image(tr.app) else None)
             except ApiError as e:
                 raise SimInputError(f"requests[{i}]: {e.message}") from None
             params = job.params()
