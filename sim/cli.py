@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
 
 from onepiece.bench.trace import Trace, TraceError, load_trace, summarize
 from onepiece.config import ConfigError, ElasticSpec, ProxySpec, Topology, Workflow, load_topology, load_workflow
 from onepiece.sched.costs import TableError
 from onepiece.sched.options import ScheduleSpec
+from onepiece.schema import checked
 from onepiece.sim import report
 from onepiece.sim.costs import CostTable
 from onepiece.sim.engine import HOP_S, MOVE_S, OVERHEAD_S, SimInputError, Simulation
@@ -79,11 +79,9 @@ def apply_schedule(wf: Workflow, overrides: list[str]) -> Workflow:
             spec["max_batch"] = None  # the new policy's default, unless a later override sets it
         spec[option] = yaml.safe_load(value)
         try:
-            wf.stages[stage].schedule = ScheduleSpec.model_validate(spec)
-        except ValidationError as e:
-            err = e.errors()[0]
-            where = ".".join(str(x) for x in err["loc"]) or option
-            raise ConfigError(f"--schedule {item!r}: {where}: {err['msg'].removeprefix('Value error, ')}") from None
+            wf.stages[stage].schedule = checked(ScheduleSpec, spec)
+        except ValueError as e:
+            raise ConfigError(f"--schedule {item!r}: {e}") from None
     return wf
 
 
@@ -176,7 +174,7 @@ def planning_trace(args: argparse.Namespace, wf: Workflow, costs: CostTable) -> 
     """The trace to plan for: ``--trace``, or seeded Poisson arrivals of the classes at
     ``--rate`` with SLO = alpha x each class's standalone time on the cost table."""
     from onepiece.bench.trace import parse_classes, parse_floats, poisson_trace
-    from onepiece.sim.plan import alone_by_request
+    from onepiece.sim.plan import priced
 
     if args.trace:
         return load_trace(args.trace)
@@ -190,11 +188,11 @@ def planning_trace(args: argparse.Namespace, wf: Workflow, costs: CostTable) -> 
         {"at": 0, "app": v.get("app", args.app), "class": c, "size": v["size"], "num_frames": v["num_frames"],
          "steps": v["steps"]} for c, v in classes.items()]})
     try:
-        alone = alone_by_request(wf, costs, one)
+        journeys = priced(wf, costs, one)
     except SimInputError as e:
         raise ConfigError(f"--classes: {e}") from None
-    for (c, v), a in zip(classes.items(), alone):
-        v["standalone_s"] = sum(a.values()) + HOP_S * len(a)
+    for (c, v), j in zip(classes.items(), journeys):
+        v["standalone_s"] = sum(j.alone.values()) + HOP_S * len(j.alone)
         v["alpha"], v["slo_s"] = alpha[c], alpha[c] * v["standalone_s"]
     # A missed SLO still completes: the deadline only bounds the run. Each phase of a --day is
     # its own seeded Poisson stretch, one after another.
@@ -216,16 +214,9 @@ def elastic_spec(options: str) -> ElasticSpec:
             raise ConfigError(f"--elastic {options!r}: expected OPTION=VALUE,... (options: {', '.join(ElasticSpec.model_fields)})")
         fields[key.strip()] = yaml.safe_load(value)
     try:
-        return ElasticSpec.model_validate(fields)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
-        raise ConfigError(f"--elastic {options!r}: {where + ': ' if where else ''}"
-                          f"{err['msg'].removeprefix('Value error, ')}") from None
-
-
-def _only(trace: Trace, app: str) -> Trace:
-    return trace.model_copy(update={"requests": [r for r in trace.requests if r.app == app]})
+        return checked(ElasticSpec, fields)
+    except ValueError as e:
+        raise ConfigError(f"--elastic {options!r}: {e}") from None
 
 
 def scaled(trace: Trace, factor: float) -> Trace:
@@ -265,7 +256,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 row.update(elastic=el.devices, elastic_counts=el.counts, elastic_attainment=el.attainment)
             apps = sorted({r.app for r in trace.requests})
             if len(apps) > 1:  # the stages shared by the applications, against a deployment of each
-                row["separate"] = sum(plan.disaggregated(wf, costs, _only(trace, a), args.target,
+                row["separate"] = sum(plan.disaggregated(wf, costs, plan.only(trace, a), args.target,
                                                          gpus=args.gpus).devices for a in apps)
         except SimInputError as e:
             raise ConfigError(f"plan: {e}") from None

@@ -94,6 +94,7 @@ class Journey:
 class Chunk:
     """One chunk a worker ran: what the schedule trace draws."""
 
+    stage: str
     instance: str
     worker: str
     start: float
@@ -160,7 +161,7 @@ class Simulation:
                 service.finished(core, r, shape_key(j.params))  # what its heartbeat will report
             self._left_stage(j, stage, name, status)
 
-        chunk = None if self.chunks is None else self._chunk_hook(name)
+        chunk = None if self.chunks is None else self._chunk_hook(stage, name)
         vi = VirtualInstance(self.loop, core, self.costs.pricer(stage), spec.workers, self.overhead_s,
                              on_end=ended, on_chunk=chunk, name=name)
         self.lifetimes.append((stage, vi, self.loop.now, None))
@@ -177,9 +178,9 @@ class Simulation:
         i = self._rr[(set_name, stage)] = (self._rr.get((set_name, stage), -1) + 1) % len(insts)
         return insts[i]
 
-    def _chunk_hook(self, name: str) -> Callable:
+    def _chunk_hook(self, stage: str, name: str) -> Callable:
         def hook(start: float, end: float, worker: str, uids: tuple[str, ...], steps: int) -> None:
-            self.chunks.append(Chunk(name, worker, start, end, uids, steps))
+            self.chunks.append(Chunk(stage, name, worker, start, end, uids, steps))
         return hook
 
     # --- requests -----------------------------------------------------------------------------

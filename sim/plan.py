@@ -28,7 +28,7 @@ from onepiece.config import ElasticSpec, NmSpec, SetSpec, StageSpec, Topology, W
 from onepiece.sched.keys import call_key
 from onepiece.sched.options import ScheduleSpec
 from onepiece.sim.costs import CostTable
-from onepiece.sim.engine import HOP_S, MOVE_S, SimInputError, Simulation
+from onepiece.sim.engine import HOP_S, MOVE_S, Journey, SimInputError, Simulation
 
 MAX_DEVICES = 100_000
 MAX_ELASTIC = 64  # instances of a stage in one set, as a topology allows
@@ -63,14 +63,20 @@ def attainment(wf: Workflow, counts: dict[str, int], costs: CostTable, trace: Tr
 
 
 # --- monolithic ---------------------------------------------------------------------------------
-def alone_by_request(wf: Workflow, costs: CostTable, trace: Trace) -> list[dict[str, float]]:
-    """Per request of ``trace``, the seconds each stage of its application takes for it alone
-    (the simulator's own check and pricing: bad requests and missing rows are refused)."""
+def priced(wf: Workflow, costs: CostTable, trace: Trace) -> list[Journey]:
+    """The requests of ``trace`` as the simulator takes them, in order: checked as a proxy
+    would, with their params and what each stage of their application takes for them alone
+    (bad requests and missing rows are refused)."""
     stages = {s for app in {r.app for r in trace.requests} if app in wf.applications
               for s in wf.applications[app].stages}
     sim = Simulation(wf, {"set0": {s: 1 for s in stages}}, costs, keep_chunks=False)
     sim.load(trace)
-    return [j.alone for j in sorted(sim.journeys.values(), key=lambda j: j.index)]
+    return sorted(sim.journeys.values(), key=lambda j: j.index)
+
+
+def only(trace: Trace, app: str) -> Trace:
+    """``trace``'s requests of ``app``."""
+    return trace.model_copy(update={"requests": [r for r in trace.requests if r.app == app]})
 
 
 def monolithic(wf: Workflow, costs: CostTable, trace: Trace,
@@ -80,12 +86,11 @@ def monolithic(wf: Workflow, costs: CostTable, trace: Trace,
     process), on as many GPUs as the largest of its stages takes. A device holds one
     application's pipeline, so each application has its own pool."""
     rows: dict[str, dict[str, float]] = {}
-    for i, (r, alone) in enumerate(zip(trace.requests, alone_by_request(wf, costs, trace))):
-        w, h = r.size.split("x")
-        key, t = call_key({"width": w, "height": h, "num_frames": r.num_frames}), sum(alone.values())
-        mine = rows.setdefault(pipeline(r.app), {})
+    for j in priced(wf, costs, trace):
+        key, t = call_key(j.params), sum(j.alone.values())
+        mine = rows.setdefault(pipeline(j.app), {})
         if key in mine and not math.isclose(mine[key], t):
-            raise SimInputError(f"requests[{i}]: shape {key} of {r.app} comes with another cost too (other step "
+            raise SimInputError(f"requests[{j.index}]: shape {key} of {j.app} comes with another cost too (other step "
                                 f"counts?); a monolithic device is priced per shape, so give each shape one step count")
         mine[key] = t
     mono = wf.model_copy(deep=True)
@@ -115,19 +120,18 @@ def fewest_monolithic(wf: Workflow, costs: CostTable, trace: Trace, target: floa
     mono_wf, mono_costs, mono_gpus = monolithic(wf, costs, trace, gpus)
     pools = []
     for app in sorted({r.app for r in trace.requests}):
-        only = [r for r in trace.requests if r.app == app]
-        sub = trace.model_copy(update={"requests": only})
+        sub = only(trace, app)
         pools.append((fewest(lambda n: attainment(mono_wf, {pipeline(app): n}, mono_costs, sub, gpus=mono_gpus),
-                             target), only))
-    met = sum(v.attainment * len(only) for v, only in pools) / len(trace.requests)
+                             target), len(sub.requests)))
+    met = sum(v.attainment * n for v, n in pools) / len(trace.requests)
     return Verdict(sum(v.devices for v, _ in pools), {k: c for v, _ in pools for k, c in v.counts.items()}, met,
                    {k: u for v, _ in pools for k, u in v.utilization.items()})
 
 
-def fewest(verdict_of: Callable[[int], Verdict], target: float, start: int = 1) -> Verdict:
+def fewest(verdict_of: Callable[[int], Verdict], target: float) -> Verdict:
     """The smallest n whose verdict meets ``target`` (attainment grows with n: doubling, then
     bisection)."""
-    lo, hi = start - 1, max(start, 1)
+    lo, hi = 0, 1
     best = verdict_of(hi)
     while best.attainment < target:
         if hi >= MAX_DEVICES:
@@ -151,8 +155,8 @@ def theorem1(wf: Workflow, costs: CostTable, trace: Trace, utilization: float = 
     behind the one before it."""
     span = max(trace.requests[-1].at - trace.requests[0].at, 1e-9)
     work: dict[str, float] = {}
-    for alone in alone_by_request(wf, costs, trace):
-        for s, t in alone.items():
+    for j in priced(wf, costs, trace):
+        for s, t in j.alone.items():
             work[s] = work.get(s, 0.0) + t
     return {s: max(1, math.ceil(w / span / utilization / wf.stages[s].workers)) for s, w in sorted(work.items())}
 

@@ -33,16 +33,10 @@ def utilization_over_time(chunks: list[Chunk], workers: dict[str, int], bin_s: f
     n = max(1, int(end / bin_s) + 1)
     out = {s: [0.0] * n for s in workers}
     for c in chunks:
-        row, share = out[_stage_of(c.instance, workers)], bin_s * workers[_stage_of(c.instance, workers)]
+        row, share = out[c.stage], bin_s * workers[c.stage]
         for b in range(int(c.start / bin_s), min(n - 1, int(c.end / bin_s)) + 1):
             row[b] += max(0.0, min(c.end, (b + 1) * bin_s) - max(c.start, b * bin_s)) / share
     return out
-
-
-def _stage_of(instance: str, stages: dict[str, int]) -> str:
-    # instance names are "<set>-<stage><i>"; the longest stage name that fits wins
-    tail = instance.split("-", 1)[1]
-    return max((s for s in stages if tail.startswith(s)), key=len)
 
 
 def write(out: Path, name: str, result: dict[str, Any], chunks: list[Chunk] | None, workers: dict[str, int]) -> list[Path]:
