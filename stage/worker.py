@@ -47,6 +47,8 @@ PROGRESS_EVERY_S = 0.2  # progress reports are throttled; the DB only needs a fe
 # the whole load, so the worker goes further: SCHED_IDLE, which any of them preempts on
 # waking (a nice value alone still lets a busy worker finish its time slice first).
 NICE = 10
+GROUP_TIMEOUT_S = 30.0  # a collective that waits longer: a rank is gone (its instance restarts the group)
+TICK_S = 1.0  # a group's rank 0 hands on an empty command at least this often while idle
 
 
 def run_task(fn: Any, ctx: Any, msg: Message, report: Any = None) -> dict:
@@ -73,10 +75,14 @@ class Executor:
     them. Socket-free except ``send``, so the rules can be read in one place."""
 
     def __init__(self, stage: str, name: str, ctx: Any, functions: dict[str, Any], send: Any,
-                 pending_drops: Any) -> None:
+                 pending_drops: Any, step: Any = None) -> None:
         self.stage, self.name, self.ctx, self.functions = stage, name, ctx, functions
         self.send = send  # frames -> None
         self.pending_drops = pending_drops  # () -> uids the scheduler dropped since (read between steps)
+        # (task class, tasks) -> None: one step of a batch. A collaboration group's runs on all
+        # its ranks; a failure there leaves the ranks apart, so it ends the group (raised).
+        self.collaborative = step is not None
+        self.step = step or (lambda cls, tasks: cls.step_batch(tasks))
         self.states: dict[str, Resident] = {}
         self.fixed: dict[str, float] = {}  # this run's prepare and finish seconds per stepped request
 
@@ -170,8 +176,10 @@ class Executor:
                 t0 = time.perf_counter()
                 try:
                     with torch.inference_mode():
-                        cls.step_batch([self.states[u].task for u in group])
+                        self.step(cls, [self.states[u].task for u in group])
                 except Exception:
+                    if self.collaborative:
+                        raise
                     log.exception("batched step of %s failed; stepping each alone", group)
                     group = self._step_alone(group)
                 finishing = sum(self.fixed.get(u, 0.0) for u in group)
@@ -207,7 +215,8 @@ def main(config: dict[str, Any]) -> None:
     import torch
 
     from onepiece.stage.loader import load_components
-    from onepiece.stage.registry import StageContext, is_stepped, lookup
+    from onepiece.stage.collective import pack, unpack
+    from onepiece.stage.registry import StageContext, is_stepped, lookup, parallel_of
 
     name = f"{config['instance']}/{config['identity']}"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
@@ -221,10 +230,21 @@ def main(config: dict[str, Any]) -> None:
         torch.set_num_threads(int(config["threads"]))
     stage, function, kinds = config["stage"], config["function"], config["kinds"]
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, config["identity"].encode())
-    sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(config["scheduler"])
+    # A collaboration group (config "group": rank, size, address): every rank loads the models
+    # and keeps every state; rank 0 alone talks to the scheduler and hands each command on.
+    coll = None
+    if config.get("group"):
+        from onepiece.stage.collective import Collective
+
+        g = config["group"]
+        coll = Collective(int(g["rank"]), int(g["size"]), g["address"], config["device"], GROUP_TIMEOUT_S)
+    leader = coll is None or coll.rank == 0
+    sock = None
+    if leader:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, config["identity"].encode())
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(config["scheduler"])
 
     t0 = time.monotonic()
     components = load_components(Path(config["model_dir"]), config["components"], config["device"])
@@ -232,29 +252,53 @@ def main(config: dict[str, Any]) -> None:
     log.info("loaded %s for stage %s in %.1fs (%d torch threads)", config["components"], stage,
              time.monotonic() - t0, torch.get_num_threads())
     functions = {app: lookup(function, kind) for app, kind in kinds.items()}
+    step = None
+    if coll is not None:
+        step = _group_step(coll, {parallel_of(function, kind) for kind in kinds.values()})
+        coll.barrier()  # every rank has loaded before rank 0 says ready
     stash: collections.deque = collections.deque()  # commands that came while a chunk ran
 
+    def receive(timeout_ms: int) -> list | None:
+        if stash:
+            return stash.popleft()
+        return sock.recv_multipart(copy=False) if sock.poll(timeout_ms, zmq.POLLIN) else None
+
+    def next_command() -> list | None:
+        """The next command, or None after a quiet second (the group shares those too, so that
+        no rank's wait reaches the group's timeout)."""
+        if coll is None:
+            return receive(1000)
+        if leader:
+            frames = receive(int(TICK_S * 1000))
+            coll.share(pack([f.bytes for f in frames]) if frames else b"")
+            return frames
+        data = coll.share(None)
+        return [zmq.Frame(f) for f in unpack(data)] if data else None
+
     def pending_drops() -> list[str]:
-        """Drops that arrived since the last look (between two steps); anything else waits."""
+        """Drops that arrived since the last look (between two steps); anything else waits.
+        A group drops at the same step boundary on every rank."""
         out: list[str] = []
-        while sock.poll(0, zmq.POLLIN):
+        while leader and sock.poll(0, zmq.POLLIN):
             frames = sock.recv_multipart(copy=False)
             if frames[0].bytes == b"drop":
                 out += _uids(frames)
             else:
                 stash.append(frames)
+        if coll is not None:
+            out = orjson.loads(coll.share(orjson.dumps(out) if leader else None))
         return out
 
-    ex = Executor(stage, name, ctx, functions, lambda frames: sock.send_multipart(frames, copy=False), pending_drops)
-    sock.send_multipart([b"ready", orjson.dumps({"stepped": {app: is_stepped(function, kind)
-                                                             for app, kind in kinds.items()}})])
+    def send(frames: list) -> None:
+        if leader:  # the group's other ranks hold the same states and say nothing
+            sock.send_multipart(frames, copy=False)
+
+    ex = Executor(stage, name, ctx, functions, send, pending_drops, step)
+    send([b"ready", orjson.dumps({"stepped": {app: is_stepped(function, kind) for app, kind in kinds.items()}})])
     parent = os.getppid()
     while True:
-        if stash:
-            frames = stash.popleft()
-        elif sock.poll(1000, zmq.POLLIN):
-            frames = sock.recv_multipart(copy=False)
-        else:
+        frames = next_command()
+        if frames is None:
             if os.getppid() != parent:  # the instance is gone; nothing will ever come
                 return
             continue
@@ -276,11 +320,18 @@ def main(config: dict[str, Any]) -> None:
                 for u in _uids(frames):
                     ex.drop([u])
                     ex.fail(u, f"malformed run command: {e}")
-                sock.send_multipart([b"idle", orjson.dumps({"steps": [], "fixed": {}, "exec_s": 0.0})])
+                send([b"idle", orjson.dumps({"steps": [], "fixed": {}, "exec_s": 0.0})])
                 continue
             timings, fixed = ex.run(uids, steps, new)
-            sock.send_multipart([b"idle", orjson.dumps({"steps": timings, "fixed": fixed,
-                                                        "exec_s": time.perf_counter() - t0})])
+            send([b"idle", orjson.dumps({"steps": timings, "fixed": fixed, "exec_s": time.perf_counter() - t0})])
+
+
+def _group_step(coll: Any, makers: set) -> Any:
+    """One step of a batch on every rank of the group, by the stage function's parallel step."""
+    if len(makers) != 1:
+        raise ValueError("a collaboration group needs one parallel step for all its applications")
+    par = makers.pop()(coll)
+    return lambda cls, tasks: par.step([(coll.world, tasks)])
 
 
 def _uids(frames: list) -> list[str]:
