@@ -20,21 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-Ranks = tuple[int, ...]
-
-
-def blocks(size: int) -> list[Ranks]:
-    """Every group of ranks a step may run on, for a world of ``size`` ranks: single ranks,
-    the aligned blocks of 2, 4, 8, ... ranks that fit, and the whole world."""
-    out: list[Ranks] = [(r,) for r in range(size)]
-    d = 2
-    while d <= size:
-        out += [tuple(range(i, i + d)) for i in range(0, size - d + 1, d)]
-        d *= 2
-    if size > 1 and tuple(range(size)) not in out:
-        out.append(tuple(range(size)))
-    return out
-
+from onepiece.sched.ranks import Ranks, blocks
 
 def pack(frames: list[bytes]) -> bytes:
     """Frames as one buffer (a count, then each frame's length and bytes), for ``share``."""

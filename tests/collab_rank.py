@@ -39,9 +39,9 @@ def main(cfg: dict) -> None:
     msgs = read_messages(Path(cfg["messages"]))
     tasks = [lookup("denoise", m.header["app"])(ctx, m) for m in msgs]
     p = ParallelDenoiser(c)
-    # plan: one entry per step, a list of [ranks, [request indices]] batches
-    for batches in cfg["plan"]:
-        p.step([(tuple(r), [tasks[i] for i in idx]) for r, idx in batches])
+    # plan: one entry per run, a list of [ranks, [request indices], steps] parts
+    for parts in cfg["plan"]:
+        p.run([(tuple(r), [tasks[i] for i in idx], n) for r, idx, n in parts])
     if c.rank == 0 or cfg.get("all_save"):
         for i, t in enumerate(tasks):
             np.save(Path(cfg["out"]) / f"latents-{c.rank}-{i}.npy", t.latents.numpy())

@@ -18,7 +18,8 @@ from onepiece.client import Client, RequestFailed
 from onepiece.launcher import free_tcp_address
 from onepiece.nm.client import NmClient
 from onepiece.ports import free_port
-from onepiece.stage.collective import blocks, pack, unpack
+from onepiece.sched.ranks import blocks, dops, place
+from onepiece.stage.collective import pack, unpack
 from onepiece.stage.registry import StageContext, lookup
 from onepiece.stage.wan.functions import decode_frames
 from onepiece.stage.wan.parallel import layout
@@ -67,29 +68,29 @@ def test_collaborative_output_equals_one_worker(app, tiny_models, comps, image, 
     for guidance in (5.0, 1.0):
         msg = denoise_input(app, comps, image, guidance=guidance)
         ref = alone(app, comps, msg)
-        (lat,) = collaborate(tmp_path, tiny_models[app], [msg], [[[[0, 1], [0]]]] * 4)
+        (lat,) = collaborate(tmp_path, tiny_models[app], [msg], [[[[0, 1], [0], 4]]])
         got = frames_of(comps, msg, lat)
         assert float(np.abs(got - ref).max()) <= 1e-4, (app, guidance)
         assert float(ref.std()) > 0.01
 
 
 def test_a_request_changes_its_degree_of_parallelism_between_steps(tiny_models, comps, image, tmp_path) -> None:
-    """DoP 1 on rank 0, DoP 2, DoP 1 on rank 1, DoP 2: the same result as one worker, and every
-    rank's replica of the state is the same."""
+    """DoP 1 on rank 0, DoP 2, DoP 1 on rank 1, DoP 2 (a step each): the same result as one
+    worker, and every rank's replica of the state is the same."""
     msg = denoise_input("t2v", comps, image)
     ref = alone("t2v", comps, msg)
-    plan = [[[[0], [0]]], [[[0, 1], [0]]], [[[1], [0]]], [[[0, 1], [0]]]]
+    plan = [[[[0], [0], 1]], [[[0, 1], [0], 1]], [[[1], [0], 1]], [[[0, 1], [0], 1]]]
     (lat,) = collaborate(tmp_path, tiny_models["t2v"], [msg], plan, all_save=True)
     assert float(np.abs(frames_of(comps, msg, lat) - ref).max()) <= 1e-4
     assert np.array_equal(lat, np.load(tmp_path / "latents-1-0.npy"))
 
 
 def test_two_requests_at_dop_1_on_two_ranks_at_once(tiny_models, comps, image, tmp_path) -> None:
-    """Disjoint groups in one step: each rank advances its own request, and both replicas learn
-    both results; then the two run batched together at DoP 2."""
+    """Disjoint groups in one run: each rank advances its own request (3 steps and 1), and both
+    replicas learn both results; then the two run batched together at DoP 2 to their ends."""
     msgs = [denoise_input("t2v", comps, image, seed=s, steps=4) for s in (1, 2)]
     refs = [alone("t2v", comps, m) for m in msgs]
-    plan = [[[[0], [0]], [[1], [1]]]] * 2 + [[[[0, 1], [0, 1]]]] * 2
+    plan = [[[[0], [0], 3], [[1], [1], 1]], [[[0, 1], [0, 1], 3]]]
     lats = collaborate(tmp_path, tiny_models["t2v"], msgs, plan)
     for m, lat, ref in zip(msgs, lats, refs):
         assert float(np.abs(frames_of(comps, m, lat) - ref).max()) <= 1e-4
@@ -100,6 +101,9 @@ def test_groups_and_layouts() -> None:
     assert blocks(2) == [(0,), (1,), (0, 1)]
     assert blocks(3) == [(0,), (1,), (2,), (0, 1), (0, 1, 2)]
     assert blocks(4) == [(0,), (1,), (2,), (3,), (0, 1), (2, 3), (0, 1, 2, 3)]
+    assert dops(4) == [1, 2, 4] and dops(3) == [1, 2, 3] and dops(1) == [1]
+    assert place([1, 2, 1], 4) == [(2,), (0, 1), (3,)]
+    assert place([2, 2], 4) == [(0, 1), (2, 3)] and place([4, 1], 4) is None and place([3], 3) == [(0, 1, 2)]
     assert layout((0, 1), cfg=True).cfg == 2 and layout((0, 1), cfg=True).sp == 1
     assert layout((0, 1), cfg=False).sp == 2
     four = layout((0, 1, 2, 3), cfg=True)
@@ -140,7 +144,8 @@ def test_a_collaboration_instance_serves_and_a_dead_rank_restarts_its_group(tiny
     nm = free_tcp_address()
     topo = make_topology(tmp_path, tiny_models, nm, stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1},
                          proxy={"count": 1, "port": 0, "monitor": False}, threads=1,
-                         stage_options={"denoise_t2v": {"mode": "collaboration", "workers": 2}})
+                         stage_options={"denoise_t2v": {"mode": "collaboration", "workers": 2}},
+                         schedule={"denoise_t2v": {"policy": "slo", "max_batch": 2}})  # DoP-aware
     dep = Up(topo, tmp_path / "logs", nm)
 
     def denoise() -> dict:
@@ -158,8 +163,11 @@ def test_a_collaboration_instance_serves_and_a_dead_rank_restarts_its_group(tiny
 
     try:
         c = Client(dep.wait_for(r"serves the API at (http://\S+)", timeout=240).group(1))
-        c.generate("together", tmp_path / "a.mp4", size="64x64", num_frames=5, steps=4)
+        for i in range(2):
+            c.generate("together", tmp_path / "a.mp4", size="64x64", num_frames=5, steps=8, seed=i)
         assert denoise()["stats"]["workers"] == 1  # the scheduler sees the group as one worker
+        # slo picks each batch's DoP: alone, a request takes both ranks (measured at DoP 2)
+        assert any(k.endswith("@2") for k in denoise()["stats"]["costs"]), denoise()["stats"]["costs"]
         assert len(ranks()) == 2
         vids = [c.submit(f"held {i}", model="t2v", seed=i, **SLOW) for i in range(2)]
         deadline = time.monotonic() + 60

@@ -22,13 +22,15 @@ on meshes built once, and detaches it again.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from onepiece.stage.collective import Collective, Ranks
+from onepiece.sched.ranks import Ranks
+from onepiece.stage.collective import Collective
 
 
 @dataclass(frozen=True)
@@ -132,18 +134,52 @@ class ParallelDenoiser:
 
         return run
 
-    def step(self, batches: list[tuple[Ranks, list[Any]]]) -> None:
-        """One step of each batch on its ranks (disjoint groups, run at once), then every rank
-        applies every batch's scheduler step, so all replicas stay equal. Every rank calls this
-        with the same ``batches`` (the states are replicas)."""
+    def run(self, parts: list[tuple[Ranks, list[Any], int]]) -> list[tuple[list[list[int]], float]]:
+        """Each part (ranks, tasks, steps) advances its tasks up to ``steps`` steps on its ranks,
+        the parts independently of each other (disjoint ranks); then every part's noise of every
+        step is handed to the ranks that did not compute it, which apply the same scheduler
+        steps, so all replicas stay equal. Every rank calls this with the same ``parts``.
+
+        Returns per part: the indices of its tasks that stepped at each step, and the seconds
+        its ranks took (the slowest of them)."""
+        live_at: list[list[list[int]]] = [[] for _ in parts]
+        noises: list[list[torch.Tensor]] = [[] for _ in parts]
+        took = torch.zeros(len(parts), dtype=torch.float64)
         with torch.inference_mode():
-            noises = [type(tasks[0]).predict(tasks, self.forward(ranks)) if self.c.rank in ranks else None
-                      for ranks, tasks in batches]
-            for (ranks, tasks), noise in zip(batches, noises):
-                if len(ranks) < self.c.size:  # the others learn this batch's noise from its first rank
-                    if noise is None:
-                        t = tasks[0]
-                        noise = torch.empty((len(tasks), *t.latents.shape[1:]), dtype=t.transformer.dtype,
-                                            device=t.latents.device)
+            for i, (ranks, tasks, steps) in enumerate(parts):
+                if self.c.rank not in ranks:
+                    continue
+                t0 = time.perf_counter()
+                forward = self.forward(ranks)
+                for _ in range(steps):
+                    live = [j for j, t in enumerate(tasks) if not t.done]
+                    if not live:
+                        break
+                    batch = [tasks[j] for j in live]
+                    noise = type(batch[0]).predict(batch, forward)
+                    type(batch[0]).advance(batch, noise)
+                    live_at[i].append(live)
+                    noises[i].append(noise)
+                took[i] = time.perf_counter() - t0
+            for i, (ranks, tasks, steps) in enumerate(parts):
+                if len(ranks) == self.c.size:
+                    continue  # every rank computed it
+                mine = self.c.rank in ranks
+                for k in range(steps):  # the others replay it in the same order
+                    if mine:
+                        if k >= len(noises[i]):
+                            break
+                        dist.broadcast(noises[i][k], ranks[0])
+                        continue
+                    live = [j for j, t in enumerate(tasks) if not t.done]
+                    if not live:
+                        break
+                    batch = [tasks[j] for j in live]
+                    t = batch[0]
+                    noise = torch.empty((len(batch), *t.latents.shape[1:]), dtype=t.transformer.dtype,
+                                        device=t.latents.device)
                     dist.broadcast(noise, ranks[0])
-                type(tasks[0]).advance(tasks, noise)
+                    type(t).advance(batch, noise)
+                    live_at[i].append(live)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=self.c.cpu)
+        return [(live_at[i], float(took[i])) for i in range(len(parts))]
