@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from onepiece.config import Workflow
     from onepiece.nm.zk import ZkSettings
 
+from onepiece import deployment as deployments
 from onepiece.transport.registry import scheme_of, with_host
 from onepiece.transport.rpc import RpcClient, RpcError, RpcTimeout
 
@@ -41,6 +42,10 @@ NOT_PRIMARY = "not primary"  # how a backup NM's refusal starts (nm/ha.py)
 _REDIRECT = re.compile(r"primary at (\S+)")
 MAX_REDIRECTS = 3
 DOWN_S = 3.0  # an NM that did not answer is tried last for this long
+
+
+class Refused(RpcError):
+    """The NM belongs to another deployment and refused this member: final, not retried."""
 
 
 class NoPrimary(RpcTimeout):
@@ -174,6 +179,7 @@ class Membership:
         on_assign: Callable[[str | None], None] = lambda stage: None,
         idle: bool = False,
         name: str = "",
+        deployment: str | None = None,
     ) -> None:
         self.zk_settings = zk
         self._primary: str | None = None  # from the ZooKeeper ``primary`` node
@@ -185,6 +191,8 @@ class Membership:
         self.on_assign = on_assign
         self.idle = idle  # a stage instance without a pin that asks for the idle pool
         self.name = name  # a name that outlives this process (a restart keeps where it was moved)
+        # Sent with every registration and heartbeat: an NM of another deployment refuses us.
+        self.deployment = deployments.resolve(deployment)
         self.advertise = advertise  # the host peers reach this instance at, if not the bound one
         self.capacity = dict(capacity or {})
         self.id: str | None = None
@@ -291,7 +299,8 @@ class Membership:
         while True:
             try:
                 args: dict[str, Any] = {"role": self.role, "set": self.set, "addresses": self._advertised(),
-                                        "pid": os.getpid(), "host": socket.gethostname(), "stage": self.stage}
+                                        "pid": os.getpid(), "host": socket.gethostname(), "stage": self.stage,
+                                        deployments.FIELD: self.deployment}
                 if self.zk_settings is not None:
                     args["instance"] = self.id
                 if self.idle:
@@ -304,6 +313,11 @@ class Membership:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+            except RpcError as e:
+                if deployments.REFUSED not in str(e):
+                    raise
+                log.error("not joining %s: %s", self.nm.address, e)
+                raise Refused(str(e)) from None
         self.id = reply["instance"]
         self._assign(reply.get("stage"))
         self.heartbeat_s = float(reply.get("heartbeat_s", 1.0))
@@ -348,7 +362,8 @@ class Membership:
             try:
                 extra = {"serving": self.serving()} if self.role == "stage" else {}
                 reply, _ = self.nm.call("heartbeat", instance=self.id, ready=self.ready(), stats=stats,
-                                        version=self.routes["version"], **extra)
+                                        version=self.routes["version"],
+                                        **{deployments.FIELD: self.deployment}, **extra)
                 if self.role == "stage" and "stage" in reply:
                     self._assign(reply["stage"])
                 if "routes" in reply:
@@ -359,7 +374,11 @@ class Membership:
                 if not isinstance(e, RpcError):
                     log.exception("heartbeat round failed")
                     continue
-                if "unknown instance" in str(e):
+                if deployments.REFUSED in str(e):
+                    # Another deployment's NM answers at our NM's address: we stay out of it, on
+                    # the routes we have, and keep asking (our own NM may come back there).
+                    log.error("heartbeat refused: %s", e)
+                elif "unknown instance" in str(e):
                     # The NM dropped us (silent too long, or it restarted): join again.
                     log.warning("node manager forgot %s; registering again", self.id)
                     try:

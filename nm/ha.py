@@ -69,8 +69,8 @@ def config_of(topology: Topology, workflow: Workflow, base_dir: Path) -> dict[st
 
 class HaNodeManager(NodeManager):
     def __init__(self, topology: Topology, workflow: Workflow, base_dir: Path, zk: ZkSettings,
-                 address: str | None = None, advertise: str | None = None) -> None:
-        super().__init__(topology, workflow, base_dir, address)
+                 address: str | None = None, advertise: str | None = None, deployment_id: str = "") -> None:
+        super().__init__(topology, workflow, base_dir, address, deployment_id)
         self.identity = with_host(self.address, advertise)  # what clients are told to reach
         self.settings = zk
         self.paths = Paths(zk.root)
@@ -131,7 +131,7 @@ class HaNodeManager(NodeManager):
             contenders = self.election.contenders() if self.election else []
         except Exception as e:  # status is for operators: say what failed rather than fail
             contenders = [f"unknown: {e!r}"]
-        return {"mode": "zookeeper", "address": self.identity, "primary": self.primary, "epoch": self.epoch,
+        return {**super()._nm_status(), "mode": "zookeeper", "address": self.identity, "primary": self.primary, "epoch": self.epoch,
                 "contenders": contenders, "zookeeper": self.settings.hosts, "root": self.settings.root,
                 "suspended": self.suspended}
 

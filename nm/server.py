@@ -24,6 +24,7 @@ import zmq
 from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from onepiece import deployment
 from onepiece.config import Topology, Workflow
 from onepiece.heartbeat import stage_stats_problem
 from onepiece.nm.elastic import Elastic, Move
@@ -39,8 +40,10 @@ log = logging.getLogger(__name__)
 
 
 class NodeManager:
-    def __init__(self, topology: Topology, workflow: Workflow, base_dir: Path, address: str | None = None) -> None:
+    def __init__(self, topology: Topology, workflow: Workflow, base_dir: Path, address: str | None = None,
+                 deployment_id: str = "") -> None:
         self.topology, self.workflow, self.base_dir = topology, workflow, base_dir
+        self.deployment = deployment_id  # members of another deployment are refused (onepiece/deployment.py)
         self.state = ClusterState(topology, workflow)
         self.reaper = Reaper(workflow)
         self.elastic = Elastic(topology.nm.elastic)
@@ -62,7 +65,14 @@ class NodeManager:
         }
 
     def _nm_status(self) -> dict[str, Any]:
-        return {"mode": "embedded", "address": self.address}
+        return {"mode": "embedded", "address": self.address, deployment.FIELD: self.deployment}
+
+    def _check_deployment(self, req: dict) -> None:
+        """Refuse a member of another deployment before it touches the state (the RPC server
+        logs the refusal; the member logs it too)."""
+        why = deployment.refusal(self.deployment, req.get(deployment.FIELD, ""))
+        if why is not None:
+            raise PermissionError(why)
 
     # ---- hooks for the NM on ZooKeeper -------------------------------------------------------
 
@@ -102,6 +112,7 @@ class NodeManager:
         return {n: self.state.routes(n)[key] for n in names}
 
     def _register(self, req: dict, _: Any) -> dict:
+        self._check_deployment(req)
         addresses = req.get("addresses")
         if not isinstance(addresses, dict) or not all(isinstance(v, str) for v in addresses.values()):
             raise ValueError("register: 'addresses' must map names to address strings")
@@ -123,6 +134,7 @@ class NodeManager:
         }
 
     def _heartbeat(self, req: dict, _: Any) -> dict:
+        self._check_deployment(req)  # before the lookup: a foreign member is not told to register again
         version = req.get("version")
         stats = req.get("stats")
         stats = dict(stats) if isinstance(stats, dict) else {}
@@ -208,18 +220,21 @@ class NmMetrics:
 
 
 def serve(topology: Topology, workflow: Workflow, base_dir: Path, address: str | None = None,
-          metrics_port: int = 0, zk: "ZkSettings | None" = None, advertise: str | None = None) -> None:
-    """Run an NM until SIGTERM: embedded, or with ``zk`` one of several on ZooKeeper."""
+          metrics_port: int = 0, zk: "ZkSettings | None" = None, advertise: str | None = None,
+          deployment_id: str = "") -> None:
+    """Run an NM until SIGTERM: embedded, or with ``zk`` one of several on ZooKeeper. It admits
+    members of ``deployment_id`` only."""
     stop = stop_on_signals()
     if zk is None:
-        nm = NodeManager(topology, workflow, base_dir, address)
+        nm = NodeManager(topology, workflow, base_dir, address, deployment_id)
     else:
         from onepiece.nm.ha import HaNodeManager
 
-        nm = HaNodeManager(topology, workflow, base_dir, zk, address, advertise)
+        nm = HaNodeManager(topology, workflow, base_dir, zk, address, advertise, deployment_id)
     REGISTRY.register(NmMetrics(nm))
     metrics, _ = start_http_server(metrics_port, addr="127.0.0.1")
-    log.info("node manager serving at %s, metrics at http://127.0.0.1:%d/metrics", nm.address, metrics.server_port)
+    log.info("node manager of deployment %s serving at %s, metrics at http://127.0.0.1:%d/metrics",
+             deployment_id or "none", nm.address, metrics.server_port)
     try:
         nm.run(stop)
     finally:

@@ -351,9 +351,18 @@ class SetSpec(_Strict):
 
 class Topology(_Strict):
     workflow: str = Field(description="workflow YAML, relative to this file")
+    deployment: str | None = Field(None, description="the deployment's id, which every member carries and the NM "
+                                                     "checks (default: onepiece up makes a fresh one per run)")
     nm: NmSpec = NmSpec()
     sets: list[SetSpec] = Field(min_length=1)
     transport: Literal["tcp", "ipc"] = "ipc"
+
+    @field_validator("deployment")
+    @classmethod
+    def _deployment(cls, v: str | None) -> str | None:
+        from onepiece.deployment import check_id
+
+        return None if v is None else check_id(v)
 
     @model_validator(mode="after")
     def _sets_apart(self) -> "Topology":
