@@ -7,7 +7,7 @@ NM moves them between stages (nm/elastic.py). Instances get the workflow and the
 assignment in the ``register`` reply, so nothing but the NM address is configured on them.
 
 Stage instances list the requests they hold in their heartbeats; when one is dropped without
-leaving (silent for ``dead_after_s`` here, its ZooKeeper session gone in nm/ha.py) those
+leaving (silent too long here, nm/liveness.py; its ZooKeeper session gone in nm/ha.py) those
 requests are reported failed to the set's DBs (nm/reaper.py). The NM on ZooKeeper
 (``HaNodeManager``) subclasses this one through the ``_handlers``/``_saved``/``_tick`` hooks.
 """
@@ -28,6 +28,7 @@ from onepiece import deployment
 from onepiece.config import Topology, Workflow
 from onepiece.heartbeat import stage_stats_problem
 from onepiece.nm.elastic import Elastic, Move
+from onepiece.nm.liveness import Liveness, LivenessSpec
 from onepiece.nm.reaper import Reaper
 from onepiece.nm.state import ClusterState, Instance
 from onepiece.supervise import stop_on_signals
@@ -47,6 +48,7 @@ class NodeManager:
         self.state = ClusterState(topology, workflow)
         self.reaper = Reaper(workflow)
         self.elastic = Elastic(topology.nm.elastic)
+        self.liveness = Liveness(LivenessSpec(topology.nm.heartbeat_s, topology.nm.dead_after_s))
         self.rpc = RpcServer(address or topology.nm.address, self._handlers())
         self.address = self.rpc.address
 
@@ -89,10 +91,12 @@ class NodeManager:
         return True
 
     def _tick(self) -> None:
-        """Periodic work of the loop: here, dropping silent instances and moving instances
-        where the load is."""
-        for inst in self.state.expire(self.topology.nm.dead_after_s):
-            self._dropped(inst, f"no heartbeat for {self.topology.nm.dead_after_s:.1f}s")
+        """Periodic work of the loop: here, dropping silent instances (nm/liveness.py) and moving
+        instances where the load is."""
+        why = f"no heartbeat for {self.liveness.spec.limit_s:.1f}s"
+        for iid in self.liveness.dead({i.id: i.last_seen for i in self.state.instances.values()}):
+            if (inst := self.state.deregister(iid, why)) is not None:
+                self._dropped(inst, why)
         self.elastic.tick(self.state)
         self._saved()
 

@@ -3,7 +3,7 @@
 Per workflow set: the instances with their roles and addresses, which stage each stage
 instance serves, and the route table derived from them. Only live, ready instances are routed
 to; an instance silent for longer than ``dead_after_s`` is dropped and the routes change
-(embedded NM), or one whose ZooKeeper member node vanished (NM on ZooKeeper). A stage instance
+(embedded NM, nm/liveness.py), or one whose ZooKeeper member node vanished (NM on ZooKeeper). A stage instance
 is routed only while it reports that it serves the stage it is assigned: moving it to another
 stage (``assign``, nm/elastic.py) takes it out of the old stage's routes at once, and it joins
 the new stage's once it has loaded that stage's models.
@@ -223,11 +223,6 @@ class ClusterState:
             self._changed(inst.set)
             self.note(f"dropped {inst.id} ({inst.role}{' ' + inst.stage if inst.stage else ''}): {reason}")
         return inst
-
-    def expire(self, dead_after_s: float) -> list[Instance]:
-        now = time.monotonic()
-        dead = [i.id for i in self.instances.values() if now - i.last_seen > dead_after_s]
-        return [i for d in dead if (i := self.deregister(d, f"no heartbeat for {dead_after_s:.1f}s")) is not None]
 
     def routes(self, set_name: str) -> dict[str, Any]:
         """Where each stage's data goes in a set: the live, ready instances per stage, the DBs

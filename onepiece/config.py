@@ -216,7 +216,9 @@ class NmSpec(_Strict):
     address: str = Field("tcp://127.0.0.1:7700", description="the (first) NM's RPC address; with count > 1 the "
                                                              "others take the next ports")
     heartbeat_s: float = Field(1.0, gt=0, le=60)
-    dead_after_s: float = Field(4.0, gt=0, le=600, description="embedded NM: silence after which an instance is dropped")
+    dead_after_s: float = Field(4.0, gt=0, le=600, description="embedded NM: silence after which an instance is "
+                                                              "dropped (at least 3 heartbeats; silence counts only "
+                                                              "while the NM itself ran: nm/liveness.py)")
     # High availability (nm/ha.py): without zk, one NM keeps the state in memory (the default).
     zk: str | None = Field(None, description="ZooKeeper host:port[,host:port...]: the NMs elect a primary there "
                                              "and keep the cluster state in it; instances hold member nodes there")
