@@ -30,9 +30,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from onepiece.config import Workflow
+    from onepiece.nm.holdings import Deliveries
     from onepiece.nm.zk import ZkSettings
 
 from onepiece import deployment as deployments
+from onepiece.heartbeat import DELIVERED
 from onepiece.transport.registry import scheme_of, with_host
 from onepiece.transport.rpc import RpcClient, RpcError, RpcTimeout
 
@@ -180,6 +182,7 @@ class Membership:
         idle: bool = False,
         name: str = "",
         deployment: str | None = None,
+        deliveries: "Deliveries | None" = None,
     ) -> None:
         self.zk_settings = zk
         self._primary: str | None = None  # from the ZooKeeper ``primary`` node
@@ -193,6 +196,7 @@ class Membership:
         self.name = name  # a name that outlives this process (a restart keeps where it was moved)
         # Sent with every registration and heartbeat: an NM of another deployment refuses us.
         self.deployment = deployments.resolve(deployment)
+        self.deliveries = deliveries  # what this member handed to which instance lately, for the NM
         self.advertise = advertise  # the host peers reach this instance at, if not the bound one
         self.capacity = dict(capacity or {})
         self.id: str | None = None
@@ -360,7 +364,10 @@ class Membership:
                 log.debug("stats unavailable: %s", e)
                 stats = {}
             try:
-                extra = {"serving": self.serving()} if self.role == "stage" else {}
+                extra: dict[str, Any] = {"serving": self.serving()} if self.role == "stage" else {}
+                # Every heartbeat repeats a few heartbeats' worth: one that fails loses nothing.
+                if self.deliveries is not None and (sent := self.deliveries.report(3 * self.heartbeat_s + self.nm.timeout)):
+                    extra[DELIVERED] = sent
                 reply, _ = self.nm.call("heartbeat", instance=self.id, ready=self.ready(), stats=stats,
                                         version=self.routes["version"],
                                         **{deployments.FIELD: self.deployment}, **extra)

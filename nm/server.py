@@ -26,7 +26,8 @@ from prometheus_client.core import GaugeMetricFamily
 
 from onepiece import deployment
 from onepiece.config import Topology, Workflow
-from onepiece.heartbeat import stage_stats_problem
+from onepiece.heartbeat import DELIVERED, delivered_of, stage_stats_problem
+from onepiece.nm.deliveries import DeliveryLedger, Grave
 from onepiece.nm.elastic import Elastic, Move
 from onepiece.nm.liveness import Liveness, LivenessSpec
 from onepiece.nm.reaper import Reaper
@@ -49,6 +50,10 @@ class NodeManager:
         self.reaper = Reaper(workflow)
         self.elastic = Elastic(topology.nm.elastic)
         self.liveness = Liveness(LivenessSpec(topology.nm.heartbeat_s, topology.nm.dead_after_s))
+        # What members delivered where, kept for longer than a death takes to notice (silence
+        # here, a ZooKeeper session on ZooKeeper), with room for a stall.
+        nm = topology.nm
+        self.deliveries = DeliveryLedger(2 * (max(self.liveness.spec.limit_s, nm.zk_session_s) + 2 * nm.heartbeat_s))
         self.rpc = RpcServer(address or topology.nm.address, self._handlers())
         self.address = self.rpc.address
 
@@ -101,9 +106,32 @@ class NodeManager:
         self._saved()
 
     def _dropped(self, inst: Instance, reason: str) -> None:
-        """An instance died (it did not leave): report what it held as failed."""
-        if inst.role == "stage" and inst.holding:
-            self.reaper.submit(inst.id, inst.stage, inst.holding, self.state.routes(inst.set)["dbs"], reason)
+        """An instance died (it did not leave): report as failed what it held at its last
+        heartbeat and what its senders delivered to it since (nm/deliveries.py), except what a
+        live instance says it holds now (handed on before the death)."""
+        if inst.role != "stage":
+            return
+        now, address = time.monotonic(), inst.addresses["data"]
+        # A delivery reported a heartbeat before the last one may still have been in its socket.
+        since = inst.last_seen - self.topology.nm.heartbeat_s
+        held = {u for i in self.state.stage_instances(inst.set) for u in i.holding}
+        uids = [u for u in dict.fromkeys([*inst.holding, *self.deliveries.sent_to(address, since)]) if u not in held]
+        self.reaper.submit(inst.id, inst.stage, uids, self.state.routes(inst.set)["dbs"], reason)
+        if not any(i.addresses.get("data") == address for i in self.state.instances.values()):
+            # Nobody took its address over yet: a delivery there reported later was lost with it.
+            self.deliveries.bury(address, Grave(inst.id, inst.stage, inst.set, since,
+                                                now + self.deliveries.horizon_s, reason, set(uids)))
+
+    def _delivered(self, report: Any) -> None:
+        """A member's recent deliveries; those to an instance that died meanwhile are reaped now."""
+        delivered = delivered_of(report)
+        if delivered is None:
+            log.warning("heartbeat: malformed %r report dropped", DELIVERED)
+            return
+        for grave, uids in self.deliveries.record(delivered, time.monotonic()):
+            log.info("%d request(s) were delivered to %s after it was last heard; reporting them failed",
+                     len(uids), grave.instance)
+            self.reaper.submit(grave.instance, grave.stage, uids, self.state.routes(grave.set)["dbs"], grave.reason)
 
     def _set(self, req: dict) -> str:
         name = req.get("set")
@@ -126,6 +154,8 @@ class NodeManager:
         inst = self.state.register(str(req.get("role")), str(req.get("set")), addresses,
                                    int(req.get("pid", 0)), str(req.get("host", "")), req.get("stage"),
                                    inst_id=self._instance_id(req), idle=req.get("idle") is True, name=name)
+        if inst.role == "stage":
+            self.deliveries.revive(inst.addresses["data"], time.monotonic())
         self._saved()
         return {
             "instance": inst.id,
@@ -156,6 +186,8 @@ class NodeManager:
                                     serving if isinstance(serving, str) else None)
         if inst.role == "stage":
             self.elastic.observe(inst, time.monotonic())
+        if req.get(DELIVERED):
+            self._delivered(req[DELIVERED])
         self._saved()
         reply: dict[str, Any] = {"version": self.state.version}
         if inst.role == "stage":

@@ -103,7 +103,8 @@ class StageInstance:
         self.draining = False
         self.moved = threading.Event()  # set by the membership thread when the assignment changes
         # Forwards what arrives while no runtime reads the receiver (the idle pool).
-        self._forwarder = ResultDeliver("", workflow, None, routes=lambda: member.routes)  # type: ignore[arg-type]
+        self._forwarder = ResultDeliver("", workflow, None, routes=lambda: member.routes,  # type: ignore[arg-type]
+                                        on_sent=holdings.deliveries.add)
 
     # ---- what the heartbeat reports ----------------------------------------------------------
 
@@ -201,7 +202,7 @@ def serve(nm_address: str, set_name: str, listen: str = "tcp://127.0.0.1:0", sta
         {"data": receiver.address, "metrics": f"http://{registry.host_of(listen)}:{metrics.server_port}"},
         stage=stage, stats=lambda: inst.stats() if inst else {}, ready=lambda: bool(inst and inst.serving()),
         serving=lambda: inst.serving() if inst else None, on_assign=lambda _: inst and inst.moved.set(),
-        advertise=advertise, zk=zk, idle=idle, name=name, deployment=deployment_id,
+        advertise=advertise, zk=zk, idle=idle, name=name, deployment=deployment_id, deliveries=holdings.deliveries,
     )
     try:
         reply = member.register()
