@@ -200,6 +200,7 @@ class Membership:
         self.advertise = advertise  # the host peers reach this instance at, if not the bound one
         self.capacity = dict(capacity or {})
         self.id: str | None = None
+        self._joined = False  # registered once: a later registration is a return (the NM forgot us)
         self.routes: dict[str, Any] = {"version": 0, "stages": {}, "dbs": [], "proxies": []}
         self.monitor: dict[str, Any] | None = None  # proxies: the set's capacity view
         self.heartbeat_s = 1.0
@@ -311,6 +312,8 @@ class Membership:
                     args["idle"] = True
                 if self.name:
                     args["name"] = self.name
+                if self.role == "stage" and self._joined:
+                    args["serving"] = self.serving()  # registering again: routed at once if it serves
                 reply, _ = self.nm.call("register", **args)
                 break
             except RpcTimeout:  # the NM is not up yet (or no primary yet); a refusal (RpcError) is final
@@ -323,9 +326,14 @@ class Membership:
                 log.error("not joining %s: %s", self.nm.address, e)
                 raise Refused(str(e)) from None
         self.id = reply["instance"]
+        self._joined = True
         self._assign(reply.get("stage"))
         self.heartbeat_s = float(reply.get("heartbeat_s", 1.0))
-        self._apply(reply["routes"], newer_only=self.zk_settings is not None)
+        if reply.get("settling") and self.routes.get("version"):
+            # A restarted NM, which has not heard from everyone yet: our routes are the fuller.
+            log.info("node manager still settling after its start; keeping the routes held")
+        else:
+            self._apply(reply["routes"], newer_only=self.zk_settings is not None)
         if self.member is not None and self.member.data.get("stage") != self.stage:
             self.set_capacity(self.capacity)  # the node says which stage it was given
         return reply

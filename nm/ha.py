@@ -135,6 +135,9 @@ class HaNodeManager(NodeManager):
                 "contenders": contenders, "zookeeper": self.settings.hosts, "root": self.settings.root,
                 "suspended": self.suspended}
 
+    def _settling(self) -> bool:
+        return False  # a new primary restores the routes from ZooKeeper
+
     def _monitor_ready(self, set_name: str) -> bool:
         if time.monotonic() - self.elected_at > 3 * self.topology.nm.heartbeat_s:
             return True

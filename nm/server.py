@@ -40,6 +40,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# After it starts, the embedded NM hands out no narrowed routes for this many heartbeats: a
+# restarted NM knows nobody until each instance has heard "unknown instance" and registered
+# again, and those that did first must not lose the routes to those that did not yet.
+SETTLE_HEARTBEATS = 2
+
 
 class NodeManager:
     def __init__(self, topology: Topology, workflow: Workflow, base_dir: Path, address: str | None = None,
@@ -54,6 +59,8 @@ class NodeManager:
         # here, a ZooKeeper session on ZooKeeper), with room for a stall.
         nm = topology.nm
         self.deliveries = DeliveryLedger(2 * (max(self.liveness.spec.limit_s, nm.zk_session_s) + 2 * nm.heartbeat_s))
+        # Until then members keep the routes they hold, and proxies get no capacity view.
+        self._settle_until: float | None = time.monotonic() + SETTLE_HEARTBEATS * topology.nm.heartbeat_s
         self.rpc = RpcServer(address or topology.nm.address, self._handlers())
         self.address = self.rpc.address
 
@@ -92,12 +99,21 @@ class NodeManager:
         self.state.dirty.clear()
 
     def _monitor_ready(self, set_name: str) -> bool:
-        """Whether the capacity view of the set rests on fresh stats (see nm/ha.py)."""
-        return True
+        """Whether the capacity view of the set rests on fresh stats (see nm/ha.py): not while
+        instances are still registering again."""
+        return not self._settling()
+
+    def _settling(self) -> bool:
+        """Whether the NM just started and its routes may still lack instances that serve (the
+        NM on ZooKeeper restores them instead)."""
+        return self._settle_until is not None
 
     def _tick(self) -> None:
         """Periodic work of the loop: here, dropping silent instances (nm/liveness.py) and moving
         instances where the load is."""
+        if self._settle_until is not None and time.monotonic() >= self._settle_until:
+            self._settle_until = None
+            self.state.republish(f"every instance had {SETTLE_HEARTBEATS} heartbeats to register after the start")
         why = f"no heartbeat for {self.liveness.spec.limit_s:.1f}s"
         for iid in self.liveness.dead({i.id: i.last_seen for i in self.state.instances.values()}):
             if (inst := self.state.deregister(iid, why)) is not None:
@@ -151,14 +167,17 @@ class NodeManager:
         name = req.get("name", "")
         if not isinstance(name, str):
             raise ValueError("register: 'name' must be a string")
+        serving = req.get("serving")
         inst = self.state.register(str(req.get("role")), str(req.get("set")), addresses,
                                    int(req.get("pid", 0)), str(req.get("host", "")), req.get("stage"),
-                                   inst_id=self._instance_id(req), idle=req.get("idle") is True, name=name)
+                                   inst_id=self._instance_id(req), idle=req.get("idle") is True, name=name,
+                                   serving=serving if isinstance(serving, str) else None)
         if inst.role == "stage":
             self.deliveries.revive(inst.addresses["data"], time.monotonic())
         self._saved()
         return {
             "instance": inst.id,
+            "settling": self._settling(),  # the routes may lack some: one that holds routes keeps them
             "stage": inst.stage,
             "workflow": self.workflow.model_dump(mode="json"),
             "base_dir": str(self.base_dir),
@@ -192,7 +211,7 @@ class NodeManager:
         reply: dict[str, Any] = {"version": self.state.version}
         if inst.role == "stage":
             reply["stage"] = inst.stage  # its assignment: the NM may have moved it
-        if version != self.state.version:
+        if version != self.state.version and not self._settling():
             reply["routes"] = self.state.routes(inst.set)
         if inst.role == "proxy" and self._monitor_ready(inst.set):
             reply["monitor"] = self.state.monitor(inst.set)  # the request monitor's view, fresh every heartbeat
