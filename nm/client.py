@@ -16,6 +16,13 @@ nm/elastic.py); ``on_assign`` hears of a change. On ZooKeeper (``zk=ZkSettings``
 instance's ephemeral member node (its liveness: nm/ephemeral.py), learns where the primary is
 from the ``primary`` node, and takes route tables straight from the set's routes node as the
 primary writes them, without waiting for the next heartbeat.
+
+Every registration and heartbeat carries the deployment's id (onepiece/deployment.py): an NM of
+another deployment refuses it (``Refused``), and the member stays out. A member that hands
+requests to stage instances (a stage instance, a proxy) also reports its recent deliveries
+(nm/holdings.py ``Deliveries``). Registering again to an NM that forgot it, a stage instance says
+which stage it serves already; an NM that is still settling after its start says so, and the
+member keeps the routes it holds.
 """
 
 from __future__ import annotations
