@@ -28,7 +28,7 @@ Delivered = TypeAdapter(Annotated[
     dict[Annotated[str, Field(max_length=512)],
          Annotated[list[tuple[Annotated[str, Field(min_length=1, max_length=128)],
                               Annotated[float, Field(ge=0, allow_inf_nan=False)]]], Field(max_length=1024)]],
-    Field(max_length=64)])
+    Field(max_length=1024)])  # as many receivers as deliveries: a report never holds more (nm/holdings.py)
 
 
 class AppService(BaseModel):
