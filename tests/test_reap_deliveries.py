@@ -119,6 +119,7 @@ def test_a_request_delivered_after_the_last_heartbeat_fails_as_instance_died_wit
                 c.wait(v["id"], timeout=60)
             took = time.monotonic() - killed
         error = e.value.video["error"]["message"]
+        print(f"\nfailed {took:.1f}s after the kill: {error}")
         assert "died" in error and "deadline" not in error, error
         limit = LivenessSpec(HEARTBEAT_S, DEAD_AFTER_S).limit_s
         # Within the dead limit and a heartbeat (plus the client's polling and a loaded machine).
