@@ -381,7 +381,8 @@ class Membership:
             try:
                 extra: dict[str, Any] = {"serving": self.serving()} if self.role == "stage" else {}
                 # Every heartbeat repeats a few heartbeats' worth: one that fails loses nothing.
-                if self.deliveries is not None and (sent := self.deliveries.report(3 * self.heartbeat_s + self.nm.timeout)):
+                window_s = 3 * self.heartbeat_s + self.nm.timeout
+                if self.deliveries is not None and (sent := self.deliveries.report(window_s)):
                     extra[DELIVERED] = sent
                 reply, _ = self.nm.call("heartbeat", instance=self.id, ready=self.ready(), stats=stats,
                                         version=self.routes["version"],

@@ -76,7 +76,8 @@ def up(tiny_models, tmp_path_factory, make_topology):
     # with it (over ipc the restarted one takes its socket path, and ZeroMQ hands it what its
     # sender still queued, which the NM then sees held there and leaves alone).
     topology = make_topology(folder, tiny_models, nm, dbs=1, transport="tcp", heartbeat_s=HEARTBEAT_S,
-                             nm={"dead_after_s": DEAD_AFTER_S}, stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1})
+                             nm={"dead_after_s": DEAD_AFTER_S},
+                             stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1})
     dep = Up(topology, folder / "logs", nm)
     try:
         dep.url = dep.wait_for(r"serves the API at (http://\S+)", timeout=240).group(1)
@@ -111,7 +112,8 @@ def test_a_request_delivered_after_the_last_heartbeat_fails_as_instance_died_wit
             # The text encoder did its part and handed the request on (it holds it no more).
             uid = uid_of(v["id"])
             wait_for(lambda: db.get(uid)["stage"] == "text_encode" and text_encoder()["holding"] == 0
-                     and text_encoder()["silent_s"] < HEARTBEAT_S, timeout=30, what="the request handed to the denoiser")
+                     and text_encoder()["silent_s"] < HEARTBEAT_S, timeout=30,
+                     what="the request handed to the denoiser")
             time.sleep(HEARTBEAT_S)  # the sender's next heartbeat names the delivery
             os.kill(denoiser.pid, signal.SIGKILL)
             killed = time.monotonic()
