@@ -193,3 +193,17 @@ def test_a_collaboration_instance_serves_and_a_dead_rank_restarts_its_group(tiny
         c.close()
     finally:
         dep.stop()
+
+
+def test_bench_parallel_times_steps_per_dop_and_what_a_switch_costs(tiny_models, tmp_path) -> None:
+    import json
+
+    from onepiece.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "parallel", "--model", str(tiny_models["t2v"]), "--shapes", "32x32x5",
+                                      "--steps", "1", "--dops", "1,2", "--out", str(tmp_path)])
+    assert args.bench.run(args) == 0
+    report = json.loads((tmp_path / "parallel.json").read_text())
+    assert [(r["shape"], r["cfg"]) for r in report["rows"]] == [("32x32x5", True), ("32x32x5", False)]
+    assert all(r["step_ms"]["1"] > 0 and r["step_ms"]["2"] > 0 for r in report["rows"])
+    assert {"group_ms", "switch_us", "broadcast_us", "share_us"} <= set(report["overhead"])
