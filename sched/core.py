@@ -101,7 +101,7 @@ class SchedCore:
         self.stats = CoreStats()
         self.rejections: collections.deque[str] = collections.deque(maxlen=32)  # why, for logs and tests
         self._bytes: collections.OrderedDict[str, int] = collections.OrderedDict()  # state size per key
-        self._offered = [1]  # the DoPs the workers offer (``_dops``)
+        self._offered = [1]  # the DoPs the workers offer (1 unless a worker is a collaboration group)
 
     # --- requests -------------------------------------------------------------------------------
     def add(self, r: Request) -> None:
@@ -213,10 +213,6 @@ class SchedCore:
             return 1
         return max(1, min(MAX_CHUNK, math.ceil(self.overhead_s / (CHUNK_OVERHEAD * t))))
 
-    def _dops(self) -> list[int]:
-        """The DoPs the stage's workers offer (1 unless a worker is a collaboration group)."""
-        return self._offered
-
     def standalone_s(self, r: Request) -> float | None:
         """Seconds ``r`` takes alone on an idle worker, at its fastest DoP: its steps, its
         preparing and finishing, and the decision and IPC of each chunk."""
@@ -233,9 +229,9 @@ class SchedCore:
         """Worker seconds ``r`` takes at the largest batch the stage reached for its key, at the
         DoP that uses a group's ranks best (``d`` of a worker's ``n`` ranks for ``t`` seconds
         is ``t·d/n`` of the worker): what the stage's sustained rate follows from."""
-        ranks = self._dops()[-1]
+        ranks = self._offered[-1]  # the largest group's size
         best = None
-        for d in self._dops():
+        for d in self._offered:
             key = at_dop(r.key, d)
             b = self.costs.reached(key, self.max_batch if r.batchable else 1)
             t = self.costs.step_s(key, b)

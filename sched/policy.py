@@ -4,8 +4,9 @@ A policy sees a ``View``: the requests it may advance (waiting ones, and residen
 are not in a step now), the workers that are idle, the cost model and the stage's bounds. It
 returns ``Batch``es: which requests advance next, together in one forward pass, on which
 worker, on how many of its ranks (the DoP: a collaboration group's worker has several, and
-may run several batches at once on disjoint ranks), for how many steps. The core checks every batch (one worker, compatible keys, the
-batch bound, memory, nothing twice) before anything runs, so a policy cannot corrupt state.
+may run several batches at once on disjoint ranks), for how many steps. The core checks every
+batch (one worker, compatible keys, the batch bound, memory, DoPs that fit, nothing twice)
+before anything runs, so a policy cannot corrupt state.
 
 Most policies are an order plus the shared batch builder (``RankedPolicy``): the best-ranked
 request leads, compatible ones join in rank order. Time is the core's clock (seconds).

@@ -309,8 +309,8 @@ def main(config: dict[str, Any]) -> None:
         return [zmq.Frame(f) for f in unpack(data)] if data else None
 
     def pending_drops() -> list[str]:
-        """Drops that arrived since the last look (between two steps); anything else waits.
-        A group drops at the same step boundary on every rank."""
+        """Drops that arrived since the last look (between two steps; in a group, at the start
+        of a run, the same on every rank); anything else waits."""
         out: list[str] = []
         while leader and sock.poll(0, zmq.POLLIN):
             frames = sock.recv_multipart(copy=False)
