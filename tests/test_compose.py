@@ -52,6 +52,14 @@ def test_services_are_the_local_topology():
     assert len(by_role("nm")) == 1 and "models" in SERVICES
 
 
+def test_every_member_carries_the_nms_deployment_id():
+    (nm,) = by_role("nm").values()
+    assert nm.deployment
+    for role in ("stage", "db", "proxy"):
+        for name, a in by_role(role).items():
+            assert a.deployment == nm.deployment, name
+
+
 def test_everyone_finds_the_nm_and_advertises_its_own_name():
     (nm_name, nm), = by_role("nm").items()
     nm_port = nm.address.rsplit(":", 1)[1]
