@@ -27,6 +27,8 @@ from prometheus_client.core import GaugeMetricFamily
 from onepiece.config import Topology, Workflow
 from onepiece.heartbeat import stage_stats_problem
 from onepiece.nm.elastic import Elastic, Move
+from onepiece.nm.protocol import SCHEMAS, HeartbeatArgs, Holdings, InstanceArgs, MoveArgs, RegisterArgs, SetArgs
+from onepiece.schema import problem as problem_of
 from onepiece.nm.reaper import Reaper
 from onepiece.nm.state import ClusterState, Instance
 from onepiece.supervise import stop_on_signals
@@ -44,10 +46,11 @@ class NodeManager:
         self.state = ClusterState(topology, workflow)
         self.reaper = Reaper(workflow)
         self.elastic = Elastic(topology.nm.elastic)
-        self.rpc = RpcServer(address or topology.nm.address, self._handlers())
+        self.rpc = RpcServer(address or topology.nm.address, self._handlers(), SCHEMAS)
         self.address = self.rpc.address
 
     def _handlers(self) -> dict:
+        """Op -> handler; each gets its arguments checked against ``nm.protocol.SCHEMAS``."""
         return {
             "register": self._register,
             "heartbeat": self._heartbeat,
@@ -66,7 +69,7 @@ class NodeManager:
 
     # ---- hooks for the NM on ZooKeeper -------------------------------------------------------
 
-    def _instance_id(self, req: dict) -> str | None:
+    def _instance_id(self, req: RegisterArgs) -> str | None:
         """The id a registering instance brings (None: this NM names it)."""
         return None
 
@@ -91,26 +94,18 @@ class NodeManager:
         if inst.role == "stage" and inst.holding:
             self.reaper.submit(inst.id, inst.stage, inst.holding, self.state.routes(inst.set)["dbs"], reason)
 
-    def _set(self, req: dict) -> str:
-        name = req.get("set")
-        if name not in self.state.sets:
-            raise ValueError(f"unknown set {name!r} (known: {sorted(self.state.sets)})")
-        return name
+    def _set(self, req: SetArgs) -> str:
+        if req.set not in self.state.sets:
+            raise ValueError(f"unknown set {req.set!r} (known: {sorted(self.state.sets)})")
+        return req.set
 
-    def _all(self, key: str, req: dict) -> dict[str, list]:
-        names = [self._set(req)] if req.get("set") else list(self.state.sets)
+    def _all(self, key: str, req: SetArgs) -> dict[str, list]:
+        names = [self._set(req)] if req.set else list(self.state.sets)
         return {n: self.state.routes(n)[key] for n in names}
 
-    def _register(self, req: dict, _: Any) -> dict:
-        addresses = req.get("addresses")
-        if not isinstance(addresses, dict) or not all(isinstance(v, str) for v in addresses.values()):
-            raise ValueError("register: 'addresses' must map names to address strings")
-        name = req.get("name", "")
-        if not isinstance(name, str):
-            raise ValueError("register: 'name' must be a string")
-        inst = self.state.register(str(req.get("role")), str(req.get("set")), addresses,
-                                   int(req.get("pid", 0)), str(req.get("host", "")), req.get("stage"),
-                                   inst_id=self._instance_id(req), idle=req.get("idle") is True, name=name)
+    def _register(self, req: RegisterArgs, _: Any) -> dict:
+        inst = self.state.register(req.role, req.set, dict(req.addresses), req.pid, req.host, req.stage,
+                                   inst_id=self._instance_id(req), idle=req.idle, name=req.name)
         self._saved()
         return {
             "instance": inst.id,
@@ -122,44 +117,38 @@ class NodeManager:
             "routes": self.state.routes(inst.set),
         }
 
-    def _heartbeat(self, req: dict, _: Any) -> dict:
-        version = req.get("version")
-        stats = req.get("stats")
-        stats = dict(stats) if isinstance(stats, dict) else {}
+    def _heartbeat(self, req: HeartbeatArgs, _: Any) -> dict:
+        stats = dict(req.stats)
         holding = stats.pop("holding", None)  # kept apart: status shows only its length
-        if not (isinstance(holding, list) and all(isinstance(u, str) for u in holding)):
+        if holding is not None and (problem := problem_of(Holdings, {"holding": holding}, "stats")) is not None:
+            log.warning("heartbeat of %s: holding dropped: %s", req.instance, problem)
             holding = None
-        serving = req.get("serving")
-        known = self.state.instances.get(str(req.get("instance")))
+        known = self.state.instances.get(req.instance)
         if known is not None and known.role == "stage" and (problem := stage_stats_problem(stats)) is not None:
             # Liveness still counts; the figures do not (they would break every capacity estimate).
             log.warning("heartbeat of %s: stats dropped: %s", known.id, problem)
             stats = known.stats
-        inst = self.state.heartbeat(str(req.get("instance")), bool(req.get("ready")), stats,
-                                    version if isinstance(version, int) else 0, holding,
-                                    serving if isinstance(serving, str) else None)
+        inst = self.state.heartbeat(req.instance, req.ready, stats, req.version, holding, req.serving)
         if inst.role == "stage":
             self.elastic.observe(inst, time.monotonic())
         self._saved()
         reply: dict[str, Any] = {"version": self.state.version}
         if inst.role == "stage":
             reply["stage"] = inst.stage  # its assignment: the NM may have moved it
-        if version != self.state.version:
+        if req.version != self.state.version:
             reply["routes"] = self.state.routes(inst.set)
         if inst.role == "proxy" and self._monitor_ready(inst.set):
             reply["monitor"] = self.state.monitor(inst.set)  # the request monitor's view, fresh every heartbeat
         return reply
 
-    def _deregister(self, req: dict, _: Any) -> dict:
-        self.state.deregister(str(req.get("instance")), "left")
+    def _deregister(self, req: InstanceArgs, _: Any) -> dict:
+        self.state.deregister(req.instance, "left")
         self._saved()
         return {}
 
-    def _move(self, req: dict, _: Any) -> dict:
+    def _move(self, req: MoveArgs, _: Any) -> dict:
         """An operator's move: ``instance`` to ``stage`` (null: the idle pool)."""
-        iid, stage = req.get("instance"), req.get("stage")
-        if not isinstance(iid, str) or not (stage is None or isinstance(stage, str)):
-            raise ValueError("move: expected 'instance' (an id) and 'stage' (a stage name, or null for the idle pool)")
+        iid, stage = req.instance, req.stage
         inst = self.state.instances.get(iid)
         src = inst.stage if inst is not None else None
         self.elastic.apply(self.state, Move(iid, src, stage, "asked by an operator"), time.monotonic())
