@@ -58,7 +58,6 @@ merge rules of ``db/store.py`` make peers converge whatever order copies arrive 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import queue
 import threading
@@ -71,7 +70,8 @@ import zmq
 from prometheus_client import Counter, Gauge
 
 from onepiece.db.placement import order_dbs
-from onepiece.db.protocol import CONTENT, TERMINAL, ListArgs
+from onepiece.db.protocol import (CONTENT, DATA_SCHEMAS, RPC_SCHEMAS, TERMINAL, CreateArgs, DeleteArgs, FailedReport,
+                                  ListArgs, PurgeMessage, ReplicaMessage, ResultReport, StatusReport, UidArgs)
 from onepiece.db.store import Change, Gone, InvalidUpdate, NotFound, ResultStore, StoreFull
 from onepiece.schema import checked
 from onepiece.supervise import stop_on_signals
@@ -155,7 +155,7 @@ class DbServer:
             self.rpc = RpcServer(control_address, {
                 "create": self._op_create, "get": self._op_get, "content": self._op_content,
                 "delete": self._op_delete, "list": self._op_list, "stats": self._op_stats, "ping": self._op_ping,
-            })
+            }, RPC_SCHEMAS)
             self.control_address = self.rpc.address
             self.pub = zmq.Context.instance().socket(zmq.PUB)
             self.pub.setsockopt(zmq.LINGER, 0)
@@ -257,59 +257,65 @@ class DbServer:
 
     def _on_data(self, msg: Message) -> None:
         h = msg.header
-        uid, kind = h.get("uid"), h.get("kind")
-        # Identity a stage's message may carry: fills a record this DB has not seen created.
-        extra = {k: h[k] for k in ("app", "set") if h.get(k) is not None}
+        kind = h.get("kind")
         try:
-            if kind == "status":
-                if h.get("deadline") is not None:
-                    extra["deadline"] = h["deadline"]
-                change = self.store.set_status(uid, h.get("status"), h.get("stage"), h.get("progress", 0), **extra)
-            elif kind == "result":
-                change = self.store.put_result(uid, _content_of(msg, required=True), h.get("content_type"),
-                                               h.get("trace"), **extra)
-            elif kind == "failed":
-                change = self.store.fail(uid, h.get("stage"), h.get("error") or f"failed at stage {h.get('stage')}",
-                                         **extra)
-            elif kind == "replica":
-                change = self.store.apply_replica(h.get("record"), _content_of(msg, required=False))
+            schema = DATA_SCHEMAS.get(kind) if isinstance(kind, str) else None
+            if schema is None:
+                raise InvalidUpdate(f"kind: unknown data message kind {str(kind)[:80]!r}")
+            m = checked(schema, h, kind)
+        except ValueError as e:  # (InvalidUpdate is one)
+            self._malformed(msg, e)
+            return
+        uid = m.uid
+        # Identity a stage's message may carry: fills a record this DB has not seen created.
+        extra = {k: v for k in ("app", "set") if (v := getattr(m, k, None)) is not None}
+        try:
+            if isinstance(m, StatusReport):
+                if m.deadline is not None:
+                    extra["deadline"] = m.deadline
+                change = self.store.set_status(uid, m.status, m.stage, m.progress, **extra)
+            elif isinstance(m, ResultReport):
+                change = self.store.put_result(uid, _content_of(msg, required=True), m.content_type, m.trace, **extra)
+            elif isinstance(m, FailedReport):
+                change = self.store.fail(uid, m.stage, m.error or f"failed at stage {m.stage}", **extra)
+            elif isinstance(m, ReplicaMessage):
+                change = self.store.apply_replica(h["record"], _content_of(msg, required=False))
                 WRITES.labels(self.name, kind).inc()
                 if change is not None:
                     self._on_change(change, replicate=False)  # never forwarded: no loops
                 return
-            elif kind == "purge":
-                self.store.purge(uid, tombstone=h.get("forget") is not True)
+            elif isinstance(m, PurgeMessage):
+                self.store.purge(uid, tombstone=not m.forget)
                 WRITES.labels(self.name, kind).inc()
                 log.debug("db %s: uid=%s purged by a peer", self.name, uid)
                 return
-            elif kind == "fetched":
-                at = h.get("expires_at")
-                if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
-                    raise InvalidUpdate(f"fetched: expires_at must be a time in seconds, got {at!r}")
-                self.store.expire_by(uid, float(at))
+            else:  # FetchedMessage: the schemas name no other kind
+                self.store.expire_by(uid, m.expires_at)
                 WRITES.labels(self.name, kind).inc()
                 return
-            else:
-                raise InvalidUpdate(f"unknown data message kind {kind!r}")
         except StoreFull as e:
             self._refused(uid, str(e))
             if kind == "result":
                 # The artefact does not fit: say so in the record rather than leave the client
                 # waiting for a result that will never come.
                 try:
-                    change = self.store.fail(uid, h.get("stage"), str(e))
+                    change = self.store.fail(uid, None, str(e))
                 except (StoreFull, InvalidUpdate):
                     return
             else:
                 return
-        except (InvalidUpdate, MessageError, KeyError, TypeError, ValueError) as e:
-            self._count("malformed")
-            MALFORMED.labels(self.name).inc()
-            log.warning("db %s: uid=%s dropped malformed %r message: %s", self.name, uid, kind, e)
+        except (MessageError, KeyError, TypeError, ValueError) as e:  # (InvalidUpdate is a ValueError)
+            self._malformed(msg, e)
             return
         WRITES.labels(self.name, kind).inc()
         if change is not None:
             self._on_change(change, replicate=True)
+
+    def _malformed(self, msg: Message, e: Exception) -> None:
+        self._count("malformed")
+        MALFORMED.labels(self.name).inc()
+        log.warning("db %s: uid=%s dropped a malformed %r message from %s: %s", self.name, msg.header.get("uid"),
+                    str(msg.header.get("kind"))[:80], msg.sender or "?", e)
 
     def _on_change(self, change: Change, replicate: bool) -> None:
         rec = change.record
@@ -350,12 +356,10 @@ class DbServer:
 
     # ---- RPC ops (run on the loop thread, inside RpcServer.handle) ---------------------------
 
-    def _op_create(self, req: dict, blobs: list) -> dict:
-        record = req.get("record")
-        if not isinstance(record, dict):
-            raise InvalidUpdate("create: 'record' must be an object")
-        if _flag(req, "if_absent"):
-            uid = _uid(record)
+    def _op_create(self, req: CreateArgs, blobs: list) -> dict:
+        record = req.record.model_dump(exclude_unset=True)  # as sent: no defaults added
+        if req.if_absent:
+            uid = req.record.uid
             held = self.store.get(uid)
             if held is not None and held.get("owner") == record.get("owner"):
                 return {"record": held, "created": False}
@@ -372,22 +376,22 @@ class DbServer:
             self._on_change(change, replicate=True)
         return {"record": self.store.get(record["uid"]), "created": True}
 
-    def _owned(self, req: dict) -> tuple[str, dict[str, Any] | None]:
+    def _owned(self, req: UidArgs) -> tuple[str, dict[str, Any] | None]:
         """The request's uid and its record here, None when absent or another owner's."""
-        uid, owner = _uid(req), _owner(req)
+        uid = req.uid
         rec = self.store.get(uid)
-        if rec is not None and owner is not None and rec.get("owner") != owner:
+        if rec is not None and req.owner is not None and rec.get("owner") != req.owner:
             rec = None
         return uid, rec
 
-    def _op_get(self, req: dict, blobs: list) -> dict:
+    def _op_get(self, req: UidArgs, blobs: list) -> dict:
         uid, rec = self._owned(req)
         READS.labels(self.name, "get").inc()
         if rec is None:
             raise NotFound(f"not found: {uid}")
         return {"record": rec}
 
-    def _op_content(self, req: dict, blobs: list) -> tuple[dict, list]:
+    def _op_content(self, req: UidArgs, blobs: list) -> tuple[dict, list]:
         uid, rec = self._owned(req)
         READS.labels(self.name, "content").inc()
         if rec is None:
@@ -402,10 +406,10 @@ class DbServer:
             self._replicate(Message({"uid": uid, "kind": "fetched", "expires_at": self.store.clock() + grace}))
         return {"record": rec}, [data]
 
-    def _op_delete(self, req: dict, blobs: list) -> dict:
+    def _op_delete(self, req: DeleteArgs, blobs: list) -> dict:
         uid, rec = self._owned(req)
-        forget = _flag(req, "forget")
-        if rec is None and req.get("owner") is not None:
+        forget = req.forget
+        if rec is None and req.owner is not None:
             if uid in self.store:
                 raise NotFound(f"not found: {uid}")  # another owner's: nothing to say about it
             return {"deleted": False}  # a DB that holds it checks the owner and tells its peers
@@ -420,17 +424,16 @@ class DbServer:
         self._replicate(Message({"uid": uid, "kind": "purge", **({"forget": True} if forget else {})}))
         return {"deleted": existed}
 
-    def _op_list(self, req: dict, blobs: list) -> dict:
-        args = checked(ListArgs, {k: v for k, v in req.items() if k not in ("id", "op")}, "list")
+    def _op_list(self, args: ListArgs, blobs: list) -> dict:
         READS.labels(self.name, "list").inc()
         records, more = self.store.page(args.owner, args.after, args.limit, args.order == "desc")
         return {"records": records, "has_more": more}
 
-    def _op_stats(self, req: dict, blobs: list) -> dict:
+    def _op_stats(self, req: Any, blobs: list) -> dict:
         READS.labels(self.name, "stats").inc()
         return {"stats": self.stats()}
 
-    def _op_ping(self, req: dict, blobs: list) -> dict:
+    def _op_ping(self, req: Any, blobs: list) -> dict:
         return {"name": self.name, "data_address": self.data_address,
                 "control_address": self.control_address, "events_address": self.events_address}
 
@@ -584,27 +587,6 @@ class DbServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _uid(req: dict) -> str:
-    uid = req.get("uid")
-    if not isinstance(uid, str) or not uid:
-        raise InvalidUpdate(f"{req.get('op')}: 'uid' must be a non-empty string")
-    return uid
-
-
-def _owner(req: dict) -> str | None:
-    owner = req.get("owner")
-    if owner is not None and (not isinstance(owner, str) or not 0 < len(owner) <= 64):
-        raise InvalidUpdate(f"{req.get('op')}: 'owner' must be a string of 1 to 64 characters")
-    return owner
-
-
-def _flag(req: dict, name: str) -> bool:
-    value = req.get(name, False)
-    if not isinstance(value, bool):
-        raise InvalidUpdate(f"{req.get('op')}: {name!r} must be true or false")
-    return value
 
 
 def _content_of(msg: Message, required: bool) -> bytes | None:
