@@ -73,6 +73,7 @@ from onepiece.db.placement import order_dbs
 from onepiece.db.protocol import (CONTENT, DATA_SCHEMAS, RPC_SCHEMAS, TERMINAL, CreateArgs, DeleteArgs, FailedReport,
                                   ListArgs, PurgeMessage, ReplicaMessage, ResultReport, StatusReport, UidArgs)
 from onepiece.db.store import Change, Gone, InvalidUpdate, NotFound, ResultStore, StoreFull
+from onepiece.events import CANCEL, DONE, event_frames
 from onepiece.schema import checked
 from onepiece.supervise import stop_on_signals
 from onepiece.transport import registry
@@ -328,11 +329,11 @@ class DbServer:
             self._replicate(Message({"uid": rec["uid"], "kind": "replica", "record": rec}, parts))
 
     def _publish(self, rec: dict[str, Any]) -> None:
-        self._event(b"done", rec["uid"], rec["status"])
+        self._event(DONE, rec["uid"], rec["status"])
 
     def _event(self, topic: bytes, uid: str, status: str) -> None:
         try:
-            self.pub.send_multipart([topic, orjson.dumps({"uid": uid, "status": status})], zmq.NOBLOCK)
+            self.pub.send_multipart(event_frames(topic, uid, status), zmq.NOBLOCK)
         except zmq.Again:
             log.warning("db %s: uid=%s %s event dropped (subscribers not reading)", self.name, uid, topic.decode())
 
@@ -415,7 +416,7 @@ class DbServer:
             return {"deleted": False}  # a DB that holds it checks the owner and tells its peers
         if rec is not None and rec.get("status") not in TERMINAL and not forget:
             # Still being generated: stages subscribe to this and drop it where it is.
-            self._event(b"cancel", uid, "")
+            self._event(CANCEL, uid, "")
         existed = self.store.purge(uid, tombstone=not forget)
         WRITES.labels(self.name, "delete").inc()
         log.info("db %s: uid=%s %s (%s)", self.name, uid, "forgotten" if forget else "deleted",
