@@ -73,6 +73,20 @@ class MoveArgs(_Args):
     stage: Name | None = None
 
 
+class Routes(BaseModel):
+    """A set's route table as every member takes it (from a ``register`` or ``heartbeat`` reply,
+    or from ZooKeeper) before it replaces the one its senders read."""
+
+    model_config = ConfigDict(extra="allow")
+
+    version: Annotated[StrictInt, Field(ge=0)]
+    set: Name | None = None
+    stages: Annotated[dict[Name, Annotated[list[Address], Field(max_length=4096)]], Field(max_length=256)] = {}
+    dbs: Annotated[list[Annotated[dict[Annotated[StrictStr, Field(max_length=64)], Address], Field(max_length=16)]],
+                   Field(max_length=4096)] = []
+    proxies: Annotated[list[Address], Field(max_length=4096)] = []
+
+
 SCHEMAS: dict[str, type[BaseModel]] = {
     "register": RegisterArgs, "heartbeat": HeartbeatArgs, "deregister": InstanceArgs, "routes": SetArgs,
     "proxies": SetArgs, "dbs": SetArgs, "status": NoArgs, "move": MoveArgs, "workflow": NoArgs,
