@@ -16,7 +16,7 @@ import orjson
 import psutil
 import pytest
 import zmq
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from onepiece.client import Client
@@ -28,7 +28,7 @@ from onepiece.nm.client import Membership
 from onepiece.nm.protocol import SCHEMAS as NM_SCHEMAS
 from onepiece.schema import problem
 from onepiece.task_header import TaskHeader
-from onepiece.transport.message import MAGIC, Message, encode
+from onepiece.transport.message import MAGIC, Message, encode, new_uid
 from onepiece.transport.rpc import MAX_REQUEST_BYTES, RpcClient
 
 from deployment import Up
@@ -75,9 +75,9 @@ HUGE = st.sampled_from([10 ** 30, -(2 ** 63), 2 ** 64, 1e308, -1e308, "x" * 200_
 VALUE = JSON | HUGE
 
 
-def _fields(names: set[str]) -> st.SearchStrategy[dict[str, Any]]:
+def _fields(names: set[str], values: st.SearchStrategy = VALUE) -> st.SearchStrategy[dict[str, Any]]:
     """Some of a schema's fields (and some unknown ones), each with any value."""
-    return st.dictionaries(st.sampled_from(sorted(names)) | st.text(max_size=8), VALUE, max_size=len(names) + 2)
+    return st.dictionaries(st.sampled_from(sorted(names)) | st.text(max_size=8), values, max_size=len(names) + 2)
 
 
 def _names(*models) -> set[str]:
@@ -96,7 +96,8 @@ def _dumps(value: Any) -> bytes:
 @st.composite
 def mangled(draw, frames: list[bytes]) -> list[bytes]:
     """``frames`` as they are, or truncated, cut short, padded, or with a non-JSON frame."""
-    how = draw(st.sampled_from(["as is", "as is", "truncate", "fewer", "more", "garbage", "empty"]))
+    # Mostly well framed, so that most variants reach the schemas behind the framing checks.
+    how = draw(st.sampled_from(["as is"] * 4 + ["truncate", "fewer", "more", "garbage", "empty"]))
     frames = list(frames)
     if how == "truncate" and frames:
         i = draw(st.integers(0, len(frames) - 1))
@@ -183,7 +184,8 @@ def test_db_rpc_survives_malformed_requests(up):
 def data_frames(draw, kinds: list[str], names: set[str], header_extra: dict | None = None) -> list[bytes]:
     header = draw(_fields(names), label="header")
     header["kind"] = draw(st.sampled_from(kinds) | JSON, label="kind")
-    header["uid"] = draw(st.uuids().map(lambda u: u.hex) | VALUE, label="uid")
+    uids = st.uuids().map(lambda u: u.hex)
+    header["uid"] = draw(st.one_of(uids, uids, uids, VALUE), label="uid")
     header.update(header_extra or {})
     if draw(st.booleans(), label="record-like"):
         header["record"] = draw(_fields(_names(NewRecord)), label="record")
@@ -191,17 +193,24 @@ def data_frames(draw, kinds: list[str], names: set[str], header_extra: dict | No
                                  max_size=2), label="parts")
     frames = [bytes(f) for f in encode(Message({"uid": "u"}, parts))]  # well-described parts...
     described = orjson.loads(frames[1])["parts"]
-    if draw(st.booleans(), label="bad parts"):  # ...or descriptions that do not match the frames
+    if draw(st.integers(0, 3), label="bad parts") == 0:  # ...or descriptions that do not match the frames
         described = draw(VALUE, label="parts header")
     frames[1] = _dumps({**header, "parts": described})
     return draw(mangled(frames), label="frames")
 
 
-def _data_fuzz(address: str, frames_strategy, guard=lambda frames: None) -> None:
+def _frames(header: dict) -> list[bytes]:
+    return [bytes(f) for f in encode(Message(header))]
+
+
+def _data_fuzz(address: str, frames_strategy, known: dict, guard=lambda frames: None) -> None:
+    """Drawn variants, and ``known``: one well framed and malformed by its schema alone (so that
+    every run reaches the schema check, whatever was drawn)."""
     sock = _socket(zmq.PUSH, address)
 
     @FUZZ
     @given(frames=frames_strategy)
+    @example(frames=_frames(known))
     def run(frames) -> None:
         guard(frames)
         _send(sock, frames)
@@ -215,10 +224,12 @@ def _data_fuzz(address: str, frames_strategy, guard=lambda frames: None) -> None
 
 def test_db_data_survives_malformed_messages(up):
     db = up.routes()["dbs"][0]
-    _data_fuzz(db["data"], data_frames(sorted(DATA_SCHEMAS), _names(*DATA_SCHEMAS.values())))
+    _data_fuzz(db["data"], data_frames(sorted(DATA_SCHEMAS), _names(*DATA_SCHEMAS.values())),
+               {"uid": new_uid(), "kind": "status", "status": "in_progress", "progress": "x"})
 
 
-def test_stage_data_survives_malformed_messages(up):
+@pytest.mark.parametrize("stage", list(T2V))
+def test_stage_data_survives_malformed_messages(up, stage):
     wf: Workflow = up.workflow
 
     @st.composite
@@ -242,7 +253,8 @@ def test_stage_data_survives_malformed_messages(up):
                 return
             assume(False)
 
-    _data_fuzz(up.routes()["stages"]["denoise_t2v"][0], headers(), guard)
+    _data_fuzz(up.routes()["stages"][stage][0], headers(),
+               {"uid": new_uid(), "kind": "task", "app": "t2v", "stage": stage, "params": [1]}, guard)
 
 
 # ---- events: the proxy's and the stages' subscriptions -------------------------------------------
@@ -275,12 +287,15 @@ def test_event_subscribers_survive_malformed_events(up):
 
         @st.composite
         def events(draw) -> list[bytes]:
-            body = draw(_fields(_names(Event)), label="body")
+            # Within the subscribers' frame bound: a bigger one drops the connection (sent last).
+            body = draw(_fields(_names(Event), JSON), label="body")
             topic = draw(st.sampled_from([DONE, CANCEL]), label="topic")
             return draw(mangled([topic, _dumps(body)]), label="frames")
 
         @FUZZ
         @given(frames=events())
+        @example(frames=[DONE, b'{"uid": 7, "status": "completed"}'])
+        @example(frames=[CANCEL, b'{"status": ""}'])
         def run(frames) -> None:
             pub.send_multipart(frames)  # (a topic nobody subscribed to goes nowhere)
 
@@ -312,7 +327,10 @@ def test_the_deployment_still_serves(up, tmp_path):
     logs = {p.stem: p.read_text(errors="replace") for p in up.logs.glob("*.log")}
     assert any("refused a request from" in t for t in logs.values())  # the RPC checks answered
     assert any("dropped a malformed" in t for t in logs.values())  # the DB's data checks
-    assert any("malformed request at stage denoise_t2v" in t for t in logs.values())
-    assert any("ignored a cancel event from" in t for t in logs.values())
+    assert "'status' message from" in logs["set0-db0"]  # (its known example) the DB's data checks
+    for stage in T2V:  # its data checks and its events checks
+        assert "malformed request at stage " + stage in logs[f"set0-{stage}0"]
+        assert "ignored a cancel event from 127.0.0.1" in logs[f"set0-{stage}0"]
+    assert "ignored a DB event from 127.0.0.1: event.uid" in logs["set0-proxy0"]
     broke = {name: t[t.index("Traceback"):][:2000] for name, t in logs.items() if "Traceback" in t}
     assert not broke, broke  # no guard of last resort was needed
