@@ -54,7 +54,9 @@ class StageSpec(_Strict):
     components: list[str] = Field(min_length=1)
     workers: int = Field(1, gt=0, le=64)
     device: str = "cpu"
-    mode: Literal["individual"] = "individual"
+    mode: Literal["individual", "collaboration"] = Field(
+        "individual", description="individual: each worker serves its own requests; collaboration: the workers form "
+                                  "one torch.distributed group and compute each step together (denoise only)")
     queue: int = Field(64, gt=0, le=100_000, description="bounded queue of the instance's scheduler")
     threads: int = Field(0, ge=0, le=256, description="torch threads per worker (0: all cores)")
     data: Literal["zmq", "ring"] = Field("zmq", description="how the stage receives its data: ZeroMQ, or the "
@@ -82,6 +84,10 @@ class Limits(_Strict):
     max_prompt_chars: int = Field(4000, gt=0)
     timeout_s: float = Field(600.0, gt=0, description="deadline given to a request unless it asks for less")
 
+
+# Stage functions whose steps a collaboration group can run in parallel (registered with
+# ``parallel=`` in stage/registry.py; a test keeps the two in step).
+PARALLEL_FUNCTIONS = frozenset({"denoise"})
 
 MAX_GUIDANCE = 100.0
 MAX_SEED = 2**32 - 1  # what numpy and torch generators both accept
@@ -161,6 +167,9 @@ class Workflow(_Strict):
         for name, st in self.stages.items():
             if st.model not in self.models:
                 raise ValueError(f"stages.{name}.model: unknown model {st.model!r} (known: {sorted(self.models)})")
+            if st.mode == "collaboration" and self.function_of(name) not in PARALLEL_FUNCTIONS:
+                raise ValueError(f"stages.{name}.mode: collaboration needs a stage function that steps in parallel "
+                                 f"({', '.join(sorted(PARALLEL_FUNCTIONS))}), not {self.function_of(name)!r}")
         for app, spec in self.applications.items():
             for i, st in enumerate(spec.stages):
                 if st not in self.stages:

@@ -26,6 +26,7 @@ from typing import Any
 from onepiece.config import SetSpec, load_topology
 from onepiece.nm.client import NmClient
 from onepiece.nm.zk_auth import child_env
+from onepiece.ports import free_port
 from onepiece.supervise import Backoff, child_preexec
 from onepiece.transport.rpc import RpcError
 
@@ -303,7 +304,8 @@ def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, db
                    transport: str = "ipc", stages: dict[str, int] | None = None, heartbeat_s: float = 0.25,
                    sets: list[dict[str, Any]] | None = None, data: str = "zmq", nm: dict[str, Any] | None = None,
                    device: str = "cpu", threads: int | None = None,
-                   schedule: dict[str, dict[str, Any]] | None = None, **set_options: Any) -> Path:
+                   schedule: dict[str, dict[str, Any]] | None = None,
+                   stage_options: dict[str, dict[str, Any]] | None = None, **set_options: Any) -> Path:
     """A deployment of the shipped workflow with its models at ``models`` ({"t2v": dir,
     "i2v": dir}), written into ``folder`` (for tests and benchmarks). Returns the topology file.
 
@@ -331,6 +333,8 @@ def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, db
             spec["threads"] = threads
     for stage, options in (schedule or {}).items():
         wf["stages"][stage]["schedule"] = options
+    for stage, options in (stage_options or {}).items():
+        wf["stages"][stage].update(options)
     wf["db"] = {"data": data}
     (folder / "workflow.yaml").write_text(yaml.safe_dump(wf))
     base: dict[str, Any] = {"proxy": {"count": 1, "port": 0}, "db": {"count": dbs},
@@ -354,9 +358,5 @@ def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, db
 
 def free_tcp_address() -> str:
     """A loopback TCP address with a port nobody listens on now (for tests and benches)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 

@@ -43,3 +43,10 @@ def holder(port: int) -> str:
         except OSError:
             continue
     return "another process"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now (for a rendezvous that must name one up front)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

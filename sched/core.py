@@ -9,8 +9,11 @@ executing now). ``schedule(now)`` first drops what expired, then serves aged req
 policy can starve one), then asks the policy for the other idle workers; it checks every batch
 the policy returns and turns it into commands:
 
-- ``Run(worker, uids, steps, admit)``: admit the ``admit`` requests (send their messages; the
-  worker prepares their state), then advance the batch ``steps`` steps, one forward pass each;
+- ``Run(worker, uids, steps, admit, parts)``: admit the ``admit`` requests (send their
+  messages; the worker prepares their state), then advance each part (a batch on a block of
+  the worker's ranks) its ``steps`` steps, one forward pass each, the parts side by side (a
+  collaboration group's worker has several ranks and may run several batches at once, each at
+  its own degree of parallelism; any other worker runs one part on its one rank);
 - ``Drop(worker, uids)``: free these states (cancelled or expired); a worker applies it at its
   next step boundary, even in the middle of a chunk.
 """
@@ -22,9 +25,11 @@ import math
 from dataclasses import dataclass, field
 
 from onepiece.sched.costs import CostModel
+from onepiece.sched.keys import at_dop
 from onepiece.sched.options import ScheduleSpec
 from onepiece.sched.policies import make_policy
 from onepiece.sched.policy import Batch, Policy, Request, View, Worker, build_batches
+from onepiece.sched.ranks import Ranks, dops, place
 
 CHUNK_OVERHEAD = 0.03  # decision + IPC per chunk, at most this share of the chunk's compute
 MAX_CHUNK = 64
@@ -33,11 +38,19 @@ UNKNOWN_STANDALONE_S = 1.0  # what aging assumes of a request nothing comparable
 
 
 @dataclass(frozen=True)
-class Run:
-    worker: str
+class Part:
+    ranks: Ranks
     uids: tuple[str, ...]
     steps: int
+
+
+@dataclass(frozen=True)
+class Run:
+    worker: str
+    uids: tuple[str, ...]  # every part's
+    steps: int  # the longest part's
     admit: tuple[str, ...] = ()
+    parts: tuple[Part, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -66,8 +79,10 @@ class CoreStats:
 
 @dataclass
 class _Worker(Worker):
-    previous: tuple[str, ...] = ()  # its last batch
-    key: str = ""  # that batch's key: its steps are still reported after members finished
+    previous: tuple[str, ...] = ()  # its last run's requests
+    # each of them -> its part's cost key (at the part's DoP): steps are still reported after
+    # members finished
+    cost_keys: dict[str, str] = field(default_factory=dict)
 
 
 def _expiry(r: Request) -> float | None:
@@ -117,9 +132,9 @@ class SchedCore:
         return r
 
     # --- workers --------------------------------------------------------------------------------
-    def worker_up(self, wid: str) -> None:
-        """A worker (re)started: empty and idle."""
-        self.workers[wid] = _Worker(wid, idle=True, free_bytes=self.spec.resident_bytes)
+    def worker_up(self, wid: str, ranks: int = 1) -> None:
+        """A worker (re)started: empty and idle; ``ranks``: a collaboration group's size."""
+        self.workers[wid] = _Worker(wid, idle=True, free_bytes=self.spec.resident_bytes, ranks=max(1, ranks))
 
     def worker_gone(self, wid: str) -> list[Request]:
         """A worker died: the requests whose state it held, now forgotten (the shell fails them)."""
@@ -150,7 +165,7 @@ class SchedCore:
         if not uids:
             return
         live = [self.requests[u] for u in uids if u in self.requests]
-        key = next((w.key for w in self.workers.values() if uids[0] in w.previous), None)
+        key = next((w.cost_keys[uids[0]] for w in self.workers.values() if uids[0] in w.cost_keys), None)
         if key is not None and measure:
             self.costs.observe(key, len(uids), seconds)
         for r in live:
@@ -195,23 +210,33 @@ class SchedCore:
             return 1
         return max(1, min(MAX_CHUNK, math.ceil(self.overhead_s / (CHUNK_OVERHEAD * t))))
 
+    def _dops(self) -> list[int]:
+        """The DoPs the stage's workers offer (1 unless a worker is a collaboration group)."""
+        return dops(max((w.ranks for w in self.workers.values()), default=1))
+
     def standalone_s(self, r: Request) -> float | None:
-        """Seconds ``r`` takes alone on an idle worker: its steps, its preparing and finishing,
-        and the decision and IPC of each chunk."""
-        t = self.costs.step_s(r.key, 1)
-        if t is None:
+        """Seconds ``r`` takes alone on an idle worker, at its fastest DoP: its steps, its
+        preparing and finishing, and the decision and IPC of each chunk."""
+        ts = [t for d in self._dops() if (t := self.costs.step_s(at_dop(r.key, d), 1)) is not None]
+        if not ts:
             return None
-        return t * r.steps + self.costs.fixed_s(r.key) + math.ceil(r.steps / self._chunk_of(r, 1)) * self.overhead_s
+        return min(ts) * r.steps + self.costs.fixed_s(r.key) + math.ceil(r.steps / self._chunk_of(r, 1)) * self.overhead_s
 
     def share_s(self, r: Request) -> float | None:
-        """Device seconds ``r`` takes at the largest batch the stage reached for its key: what
-        the stage's sustained rate follows from."""
-        b = self.costs.reached(r.key, self.max_batch if r.batchable else 1)
-        t = self.costs.step_s(r.key, b)
-        if t is None:
-            return None
-        chunks = math.ceil(r.steps / self._chunk_of(r, b))
-        return (t * r.steps + chunks * self.overhead_s) / b + self.costs.fixed_s(r.key)
+        """Worker seconds ``r`` takes at the largest batch the stage reached for its key, at the
+        DoP that uses a group's ranks best (``d`` of a worker's ``n`` ranks for ``t`` seconds
+        is ``t·d/n`` of the worker): what the stage's sustained rate follows from."""
+        ranks = self._dops()[-1]
+        best = None
+        for d in self._dops():
+            key = at_dop(r.key, d)
+            b = self.costs.reached(key, self.max_batch if r.batchable else 1)
+            t = self.costs.step_s(key, b)
+            if t is not None:
+                chunks = math.ceil(r.steps / self._chunk_of(r, b))
+                share = (t * r.steps + chunks * self.overhead_s) / b * d / ranks
+                best = share if best is None else min(best, share)
+        return None if best is None else best + self.costs.fixed_s(r.key)
 
     def _chunk_of(self, r: Request, batch: int) -> int:
         return r.steps if self.policy.name == "fcfs" else self.chunk(r.key, batch)
@@ -248,27 +273,32 @@ class SchedCore:
             free = [r for r in free if r.uid not in used]
         if idle and free:
             batches += self.policy.plan(self._view(now, free, idle))
+        per_worker: dict[str, list[Batch]] = {}
         for b in batches:
-            cmd = self._start(b, now)
+            per_worker.setdefault(b.worker, []).append(b)
+        for wid, bs in per_worker.items():
+            cmd = self._start(wid, bs, now)
             if cmd is not None:
                 out.commands.append(cmd)
         return out
 
     def _view(self, now: float, free: list[Request], idle: list[_Worker]) -> View:
-        workers = [Worker(w.id, True, w.free_bytes, set(w.resident)) for w in idle]
+        workers = [Worker(w.id, True, w.free_bytes, set(w.resident), w.ranks) for w in idle]
         previous = {u for w in idle for u in w.previous}
         return View(now, free, workers, self.costs, self.max_batch, self.chunk, self.est_bytes, previous)
 
-    def _check(self, b: Batch) -> str | None:
+    def _check(self, b: Batch, free_bytes: int, taken: set[str]) -> str | None:
         w = self.workers.get(b.worker)
         if w is None or not w.idle:
             return f"worker {b.worker!r} is not idle"
-        if not b.uids or len(set(b.uids)) != len(b.uids):
+        if not b.uids or len(set(b.uids)) != len(b.uids) or taken & set(b.uids):
             return "empty batch or a request twice"
         if len(b.uids) > self.max_batch:
             return f"{len(b.uids)} requests over max_batch {self.max_batch}"
         if not isinstance(b.steps, int) or b.steps < 1:
             return f"steps must be a positive int, got {b.steps!r}"
+        if b.dop not in dops(w.ranks):
+            return f"DoP {b.dop!r} is not one of worker {b.worker!r}'s ({dops(w.ranks)})"
         rs = [self.requests.get(u) for u in b.uids]
         if any(r is None or r.running for r in rs):
             return "a request unknown or already running"
@@ -277,30 +307,52 @@ class SchedCore:
         if any(r.worker not in (None, b.worker) for r in rs):
             return "a request resident on another worker"
         need = sum(self.est_bytes(r) for r in rs if r.worker is None)
-        if need > w.free_bytes and (w.resident or len([r for r in rs if r.worker is None]) > 1):
-            return f"admitting needs {need} bytes, worker has {w.free_bytes} free"
+        if need > free_bytes and (w.resident or taken or len([r for r in rs if r.worker is None]) > 1):
+            return f"admitting needs {need} bytes, worker has {free_bytes} free"
         return None
 
-    def _start(self, b: Batch, now: float) -> Run | None:
-        why = self._check(b)
-        if why is not None:
-            self.stats.rejected += 1
-            self.rejections.append(f"{self.policy.name}: {b}: {why}")
+    def _reject(self, b: Batch, why: str) -> None:
+        self.stats.rejected += 1
+        self.rejections.append(f"{self.policy.name}: {b}: {why}")
+
+    def _start(self, wid: str, batches: list[Batch], now: float) -> Run | None:
+        """One Run of the batches a policy gave worker ``wid``: each checked, then laid onto
+        disjoint blocks of its ranks (a batch that does not fit is refused, not shrunk)."""
+        w = self.workers.get(wid)
+        ok: list[Batch] = []
+        free, taken = (w.free_bytes if w else 0), set()
+        for b in batches:
+            why = self._check(b, free, taken)
+            if why is None and place([x.dop for x in ok] + [b.dop], w.ranks) is None:
+                why = f"DoPs {[x.dop for x in ok] + [b.dop]} do not fit {w.ranks} ranks"
+            if why is not None:
+                self._reject(b, why)
+                continue
+            ok.append(b)
+            taken.update(b.uids)
+            free -= sum(self.est_bytes(self.requests[u]) for u in b.uids if self.requests[u].worker is None)
+        if not ok:
             return None
-        w = self.workers[b.worker]
-        rs = [self.requests[u] for u in b.uids]
-        admit = tuple(r.uid for r in rs if r.worker is None)
-        for r in rs:
-            if r.worker is None:
-                r.worker, r.nbytes = b.worker, self.est_bytes(r)
-                w.resident.add(r.uid)
-                w.free_bytes -= r.nbytes
-            r.running = True
-            if r.started is None:
-                r.started = now
-        # Passed over: in this worker's last batch, still resident and unfinished, not in this one.
-        self.stats.preempted += sum(1 for u in w.previous if u in w.resident and u not in b.uids)
-        w.previous, w.key, w.idle = b.uids, rs[0].key, False
-        self.stats.batches += 1
-        self.stats.batched += len(b.uids)
-        return Run(b.worker, b.uids, b.steps, admit)
+        blocks = place([b.dop for b in ok], w.ranks)
+        admit: list[str] = []
+        w.cost_keys = {}
+        for b in ok:
+            rs = [self.requests[u] for u in b.uids]
+            for r in rs:
+                if r.worker is None:
+                    r.worker, r.nbytes = wid, self.est_bytes(r)
+                    w.resident.add(r.uid)
+                    w.free_bytes -= r.nbytes
+                    admit.append(r.uid)
+                r.running = True
+                if r.started is None:
+                    r.started = now
+                w.cost_keys[r.uid] = at_dop(rs[0].key, b.dop)
+            self.stats.batches += 1
+            self.stats.batched += len(b.uids)
+        uids = tuple(u for b in ok for u in b.uids)
+        # Passed over: in this worker's last run, still resident and unfinished, not in this one.
+        self.stats.preempted += sum(1 for u in w.previous if u in w.resident and u not in uids)
+        w.previous, w.idle = uids, False
+        parts = tuple(Part(r, b.uids, b.steps) for r, b in zip(blocks, ok))
+        return Run(wid, uids, max(b.steps for b in ok), tuple(admit), parts)

@@ -10,8 +10,11 @@ gaps in three ways, each conservative for latency:
 - a batch size between two known ones: linear interpolation;
 - above the largest known: the last known per-sample time (no further batching gain assumed);
   below the smallest known: the smallest known time (a smaller batch is never slower);
-- an unknown key: the nearest known key of the same variant (CFG, text length), scaled by
-  the ratio of their shapes' volumes.
+- an unknown key: the nearest known key of the same variant (CFG, text length, DoP), scaled
+  by the ratio of their shapes' volumes;
+- a key at a DoP nothing was measured at (``…@d``, sched.keys.at_dop): the same key at the
+  nearest DoP that is known, scaled as if parallelism were perfect (``t·d'/d``): a larger DoP
+  looks better than it will be, so a policy tries it once; a smaller one looks worse.
 
 No clock, no I/O; bounded (windows and keys). The report (``report``) is what the stage sends
 with its heartbeat and what a simulator or a later run can load again.
@@ -90,12 +93,25 @@ class CostModel:
         row = self.row(key)
         if row:
             return at_batch(row, batch)
-        near = self._nearest(key)
+        near = self._nearest(key) or self._other_dop(key)
         if near is None:
             return None
         other, ratio = near
         t = at_batch(self.row(other), batch)
         return None if t is None else t * ratio
+
+    def _other_dop(self, key: str) -> tuple[str, float] | None:
+        base, _, d = key.partition("@")
+        dop = int(d) if d.isdigit() else 1
+        known = []
+        for k in self.keys():
+            b, _, kd = k.partition("@")
+            if b == base and self.row(k):
+                known.append((int(kd) if kd.isdigit() else 1, k))
+        if not known:
+            return None
+        other_dop, other = min(known, key=lambda x: abs(x[0] - dop))
+        return other, other_dop / dop
 
     def _nearest(self, key: str) -> tuple[str, float] | None:
         vol, var = volume(key), variant(key)

@@ -47,3 +47,9 @@ def variant(key: str) -> str:
     """What a key says beyond its shape (``/cfg/L64``): keys compared by volume must agree on it."""
     m = _SHAPE.match(key)
     return key[m.end():] if m else key
+
+
+def at_dop(key: str, dop: int) -> str:
+    """The cost key of ``key``'s steps run by ``dop`` ranks together (``…@2``); DoP 1 is the
+    key itself. Its variant carries the DoP, so costs scale by volume only within one DoP."""
+    return key if dop == 1 else f"{key}@{dop}"

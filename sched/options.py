@@ -6,20 +6,22 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-POLICIES = ("fcfs", "fcfs-batched", "srtf", "edf", "slo")  # sched/policies.py has one class each
+POLICIES = ("fcfs", "fcfs-batched", "srtf", "edf", "slo", "edf-best-fit", "ddit")  # one class each in sched/policies.py
 # Policies that serve earlier deadlines first: a new request waits only for the requests ahead of
 # it with earlier deadlines (what the request monitor's deadline rule reads; proxy/admission.py).
-DEADLINE_ORDERED = frozenset({"edf", "slo"})
+DEADLINE_ORDERED = frozenset({"edf", "slo", "edf-best-fit"})
 
 
 class ScheduleSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    policy: Literal["fcfs", "fcfs-batched", "srtf", "edf", "slo"] = Field(
+    policy: Literal["fcfs", "fcfs-batched", "srtf", "edf", "slo", "edf-best-fit", "ddit"] = Field(
         "fcfs", description="fcfs: each request alone from first step to last (batch 1); fcfs-batched: continuous "
                             "batching in arrival order; srtf: least remaining work first; edf: earliest deadline "
                             "first; slo: the most deadlines met (the largest set that can all make theirs, earliest deadline "
-                            "first; the rest in the time left), batches that keep deadlines")
+                            "first; the rest in the time left), batches that keep deadlines, and on a collaboration "
+                            "group the DoP of each; edf-best-fit: GF-DiT's EDF with the smallest DoP that meets a "
+                            "deadline; ddit: DDiT's greedy DoP allocation with a starvation guard")
     max_batch: int | None = Field(None, ge=1, le=64, description="requests per forward pass (default 1 for fcfs, "
                                                                   "else 4)")
     chunk_steps: int = Field(0, ge=0, le=1000, description="steps a batch runs between two decisions (0: the "

@@ -8,7 +8,18 @@
 - ``edf``: earliest deadline first;
 - ``slo``: this project's own: the most deadlines met (see ``Slo``): the largest set of
   requests that can all make their deadlines runs earliest deadline first, the rest in the
-  time left; batches form only where they make no kept request late.
+  time left; batches form only where they make no kept request late. On a collaboration
+  group it also picks each batch's degree of parallelism (DoP): the smallest that keeps the
+  deadlines of the batch, spare ranks to the most urgent batch while they make it faster;
+- ``edf-best-fit``: GF-DiT's: earliest deadline first, each request alone at the smallest DoP
+  whose estimated finish meets its deadline (else its fastest), then spare ranks to the most
+  urgent while that makes it faster;
+- ``ddit``: DDiT's greedy step-granularity allocation: requests starving (waiting longer than
+  they take alone) first, oldest first, then shortest first; each alone at its optimal DoP
+  (the smallest within 10% of its fastest), or the largest that still fits.
+
+The DoP-blind policies (``fcfs`` to ``edf``) run each batch on all of a group's ranks: a
+static DoP, the group's size.
 
 Ties go to the higher ``priority``, then to the earlier arrival (never to the uid: an order by
 id starves whichever id keeps losing). None of them can starve a request: the core serves
@@ -20,7 +31,9 @@ from __future__ import annotations
 import math
 
 from onepiece.sched import options
-from onepiece.sched.policy import Policy, RankedPolicy, Request, View
+from onepiece.sched.keys import at_dop
+from onepiece.sched.policy import Batch, Policy, RankedPolicy, Request, View, build_dop_batches
+from onepiece.sched.ranks import dops
 
 
 class Fcfs(RankedPolicy):
@@ -87,19 +100,82 @@ class Slo(RankedPolicy):
         out.sort(key=lambda r: (-r.priority, view.alone_s(r), r.arrival))
         return kept + untimed + out
 
-    def may_join(self, view: View, members: list[Request], r: Request) -> bool:
-        if len(members) + 1 > view.costs.reached(r.key, view.max_batch):
+    def may_join(self, view: View, members: list[Request], r: Request, dop: int = 1) -> bool:
+        key = at_dop(r.key, dop)
+        if len(members) + 1 > view.costs.reached(key, view.max_batch):
             return True  # a batch size not measured yet: try it (priced by extrapolation it never would be)
-        step = view.costs.step_s(r.key, len(members) + 1)
+        step = view.costs.step_s(key, len(members) + 1)
         if step is None:
             return True
         for m in (*members, r):
-            if m.deadline is not None and view.slack(m) >= 0 and view.now + m.left * step > m.deadline:
+            if m.deadline is not None and view.slack(m, dop) >= 0 and view.now + m.left * step > m.deadline:
                 return False
         return True
 
+    def plan(self, view: View) -> list[Batch]:
+        if all(w.ranks == 1 for w in view.workers):
+            return super().plan(view)
+        return build_dop_batches(view, self.rank(view), frugal_fit, self.may_join)
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Fcfs, FcfsBatched, Srtf, Edf, Slo)}
+
+def best_fit(view: View, r: Request, dops: list[int]) -> int | None:
+    """The smallest DoP whose estimated finish meets ``r``'s deadline; else the fastest; the
+    largest when nothing is known (no deadline, or no cost)."""
+    times = {d: view.alone_s(r, dop=d) for d in dops}
+    if r.deadline is None or all(math.isinf(t) for t in times.values()):
+        return max(dops)
+    meets = [d for d in dops if view.now + times[d] <= r.deadline]
+    return min(meets) if meets else min(dops, key=lambda d: (times[d], d))
+
+
+def frugal_fit(view: View, r: Request, dops: list[int]) -> int | None:
+    """``best_fit``, except for a request that no DoP gets in time: the DoP that spends the
+    fewest rank-seconds on it (GF-DiT's fastest burns ranks the others need, so under load the
+    group's capacity shrinks exactly when it is short; spare ranks still speed it up later)."""
+    times = {d: view.alone_s(r, dop=d) for d in dops}
+    if r.deadline is not None and not any(view.now + t <= r.deadline for t in times.values()) \
+            and not all(math.isinf(t) for t in times.values()):
+        return min(dops, key=lambda d: (d * times[d], d))
+    return best_fit(view, r, dops)
+
+
+class EdfBestFit(Policy):
+    """GF-DiT's ``edf_best_fit`` (its runtime_v2 policies): EDF order, best-fit DoP, spare
+    ranks to the most urgent while faster. No batching: GF-DiT runs one request per group."""
+
+    name = "edf-best-fit"
+
+    def plan(self, view: View) -> list[Batch]:
+        return build_dop_batches(view, Edf().rank(view), best_fit)
+
+
+class Ddit(Policy):
+    """DDiT's greedy allocation at step granularity with its starvation guard (arXiv
+    2506.13497; no public code: built from the paper's description)."""
+
+    name = "ddit"
+
+    def plan(self, view: View) -> list[Batch]:
+        offered = dops(max(w.ranks for w in view.workers))
+
+        def starving(r: Request) -> bool:
+            return view.now - r.arrival > min(view.alone_s(r, dop=d) for d in offered)
+
+        order = sorted(view.requests, key=lambda r: (not starving(r), r.arrival if starving(r) else view.alone_s(r),
+                                                     r.arrival))
+        return build_dop_batches(view, order, knee, promote=False)
+
+
+def knee(view: View, r: Request, dops: list[int]) -> int:
+    """The smallest DoP within 10% of the fastest of ``dops`` (the largest when unknown)."""
+    times = {d: view.alone_s(r, dop=d) for d in dops}
+    best = min(times.values())
+    if math.isinf(best):
+        return max(dops)
+    return min(d for d in dops if times[d] <= 1.1 * best)
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Fcfs, FcfsBatched, Srtf, Edf, Slo, EdfBestFit, Ddit)}
 assert tuple(POLICIES) == options.POLICIES  # the names the YAML accepts
 
 

@@ -3,7 +3,8 @@
 A policy sees a ``View``: the requests it may advance (waiting ones, and resident ones that
 are not in a step now), the workers that are idle, the cost model and the stage's bounds. It
 returns ``Batch``es: which requests advance next, together in one forward pass, on which
-worker, for how many steps. The core checks every batch (one worker, compatible keys, the
+worker, on how many of its ranks (the DoP: a collaboration group's worker has several, and
+may run several batches at once on disjoint ranks), for how many steps. The core checks every batch (one worker, compatible keys, the
 batch bound, memory, nothing twice) before anything runs, so a policy cannot corrupt state.
 
 Most policies are an order plus the shared batch builder (``RankedPolicy``): the best-ranked
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from onepiece.sched.costs import CostModel
+from onepiece.sched.keys import at_dop
+from onepiece.sched.ranks import dops, place
 
 
 @dataclass(eq=False)
@@ -52,6 +55,7 @@ class Worker:
     idle: bool = True
     free_bytes: int = 0
     resident: set[str] = field(default_factory=set)
+    ranks: int = 1  # a collaboration group's size: every rank holds every state of the worker
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class Batch:
     worker: str
     uids: tuple[str, ...]
     steps: int
+    dop: int = 1  # ranks of the worker that run it together (sched.ranks.dops)
 
 
 @dataclass
@@ -74,17 +79,20 @@ class View:
 
     def __post_init__(self) -> None:
         self.by_uid = {r.uid: r for r in self.requests}
+        self.dops = dops(max((w.ranks for w in self.workers), default=1))  # what the idle workers offer
 
-    def alone_s(self, r: Request, steps: int | None = None) -> float:
-        """Seconds ``steps`` (default: all left) of ``r`` take alone; inf when unknown, so an
-        unmeasured request ranks as long, never as free."""
-        t = self.costs.step_s(r.key, 1)
+    def alone_s(self, r: Request, steps: int | None = None, dop: int | None = None) -> float:
+        """Seconds ``steps`` (default: all left) of ``r`` take alone on ``dop`` ranks (default:
+        at the fastest DoP the workers offer); inf when unknown, so an unmeasured request ranks
+        as long, never as free."""
         n = r.left if steps is None else steps
-        return math.inf if t is None else t * n
+        ts = [t for d in ((dop,) if dop else self.dops) if (t := self.costs.step_s(at_dop(r.key, d), 1)) is not None]
+        return min(ts) * n if ts else math.inf
 
-    def slack(self, r: Request) -> float:
-        """Seconds to spare if ``r`` ran alone from now on (inf without a deadline)."""
-        return math.inf if r.deadline is None else r.deadline - self.now - self.alone_s(r)
+    def slack(self, r: Request, dop: int | None = None) -> float:
+        """Seconds to spare if ``r`` ran alone from now on, on ``dop`` ranks (default: at its
+        fastest); inf without a deadline."""
+        return math.inf if r.deadline is None else r.deadline - self.now - self.alone_s(r, dop=dop)
 
 
 class Policy(abc.ABC):
@@ -112,11 +120,30 @@ class RankedPolicy(Policy):
         return build_batches(view, self.rank(view), self.may_join, self.whole)
 
 
+def _gather(view: View, order: Iterable[Request], lead: Request, taken: set[str], fits: Callable[[Request], bool],
+            accept: Callable[[list[Request], Request], bool], admit: Callable[[Request], None]) -> list[Request]:
+    """``lead`` and the compatible requests of ``order`` that join it (not taken, fitting the
+    worker, accepted) up to the batch bound; ``admit`` hears of each joining request not yet
+    resident (its memory is then spoken for)."""
+    members = [lead]
+    for r in order if lead.batchable else ():
+        if len(members) >= view.max_batch:
+            break
+        if (r.uid in taken or r is lead or not r.batchable or r.key != lead.key or not fits(r)
+                or not accept(members, r)):
+            continue
+        members.append(r)
+        if r.worker is None:
+            admit(r)
+    return members
+
+
 def build_batches(view: View, order: Iterable[Request], may_join: Callable[[View, list[Request], Request], bool],
                   whole: bool = False, leaders: int | None = None) -> list[Batch]:
     """Batches over the idle workers: each of the first ``leaders`` requests of ``order`` (all
     by default) not yet placed leads one, joined by compatible requests in order that
-    ``may_join`` admits; ``whole`` runs a batch until its longest member is done."""
+    ``may_join`` admits; ``whole`` runs a batch until its longest member is done. A batch takes
+    all of its worker's ranks (a collaboration group computes it together)."""
     order = list(order)
     idle = {w.id: w for w in view.workers}
     free = {w.id: w.free_bytes for w in view.workers}
@@ -144,22 +171,90 @@ def build_batches(view: View, order: Iterable[Request], may_join: Callable[[View
                                                 for u in idle[w].resident), free[w]), default=None)
         if wid is None:
             continue
-        members = [lead]
-        if lead.batchable:
-            for r in order:
-                if len(members) >= view.max_batch:
-                    break
-                if (r.uid in taken or r is lead or not r.batchable or r.key != lead.key
-                        or not fits(r, wid) or not may_join(view, members, r)):
-                    continue
-                members.append(r)
-                if r.worker is None:
-                    free[wid] -= view.est_bytes(r)
+        members = _gather(view, order, lead, taken, lambda r: fits(r, wid), lambda ms, r: may_join(view, ms, r),
+                          lambda r: free.__setitem__(wid, free[wid] - view.est_bytes(r)))
         if lead.worker is None:
             free[wid] -= view.est_bytes(lead)
-        steps = max(r.left for r in members) if whole else view.chunk(lead.key, len(members))
-        out.append(Batch(wid, tuple(r.uid for r in members), max(1, min(steps, max(r.left for r in members)))))
+        dop = idle[wid].ranks
+        steps = max(r.left for r in members) if whole else view.chunk(at_dop(lead.key, dop), len(members))
+        out.append(Batch(wid, tuple(r.uid for r in members), max(1, min(steps, max(r.left for r in members))), dop))
         taken.update(r.uid for r in members)
         del idle[wid]
     return out
 
+
+
+ChooseDop = Callable[[View, Request, list[int]], "int | None"]
+JoinAtDop = Callable[[View, list[Request], Request, int], bool]
+
+
+def build_dop_batches(view: View, order: Iterable[Request], choose: ChooseDop, may_join: JoinAtDop | None = None,
+                      promote: bool = True) -> list[Batch]:
+    """Batches over the idle workers' ranks, each at its own DoP (a collaboration group runs
+    them side by side). Each request of ``order`` not yet placed leads a batch on its worker
+    (the one holding its state, else the idle one with the most free ranks) at the DoP
+    ``choose`` picks among those that still fit there (None: not now); compatible requests
+    join it in order while ``may_join`` admits them (None: no batching). With ``promote``,
+    ranks left over then go to the placed batches, most urgent first, one DoP step up at a
+    time while the cost model says that makes the batch faster (GF-DiT's best-fit second pass)."""
+    workers = {w.id: w for w in view.workers}
+    free_ranks = {w.id: w.ranks for w in view.workers}
+    free = {w.id: w.free_bytes for w in view.workers}
+    placed: list[list] = []  # [worker, members, dop], most urgent first
+    taken: set[str] = set()
+
+    def fits(r: Request, wid: str) -> bool:
+        if r.worker is not None:
+            return r.worker == wid
+        return view.est_bytes(r) <= free[wid] or not workers[wid].resident and not any(p[0] == wid for p in placed)
+
+    def usable(wid: str, extra: list[int] = ()) -> list[int]:
+        have = [p[2] for p in placed if p[0] == wid] + list(extra)
+        return [d for d in dops(workers[wid].ranks) if place(have + [d], workers[wid].ranks) is not None]
+
+    for lead in order:
+        if not any(free_ranks.values()):
+            break
+        if lead.uid in taken:
+            continue
+        cands = [w for w in ([lead.worker] if lead.worker else workers)
+                 if free_ranks.get(w) and fits(lead, w) and usable(w)]
+        if not cands:
+            continue
+        wid = max(cands, key=lambda w: free_ranks[w])
+        d = choose(view, lead, usable(wid))
+        if d is None:
+            continue
+        members = [lead] if may_join is None else _gather(
+            view, order, lead, taken, lambda r: fits(r, wid), lambda ms, r: may_join(view, ms, r, d),
+            lambda r: free.__setitem__(wid, free[wid] - view.est_bytes(r)))
+        if lead.worker is None:
+            free[wid] -= view.est_bytes(lead)
+        placed.append([wid, members, d])
+        free_ranks[wid] -= d
+        taken.update(r.uid for r in members)
+    if promote:
+        for p in placed:
+            wid, members, d = p
+            others = [q[2] for q in placed if q is not p and q[0] == wid]
+            for bigger in (x for x in dops(workers[wid].ranks) if x > d):
+                if place(others + [bigger], workers[wid].ranks) is None:
+                    break
+                now_s = view.costs.step_s(at_dop(members[0].key, p[2]), len(members))
+                then_s = view.costs.step_s(at_dop(members[0].key, bigger), len(members))
+                if now_s is None or then_s is None or then_s >= now_s:
+                    break
+                p[2] = bigger
+    # A group's batches step in lockstep, so a run lasts as long as its slowest: each batch
+    # gets the steps that fit in the most urgent batch's chunk (at least one step of every one).
+    out = []
+    for wid in dict.fromkeys(p[0] for p in placed):
+        mine = [p for p in placed if p[0] == wid]
+        step = [view.costs.step_s(at_dop(m[0].key, d), len(m)) for _, m, d in mine]
+        chunks = [max(1, min(max(r.left for r in m), view.chunk(at_dop(m[0].key, d), len(m)))) for _, m, d in mine]
+        span = None if None in step else max(step[0] * chunks[0], *step)
+        for (_, members, d), t, n in zip(mine, step, chunks):
+            if span is not None:
+                n = max(1, min(max(r.left for r in members), int(span / t + 1e-9)))
+            out.append(Batch(wid, tuple(r.uid for r in members), n, d))
+    return out

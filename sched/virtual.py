@@ -4,8 +4,10 @@ and the trace-driven simulator (``onepiece sim``, DESIGN §12) wires many (``Vir
 into workflows on one ``EventLoop``: the same core, no copy of it.
 
 A worker executes a ``Run`` as the runtime's worker does: it admits the new requests, then
-advances the batch step by step, members leaving as they finish (so later steps of a chunk
-are cheaper) and dropped ones leaving at the next step boundary.
+advances each part (a batch on a block of its ranks) step by step, members leaving as they
+finish (so later steps of a chunk are cheaper) and dropped ones leaving at the next step
+boundary. A collaboration group's parts run side by side on their ranks, each its own steps:
+the chunk lasts as long as its slowest part.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from onepiece.sched.core import Run, SchedCore
+from onepiece.sched.keys import at_dop
 from onepiece.sched.policy import Request
 
 StepCost = Callable[[str, int], float]  # (key, batch size) -> seconds of one step
 # (uid, status: completed | expired, the request as the core held it, the time its first step started)
 OnEnd = Callable[[str, str, Request, "float | None"], None]
-# (start, end, worker, uids, steps): one chunk a worker ran, for a schedule trace
-OnChunk = Callable[[float, float, str, tuple[str, ...], int], None]
+# (start, end, run): one chunk a worker ran, for a schedule trace
+OnChunk = Callable[[float, float, Run], None]
 
 
 class EventLoop:
@@ -51,14 +54,14 @@ class VirtualInstance:
 
     def __init__(self, loop: EventLoop, core: SchedCore, cost: StepCost, workers: int = 1,
                  overhead_s: float = 0.0, on_end: OnEnd | None = None, on_chunk: OnChunk | None = None,
-                 name: str = "") -> None:
+                 name: str = "", ranks: int = 1) -> None:
         self.loop, self.core, self.cost, self.overhead_s = loop, core, cost, overhead_s
         self.on_end = on_end or (lambda *a: None)
         self.on_chunk = on_chunk
         self.name = name
         self.busy_s = 0.0  # worker-seconds spent in chunks
         for i in range(workers):
-            core.worker_up(f"w{i}")
+            core.worker_up(f"w{i}", ranks)
 
     def add(self, r: Request) -> None:
         r.arrival = self.loop.now
@@ -85,19 +88,22 @@ class VirtualInstance:
         reqs = self.core.requests
         left = {u: reqs[u].left for u in run.uids}
         first = {u: reqs[u].started for u in run.uids}
-        t, steps = self.loop.now + self.overhead_s, []
-        for _ in range(run.steps):
-            live = [u for u in run.uids if left[u] > 0]
-            if not live:
-                break
-            dt = self.cost(reqs[live[0]].key, len(live))
-            t += dt
-            steps.append((live, dt))
-            for u in live:
-                left[u] -= 1
+        start, t, steps = self.loop.now + self.overhead_s, self.loop.now + self.overhead_s, []
+        for p in run.parts:
+            end = start
+            for _ in range(p.steps):
+                live = [u for u in p.uids if left[u] > 0]
+                if not live:
+                    break
+                dt = self.cost(at_dop(reqs[live[0]].key, len(p.ranks)), len(live))
+                end += dt
+                steps.append((live, dt))
+                for u in live:
+                    left[u] -= 1
+            t = max(t, end)
         self.busy_s += t - self.loop.now
         if self.on_chunk is not None:
-            self.on_chunk(self.loop.now, t, run.worker, run.uids, run.steps)
+            self.on_chunk(self.loop.now, t, run)
         self.loop.at(t, self._finish_chunk, run, steps, first)
 
     def _finish_chunk(self, run: Run, steps: list, first: dict) -> None:
@@ -132,13 +138,15 @@ class VirtualStage:
     cost: StepCost
     workers: int = 1
     overhead_s: float = 0.0  # added to every chunk (decision + IPC)
+    ranks: int = 1  # per worker: a collaboration group's size
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     trace: list[tuple[float, str, tuple[str, ...], int]] = field(default_factory=list)  # (start, worker, uids, steps)
+    runs: list[Run] = field(default_factory=list)  # the same chunks as the core sent them (parts, DoPs)
 
     def __post_init__(self) -> None:
         self.loop = EventLoop()
         self.instance = VirtualInstance(self.loop, self.core, self.cost, self.workers, self.overhead_s,
-                                        on_end=self._ended, on_chunk=self._chunk)
+                                        on_end=self._ended, on_chunk=self._chunk, ranks=self.ranks)
         self._arrivals: dict[str, float] = {}
 
     @property
@@ -171,8 +179,9 @@ class VirtualStage:
         if uid not in self.outcomes:
             self.outcomes[uid] = Outcome(uid, self._arrivals.get(uid, self.loop.now), self.loop.now, status, first)
 
-    def _chunk(self, start: float, end: float, worker: str, uids: tuple[str, ...], steps: int) -> None:
-        self.trace.append((start, worker, uids, steps))
+    def _chunk(self, start: float, end: float, run: Run) -> None:
+        self.trace.append((start, run.worker, run.uids, run.steps))
+        self.runs.append(run)
 
 
 def request(uid: str, key: str = "64x64x9/cfg/L64", steps: int = 10, deadline: float | None = None,

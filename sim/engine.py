@@ -35,9 +35,10 @@ from onepiece.proxy.admission import InflightTracker, admit
 from onepiece.proxy.api import ProxyOptions
 from onepiece.proxy.errors import ApiError
 from onepiece.proxy.validation import VideoJob, build_job
-from onepiece.sched.core import SchedCore
+from onepiece.sched.core import Run, SchedCore
 from onepiece.sched.deadlines import reserve, stage_request
-from onepiece.sched.keys import call_key, compat_key, shape_key
+from onepiece.sched.keys import at_dop, call_key, compat_key, shape_key
+from onepiece.sched.ranks import dops
 from onepiece.sched.virtual import EventLoop, VirtualInstance
 from onepiece.sim.costs import CostTable
 from onepiece.stage.service_times import ServiceTimes
@@ -162,8 +163,9 @@ class Simulation:
             self._left_stage(j, stage, name, status)
 
         chunk = None if self.chunks is None else self._chunk_hook(stage, name)
-        vi = VirtualInstance(self.loop, core, self.costs.pricer(stage), spec.workers, self.overhead_s,
-                             on_end=ended, on_chunk=chunk, name=name)
+        ranks = self._ranks(stage)
+        vi = VirtualInstance(self.loop, core, self.costs.pricer(stage), spec.workers // ranks, self.overhead_s,
+                             on_end=ended, on_chunk=chunk, name=name, ranks=ranks)
         self.lifetimes.append((stage, vi, self.loop.now, None))
         return vi
 
@@ -179,8 +181,8 @@ class Simulation:
         return insts[i]
 
     def _chunk_hook(self, stage: str, name: str) -> Callable:
-        def hook(start: float, end: float, worker: str, uids: tuple[str, ...], steps: int) -> None:
-            self.chunks.append(Chunk(stage, name, worker, start, end, uids, steps))
+        def hook(start: float, end: float, run: Run) -> None:
+            self.chunks.append(Chunk(stage, name, run.worker, start, end, run.uids, run.steps))
         return hook
 
     # --- requests -----------------------------------------------------------------------------
@@ -197,7 +199,8 @@ class Simulation:
             for s in stages:
                 if not any(s in by_stage for by_stage in self.instances.values()):
                     raise SimInputError(f"requests[{i}]: application {job.app!r} needs stage {s!r}, which no set runs")
-                why = self.costs.missing(s, self._key(s, params))
+                why = next(filter(None, (self.costs.missing(s, at_dop(self._key(s, params), d))
+                                         for d in dops(self._ranks(s)))), None)
                 if why:
                     raise SimInputError(f"requests[{i}] ({tr.size}x{tr.num_frames}:{tr.steps}): {why}")
             alone = {s: self.costs.alone_s(s, self._key(s, params), self._steps(s, params)) for s in stages}
@@ -212,6 +215,11 @@ class Simulation:
     def _wants_image(self, app: str) -> bool:
         spec = self.wf.applications.get(app)
         return spec is not None and spec.kind == "i2v"
+
+    def _ranks(self, stage: str) -> int:
+        """Ranks per worker: a collaboration stage's workers are one group (one worker)."""
+        spec = self.wf.stages[stage]
+        return spec.workers if spec.mode == "collaboration" else 1
 
     def _key(self, stage: str, params: dict[str, Any]) -> str:
         return compat_key(params) if self.costs.stepped(stage) else call_key(params)

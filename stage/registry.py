@@ -72,18 +72,33 @@ StageFn = Callable[[StageContext, Message], "Parts | SteppedTask"]
 
 _functions: dict[tuple[str, str], StageFn] = {}
 _stepped: set[tuple[str, str]] = set()
+_parallel: dict[tuple[str, str], Callable[[Any], Any]] = {}
 
 
-def stage_function(name: str, kind: str, stepped: bool = False) -> Callable[[StageFn], StageFn]:
+def stage_function(name: str, kind: str, stepped: bool = False,
+                   parallel: Callable[[Any], Any] | None = None) -> Callable[[StageFn], StageFn]:
     """Register ``fn`` as stage function ``name`` for application kind ``kind``; ``stepped``:
-    it returns a SteppedTask (its scheduler then counts steps and batches it)."""
+    it returns a SteppedTask (its scheduler then counts steps and batches it); ``parallel``:
+    how a collaboration group steps its tasks together (``parallel(collective)`` gives an
+    object whose ``step([(ranks, tasks), ...])`` runs one step of each batch on its ranks)."""
     def deco(fn: StageFn) -> StageFn:
         _functions[(name, kind)] = fn
         if stepped:
             _stepped.add((name, kind))
+        if parallel is not None:
+            _parallel[(name, kind)] = parallel
         return fn
 
     return deco
+
+
+def parallel_of(name: str, kind: str) -> Callable[[Any], Any]:
+    """How a collaboration group steps function ``name`` for ``kind`` (KeyError if it cannot)."""
+    lookup(name, kind)
+    try:
+        return _parallel[(name, kind)]
+    except KeyError:
+        raise KeyError(f"stage function {name!r} for {kind!r} cannot run in a collaboration group") from None
 
 
 def is_stepped(name: str, kind: str) -> bool:

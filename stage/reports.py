@@ -18,6 +18,7 @@ class _Report(BaseModel):
 
 class Ready(_Report):
     stepped: Annotated[dict[Annotated[StrictStr, Field(max_length=128)], StrictBool], Field(max_length=256)]
+    ranks: Annotated[int, Field(ge=1, le=1024, strict=True)] = 1  # a collaboration group's size
 
 
 class Admitted(_Report):

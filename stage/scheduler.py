@@ -36,7 +36,7 @@ from onepiece.events import CANCEL, MAX_EVENT_BYTES, read_event
 from onepiece.sched.core import Drop, Run, SchedCore
 from onepiece.sched.costs import CostModel
 from onepiece.sched.deadlines import stage_request
-from onepiece.sched.keys import call_key, compat_key, shape_key
+from onepiece.sched.keys import at_dop, call_key, compat_key, shape_key
 from onepiece.sched.policy import Request
 from onepiece.schema import checked
 from onepiece.stage.reports import REPORTS, Admitted, Failed, Idle, Progress, Ready
@@ -233,14 +233,17 @@ class RequestScheduler:
             frames += f
             sizes.append(len(f))
             self._emit(("progress", uid, r.app, 0.0))
-        self.stats.batch_size.observe(len(cmd.uids))
+        for p in cmd.parts:
+            self.stats.batch_size.observe(len(p.uids))
         rs = [self.core.requests[u] for u in cmd.uids]
         # The chunk's last deadline, and how long a step of it may take before it looks hung.
         deadline = None if any(r.expires is None for r in rs) else max(r.expires for r in rs)
-        step = self.core.costs.step_s(rs[0].key, len(rs)) or 0.0
+        step = max(self.core.costs.step_s(at_dop(self.core.requests[p.uids[0]].key, len(p.ranks)), len(p.uids)) or 0.0
+                   for p in cmd.parts)
         self.running[cmd.worker.encode()] = (now, decided, cmd.uids, deadline, max(HUNG_GRACE_S, 3 * step))
-        self._send(cmd.worker, [b"run", orjson.dumps({"uids": list(cmd.uids), "steps": cmd.steps, "admit": sizes}),
-                                *frames])
+        parts = [[list(p.ranks), list(p.uids), p.steps] for p in cmd.parts]
+        self._send(cmd.worker, [b"run", orjson.dumps({"uids": list(cmd.uids), "steps": cmd.steps, "admit": sizes,
+                                                      "parts": parts}), *frames])
 
     def _send(self, worker: str, frames: list) -> None:
         try:
@@ -273,7 +276,7 @@ class RequestScheduler:
             if wid in self.core.workers:  # restarted before its death was noticed
                 self._lost(wid, "restarted")
             self.stepped = dict(info.stepped)
-            self.core.worker_up(wid)
+            self.core.worker_up(wid, info.ranks)
             self.known.add(ident)
             self.fresh.add(ident)
             self.born[ident] = time.monotonic()

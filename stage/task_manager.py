@@ -18,6 +18,7 @@ from pathlib import Path
 import orjson
 
 from onepiece.config import Workflow
+from onepiece.ports import free_port
 from onepiece.stage.gpu import GpuUtilization, cuda_indices, worker_device
 from onepiece.stage.scheduler import RequestScheduler
 from onepiece.supervise import Backoff, child_preexec
@@ -45,11 +46,14 @@ class TaskManager:
             "device": spec.device, "threads": spec.threads, "scheduler": scheduler.worker_address,
         }
         self.slots = [WorkerSlot(f"w{i}") for i in range(spec.workers)]
-        scheduler.stats.workers = spec.workers
+        # Collaboration: the workers are the ranks of one group, which the scheduler sees as one
+        # worker (rank 0's "w0"); a rank that dies takes the whole group down and back up.
+        self.group = spec.mode == "collaboration" and spec.workers > 1
+        scheduler.stats.workers = 1 if self.group else spec.workers
         self.gpu = GpuUtilization(cuda_indices(spec.device, spec.workers))
 
-    def _start(self, slot: WorkerSlot) -> None:
-        config = dict(self.config, identity=slot.identity,
+    def _start(self, slot: WorkerSlot, group: dict | None = None) -> None:
+        config = dict(self.config, identity=slot.identity, group=group,
                       device=worker_device(self.config["device"], self.slots.index(slot), len(self.slots)))
         slot.backoff.started_now()
         slot.proc = subprocess.Popen(
@@ -59,8 +63,32 @@ class TaskManager:
         log.info("started worker %s (pid %d) for stage %s", slot.identity, slot.proc.pid, self.stage)
 
     def start(self) -> None:
+        if self.group:
+            self._start_group()
+            return
         for slot in self.slots:
             self._start(slot)
+
+    def _start_group(self) -> None:
+        address = f"127.0.0.1:{free_port()}"
+        for rank, slot in enumerate(self.slots):
+            self._start(slot, {"rank": rank, "size": len(self.slots), "address": address})
+
+    def _supervise_group(self, now: float) -> None:
+        lead = self.slots[0]
+        dead = [(i, s.proc.returncode) for i, s in enumerate(self.slots) if s.proc is not None and s.proc.poll() is not None]
+        if dead:
+            i, code = dead[0]
+            reason = f"rank {i} of the collaboration group: " + (f"exit code {code}" if code >= 0 else
+                                                                  f"killed by signal {-code}")
+            log.warning("worker group of stage %s is down (%s); restarting it", self.stage, reason)
+            self._stop_procs([s.proc for s in self.slots if s.proc is not None and s.proc.poll() is None], 0.0)
+            for s in self.slots:
+                s.proc = None
+            self.scheduler.control.put(("died", lead.identity.encode(), reason, now))
+            lead.next_start = lead.backoff.next_start()
+        if lead.proc is None and now >= lead.next_start:
+            self._start_group()
 
     def supervise(self, stop: threading.Event) -> None:
         sampled = 0.0
@@ -70,6 +98,9 @@ class TaskManager:
                 self.scheduler.stats.gpu_util = self.gpu.sample()
                 sampled = now
             self._kill_hung()
+            if self.group:
+                self._supervise_group(now)
+                continue
             for slot in self.slots:
                 if slot.proc is not None and slot.proc.poll() is not None:
                     code = slot.proc.returncode
@@ -88,12 +119,15 @@ class TaskManager:
             except queue.Empty:
                 return
             for slot in self.slots:
-                if slot.identity == ident and slot.proc is not None:
-                    log.warning("killing hung worker %s of stage %s", ident, self.stage)
+                if (slot.identity == ident or self.group) and slot.proc is not None:
+                    log.warning("killing hung worker %s of stage %s", slot.identity, self.stage)
                     slot.proc.kill()
 
     def stop(self, grace_s: float = 5.0) -> None:
-        procs = [s.proc for s in self.slots if s.proc is not None]
+        self._stop_procs([s.proc for s in self.slots if s.proc is not None], grace_s)
+
+    @staticmethod
+    def _stop_procs(procs: list[subprocess.Popen], grace_s: float) -> None:
         for p in procs:
             p.terminate()
         deadline = time.monotonic() + grace_s

@@ -12,11 +12,13 @@ resident and does what the scheduler (sched/core.py, through stage/scheduler.py)
 
 It talks to the scheduler over a ZMQ DEALER socket:
 
-- worker → scheduler: ``[b"ready", {stepped: {app: bool}}]``, ``[b"admitted", {uid, nbytes}]``,
+- worker → scheduler: ``[b"ready", {stepped: {app: bool}, ranks}]`` (ranks: a collaboration
+  group's size, else 1), ``[b"admitted", {uid, nbytes}]``,
   ``[b"progress", {uid, fraction}]``, ``[b"done", *message frames]``, ``[b"failed", {uid,
   error}]`` and, when a ``run`` ends, ``[b"idle", {steps: [[uids, seconds], ...], fixed: {uid:
   seconds preparing and finishing}, exec_s}]``;
-- scheduler → worker: ``[b"run", {uids, steps, admit: [frames per message]}, *frames]``,
+- scheduler → worker: ``[b"run", {uids, steps, admit: [frames per message], parts: [[ranks,
+  uids, steps], ...]}, *frames]`` (a group's batches side by side, each on its ranks),
   ``[b"drop", {uids}]``.
 
 Started as ``python -m onepiece.stage.worker '<json config>'``: nothing is pickled.
@@ -47,6 +49,8 @@ PROGRESS_EVERY_S = 0.2  # progress reports are throttled; the DB only needs a fe
 # the whole load, so the worker goes further: SCHED_IDLE, which any of them preempts on
 # waking (a nice value alone still lets a busy worker finish its time slice first).
 NICE = 10
+GROUP_TIMEOUT_S = 30.0  # a collective that waits longer: a rank is gone (its instance restarts the group)
+TICK_S = 1.0  # a group's rank 0 hands on an empty command at least this often while idle
 
 
 def run_task(fn: Any, ctx: Any, msg: Message, report: Any = None) -> dict:
@@ -73,10 +77,14 @@ class Executor:
     them. Socket-free except ``send``, so the rules can be read in one place."""
 
     def __init__(self, stage: str, name: str, ctx: Any, functions: dict[str, Any], send: Any,
-                 pending_drops: Any) -> None:
+                 pending_drops: Any, group_run: Any = None) -> None:
         self.stage, self.name, self.ctx, self.functions = stage, name, ctx, functions
         self.send = send  # frames -> None
         self.pending_drops = pending_drops  # () -> uids the scheduler dropped since (read between steps)
+        # A collaboration group's parallel run (stage function's ``parallel``): [(ranks, tasks,
+        # steps), ...] -> per part (tasks stepped at each step, seconds). A failure there leaves
+        # the ranks apart, so it ends the group (raised).
+        self.group_run = group_run
         self.states: dict[str, Resident] = {}
         self.fixed: dict[str, float] = {}  # this run's prepare and finish seconds per stepped request
 
@@ -138,10 +146,12 @@ class Executor:
         self._deliver(r.msg, parts)
         self.fixed[uid] = self.fixed.get(uid, 0.0) + time.perf_counter() - t0
 
-    def run(self, uids: list[str], steps: int, new: list[Message]) -> tuple[list[list[Any]], dict[str, float]]:
-        """Admit ``new``, then advance ``uids`` ``steps`` steps: the (uids, seconds) of every
-        forward pass (a one-step call counts as one), and the seconds each stepped request
-        spent being prepared or finished."""
+    def run(self, uids: list[str], steps: int, new: list[Message],
+            parts: list | None = None) -> tuple[list[list[Any]], dict[str, float]]:
+        """Admit ``new``, then advance ``uids`` ``steps`` steps, or each of ``parts`` ([ranks,
+        uids, steps]: a collaboration group's batches, side by side on their ranks) its own
+        steps: the (uids, seconds) of every forward pass (a one-step call counts as one), and
+        the seconds each stepped request spent being prepared or finished."""
         import torch
 
         timings: list[list[Any]] = []
@@ -153,20 +163,27 @@ class Executor:
         for u in uids:
             if u not in self.states and u not in (m.uid for m in new):
                 self.fail(u, f"request state is not resident on worker {self.name} of stage {self.stage}")
-        for _ in range(steps):
+        parts = [(tuple(r), list(us), int(n)) for r, us, n in parts] if parts else [((0,), list(uids), steps)]
+        if self.group_run is not None:
+            self._run_group(parts, timings)
+            return timings, self.fixed
+        for i in range(max(n for _, _, n in parts)):
             # A step's time is all the worker spends on it: the forward pass and its own
             # bookkeeping (drops, grouping, progress), but not finishing a request (fixed).
             t_iter = time.perf_counter()
             self.drop(self.pending_drops())
-            live = [u for u in uids if u in self.states and not self.states[u].task.done]
-            if not live:
+            batches = []  # (ranks, task class, uids)
+            for ranks, part, n in parts:
+                groups: dict[Any, list[str]] = collections.defaultdict(list)
+                for u in part if i < n else ():  # the scheduler batched by key; the tensors have the last word
+                    if u in self.states and not self.states[u].task.done:
+                        t = self.states[u].task
+                        groups[(type(t), t.key)].append(u)
+                batches += [(ranks, cls, group) for (cls, _), group in groups.items()]
+            if not batches:
                 break
-            groups: dict[Any, list[str]] = collections.defaultdict(list)
-            for u in live:  # the scheduler batched by key; the tensors have the last word
-                t = self.states[u].task
-                groups[(type(t), t.key)].append(u)
-            shared = (time.perf_counter() - t_iter) / len(groups)
-            for (cls, _), group in groups.items():
+            shared = (time.perf_counter() - t_iter) / len(batches)
+            for _, cls, group in batches:
                 t0 = time.perf_counter()
                 try:
                     with torch.inference_mode():
@@ -174,20 +191,41 @@ class Executor:
                 except Exception:
                     log.exception("batched step of %s failed; stepping each alone", group)
                     group = self._step_alone(group)
-                finishing = sum(self.fixed.get(u, 0.0) for u in group)
-                now = time.monotonic()
-                for u in group:
-                    r = self.states.get(u)
-                    if r is None:
-                        continue
-                    if r.task.done:
-                        self._finish(u)
-                    elif now - r.reported >= PROGRESS_EVERY_S:
-                        r.reported = now
-                        self.send([b"progress", orjson.dumps({"uid": u, "fraction": r.task.progress})])
-                finishing = sum(self.fixed.get(u, 0.0) for u in group) - finishing
+                finishing = self._after_step(group)
                 timings.append([group, time.perf_counter() - t0 - finishing + shared])
         return timings, self.fixed
+
+    def _run_group(self, parts: list, timings: list[list[Any]]) -> None:
+        """A collaboration group's run: its parts side by side, each on its ranks for its steps
+        (stage function's parallel run), drops taken at the run's start on every rank alike."""
+        import torch
+
+        self.drop(self.pending_drops())
+        batches = [(ranks, group, n) for ranks, part, n in parts
+                   if (group := [u for u in part if u in self.states and not self.states[u].task.done])]
+        if not batches:
+            return
+        with torch.inference_mode():
+            out = self.group_run([(ranks, [self.states[u].task for u in group], n) for ranks, group, n in batches])
+        for (_, group, _), (live_at, seconds) in zip(batches, out):
+            for live in live_at:
+                timings.append([[group[j] for j in live], seconds / len(live_at)])
+            self._after_step(group)
+
+    def _after_step(self, group: list[str]) -> float:
+        """Finish what is done, report progress of the rest; the seconds finishing took."""
+        before = sum(self.fixed.get(u, 0.0) for u in group)
+        now = time.monotonic()
+        for u in group:
+            r = self.states.get(u)
+            if r is None:
+                continue
+            if r.task.done:
+                self._finish(u)
+            elif now - r.reported >= PROGRESS_EVERY_S:
+                r.reported = now
+                self.send([b"progress", orjson.dumps({"uid": u, "fraction": r.task.progress})])
+        return sum(self.fixed.get(u, 0.0) for u in group) - before
 
     def _step_alone(self, group: list[str]) -> list[str]:
         """After a batch failed: each alone, so one bad request fails only itself."""
@@ -207,7 +245,8 @@ def main(config: dict[str, Any]) -> None:
     import torch
 
     from onepiece.stage.loader import load_components
-    from onepiece.stage.registry import StageContext, is_stepped, lookup
+    from onepiece.stage.collective import pack, unpack
+    from onepiece.stage.registry import StageContext, is_stepped, lookup, parallel_of
 
     name = f"{config['instance']}/{config['identity']}"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
@@ -221,10 +260,21 @@ def main(config: dict[str, Any]) -> None:
         torch.set_num_threads(int(config["threads"]))
     stage, function, kinds = config["stage"], config["function"], config["kinds"]
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, config["identity"].encode())
-    sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(config["scheduler"])
+    # A collaboration group (config "group": rank, size, address): every rank loads the models
+    # and keeps every state; rank 0 alone talks to the scheduler and hands each command on.
+    coll = None
+    if config.get("group"):
+        from onepiece.stage.collective import Collective
+
+        g = config["group"]
+        coll = Collective(int(g["rank"]), int(g["size"]), g["address"], config["device"], GROUP_TIMEOUT_S)
+    leader = coll is None or coll.rank == 0
+    sock = None
+    if leader:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, config["identity"].encode())
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(config["scheduler"])
 
     t0 = time.monotonic()
     components = load_components(Path(config["model_dir"]), config["components"], config["device"])
@@ -232,29 +282,57 @@ def main(config: dict[str, Any]) -> None:
     log.info("loaded %s for stage %s in %.1fs (%d torch threads)", config["components"], stage,
              time.monotonic() - t0, torch.get_num_threads())
     functions = {app: lookup(function, kind) for app, kind in kinds.items()}
+    group_run = None
+    if coll is not None:
+        makers = {parallel_of(function, kind) for kind in kinds.values()}
+        if len(makers) != 1:
+            raise ValueError("a collaboration group needs one parallel step for all its applications")
+        group_run = makers.pop()(coll).run
+        coll.barrier()  # every rank has loaded before rank 0 says ready
     stash: collections.deque = collections.deque()  # commands that came while a chunk ran
 
+    def receive(timeout_ms: int) -> list | None:
+        if stash:
+            return stash.popleft()
+        return sock.recv_multipart(copy=False) if sock.poll(timeout_ms, zmq.POLLIN) else None
+
+    def next_command() -> list | None:
+        """The next command, or None after a quiet second (the group shares those too, so that
+        no rank's wait reaches the group's timeout)."""
+        if coll is None:
+            return receive(1000)
+        if leader:
+            frames = receive(int(TICK_S * 1000))
+            coll.share(pack([f.bytes for f in frames]) if frames else b"")
+            return frames
+        data = coll.share(None)
+        return [zmq.Frame(f) for f in unpack(data)] if data else None
+
     def pending_drops() -> list[str]:
-        """Drops that arrived since the last look (between two steps); anything else waits."""
+        """Drops that arrived since the last look (between two steps); anything else waits.
+        A group drops at the same step boundary on every rank."""
         out: list[str] = []
-        while sock.poll(0, zmq.POLLIN):
+        while leader and sock.poll(0, zmq.POLLIN):
             frames = sock.recv_multipart(copy=False)
             if frames[0].bytes == b"drop":
                 out += _uids(frames)
             else:
                 stash.append(frames)
+        if coll is not None:
+            out = orjson.loads(coll.share(orjson.dumps(out) if leader else None))
         return out
 
-    ex = Executor(stage, name, ctx, functions, lambda frames: sock.send_multipart(frames, copy=False), pending_drops)
-    sock.send_multipart([b"ready", orjson.dumps({"stepped": {app: is_stepped(function, kind)
-                                                             for app, kind in kinds.items()}})])
+    def send(frames: list) -> None:
+        if leader:  # the group's other ranks hold the same states and say nothing
+            sock.send_multipart(frames, copy=False)
+
+    ex = Executor(stage, name, ctx, functions, send, pending_drops, group_run)
+    send([b"ready", orjson.dumps({"stepped": {app: is_stepped(function, kind) for app, kind in kinds.items()},
+                                  "ranks": coll.size if coll is not None else 1})])
     parent = os.getppid()
     while True:
-        if stash:
-            frames = stash.popleft()
-        elif sock.poll(1000, zmq.POLLIN):
-            frames = sock.recv_multipart(copy=False)
-        else:
+        frames = next_command()
+        if frames is None:
             if os.getppid() != parent:  # the instance is gone; nothing will ever come
                 return
             continue
@@ -265,7 +343,7 @@ def main(config: dict[str, Any]) -> None:
             t0 = time.perf_counter()
             try:
                 cmd = orjson.loads(frames[1].bytes)
-                uids, steps, sizes = cmd["uids"], int(cmd["steps"]), cmd["admit"]
+                uids, steps, sizes, parts = cmd["uids"], int(cmd["steps"]), cmd["admit"], cmd.get("parts")
                 new, at = [], 2
                 for n in sizes:
                     new.append(decode(frames[at:at + n]))
@@ -276,11 +354,10 @@ def main(config: dict[str, Any]) -> None:
                 for u in _uids(frames):
                     ex.drop([u])
                     ex.fail(u, f"malformed run command: {e}")
-                sock.send_multipart([b"idle", orjson.dumps({"steps": [], "fixed": {}, "exec_s": 0.0})])
+                send([b"idle", orjson.dumps({"steps": [], "fixed": {}, "exec_s": 0.0})])
                 continue
-            timings, fixed = ex.run(uids, steps, new)
-            sock.send_multipart([b"idle", orjson.dumps({"steps": timings, "fixed": fixed,
-                                                        "exec_s": time.perf_counter() - t0})])
+            timings, fixed = ex.run(uids, steps, new, parts)
+            send([b"idle", orjson.dumps({"steps": timings, "fixed": fixed, "exec_s": time.perf_counter() - t0})])
 
 
 def _uids(frames: list) -> list[str]:

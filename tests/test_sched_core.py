@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from onepiece.sched.core import Drop, Run, SchedCore
+from onepiece.sched.core import Drop, Part, Run, SchedCore
 from onepiece.sched.costs import CostModel, TableError, make_table, table_rows
 from onepiece.sched.keys import compat_key, volume
 from onepiece.sched.options import POLICIES, ScheduleSpec
@@ -185,7 +185,7 @@ def test_expired_requests_are_dropped_where_they_wait_and_where_they_are_residen
     c.worker_up("w0")
     c.add(request("resident", L, steps=10, deadline=1.0))
     (run,) = c.schedule(0.0).commands
-    assert run == Run("w0", ("resident",), 1, ("resident",))
+    assert run == Run("w0", ("resident",), 1, ("resident",), (Part((0,), ("resident",), 1),))
     c.stepped(["resident"], 0.04)  # its chunk is still running: the worker stays busy
     c.add(request("waiting", L, steps=10, deadline=1.5))
     d = c.schedule(1.2)  # resident's deadline passed (a drop reaches even a busy worker)

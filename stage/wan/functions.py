@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from onepiece.stage.registry import Parts, StageContext, SteppedTask, stage_function
+from onepiece.stage.wan.parallel import ParallelDenoiser
 from onepiece.transport.message import Message
 
 # Pipeline fallbacks (WanPipeline.__init__ uses these when it has no VAE).
@@ -337,8 +338,15 @@ class WanDenoise(SteppedTask):
 
     @classmethod
     def step_batch(cls, tasks: "list[WanDenoise]") -> None:
-        if not tasks:
-            return
+        if tasks:
+            cls.advance(tasks, cls.predict(tasks))
+
+    @staticmethod
+    def predict(tasks: "list[WanDenoise]", forward: Any = None) -> torch.Tensor:
+        """The guided noise prediction of each of ``tasks`` at its current step, from one
+        forward pass: ``forward(model, cfg, **inputs)`` runs it (default: the model itself; a
+        collaboration group passes its parallel forward). Inputs are ordered conditional
+        batch first, then, with CFG, the unconditional batch."""
         model, cfg = tasks[0].transformer, tasks[0].cfg
         halves = 2 if cfg else 1
         with torch.inference_mode():
@@ -352,21 +360,22 @@ class WanDenoise(SteppedTask):
             extra: dict[str, Any] = {}
             if tasks[0].image_embeds is not None:
                 extra["encoder_hidden_states_image"] = torch.cat([t.image_embeds for t in tasks] * halves)
-            out = model(
-                hidden_states=x,
-                timestep=ts,
-                encoder_hidden_states=torch.cat(text),
-                attention_kwargs=None,
-                return_dict=False,
-                **extra,
-            )[0]
+            inputs = dict(hidden_states=x, timestep=ts, encoder_hidden_states=torch.cat(text), **extra)
+            out = forward(model, cfg, **inputs) if forward is not None else \
+                model(**inputs, attention_kwargs=None, return_dict=False)[0]
+            if not cfg:
+                return out
             n = len(tasks)
+            cond, uncond = out[:n], out[n:]
+            guidance = torch.tensor([t.guidance for t in tasks], dtype=out.dtype, device=out.device)
+            return uncond + guidance.view(-1, *([1] * (out.dim() - 1))) * (cond - uncond)
+
+    @staticmethod
+    def advance(tasks: "list[WanDenoise]", noise: torch.Tensor) -> None:
+        """One scheduler step of each of ``tasks`` with its row of ``noise``."""
+        with torch.inference_mode():
             for j, t in enumerate(tasks):
-                noise = out[j:j + 1]
-                if cfg:
-                    uncond = out[n + j:n + j + 1]
-                    noise = uncond + t.guidance * (noise - uncond)
-                t.latents = t.scheduler.step(noise, t.timesteps[t.i], t.latents, return_dict=False)[0]
+                t.latents = t.scheduler.step(noise[j:j + 1], t.timesteps[t.i], t.latents, return_dict=False)[0]
                 t.i += 1
                 t.progress = t.i / len(t.timesteps)
 
@@ -437,12 +446,12 @@ def _denoise(ctx: StageContext, msg: Message, kind: str) -> WanDenoise:
     )
 
 
-@stage_function("denoise", "t2v", stepped=True)
+@stage_function("denoise", "t2v", stepped=True, parallel=ParallelDenoiser)
 def denoise_t2v(ctx: StageContext, msg: Message) -> WanDenoise:
     return _denoise(ctx, msg, "t2v")
 
 
-@stage_function("denoise", "i2v", stepped=True)
+@stage_function("denoise", "i2v", stepped=True, parallel=ParallelDenoiser)
 def denoise_i2v(ctx: StageContext, msg: Message) -> WanDenoise:
     return _denoise(ctx, msg, "i2v")
 

@@ -1,0 +1,52 @@
+"""One rank of a collaboration group, for tests/test_collab.py: denoises the requests of a
+message file on the tiny models following a per-step plan of groups, and (rank 0) saves the
+latents. Started as a plain process per rank (nothing pickled)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+
+def read_messages(path: Path) -> list:
+    from onepiece.stage.collective import unpack
+    from onepiece.transport.message import decode
+
+    return [decode(unpack(bytes.fromhex(line))) for line in path.read_text().split()]
+
+
+def write_messages(path: Path, msgs: list) -> None:
+    from onepiece.stage.collective import pack
+    from onepiece.transport.message import encode
+
+    path.write_text("\n".join(pack([bytes(x) for x in encode(m)]).hex() for m in msgs))
+
+
+def main(cfg: dict) -> None:
+    import torch
+
+    from onepiece.stage.collective import Collective
+    from onepiece.stage.loader import load_components
+    from onepiece.stage.registry import StageContext, lookup
+    from onepiece.stage.wan.parallel import ParallelDenoiser
+
+    torch.set_num_threads(1)
+    c = Collective(cfg["rank"], cfg["size"], cfg["address"], "cpu", timeout_s=60)
+    ctx = StageContext(load_components(Path(cfg["model_dir"]), ["transformer", "scheduler"]))
+    msgs = read_messages(Path(cfg["messages"]))
+    tasks = [lookup("denoise", m.header["app"])(ctx, m) for m in msgs]
+    p = ParallelDenoiser(c)
+    # plan: one entry per run, a list of [ranks, [request indices], steps] parts
+    for parts in cfg["plan"]:
+        p.run([(tuple(r), [tasks[i] for i in idx], n) for r, idx, n in parts])
+    if c.rank == 0 or cfg.get("all_save"):
+        for i, t in enumerate(tasks):
+            np.save(Path(cfg["out"]) / f"latents-{c.rank}-{i}.npy", t.latents.numpy())
+    c.close()
+
+
+if __name__ == "__main__":
+    main(orjson.loads(sys.argv[1]))

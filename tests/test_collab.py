@@ -1,0 +1,191 @@
+"""Collaboration groups (issue 13): the Wan2.1 transformer denoised across 2 ranks (gloo, real
+processes) gives what one worker gives, whatever the degree of parallelism of each step."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from collab_rank import write_messages
+from deployment import Up
+from onepiece.client import Client, RequestFailed
+from onepiece.launcher import free_tcp_address
+from onepiece.nm.client import NmClient
+from onepiece.ports import free_port
+from onepiece.sched.ranks import blocks, dops, place
+from onepiece.stage.collective import pack, unpack
+from onepiece.stage.registry import StageContext, lookup
+from onepiece.stage.wan.functions import decode_frames
+from onepiece.stage.wan.parallel import layout
+from onepiece.transport.message import Message, new_uid
+from test_wan_split import DECODE, STAGES, comps, image, params, run, wire  # noqa: F401  (fixtures)
+
+HERE = Path(__file__).parent
+
+
+def denoise_input(app: str, comps, image, **over) -> Message:
+    """The message as the denoise stage receives it."""
+    parts = {"image": image} if app == "i2v" else {}
+    msg = wire(Message({"uid": new_uid(), "app": app, "params": params(**over)}, parts))
+    for name, model, names in STAGES[app][:-1]:
+        msg = run(name, app, comps(model, names), msg)
+    return msg
+
+
+def alone(app: str, comps, msg: Message) -> np.ndarray:
+    out = run("denoise", app, comps(app, ["transformer", "scheduler"]), msg)
+    return decode_frames(StageContext(comps(DECODE[1], DECODE[2])), out)
+
+
+def collaborate(tmp_path: Path, model_dir: Path, msgs: list[Message], plan: list, size: int = 2,
+                all_save: bool = False) -> list[np.ndarray]:
+    """Run ``plan`` on ``size`` rank processes; rank 0's latents per request."""
+    write_messages(tmp_path / "msgs.bin", msgs)
+    address = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, str(HERE / "collab_rank.py"), orjson.dumps({
+        "rank": r, "size": size, "address": address, "model_dir": str(model_dir), "messages": str(tmp_path / "msgs.bin"),
+        "plan": plan, "out": str(tmp_path), "all_save": all_save}).decode()]) for r in range(size)]
+    for p in procs:
+        assert p.wait(timeout=240) == 0
+    return [np.load(tmp_path / f"latents-0-{i}.npy") for i in range(len(msgs))]
+
+
+def frames_of(comps, msg: Message, latents: np.ndarray) -> np.ndarray:
+    import torch
+
+    return decode_frames(StageContext(comps(DECODE[1], DECODE[2])), Message(msg.header, {"latents": torch.from_numpy(latents)}))
+
+
+@pytest.mark.parametrize("app", ["t2v", "i2v"])
+def test_collaborative_output_equals_one_worker(app, tiny_models, comps, image, tmp_path) -> None:
+    """Every step on both ranks: CFG-parallel (guided), then sequence-parallel (unguided)."""
+    for guidance in (5.0, 1.0):
+        msg = denoise_input(app, comps, image, guidance=guidance)
+        ref = alone(app, comps, msg)
+        (lat,) = collaborate(tmp_path, tiny_models[app], [msg], [[[[0, 1], [0], 4]]])
+        got = frames_of(comps, msg, lat)
+        assert float(np.abs(got - ref).max()) <= 1e-4, (app, guidance)
+        assert float(ref.std()) > 0.01
+
+
+def test_a_request_changes_its_degree_of_parallelism_between_steps(tiny_models, comps, image, tmp_path) -> None:
+    """DoP 1 on rank 0, DoP 2, DoP 1 on rank 1, DoP 2 (a step each): the same result as one
+    worker, and every rank's replica of the state is the same."""
+    msg = denoise_input("t2v", comps, image)
+    ref = alone("t2v", comps, msg)
+    plan = [[[[0], [0], 1]], [[[0, 1], [0], 1]], [[[1], [0], 1]], [[[0, 1], [0], 1]]]
+    (lat,) = collaborate(tmp_path, tiny_models["t2v"], [msg], plan, all_save=True)
+    assert float(np.abs(frames_of(comps, msg, lat) - ref).max()) <= 1e-4
+    assert np.array_equal(lat, np.load(tmp_path / "latents-1-0.npy"))
+
+
+def test_two_requests_at_dop_1_on_two_ranks_at_once(tiny_models, comps, image, tmp_path) -> None:
+    """Disjoint groups in one run: each rank advances its own request (3 steps and 1), and both
+    replicas learn both results; then the two run batched together at DoP 2 to their ends."""
+    msgs = [denoise_input("t2v", comps, image, seed=s, steps=4) for s in (1, 2)]
+    refs = [alone("t2v", comps, m) for m in msgs]
+    plan = [[[[0], [0], 3], [[1], [1], 1]], [[[0, 1], [0, 1], 3]]]
+    lats = collaborate(tmp_path, tiny_models["t2v"], msgs, plan)
+    for m, lat, ref in zip(msgs, lats, refs):
+        assert float(np.abs(frames_of(comps, m, lat) - ref).max()) <= 1e-4
+
+
+def test_groups_and_layouts() -> None:
+    assert blocks(1) == [(0,)]
+    assert blocks(2) == [(0,), (1,), (0, 1)]
+    assert blocks(3) == [(0,), (1,), (2,), (0, 1), (0, 1, 2)]
+    assert blocks(4) == [(0,), (1,), (2,), (3,), (0, 1), (2, 3), (0, 1, 2, 3)]
+    assert dops(4) == [1, 2, 4] and dops(3) == [1, 2, 3] and dops(1) == [1]
+    assert place([1, 2, 1], 4) == [(2,), (0, 1), (3,)]
+    assert place([2, 2], 4) == [(0, 1), (2, 3)] and place([4, 1], 4) is None and place([3], 3) == [(0, 1, 2)]
+    assert layout((0, 1), cfg=True).cfg == 2 and layout((0, 1), cfg=True).sp == 1
+    assert layout((0, 1), cfg=False).sp == 2
+    four = layout((0, 1, 2, 3), cfg=True)
+    assert (four.cfg, four.sp, four.half(3)) == (2, 2, (2, 3))
+
+
+def test_packed_frames_round_trip() -> None:
+    frames = [b"", b"run", bytes(range(256)) * 3]
+    assert unpack(pack(frames)) == frames
+    with pytest.raises(ValueError):
+        unpack(pack(frames) + b"x")
+
+
+def test_collaboration_needs_a_parallel_stage_function(tiny_models, tmp_path, make_topology) -> None:
+    import yaml
+
+    from onepiece.config import PARALLEL_FUNCTIONS, load_topology
+    from onepiece.stage.registry import parallel_of
+
+    for fn in PARALLEL_FUNCTIONS:  # what the YAML accepts, the registry can run
+        parallel_of(fn, "t2v")
+    topo = make_topology(tmp_path, tiny_models, free_tcp_address(), stage_options={"vae_decode": {"mode": "collaboration"}})
+    with pytest.raises(ValueError, match="stages.vae_decode.mode: collaboration needs"):
+        load_topology(topo)
+    assert yaml.safe_load((tmp_path / "workflow.yaml").read_text())["stages"]["vae_decode"]["mode"] == "collaboration"
+
+
+SLOW = dict(size="256x256", num_frames=17, steps=100)  # seconds of denoising on the tiny model
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+def test_a_collaboration_instance_serves_and_a_dead_rank_restarts_its_group(tiny_models, tmp_path, make_topology) -> None:
+    """A denoise instance whose 2 workers form one group: requests complete; SIGKILL of rank 1
+    fails what the group held with the reason, and the group comes back as a unit."""
+    import psutil
+
+    nm = free_tcp_address()
+    topo = make_topology(tmp_path, tiny_models, nm, stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1},
+                         proxy={"count": 1, "port": 0, "monitor": False}, threads=1,
+                         stage_options={"denoise_t2v": {"mode": "collaboration", "workers": 2}},
+                         schedule={"denoise_t2v": {"policy": "slo", "max_batch": 2}})  # DoP-aware
+    dep = Up(topo, tmp_path / "logs", nm)
+
+    def denoise() -> dict:
+        client = NmClient(nm)
+        try:
+            (inst,) = client.status()["sets"]["set0"]["stages"]["denoise_t2v"]["instances"]
+            return inst
+        finally:
+            client.close()
+
+    def ranks() -> list:
+        stage = psutil.Process(denoise()["pid"])
+        return sorted((p for p in stage.children() if "onepiece.stage.worker" in " ".join(p.cmdline())),
+                      key=lambda p: '"rank":1' in " ".join(p.cmdline()))
+
+    try:
+        c = Client(dep.wait_for(r"serves the API at (http://\S+)", timeout=240).group(1))
+        for i in range(2):
+            c.generate("together", tmp_path / "a.mp4", size="64x64", num_frames=5, steps=8, seed=i)
+        assert denoise()["stats"]["workers"] == 1  # the scheduler sees the group as one worker
+        # slo picks each batch's DoP: alone, a request takes both ranks (measured at DoP 2)
+        assert any(k.endswith("@2") for k in denoise()["stats"]["costs"]), denoise()["stats"]["costs"]
+        assert len(ranks()) == 2
+        vids = [c.submit(f"held {i}", model="t2v", seed=i, **SLOW) for i in range(2)]
+        deadline = time.monotonic() + 60
+        while denoise()["stats"]["resident"] < 2:
+            assert time.monotonic() < deadline, "both requests resident"
+            time.sleep(0.1)
+        old = ranks()
+        old[1].kill()
+        for v in vids:
+            with pytest.raises(RequestFailed) as e:
+                c.wait(v["id"], timeout=30)
+            assert "rank 1 of the collaboration group: killed by signal 9" in e.value.video["error"]["message"]
+        deadline = time.monotonic() + 90
+        while not (denoise()["stats"]["ready"] == 1 and len(ranks()) == 2 and
+                   not {p.pid for p in ranks()} & {p.pid for p in old}):
+            assert time.monotonic() < deadline, "the group back, both ranks new"
+            time.sleep(0.2)
+        c.generate("after the restart", tmp_path / "b.mp4", size="64x64", num_frames=5, steps=4)
+        c.close()
+    finally:
+        dep.stop()
