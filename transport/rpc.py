@@ -93,7 +93,7 @@ class RpcServer:
             log.warning("rpc %s: dropped malformed request from %s: %s", self.address, peer, e)
             return
         rid, op = req.get("id"), req.get("op")
-        if not (rid is None or isinstance(rid, (int, str))):
+        if not (isinstance(rid, int) and -(1 << 63) <= rid < 1 << 63 or isinstance(rid, str) and len(rid) <= 128):
             rid = None  # echoed back: only an id a client could have sent
         handler = self.handlers.get(op) if isinstance(op, str) else None  # an op may be any JSON value
         blobs: Blobs = []
