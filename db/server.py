@@ -240,7 +240,10 @@ class DbServer:
                 if self.rpc.sock in events:
                     self.rpc.handle()
                 if time.monotonic() >= next_sweep:
-                    self._sweep()
+                    try:
+                        self._sweep()
+                    except Exception:  # (a stored string expires_at once ended the loop here)
+                        log.exception("db %s: a sweep failed; serving on", self.name)
                     self.snapshot = self.stats()  # replaced whole, never mutated: safe to read anywhere
                     next_sweep = time.monotonic() + self.sweep_interval_s
                 RECORDS.labels(self.name).set(len(self.store))
@@ -254,7 +257,11 @@ class DbServer:
             msg = self.receiver.recv(0)
             if msg is None:
                 return
-            self._on_data(msg)
+            try:
+                self._on_data(msg)
+            except Exception:  # the last guard: a DB loop that died would lose every record
+                log.exception("db %s: uid=%s a message from %s broke its handling; dropped", self.name,
+                              msg.header.get("uid"), msg.sender or "?")
 
     def _on_data(self, msg: Message) -> None:
         h = msg.header

@@ -161,8 +161,11 @@ class NodeManager:
         tick_ms = int(min(self.topology.nm.heartbeat_s, 0.5) * 1000)
         while not stop.is_set():
             if poller.poll(tick_ms):
-                self.rpc.handle()
-            self._tick()
+                self.rpc.handle()  # (guarded per request)
+            try:
+                self._tick()
+            except Exception:  # the last guard: an embedded NM that died would take the whole state with it
+                log.exception("node manager: a periodic turn failed; serving on")
 
     def close(self) -> None:
         self.rpc.close()
