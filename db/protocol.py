@@ -158,7 +158,9 @@ class ResultReport(_Report):
 class FailedReport(_Report):
     kind: Literal["failed"]
     stage: Label | None = None
-    error: StrictStr | None = Field(None, max_length=1 << 16)  # the store keeps its first MAX_ERROR_CHARS
+    # Any length a header holds (transport.message.MAX_HEADER_BYTES): a failure is never refused
+    # for its text, which the store cuts to its first MAX_ERROR_CHARS.
+    error: StrictStr | None = None
 
 
 class ReplicaMessage(BaseModel):
