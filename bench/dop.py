@@ -13,9 +13,9 @@ For each fleet size of ``--gpus``:
 - **static DoP k** (k = 1, 2, 4): the GPUs as instances of k GPUs each in collaboration mode,
   every step of every request on all k, with each DoP-blind policy of ``--static-policies``
   (edf and srtf by default: GF-DiT's baselines are fcfs and srtf per SP);
-- **elastic**: the GPUs as groups of 4 in collaboration mode, each step's DoP chosen by a
-  DoP-aware policy (``--policies``: the project's ``slo``, GF-DiT's ``edf-best-fit``, DDiT's
-  ``ddit``).
+- **elastic**: the GPUs as groups of 2 or 4 (``--groups``) in collaboration mode, each step's
+  DoP chosen by a DoP-aware policy (``--policies``: the project's ``slo``, GF-DiT's
+  ``edf-best-fit``, DDiT's ``ddit``).
 
 Reports mean latency and SLO attainment per class and overall; target: the best elastic policy
 beats the best static DoP on overall attainment at every load. Saved as ``dop.json`` and
@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", default="8,64", help="fleet sizes, multiples of 4 (default %(default)s)")
     p.add_argument("--loads", default="0.5,0.8,1.0", help="multiples of the fleet's capacity (default %(default)s)")
     p.add_argument("--requests", type=int, default=0, help="requests per trace (default 25 per GPU)")
-    p.add_argument("--policies", default="slo,edf-best-fit,ddit", help="DoP-aware policies on groups of 4")
+    p.add_argument("--policies", default="slo,edf-best-fit,ddit", help="DoP-aware policies on elastic groups")
+    p.add_argument("--groups", default="2,4", help="GPUs per elastic group, each size a configuration (default %(default)s)")
     p.add_argument("--static-policies", default="edf,srtf",
                    help="DoP-blind policies for static DoP, each a baseline (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
@@ -90,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         v["alpha"], v["slo_s"] = alpha[c], alpha[c] * v["standalone_s"]
         work += mix[c] / sum(mix.values()) * min(t * d for d, t in step.items()) * v["steps"]
     configs = [(f"static DoP {k} {p}", p, k) for p in args.static_policies.split(",") for k in dops(GROUP)] + \
-              [(f"elastic {p}", p, GROUP) for p in args.policies.split(",")]
+              [(f"elastic {p}" + (f" (groups of {g})" if g != GROUP else ""), p, g)
+               for g in (int(x) for x in args.groups.split(",")) for p in args.policies.split(",")]
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
     for gpus in (int(x) for x in args.gpus.split(",")):

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 def serve(nm_address: str, set_name: str, data: str, control: str, events: str, ttl_s: float, max_bytes: int,
           purge_after_fetch_s: float | None, replication: int = 2, advertise: str | None = None,
-          zk: "ZkSettings | None" = None) -> None:
+          zk: "ZkSettings | None" = None, deployment_id: str = "") -> None:
     metrics, _ = start_http_server(0, addr=host_of(data))
     member: Membership | None = None
 
@@ -41,7 +41,7 @@ def serve(nm_address: str, set_name: str, data: str, control: str, events: str, 
             # The heartbeat thread must not read the store, which only the DB loop touches:
             # it sends the snapshot the loop takes every sweep.
             on_routes=on_routes, stats=lambda: server.snapshot,
-            zk=zk, capacity={"max_bytes": max_bytes, "replication": replication},
+            zk=zk, capacity={"max_bytes": max_bytes, "replication": replication}, deployment=deployment_id,
         )
         member.register()
         member.start()

@@ -16,6 +16,13 @@ nm/elastic.py); ``on_assign`` hears of a change. On ZooKeeper (``zk=ZkSettings``
 instance's ephemeral member node (its liveness: nm/ephemeral.py), learns where the primary is
 from the ``primary`` node, and takes route tables straight from the set's routes node as the
 primary writes them, without waiting for the next heartbeat.
+
+Every registration and heartbeat carries the deployment's id (onepiece/deployment.py): an NM of
+another deployment refuses it (``Refused``), and the member stays out. A member that hands
+requests to stage instances (a stage instance, a proxy) also reports its recent deliveries
+(nm/holdings.py ``Deliveries``). Registering again to an NM that forgot it, a stage instance says
+which stage it serves already; an NM that is still settling after its start says so, and the
+member keeps the routes it holds.
 """
 
 from __future__ import annotations
@@ -30,8 +37,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from onepiece.config import Workflow
+    from onepiece.nm.holdings import Deliveries
     from onepiece.nm.zk import ZkSettings
 
+from onepiece import deployment as deployments
+from onepiece.heartbeat import DELIVERED
 from onepiece.nm.protocol import Routes
 from onepiece.schema import problem
 from onepiece.transport.registry import scheme_of, with_host
@@ -43,6 +53,10 @@ NOT_PRIMARY = "not primary"  # how a backup NM's refusal starts (nm/ha.py)
 _REDIRECT = re.compile(r"primary at (\S+)")
 MAX_REDIRECTS = 3
 DOWN_S = 3.0  # an NM that did not answer is tried last for this long
+
+
+class Refused(RpcError):
+    """The NM belongs to another deployment and refused this member: final, not retried."""
 
 
 class NoPrimary(RpcTimeout):
@@ -176,6 +190,8 @@ class Membership:
         on_assign: Callable[[str | None], None] = lambda stage: None,
         idle: bool = False,
         name: str = "",
+        deployment: str | None = None,
+        deliveries: "Deliveries | None" = None,
     ) -> None:
         self.zk_settings = zk
         self._primary: str | None = None  # from the ZooKeeper ``primary`` node
@@ -187,9 +203,13 @@ class Membership:
         self.on_assign = on_assign
         self.idle = idle  # a stage instance without a pin that asks for the idle pool
         self.name = name  # a name that outlives this process (a restart keeps where it was moved)
+        # Sent with every registration and heartbeat: an NM of another deployment refuses us.
+        self.deployment = deployments.resolve(deployment)
+        self.deliveries = deliveries  # what this member handed to which instance lately, for the NM
         self.advertise = advertise  # the host peers reach this instance at, if not the bound one
         self.capacity = dict(capacity or {})
         self.id: str | None = None
+        self._joined = False  # registered once: a later registration is a return (the NM forgot us)
         self.routes: dict[str, Any] = {"version": 0, "stages": {}, "dbs": [], "proxies": []}
         self.monitor: dict[str, Any] | None = None  # proxies: the set's capacity view
         self.heartbeat_s = 1.0
@@ -293,23 +313,36 @@ class Membership:
         while True:
             try:
                 args: dict[str, Any] = {"role": self.role, "set": self.set, "addresses": self._advertised(),
-                                        "pid": os.getpid(), "host": socket.gethostname(), "stage": self.stage}
+                                        "pid": os.getpid(), "host": socket.gethostname(), "stage": self.stage,
+                                        deployments.FIELD: self.deployment}
                 if self.zk_settings is not None:
                     args["instance"] = self.id
                 if self.idle:
                     args["idle"] = True
                 if self.name:
                     args["name"] = self.name
+                if self.role == "stage" and self._joined:
+                    args["serving"] = self.serving()  # registering again: routed at once if it serves
                 reply, _ = self.nm.call("register", **args)
                 break
             except RpcTimeout:  # the NM is not up yet (or no primary yet); a refusal (RpcError) is final
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+            except RpcError as e:
+                if deployments.REFUSED not in str(e):
+                    raise
+                log.error("not joining %s: %s", self.nm.address, e)
+                raise Refused(str(e)) from None
         self.id = reply["instance"]
+        self._joined = True
         self._assign(reply.get("stage"))
         self.heartbeat_s = float(reply.get("heartbeat_s", 1.0))
-        self._apply(reply["routes"], newer_only=self.zk_settings is not None)
+        if reply.get("settling") and self.routes.get("version"):
+            # A restarted NM, which has not heard from everyone yet: our routes are the fuller.
+            log.info("node manager still settling after its start; keeping the routes held")
+        else:
+            self._apply(reply["routes"], newer_only=self.zk_settings is not None)
         if self.member is not None and self.member.data.get("stage") != self.stage:
             self.set_capacity(self.capacity)  # the node says which stage it was given
         return reply
@@ -351,9 +384,14 @@ class Membership:
                 log.debug("stats unavailable: %s", e)
                 stats = {}
             try:
-                extra = {"serving": self.serving()} if self.role == "stage" else {}
+                extra: dict[str, Any] = {"serving": self.serving()} if self.role == "stage" else {}
+                # Every heartbeat repeats a few heartbeats' worth: one that fails loses nothing.
+                window_s = 3 * self.heartbeat_s + self.nm.timeout
+                if self.deliveries is not None and (sent := self.deliveries.report(window_s)):
+                    extra[DELIVERED] = sent
                 reply, _ = self.nm.call("heartbeat", instance=self.id, ready=self.ready(), stats=stats,
-                                        version=self.routes["version"], **extra)
+                                        version=self.routes["version"],
+                                        **{deployments.FIELD: self.deployment}, **extra)
                 if self.role == "stage" and "stage" in reply:
                     self._assign(reply["stage"])
                 if "routes" in reply:
@@ -364,7 +402,11 @@ class Membership:
                 if not isinstance(e, RpcError):
                     log.exception("heartbeat round failed")
                     continue
-                if "unknown instance" in str(e):
+                if deployments.REFUSED in str(e):
+                    # Another deployment's NM answers at our NM's address: we stay out of it, on
+                    # the routes we have, and keep asking (our own NM may come back there).
+                    log.error("heartbeat refused: %s", e)
+                elif "unknown instance" in str(e):
                     # The NM dropped us (silent too long, or it restarted): join again.
                     log.warning("node manager forgot %s; registering again", self.id)
                     try:

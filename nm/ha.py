@@ -70,8 +70,8 @@ def config_of(topology: Topology, workflow: Workflow, base_dir: Path) -> dict[st
 
 class HaNodeManager(NodeManager):
     def __init__(self, topology: Topology, workflow: Workflow, base_dir: Path, zk: ZkSettings,
-                 address: str | None = None, advertise: str | None = None) -> None:
-        super().__init__(topology, workflow, base_dir, address)
+                 address: str | None = None, advertise: str | None = None, deployment_id: str = "") -> None:
+        super().__init__(topology, workflow, base_dir, address, deployment_id)
         self.identity = with_host(self.address, advertise)  # what clients are told to reach
         self.settings = zk
         self.paths = Paths(zk.root)
@@ -132,9 +132,12 @@ class HaNodeManager(NodeManager):
             contenders = self.election.contenders() if self.election else []
         except Exception as e:  # status is for operators: say what failed rather than fail
             contenders = [f"unknown: {e!r}"]
-        return {"mode": "zookeeper", "address": self.identity, "primary": self.primary, "epoch": self.epoch,
+        return {**super()._nm_status(), "mode": "zookeeper", "address": self.identity, "primary": self.primary, "epoch": self.epoch,
                 "contenders": contenders, "zookeeper": self.settings.hosts, "root": self.settings.root,
                 "suspended": self.suspended}
+
+    def _settling(self) -> bool:
+        return False  # a new primary restores the routes from ZooKeeper
 
     def _monitor_ready(self, set_name: str) -> bool:
         if time.monotonic() - self.elected_at > 3 * self.topology.nm.heartbeat_s:

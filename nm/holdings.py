@@ -1,7 +1,9 @@
 """What a stage instance holds right now, for its heartbeat: the UIDs it received and has not
-yet handed on (queued, at a worker, or finished and waiting in the deliverer's mailbox).
+yet handed on (queued, at a worker, or finished and waiting in the deliverer's mailbox); and
+what a member (a stage instance, a proxy) handed to which instance lately (``Deliveries``).
 
-If the instance dies, the NM reports exactly these as failed (nm/reaper.py). They are
+If an instance dies, the NM reports what it held as failed (nm/reaper.py), and with it what
+its senders delivered to it after its last heartbeat, which its own list could not name yet. They are
 observed at the instance's two edges, so neither the scheduler nor the deliverer changes:
 ``TrackingReceiver`` wraps the transport receiver (a UID enters when ``recv`` returns its
 message) and ``TrackingMailbox`` is the scheduler-to-deliverer queue (a UID leaves when the
@@ -13,7 +15,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from typing import Any
 
 from onepiece.transport.message import Message
@@ -22,6 +25,7 @@ from onepiece.transport.message import Message
 class Holdings:
     def __init__(self, limit: int = 4096) -> None:
         self.limit = limit  # bounded: a UID that never leaves (a bug) cannot grow it forever
+        self.deliveries = Deliveries(limit)  # where the UIDs that left went (the deliverer adds them)
         self._uids: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -43,6 +47,32 @@ class Holdings:
 
     def __len__(self) -> int:
         return len(self._uids)
+
+
+class Deliveries:
+    """The UIDs this member handed to which instance (its data address) lately: each heartbeat
+    reports those of the last ``window_s`` with their age, so a heartbeat or two that fail lose
+    nothing; the NM keeps them for as long as it may take to notice a death."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._sent: deque[tuple[float, str, str]] = deque(maxlen=limit)  # (when, address, uid), oldest first
+        self._lock = threading.Lock()
+
+    def add(self, address: str, uid: str) -> None:
+        with self._lock:
+            self._sent.append((time.monotonic(), address, uid))
+
+    def report(self, window_s: float, cap: int = 1024) -> dict[str, list[list[Any]]]:
+        """``{address: [[uid, seconds ago], ...]}`` of the newest ``cap`` deliveries within ``window_s``."""
+        now = time.monotonic()
+        with self._lock:
+            while self._sent and now - self._sent[0][0] > window_s:
+                self._sent.popleft()
+            recent = list(self._sent)[-cap:]
+        out: dict[str, list[list[Any]]] = {}
+        for when, address, uid in recent:
+            out.setdefault(address, []).append([uid, round(now - when, 3)])
+        return out
 
 
 class TrackingReceiver:

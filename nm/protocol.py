@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 Name = Annotated[StrictStr, Field(min_length=1, max_length=128)]
 Address = Annotated[StrictStr, Field(max_length=512)]
 Uid = Annotated[StrictStr, Field(min_length=1, max_length=128)]
+# onepiece.deployment.FIELD; its format is checked where it is compared (deployment.refusal).
+DeploymentId = Annotated[StrictStr, Field(max_length=64)]
 
 
 class _Args(BaseModel):
@@ -32,6 +34,8 @@ class RegisterArgs(_Args):
     instance: Name | None = None  # on ZooKeeper: the member node it joined with
     idle: StrictBool = False
     name: Annotated[StrictStr, Field(max_length=128)] = ""
+    deployment: DeploymentId = ""
+    serving: Name | None = None  # registering again: the stage it serves already
 
 
 class HeartbeatArgs(_Args):
@@ -42,6 +46,10 @@ class HeartbeatArgs(_Args):
     stats: Annotated[dict[Annotated[StrictStr, Field(max_length=64)], Any], Field(max_length=128)] = {}
     version: Annotated[StrictInt, Field(ge=0, le=1 << 62)] = 0
     serving: Name | None = None
+    deployment: DeploymentId = ""
+    # What it handed to which instance lately (onepiece.heartbeat.DELIVERED): checked by the
+    # handler, which drops a malformed report and still counts the heartbeat.
+    delivered: Any = None
 
 
 class Holdings(BaseModel):

@@ -4,7 +4,8 @@ request stopped instead of ``in_progress`` until its deadline.
 Each stage instance lists the UIDs it holds (received, queued, at a worker, or finished but not
 yet handed on) in every heartbeat (nm/holdings.py). When the NM decides the instance is dead
 (its ZooKeeper member node vanished, or, embedded, it went silent), it hands that last list to
-the reaper, which for each UID:
+the reaper, with what its senders delivered to it after that heartbeat (nm/deliveries.py), less
+what a live instance says it holds now; the reaper, for each UID:
 
 1. reads the record from the set's DBs (placement order, as any reader does) and leaves it
    alone if it is terminal already, or has moved on to a later stage of its application (the
@@ -13,9 +14,9 @@ the reaper, which for each UID:
    request itself (db/protocol.py), to the first DB in the UID's placement order that takes it;
    the DB replicates it like any other update.
 
-A UID the instance received after its last heartbeat is not in the list; it is still failed by
-the DB's deadline sweep. If the request did get through after all, ``completed`` beats
-``failed`` in the DB's merge, so a late result still wins.
+A UID delivered to it that no sender reported (its sender died too) is still failed by the DB's
+deadline sweep. If the request did get through after all, ``completed`` beats ``failed`` in the
+DB's merge, so a late result still wins.
 
 Runs on its own thread with a bounded job queue, so DB round trips never hold up the NM loop.
 """

@@ -7,7 +7,7 @@ NM moves them between stages (nm/elastic.py). Instances get the workflow and the
 assignment in the ``register`` reply, so nothing but the NM address is configured on them.
 
 Stage instances list the requests they hold in their heartbeats; when one is dropped without
-leaving (silent for ``dead_after_s`` here, its ZooKeeper session gone in nm/ha.py) those
+leaving (silent too long here, nm/liveness.py; its ZooKeeper session gone in nm/ha.py) those
 requests are reported failed to the set's DBs (nm/reaper.py). The NM on ZooKeeper
 (``HaNodeManager``) subclasses this one through the ``_handlers``/``_saved``/``_tick`` hooks.
 """
@@ -24,11 +24,13 @@ import zmq
 from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from onepiece import deployment
 from onepiece.config import Topology, Workflow
-from onepiece.heartbeat import stage_stats_problem
+from onepiece.heartbeat import DELIVERED, delivered_of, stage_stats_problem
+from onepiece.nm.deliveries import DeliveryLedger, Grave
 from onepiece.nm.elastic import Elastic, Move
+from onepiece.nm.liveness import Liveness, LivenessSpec
 from onepiece.nm.protocol import SCHEMAS, HeartbeatArgs, Holdings, InstanceArgs, MoveArgs, RegisterArgs, SetArgs
-from onepiece.schema import problem as problem_of
 from onepiece.nm.reaper import Reaper
 from onepiece.nm.state import ClusterState, Instance
 from onepiece.supervise import stop_on_signals
@@ -39,13 +41,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# After it starts, the embedded NM hands out no narrowed routes for this many heartbeats: a
+# restarted NM knows nobody until each instance has heard "unknown instance" and registered
+# again, and those that did first must not lose the routes to those that did not yet.
+SETTLE_HEARTBEATS = 2
+
 
 class NodeManager:
-    def __init__(self, topology: Topology, workflow: Workflow, base_dir: Path, address: str | None = None) -> None:
+    def __init__(self, topology: Topology, workflow: Workflow, base_dir: Path, address: str | None = None,
+                 deployment_id: str = "") -> None:
         self.topology, self.workflow, self.base_dir = topology, workflow, base_dir
+        self.deployment = deployment_id  # members of another deployment are refused (onepiece/deployment.py)
         self.state = ClusterState(topology, workflow)
         self.reaper = Reaper(workflow)
         self.elastic = Elastic(topology.nm.elastic)
+        self.liveness = Liveness(LivenessSpec(topology.nm.heartbeat_s, topology.nm.dead_after_s))
+        # What members delivered where, kept for longer than a death takes to notice (silence
+        # here, a ZooKeeper session on ZooKeeper), with room for a stall.
+        nm = topology.nm
+        self.deliveries = DeliveryLedger(2 * (max(self.liveness.spec.limit_s, nm.zk_session_s) + 2 * nm.heartbeat_s))
+        # Until then members keep the routes they hold, and proxies get no capacity view.
+        self._settle_until: float | None = time.monotonic() + SETTLE_HEARTBEATS * topology.nm.heartbeat_s
         self.rpc = RpcServer(address or topology.nm.address, self._handlers(), SCHEMAS)
         self.address = self.rpc.address
 
@@ -65,7 +81,14 @@ class NodeManager:
         }
 
     def _nm_status(self) -> dict[str, Any]:
-        return {"mode": "embedded", "address": self.address}
+        return {"mode": "embedded", "address": self.address, deployment.FIELD: self.deployment}
+
+    def _check_deployment(self, theirs: str) -> None:
+        """Refuse a member of another deployment before it touches the state (the RPC server
+        logs the refusal; the member logs it too)."""
+        why = deployment.refusal(self.deployment, theirs)
+        if why is not None:
+            raise PermissionError(why)
 
     # ---- hooks for the NM on ZooKeeper -------------------------------------------------------
 
@@ -78,21 +101,55 @@ class NodeManager:
         self.state.dirty.clear()
 
     def _monitor_ready(self, set_name: str) -> bool:
-        """Whether the capacity view of the set rests on fresh stats (see nm/ha.py)."""
-        return True
+        """Whether the capacity view of the set rests on fresh stats (see nm/ha.py): not while
+        instances are still registering again."""
+        return not self._settling()
+
+    def _settling(self) -> bool:
+        """Whether the NM just started and its routes may still lack instances that serve (the
+        NM on ZooKeeper restores them instead)."""
+        return self._settle_until is not None
 
     def _tick(self) -> None:
-        """Periodic work of the loop: here, dropping silent instances and moving instances
-        where the load is."""
-        for inst in self.state.expire(self.topology.nm.dead_after_s):
-            self._dropped(inst, f"no heartbeat for {self.topology.nm.dead_after_s:.1f}s")
+        """Periodic work of the loop: here, dropping silent instances (nm/liveness.py) and moving
+        instances where the load is."""
+        if self._settle_until is not None and time.monotonic() >= self._settle_until:
+            self._settle_until = None
+            self.state.republish(f"every instance had {SETTLE_HEARTBEATS} heartbeats to register after the start")
+        why = f"no heartbeat for {self.liveness.spec.limit_s:.1f}s"
+        for iid in self.liveness.dead({i.id: i.last_seen for i in self.state.instances.values()}):
+            if (inst := self.state.deregister(iid, why)) is not None:
+                self._dropped(inst, why)
         self.elastic.tick(self.state)
         self._saved()
 
     def _dropped(self, inst: Instance, reason: str) -> None:
-        """An instance died (it did not leave): report what it held as failed."""
-        if inst.role == "stage" and inst.holding:
-            self.reaper.submit(inst.id, inst.stage, inst.holding, self.state.routes(inst.set)["dbs"], reason)
+        """An instance died (it did not leave): report as failed what it held at its last
+        heartbeat and what its senders delivered to it since (nm/deliveries.py), except what a
+        live instance says it holds now (handed on before the death)."""
+        if inst.role != "stage":
+            return
+        now, address = time.monotonic(), inst.addresses["data"]
+        # A delivery reported a heartbeat before the last one may still have been in its socket.
+        since = inst.last_seen - self.topology.nm.heartbeat_s
+        held = {u for i in self.state.stage_instances(inst.set) for u in i.holding}
+        uids = [u for u in dict.fromkeys([*inst.holding, *self.deliveries.sent_to(address, since)]) if u not in held]
+        self.reaper.submit(inst.id, inst.stage, uids, self.state.routes(inst.set)["dbs"], reason)
+        if not any(i.addresses.get("data") == address for i in self.state.instances.values()):
+            # Nobody took its address over yet: a delivery there reported later was lost with it.
+            self.deliveries.bury(address, Grave(inst.id, inst.stage, inst.set, since,
+                                                now + self.deliveries.horizon_s, reason, set(uids)))
+
+    def _delivered(self, report: Any, sender: str) -> None:
+        """A member's recent deliveries; those to an instance that died meanwhile are reaped now."""
+        delivered = delivered_of(report)
+        if delivered is None:
+            log.warning("heartbeat of %s: malformed %r report dropped", sender, DELIVERED)
+            return
+        for grave, uids in self.deliveries.record(delivered, time.monotonic()):
+            log.info("%d request(s) were delivered to %s after it was last heard; reporting them failed",
+                     len(uids), grave.instance)
+            self.reaper.submit(grave.instance, grave.stage, uids, self.state.routes(grave.set)["dbs"], grave.reason)
 
     def _set(self, req: SetArgs) -> str:
         if req.set not in self.state.sets:
@@ -104,11 +161,15 @@ class NodeManager:
         return {n: self.state.routes(n)[key] for n in names}
 
     def _register(self, req: RegisterArgs, _: Any) -> dict:
+        self._check_deployment(req.deployment)
         inst = self.state.register(req.role, req.set, dict(req.addresses), req.pid, req.host, req.stage,
-                                   inst_id=self._instance_id(req), idle=req.idle, name=req.name)
+                                   inst_id=self._instance_id(req), idle=req.idle, name=req.name, serving=req.serving)
+        if inst.role == "stage":
+            self.deliveries.revive(inst.addresses["data"], time.monotonic())
         self._saved()
         return {
             "instance": inst.id,
+            "settling": self._settling(),  # the routes may lack some: one that holds routes keeps them
             "stage": inst.stage,
             "workflow": self.workflow.model_dump(mode="json"),
             "base_dir": str(self.base_dir),
@@ -118,6 +179,7 @@ class NodeManager:
         }
 
     def _heartbeat(self, req: HeartbeatArgs, _: Any) -> dict:
+        self._check_deployment(req.deployment)  # before the lookup: a foreign member is not told to register again
         stats = dict(req.stats)
         holding = stats.pop("holding", None)  # kept apart: status shows only its length
         if holding is not None and (problem := problem_of(Holdings, {"holding": holding}, "stats")) is not None:
@@ -131,11 +193,13 @@ class NodeManager:
         inst = self.state.heartbeat(req.instance, req.ready, stats, req.version, holding, req.serving)
         if inst.role == "stage":
             self.elastic.observe(inst, time.monotonic())
+        if req.delivered:
+            self._delivered(req.delivered, req.instance)
         self._saved()
         reply: dict[str, Any] = {"version": self.state.version}
         if inst.role == "stage":
             reply["stage"] = inst.stage  # its assignment: the NM may have moved it
-        if req.version != self.state.version:
+        if req.version != self.state.version and not self._settling():
             reply["routes"] = self.state.routes(inst.set)
         if inst.role == "proxy" and self._monitor_ready(inst.set):
             reply["monitor"] = self.state.monitor(inst.set)  # the request monitor's view, fresh every heartbeat
@@ -200,18 +264,21 @@ class NmMetrics:
 
 
 def serve(topology: Topology, workflow: Workflow, base_dir: Path, address: str | None = None,
-          metrics_port: int = 0, zk: "ZkSettings | None" = None, advertise: str | None = None) -> None:
-    """Run an NM until SIGTERM: embedded, or with ``zk`` one of several on ZooKeeper."""
+          metrics_port: int = 0, zk: "ZkSettings | None" = None, advertise: str | None = None,
+          deployment_id: str = "") -> None:
+    """Run an NM until SIGTERM: embedded, or with ``zk`` one of several on ZooKeeper. It admits
+    members of ``deployment_id`` only."""
     stop = stop_on_signals()
     if zk is None:
-        nm = NodeManager(topology, workflow, base_dir, address)
+        nm = NodeManager(topology, workflow, base_dir, address, deployment_id)
     else:
         from onepiece.nm.ha import HaNodeManager
 
-        nm = HaNodeManager(topology, workflow, base_dir, zk, address, advertise)
+        nm = HaNodeManager(topology, workflow, base_dir, zk, address, advertise, deployment_id)
     REGISTRY.register(NmMetrics(nm))
     metrics, _ = start_http_server(metrics_port, addr="127.0.0.1")
-    log.info("node manager serving at %s, metrics at http://127.0.0.1:%d/metrics", nm.address, metrics.server_port)
+    log.info("node manager of deployment %s serving at %s, metrics at http://127.0.0.1:%d/metrics",
+             deployment_id or "none", nm.address, metrics.server_port)
     try:
         nm.run(stop)
     finally:

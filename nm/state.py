@@ -3,7 +3,7 @@
 Per workflow set: the instances with their roles and addresses, which stage each stage
 instance serves, and the route table derived from them. Only live, ready instances are routed
 to; an instance silent for longer than ``dead_after_s`` is dropped and the routes change
-(embedded NM), or one whose ZooKeeper member node vanished (NM on ZooKeeper). A stage instance
+(embedded NM, nm/liveness.py), or one whose ZooKeeper member node vanished (NM on ZooKeeper). A stage instance
 is routed only while it reports that it serves the stage it is assigned: moving it to another
 stage (``assign``, nm/elastic.py) takes it out of the old stage's routes at once, and it joins
 the new stage's once it has loaded that stage's models.
@@ -123,11 +123,13 @@ class ClusterState:
 
     def register(self, role: str, set_name: str, addresses: dict[str, str], pid: int = 0, host: str = "",
                  stage: str | None = None, inst_id: str | None = None, idle: bool = False,
-                 name: str = "") -> Instance:
+                 name: str = "", serving: str | None = None) -> Instance:
         """A new instance, with the stage it serves (where an instance of its ``name`` was last
         moved, else its pin, else the idle pool if it asks for it, else the set's biggest deficit,
         else the idle pool). ``inst_id``: the id it already has (its ZooKeeper member node); the
-        same id registering again (a retried request) keeps its assignment."""
+        same id registering again (a retried request) keeps its assignment. ``serving``: the
+        stage it serves already (it registers again, to a restarted NM): routed at once if that
+        is the stage it is given."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r} (expected one of {sorted(ROLES)})")
         missing = [k for k in ROLES[role] if not addresses.get(k)]
@@ -154,8 +156,10 @@ class ClusterState:
             stage = stage or self._stage_with_deficit(set_name)
         inst = Instance(inst_id or f"{role}-{self._incarnation}-{next(self._ids)}", role, set_name, addresses, pid,
                         host, stage, name=name)
-        # DBs and proxies serve as soon as they registered; stages once their workers loaded.
-        inst.ready = role != "stage"
+        # DBs and proxies serve as soon as they registered; stages once their workers loaded
+        # (which one that registers again has done already).
+        inst.ready = role != "stage" or (serving is not None and serving == stage)
+        inst.serving = serving if role == "stage" else None
         inst.heard = True
         self.instances[inst.id] = inst
         self._changed(set_name)
@@ -216,6 +220,12 @@ class ClusterState:
             self.note(f"{inst.id} is {'ready' if ready else 'not ready'}")
         return inst
 
+    def republish(self, reason: str) -> None:
+        """A new version of every set's routes, so that every member fetches them."""
+        for name in self.sets:
+            self._changed(name)
+        self.note(f"routes republished: {reason}")
+
     def deregister(self, inst_id: str, reason: str) -> Instance | None:
         """Drop an instance from the routes; the dropped instance (None if unknown)."""
         inst = self.instances.pop(inst_id, None)
@@ -223,11 +233,6 @@ class ClusterState:
             self._changed(inst.set)
             self.note(f"dropped {inst.id} ({inst.role}{' ' + inst.stage if inst.stage else ''}): {reason}")
         return inst
-
-    def expire(self, dead_after_s: float) -> list[Instance]:
-        now = time.monotonic()
-        dead = [i.id for i in self.instances.values() if now - i.last_seen > dead_after_s]
-        return [i for d in dead if (i := self.deregister(d, f"no heartbeat for {dead_after_s:.1f}s")) is not None]
 
     def routes(self, set_name: str) -> dict[str, Any]:
         """Where each stage's data goes in a set: the live, ready instances per stage, the DBs

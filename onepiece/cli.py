@@ -48,6 +48,16 @@ def _zk(args: argparse.Namespace, spec: "NmSpec | None" = None) -> "ZkSettings |
                       args.zk_session or (spec.zk_session_s if spec is not None else 4.0))
 
 
+def _deployment(args: argparse.Namespace) -> str:
+    """The deployment a role process belongs to: --deployment, else ONEPIECE_DEPLOYMENT, else none."""
+    from onepiece.deployment import resolve
+
+    try:
+        return resolve(args.deployment)
+    except ValueError as e:  # a bad ONEPIECE_DEPLOYMENT (the flag's own type catches a bad flag)
+        raise ConfigError(str(e)) from None
+
+
 def cmd_nm(args: argparse.Namespace) -> int:
     from onepiece.config import load_topology
     from onepiece.nm.server import serve
@@ -55,7 +65,8 @@ def cmd_nm(args: argparse.Namespace) -> int:
 
     setup_logging("nm", args.log_level)
     topo, wf, base = load_topology(_topology(args.topology))
-    serve(topo, wf, base, args.address, args.metrics_port, zk=_zk(args, topo.nm), advertise=args.advertise)
+    serve(topo, wf, base, args.address, args.metrics_port, zk=_zk(args, topo.nm), advertise=args.advertise,
+          deployment_id=_deployment(args) or topo.deployment or "")
     return 0
 
 
@@ -68,7 +79,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
         return 2
     setup_logging(f"stage[{args.stage or ('idle' if args.idle else '?')}]", args.log_level)
     serve(args.nm, args.set, args.listen, args.stage, args.runtime_dir, args.advertise, zk=_zk(args), idle=args.idle,
-          name=args.name)
+          name=args.name, deployment_id=_deployment(args))
     return 0
 
 
@@ -79,7 +90,7 @@ def cmd_db(args: argparse.Namespace) -> int:
     setup_logging("db", args.log_level)
     serve(args.nm, args.set, args.listen, args.control, args.events, args.ttl, args.max_bytes,
           None if args.keep_after_fetch else args.purge_after_fetch, replication=args.replication,
-          advertise=args.advertise, zk=_zk(args))
+          advertise=args.advertise, zk=_zk(args), deployment_id=_deployment(args))
     return 0
 
 
@@ -96,7 +107,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         raise ConfigError(str(e)) from None
     setup_logging("proxy", args.log_level)
     serve(args.nm, args.set, args.host, args.port, args.max_inflight, args.max_body_bytes, monitor=args.monitor,
-          deadline_factor=args.deadline_factor, advertise=args.advertise, zk=_zk(args), keys=keys)
+          deadline_factor=args.deadline_factor, advertise=args.advertise, zk=_zk(args), keys=keys,
+          deployment_id=_deployment(args))
     return 0
 
 
@@ -284,8 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def role(name: str, help: str) -> argparse.ArgumentParser:
+        from onepiece.deployment import ENV, FLAG, check_id
+
         sp = sub.add_parser(name, help=help)
         sp.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+        sp.add_argument(FLAG, metavar="ID", type=_checked(check_id, "deployment id"),
+                        help=f"the deployment this process belongs to (default: {ENV}, else none; onepiece up "
+                             f"gives one): a node manager refuses members of another deployment")
         return sp
 
     sp = sub.add_parser("up", help="start a whole local deployment from a topology file")
@@ -423,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from onepiece.nm.client import Refused
     from onepiece.nm.zk import ZkUnavailable
 
     args = build_parser().parse_args(argv)
@@ -431,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"configuration error:\n{e}", file=sys.stderr)
         code = 2
-    except ZkUnavailable as e:  # say which servers are unreachable, without a traceback
+    except (ZkUnavailable, Refused) as e:  # say what is unreachable, or who refused us, without a traceback
         print(f"onepiece {args.command}: {e}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:

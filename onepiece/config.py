@@ -225,7 +225,9 @@ class NmSpec(_Strict):
     address: str = Field("tcp://127.0.0.1:7700", description="the (first) NM's RPC address; with count > 1 the "
                                                              "others take the next ports")
     heartbeat_s: float = Field(1.0, gt=0, le=60)
-    dead_after_s: float = Field(4.0, gt=0, le=600, description="embedded NM: silence after which an instance is dropped")
+    dead_after_s: float = Field(4.0, gt=0, le=600, description="embedded NM: silence after which an instance is "
+                                                              "dropped (at least 3 heartbeats; silence counts only "
+                                                              "while the NM itself ran: nm/liveness.py)")
     # High availability (nm/ha.py): without zk, one NM keeps the state in memory (the default).
     zk: str | None = Field(None, description="ZooKeeper host:port[,host:port...]: the NMs elect a primary there "
                                              "and keep the cluster state in it; instances hold member nodes there")
@@ -360,9 +362,18 @@ class SetSpec(_Strict):
 
 class Topology(_Strict):
     workflow: str = Field(description="workflow YAML, relative to this file")
+    deployment: str | None = Field(None, description="the deployment's id, which every member carries and the NM "
+                                                     "checks (default: onepiece up makes a fresh one per run)")
     nm: NmSpec = NmSpec()
     sets: list[SetSpec] = Field(min_length=1)
     transport: Literal["tcp", "ipc"] = "ipc"
+
+    @field_validator("deployment")
+    @classmethod
+    def _deployment(cls, v: str | None) -> str | None:
+        from onepiece.deployment import check_id
+
+        return None if v is None else check_id(v)
 
     @model_validator(mode="after")
     def _sets_apart(self) -> "Topology":

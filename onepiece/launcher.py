@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from onepiece import deployment
 from onepiece.config import SetSpec, load_topology
 from onepiece.nm.client import NmClient
 from onepiece.nm.zk_auth import child_env
@@ -71,6 +72,8 @@ class Deployment:
         self.nm_address = ",".join(self.nm_addresses)  # every role finds the primary among them
         self.zk = self.topo.nm.zk_settings()
         self.nm_count = len(self.nm_addresses)
+        # Every process of this run carries it; the NM refuses members of another deployment.
+        self.deployment = self.topo.deployment or deployment.new_id()
 
     def _address(self, name: str) -> str:
         if self.topo.transport == "ipc":
@@ -88,17 +91,17 @@ class Deployment:
         return f"ring+tcp://127.0.0.1:0{size}"
 
     def plan(self) -> list[Child]:
-        """The processes of the topology, NMs first. ZooKeeper credentials reach them by
-        environment, never on their command lines (nm/zk_auth.py)."""
-        zk = self.zk.args() if self.zk else []
+        """The processes of the topology, NMs first, each with the deployment's id. ZooKeeper
+        credentials reach them by environment, never on their command lines (nm/zk_auth.py)."""
+        common = (self.zk.args() if self.zk else []) + [deployment.FLAG, self.deployment]
         env = child_env(self.zk.auth if self.zk else None)
         out = []
         for i, address in enumerate(self.nm_addresses):
             name = "nm" if self.nm_count == 1 else f"nm{i}"
-            out.append(Child(name, _cli("nm", "--topology", str(self.topology_path), "--address", address, *zk),
+            out.append(Child(name, _cli("nm", "--topology", str(self.topology_path), "--address", address, *common),
                              self.log_dir / f"{name}.log", env))
         for s in self.topo.sets:
-            out += [Child(c.name, c.argv + zk, c.log_path, env) for c in self._set_children(s, self.nm_address)]
+            out += [Child(c.name, c.argv + common, c.log_path, env) for c in self._set_children(s, self.nm_address)]
         return out
 
     def _set_children(self, s: SetSpec, nm: str) -> list[Child]:
@@ -281,7 +284,7 @@ def up(topology: Path, log_dir: Path | None = None, ready_timeout: float = 300.0
 
     stop = stop_on_signals()
     dep = Deployment(topology, log_dir)
-    print(f"onepiece: starting {topology} (logs in {dep.log_dir})", flush=True)
+    print(f"onepiece: starting {topology} as deployment {dep.deployment} (logs in {dep.log_dir})", flush=True)
     try:
         dep.start()
         proxies = dep.wait_ready(ready_timeout, stop)

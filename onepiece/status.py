@@ -89,7 +89,11 @@ def _elastic(el: dict[str, Any]) -> list[str]:
 
 
 def render(status: dict[str, Any]) -> str:
+    from onepiece.deployment import FIELD
+
     lines = []
+    if (status.get("nm") or {}).get(FIELD):
+        lines.append(f"deployment {status['nm'][FIELD]}")
     util = (status.get("elastic") or {}).get("utilization", {})
     for name, st in status["sets"].items():
         lines.append(f"set {name}")

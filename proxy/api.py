@@ -294,6 +294,7 @@ class ProxyState:
             self.tracker.release(uid)
             self.metrics.inflight.set(len(self.tracker))
             raise
+        self.cluster.delivered(addr, uid)
         log.info("uid=%s accepted app=%s size=%s frames=%d steps=%d -> %s", uid, job.app, job.size, job.num_frames,
                  job.steps, addr)
         self.metrics.accepted.labels(job.app).inc()

@@ -30,6 +30,11 @@ class Cluster(Protocol):
         "stages"}}, "proxies": n}``, see nm/capacity.py), or None when there is none."""
         ...
 
+    def delivered(self, address: str, uid: str) -> None:
+        """``uid`` was handed to the entrance instance at ``address`` (told to the NM, which fails
+        it if that instance dies before naming it: nm/deliveries.py)."""
+        ...
+
 
 @dataclass
 class StaticCluster:
@@ -56,3 +61,6 @@ class StaticCluster:
 
     def monitor(self) -> dict | None:
         return self.monitor_view
+
+    def delivered(self, address: str, uid: str) -> None:
+        pass  # no NM to tell

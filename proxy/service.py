@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from onepiece.config import Workflow
 from onepiece.nm.client import Membership
+from onepiece.nm.holdings import Deliveries
 from onepiece.proxy.keys import ApiKeys, check_bind
 from onepiece.proxy.server import ProxyServer
 
@@ -34,6 +35,10 @@ class NmCluster:
     def dbs(self) -> list[dict]:
         return list(self.member.routes["dbs"])
 
+    def delivered(self, address: str, uid: str) -> None:
+        if self.member.deliveries is not None:
+            self.member.deliveries.add(address, uid)
+
     def monitor(self) -> dict[str, Any] | None:
         """The NM's capacity view from the latest heartbeat. A view no heartbeat has renewed
         for a while (the NM unreachable) is dropped, so the proxy falls back to the in-flight
@@ -49,7 +54,7 @@ class NmCluster:
 
 def serve(nm_address: str, set_name: str, host: str, port: int, max_inflight: int, max_body_bytes: int,
           monitor: bool = True, deadline_factor: float = 2.0, advertise: str | None = None,
-          zk: "ZkSettings | None" = None, keys: ApiKeys | None = None) -> None:
+          zk: "ZkSettings | None" = None, keys: ApiKeys | None = None, deployment_id: str = "") -> None:
     """Run a proxy of ``set_name`` until SIGTERM; ``monitor=False`` admits by the in-flight cap
     only (no capacity or deadline refusals). ``zk``: the NMs run on ZooKeeper. ``keys``: the
     client API keys (required when ``host`` is beyond loopback)."""
@@ -62,7 +67,7 @@ def serve(nm_address: str, set_name: str, host: str, port: int, max_inflight: in
         return server.app.state.proxy.stats()
 
     member = Membership(nm_address, "proxy", set_name, {}, stats=stats, advertise=advertise, zk=zk,
-                        capacity={"max_inflight": max_inflight})
+                        capacity={"max_inflight": max_inflight}, deployment=deployment_id, deliveries=Deliveries())
     workflow = member.workflow()
     server = ProxyServer(NmCluster(workflow, member), host, port, max_inflight, max_body_bytes, log_level="info",
                          monitor=monitor, deadline_factor=deadline_factor, keys=keys)

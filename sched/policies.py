@@ -85,20 +85,32 @@ class Slo(RankedPolicy):
         kept: list[Request] = []
         out: list[Request] = []
         total = 0.0
+        need = {r.uid: self._need(view, r) for r in timed}
         for r in timed:
             if view.slack(r) < 0:  # late even alone
                 out.append(r)
                 continue
             kept.append(r)
-            total += view.alone_s(r)
+            total += need[r.uid]
             while kept and view.now + total > r.deadline:  # once, unless priorities keep the longest in
-                drop = min(kept, key=lambda k: (k.priority, -view.alone_s(k), -k.arrival))
+                drop = min(kept, key=lambda k: (k.priority, -need[k.uid], -k.arrival))
                 kept.remove(drop)
                 out.append(drop)
-                total -= view.alone_s(drop)
+                total -= need[drop.uid]
         untimed = sorted((r for r in view.requests if r.deadline is None), key=lambda r: (-r.priority, r.arrival))
         out.sort(key=lambda r: (-r.priority, view.alone_s(r), r.arrival))
         return kept + untimed + out
+
+    @staticmethod
+    def _need(view: View, r: Request) -> float:
+        """The share of the workers' time ``r`` takes: alone on one worker; on a group of ``n``
+        ranks, ``d·t(d)/n`` at the DoP ``frugal_fit`` would give it (small requests share a
+        group's ranks, they do not take it all)."""
+        n = view.dops[-1]
+        if n == 1:
+            return view.alone_s(r)
+        d = frugal_fit(view, r, view.dops)
+        return view.alone_s(r, dop=d) * d / n
 
     def may_join(self, view: View, members: list[Request], r: Request, dop: int = 1) -> bool:
         key = at_dop(r.key, dop)

@@ -31,9 +31,12 @@ MAX_HOPS = 3  # forwards per message: route tables settle within a heartbeat, so
 
 class ResultDeliver:
     def __init__(self, stage: str, workflow: Workflow, mailbox: "queue.Queue", routes: Callable[[], dict],
-                 send_timeout: float = 5.0) -> None:
+                 send_timeout: float = 5.0, on_sent: Callable[[str, str], None] = lambda address, uid: None) -> None:
         self.stage, self.workflow, self.mailbox, self.send_timeout = stage, workflow, mailbox, send_timeout
         self._routes = routes  # the NM's latest route table for this set
+        # (address, uid) of each request handed to a stage instance: the heartbeat reports them,
+        # so the NM can fail them if that instance dies before it names them (nm/deliveries.py).
+        self._on_sent = on_sent
         self.senders: dict[str, Sender] = {}
         self._rr: dict[str, itertools.count] = {}
         self._pruned_at: int | None = None
@@ -107,6 +110,7 @@ class ResultDeliver:
             addr = targets[(start + k) % len(targets)]
             try:
                 self._sender(addr).send(msg, timeout=self.send_timeout)
+                self._on_sent(addr, msg.uid)
                 return
             except TransportError as e:
                 errors.append(str(e))

@@ -103,7 +103,8 @@ class StageInstance:
         self.draining = False
         self.moved = threading.Event()  # set by the membership thread when the assignment changes
         # Forwards what arrives while no runtime reads the receiver (the idle pool).
-        self._forwarder = ResultDeliver("", workflow, None, routes=lambda: member.routes)  # type: ignore[arg-type]
+        self._forwarder = ResultDeliver("", workflow, None, routes=lambda: member.routes,  # type: ignore[arg-type]
+                                        on_sent=holdings.deliveries.add)
 
     # ---- what the heartbeat reports ----------------------------------------------------------
 
@@ -185,7 +186,7 @@ class StageInstance:
 
 def serve(nm_address: str, set_name: str, listen: str = "tcp://127.0.0.1:0", stage: str | None = None,
           runtime_dir: str | None = None, advertise: str | None = None, zk: "ZkSettings | None" = None,
-          idle: bool = False, name: str = "") -> None:
+          idle: bool = False, name: str = "", deployment_id: str = "") -> None:
     """Run a stage instance until SIGTERM: ``stage`` is its first assignment (None: what the NM
     assigns, or with ``idle`` the idle pool); the NM may move it later. ``name``, if given,
     outlives the process: registering again under it (a restart) returns to where the NM last
@@ -203,7 +204,7 @@ def serve(nm_address: str, set_name: str, listen: str = "tcp://127.0.0.1:0", sta
         {"data": receiver.address, "metrics": f"http://{registry.host_of(listen)}:{metrics.server_port}"},
         stage=stage, stats=lambda: inst.stats() if inst else {}, ready=lambda: bool(inst and inst.serving()),
         serving=lambda: inst.serving() if inst else None, on_assign=lambda _: inst and inst.moved.set(),
-        advertise=advertise, zk=zk, idle=idle, name=name,
+        advertise=advertise, zk=zk, idle=idle, name=name, deployment=deployment_id, deliveries=holdings.deliveries,
     )
     try:
         reply = member.register()

@@ -37,7 +37,7 @@ class StageRuntime:
         self.scheduler = RequestScheduler(stage, receiver, f"ipc://{rdir}/workers-{next(_sockets)}.sock",
                                           workflow, self.mailbox, self.stats, routes,
                                           costs=workflow.cost_table(stage, base_dir))
-        self.deliver = ResultDeliver(stage, workflow, self.mailbox, routes=routes)
+        self.deliver = ResultDeliver(stage, workflow, self.mailbox, routes=routes, on_sent=holdings.deliveries.add)
         self.tm = TaskManager(instance, stage, workflow, base_dir, self.scheduler)
         self._on_fatal = on_fatal
         self._stop = threading.Event()  # scheduler and TaskManager
