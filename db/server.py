@@ -65,7 +65,6 @@ import time
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
-import orjson
 import zmq
 from prometheus_client import Counter, Gauge
 

@@ -32,6 +32,7 @@ from onepiece.nm.elastic import Elastic, Move
 from onepiece.nm.liveness import Liveness, LivenessSpec
 from onepiece.nm.protocol import SCHEMAS, HeartbeatArgs, Holdings, InstanceArgs, MoveArgs, RegisterArgs, SetArgs
 from onepiece.nm.reaper import Reaper
+from onepiece.schema import problem as problem_of
 from onepiece.nm.state import ClusterState, Instance
 from onepiece.supervise import stop_on_signals
 from onepiece.transport.rpc import RpcServer
