@@ -19,6 +19,7 @@ import zmq
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
+from onepiece import deployment
 from onepiece.client import Client
 from onepiece.config import JobParams, Workflow
 from onepiece.db.protocol import DATA_SCHEMAS, RPC_SCHEMAS, NewRecord
@@ -53,6 +54,7 @@ def up(tiny_models, tmp_path_factory, make_topology):
         nm_client = RpcClient(nm, timeout=5)
         try:
             dep.workflow = Workflow.model_validate(nm_client.call("workflow")[0]["workflow"])
+            dep.deployment = nm_client.call("status")[0]["nm"][deployment.FIELD]  # what a member must bring
         finally:
             nm_client.close()
         yield dep
@@ -273,7 +275,7 @@ def test_event_subscribers_survive_malformed_events(up):
     control.bind("tcp://127.0.0.1:*")
     addresses = {s: sock.getsockopt_string(zmq.LAST_ENDPOINT)
                  for s, sock in (("events", pub), ("data", sink), ("control", control))}
-    member = Membership(up.nm, "db", "set0", addresses)
+    member = Membership(up.nm, "db", "set0", addresses, deployment=up.deployment)
     member.register()
     member.start()
     try:
