@@ -10,7 +10,7 @@ own, started as plain processes (nothing pickled).
 Also, in a world of 2: what it costs to build the group and its meshes (once, at start), to
 switch a model between layouts (the hooks a DoP change attaches and detaches, per step), to
 hand a DoP-1 step's noise to the other rank (what keeps the replicas equal), and to share a
-command (what rank 0 does for every command and step boundary).
+command (what rank 0 does for every command, and for the drops at every run).
 
 Saved as ``parallel.json`` and ``parallel.md`` under ``--out``.
 """
@@ -21,9 +21,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,6 @@ from typing import Any
 import orjson
 
 from onepiece.bench.common import cpu_name, model_dirs
-from onepiece.ports import free_port
 
 TEXT_LEN = 64  # the workflow's default max_sequence_length
 
@@ -61,15 +58,12 @@ def _dops(args: argparse.Namespace) -> list[int]:
 
 
 def _world(config: dict[str, Any], size: int) -> dict[str, Any]:
-    """Run ``size`` rank processes of this module; rank 0's report."""
-    with tempfile.TemporaryDirectory() as tmp:
-        address = f"127.0.0.1:{free_port()}"
-        procs = [subprocess.Popen([sys.executable, "-m", "onepiece.bench.parallel", orjson.dumps(
-            {**config, "rank": r, "size": size, "address": address, "out": tmp}).decode()]) for r in range(size)]
-        codes = [p.wait(timeout=1800) for p in procs]
-        if any(codes):
-            raise SystemExit(f"bench parallel: a rank of the world of {size} failed (exit codes {codes})")
-        return json.loads((Path(tmp) / "report.json").read_text())
+    from onepiece.stage.collective import local_world
+
+    try:
+        return local_world("onepiece.bench.parallel", config, size)
+    except RuntimeError as e:
+        raise SystemExit(f"bench parallel: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,7 +114,7 @@ def markdown(r: dict[str, Any]) -> str:
                   f"- switching the model between DoP 1 and sequence-parallel DoP 2 (attach and detach): "
                   f"{o['switch_us']:.0f} µs;",
                   f"- handing a DoP-1 step's noise to the other rank ({o['noise_shape']}): {o['broadcast_us']:.0f} µs;",
-                  f"- sharing a command (rank 0 to the others, per command and per step boundary): "
+                  f"- sharing a command (rank 0 to the others: every command, and the drops at every run): "
                   f"{o['share_us']:.0f} µs."]
     lines += ["", "CFG on: DoP 2 runs the conditional and unconditional halves on one rank each (no communication "
               "inside the forward pass); DoP 4 adds sequence parallelism inside each half. CFG off: sequence "
@@ -182,7 +176,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
                 task = _task(model, scheduler, w, h, f, guided, cfg["device"])
 
                 def one() -> None:
-                    p.step([(c.world, [task])])
+                    p.run([(c.world, [task], 1)])
                     sync()
 
                 for _ in range(2):
@@ -195,7 +189,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
     else:  # overhead, in a world of 2
         w, h, f = cfg["shapes"][0]
         task = _task(model, scheduler, w, h, f, False, cfg["device"])
-        p.step([(c.world, [task])])  # warm the hooks' paths once
+        p.run([(c.world, [task], 1)])  # warm the hooks once
         reps = 200
 
         def switch() -> None:

@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", type=int, default=20,
                    help="closed-loop requests measuring the fcfs capacity, classes in the mix's shares exactly")
     p.add_argument("--capacity", type=float, help="C in requests/s (default: measured)")
+    p.add_argument("--denoise-workers", type=int, default=1, help="workers of the denoise stage (default 1)")
+    p.add_argument("--collaboration", action="store_true",
+                   help="the denoise workers form one collaboration group (DoP-aware policies pick each step's DoP)")
     session_arguments(p, request_timeout=120.0, out="sched.json, .md, .png and the traces")
 
 
@@ -111,7 +114,9 @@ class Session:
         topo = write_topology(self.folder, self.models, free_tcp_address(), dbs=1, heartbeat_s=0.5,
                               stages=dict(T2V_STAGES), threads=self.cfg.threads, device=self.cfg.device,
                               proxy={"count": 1, "port": 0, "max_inflight": 1000, "monitor": self.monitor},
-                              schedule={"denoise_t2v": self.schedule})
+                              schedule={"denoise_t2v": self.schedule}, stage_options={"denoise_t2v": {
+                                  "workers": getattr(self.cfg, "denoise_workers", 1),
+                                  "mode": "collaboration" if getattr(self.cfg, "collaboration", False) else "individual"}})
         logs = Path(self.cfg.logs) / self.name if self.cfg.logs else self.folder / "logs"
         self.dep = Deployment(topo, logs)
         self.dep.start()

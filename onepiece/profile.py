@@ -2,8 +2,10 @@
 
 For every stage asked for, it loads the stage's components as a worker would and times the
 real stage functions over a grid of shapes: a stepped stage (denoising) per (shape, batch
-size), one forward pass of a batch of prepared states at a time; a one-step stage per shape,
-one call at a time. Inputs come from running the application's earlier stages on the same
+size and DoP), one forward pass of a batch of prepared states at a time; a one-step stage per
+shape, one call at a time. A DoP above 1 (``--dops``) runs that many ranks as a collaboration
+group of local processes (gloo on CPU, NCCL on CUDA) through the stage function's parallel run,
+and its rows are keyed ``…@d``. Inputs come from running the application's earlier stages on the same
 shapes, in this process. Each cell is the median of ``--repeat`` timed runs after a warm-up.
 
 The table (``sched.costs.make_table``; seconds per step or per call, by compatibility key and
@@ -52,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", type=lambda v: [_shape(x) for x in v.split(",")], default=[(64, 64, 9)],
                    help="comma-separated WxHxFRAMES (default 64x64x9)")
     p.add_argument("--batch", type=_ints, default=[1, 2, 4, 8], help="batch sizes of stepped stages (default 1,2,4,8)")
+    p.add_argument("--dops", type=_ints, default=[1], help="degrees of parallelism of stepped stages, each a "
+                                                           "collaboration group of local processes (default 1)")
     p.add_argument("--repeat", type=int, default=5, help="timed runs per cell (median taken)")
     p.add_argument("--device", help="torch device (default: each stage's own)")
     p.add_argument("--threads", type=int, help="torch threads (default: each stage's own, or all cores)")
@@ -81,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
     rows: dict[str, list[dict[str, Any]]] = {}
     for stage in stages:
         rows[stage] = prof.stage(stage, args.shapes, args.batch, args.repeat)
+        if rows[stage] and rows[stage][0]["stepped"]:
+            rows[stage] += [_group_row(wf_path, args, stage, shape, b, d)
+                            for d in args.dops if d > 1 for shape in args.shapes for b in args.batch]
         for r in rows[stage]:
             print(f"{stage:14s} {r['key']:28s} batch {r['batch']:2d}  {r['seconds'] * 1000:9.2f} ms"
                   f"{'  per step' if r['stepped'] else '  per call'}", flush=True)
@@ -92,6 +99,50 @@ def run(args: argparse.Namespace) -> int:
     Path(args.out).write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
     print(f"wrote {args.out}")
     return 0
+
+
+def _group_row(wf_path: Path, args: argparse.Namespace, stage: str, shape: tuple[int, int, int], batch: int,
+               dop: int) -> dict[str, Any]:
+    from onepiece.stage.collective import local_world
+
+    config = {"workflow": str(wf_path), "stage": stage, "shape": list(shape), "batch": batch, "repeat": args.repeat,
+              "device": args.device, "threads": args.threads or 1}
+    return local_world("onepiece.profile", config, dop)
+
+
+def rank_main(cfg: dict[str, Any]) -> None:
+    """One rank of a profiled collaboration group: prepares the same states as every rank (the
+    same seeds), then times whole steps of the batch on all ranks; rank 0 reports the row."""
+    import json
+
+    import torch
+
+    from onepiece.sched.keys import at_dop, compat_key
+    from onepiece.stage.collective import Collective
+    from onepiece.stage.registry import parallel_of
+
+    wf_path = Path(cfg["workflow"])
+    wf = load_workflow(wf_path)
+    prof = Profiler(wf, wf_path.parent, cfg["device"], cfg["threads"])
+    stage, shape, batch, repeat, warm = cfg["stage"], tuple(cfg["shape"]), cfg["batch"], cfg["repeat"], 2
+    device = cfg["device"] or wf.stages[stage].device
+    c = Collective(cfg["rank"], cfg["size"], cfg["address"], device)
+    ctx = prof._ctx(stage)
+    msgs = [prof.message(stage, shape, seed, warm + repeat) for seed in range(batch)]
+    with torch.inference_mode():
+        tasks = [fn(ctx, m) for m, fn in msgs]
+    group = parallel_of(wf.function_of(stage), wf.applications[prof._app(stage)].kind)(c)
+    times = []
+    for _ in range(warm + repeat):
+        c.barrier()
+        t0 = time.perf_counter()
+        group.run([(c.world, tasks, 1)])
+        times.append(time.perf_counter() - t0)
+    if c.rank == 0:
+        row = {"key": at_dop(compat_key(msgs[0][0].header["params"]), c.size), "batch": batch, "stepped": True,
+               "seconds": statistics.median(times[warm:]), "samples": repeat, "dop": c.size}
+        (Path(cfg["out"]) / "report.json").write_text(json.dumps(row))
+    c.close()
 
 
 class Profiler:
@@ -175,3 +226,9 @@ class Profiler:
                 rows.append({"key": compat_key(msgs[0][0].header["params"]), "batch": b, "stepped": True,
                              "seconds": statistics.median(times[warm:]), "samples": repeat})
         return rows
+
+
+if __name__ == "__main__":
+    import orjson
+
+    rank_main(orjson.loads(sys.argv[1]))

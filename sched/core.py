@@ -101,6 +101,7 @@ class SchedCore:
         self.stats = CoreStats()
         self.rejections: collections.deque[str] = collections.deque(maxlen=32)  # why, for logs and tests
         self._bytes: collections.OrderedDict[str, int] = collections.OrderedDict()  # state size per key
+        self._offered = [1]  # the DoPs the workers offer (``_dops``)
 
     # --- requests -------------------------------------------------------------------------------
     def add(self, r: Request) -> None:
@@ -135,10 +136,12 @@ class SchedCore:
     def worker_up(self, wid: str, ranks: int = 1) -> None:
         """A worker (re)started: empty and idle; ``ranks``: a collaboration group's size."""
         self.workers[wid] = _Worker(wid, idle=True, free_bytes=self.spec.resident_bytes, ranks=max(1, ranks))
+        self._offered = dops(max(w.ranks for w in self.workers.values()))
 
     def worker_gone(self, wid: str) -> list[Request]:
         """A worker died: the requests whose state it held, now forgotten (the shell fails them)."""
         self.workers.pop(wid, None)
+        self._offered = dops(max((w.ranks for w in self.workers.values()), default=1))
         lost = [r for r in self.requests.values() if r.worker == wid]
         for r in lost:
             del self.requests[r.uid]
@@ -212,15 +215,19 @@ class SchedCore:
 
     def _dops(self) -> list[int]:
         """The DoPs the stage's workers offer (1 unless a worker is a collaboration group)."""
-        return dops(max((w.ranks for w in self.workers.values()), default=1))
+        return self._offered
 
     def standalone_s(self, r: Request) -> float | None:
         """Seconds ``r`` takes alone on an idle worker, at its fastest DoP: its steps, its
         preparing and finishing, and the decision and IPC of each chunk."""
-        ts = [t for d in self._dops() if (t := self.costs.step_s(at_dop(r.key, d), 1)) is not None]
-        if not ts:
+        offered = self._offered
+        if len(offered) == 1:  # the common case, kept cheap: the simulator asks this at every decision
+            t = self.costs.step_s(r.key, 1)
+        else:
+            t = min((t for d in offered if (t := self.costs.step_s(at_dop(r.key, d), 1)) is not None), default=None)
+        if t is None:
             return None
-        return min(ts) * r.steps + self.costs.fixed_s(r.key) + math.ceil(r.steps / self._chunk_of(r, 1)) * self.overhead_s
+        return t * r.steps + self.costs.fixed_s(r.key) + math.ceil(r.steps / self._chunk_of(r, 1)) * self.overhead_s
 
     def share_s(self, r: Request) -> float | None:
         """Worker seconds ``r`` takes at the largest batch the stage reached for its key, at the
@@ -323,7 +330,7 @@ class SchedCore:
         free, taken = (w.free_bytes if w else 0), set()
         for b in batches:
             why = self._check(b, free, taken)
-            if why is None and place([x.dop for x in ok] + [b.dop], w.ranks) is None:
+            if why is None and w.ranks > 1 and place([x.dop for x in ok] + [b.dop], w.ranks) is None:
                 why = f"DoPs {[x.dop for x in ok] + [b.dop]} do not fit {w.ranks} ranks"
             if why is not None:
                 self._reject(b, why)
@@ -333,7 +340,11 @@ class SchedCore:
             free -= sum(self.est_bytes(self.requests[u]) for u in b.uids if self.requests[u].worker is None)
         if not ok:
             return None
-        blocks = place([b.dop for b in ok], w.ranks)
+        if w.ranks == 1 and len(ok) > 1:  # one rank runs one batch
+            for b in ok[1:]:
+                self._reject(b, "a second batch for a worker of one rank")
+            ok = ok[:1]
+        blocks = place([b.dop for b in ok], w.ranks) if w.ranks > 1 else [(0,)]
         admit: list[str] = []
         w.cost_keys = {}
         for b in ok:

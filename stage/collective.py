@@ -14,8 +14,15 @@ world's timeout: the group is then torn down and restarted as a unit by its inst
 from __future__ import annotations
 
 import datetime
+import json
 import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
+
+import orjson
 
 import torch
 import torch.distributed as dist
@@ -97,3 +104,24 @@ class Collective:
         if dist.is_initialized():
             self.barrier()
             dist.destroy_process_group()
+
+
+def local_world(module: str, config: dict[str, Any], size: int, timeout_s: float = 1800.0) -> Any:
+    """Run ``python -m module '<config>'`` as the ``size`` ranks of a world on this host (each
+    config gets ``rank``, ``size``, ``address`` and an ``out`` folder) and return the JSON rank 0
+    wrote to ``out/report.json``: how tools (profile, benchmarks) time a group's steps."""
+    from onepiece.ports import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        address = f"127.0.0.1:{free_port()}"
+        procs = [subprocess.Popen([sys.executable, "-m", module, orjson.dumps(
+            {**config, "rank": r, "size": size, "address": address, "out": tmp}).decode()]) for r in range(size)]
+        try:
+            codes = [p.wait(timeout=timeout_s) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if any(codes):
+            raise RuntimeError(f"a rank of the world of {size} ({module}) failed: exit codes {codes}")
+        return json.loads((Path(tmp) / "report.json").read_text())

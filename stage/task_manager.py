@@ -78,9 +78,10 @@ class TaskManager:
         lead = self.slots[0]
         dead = [(i, s.proc.returncode) for i, s in enumerate(self.slots) if s.proc is not None and s.proc.poll() is not None]
         if dead:
-            i, code = dead[0]
-            reason = f"rank {i} of the collaboration group: " + (f"exit code {code}" if code >= 0 else
-                                                                  f"killed by signal {-code}")
+            # A rank killed by a signal is the cause; its peers then fail their collectives and exit.
+            dead.sort(key=lambda d: (d[1] >= 0, d[0]))
+            reason = "collaboration group down: " + ", ".join(
+                f"rank {i} " + (f"exit code {code}" if code >= 0 else f"killed by signal {-code}") for i, code in dead)
             log.warning("worker group of stage %s is down (%s); restarting it", self.stage, reason)
             self._stop_procs([s.proc for s in self.slots if s.proc is not None and s.proc.poll() is None], 0.0)
             for s in self.slots:

@@ -51,6 +51,20 @@ def test_profile_writes_a_table_a_stage_can_start_from(tiny_models, tmp_path):
     assert bad.returncode == 2 and "unknown stage(s) ['warp']" in bad.stderr
 
 
+def test_profile_times_a_collaboration_group_per_dop_and_the_simulator_prices_it(tiny_models, tmp_path):
+    from onepiece.sim.costs import CostTable
+
+    wf = _workflow(tmp_path, tiny_models)
+    out = tmp_path / "costs.json"
+    run = subprocess.run([sys.executable, "-m", "onepiece", "profile", "--workflow", str(wf), "--stage", "denoise_t2v",
+                          "--shapes", "32x32x5", "--batch", "1", "--dops", "1,2", "--repeat", "2", "--threads", "1",
+                          "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = load_table(out, "denoise_t2v")
+    assert set(rows) == {"32x32x5/cfg/L64", "32x32x5/cfg/L64@2"} and all(r[1] > 0 for r in rows.values())
+    assert CostTable.load(out).step_s("denoise_t2v", "32x32x5/cfg/L64@2", 1) == rows["32x32x5/cfg/L64@2"][1]
+
+
 def test_scale_profile_builds_the_real_classes_with_a_deeper_transformer(tmp_path):
     from diffusers import WanTransformer3DModel
 

@@ -126,6 +126,27 @@ def test_vae_decode_mp4(comps, image) -> None:
     assert wire(Message(msg.header, out)).blob("content") == out["content"]
 
 
+def test_vae_decode_streams_frames_to_the_encoder_as_it_decodes(comps, image) -> None:
+    from onepiece.stage.wan.functions import encode_mp4, frame_chunks
+
+    _, msg = split_frames("t2v", comps, image, steps=2, num_frames=9)
+    ctx = StageContext(comps(DECODE[1], DECODE[2]))
+    assert [len(c) for c in frame_chunks(ctx, msg)] == [1, 4, 4]  # a latent frame at a time
+    import imageio.v3 as iio
+
+    chunks = np.concatenate(list(frame_chunks(ctx, msg)))
+    assert float(np.abs(chunks - decode_frames(ctx, msg)).max()) <= 1e-5  # the frames decoding it all gives
+    video = iio.imread(lookup("vae_decode", "t2v")(ctx, msg)["content"], extension=".mp4").astype(float)
+    source = np.rint(chunks * 255.0)
+    # every frame, in order, as lossy H.264 keeps them (a frame out of place would be far off)
+    assert video.shape == (9, SIZE, SIZE, 3)
+    assert all(np.abs(video[i] - source[i]).mean() < np.abs(video[i] - source[j]).mean()
+               for i in range(9) for j in range(9) if j != i and np.abs(source[i] - source[j]).mean() > 8)
+    assert np.abs(video - source).mean() < 4
+    with pytest.raises(ValueError, match="even height and width"):
+        encode_mp4(np.zeros((2, 5, 4, 3), np.uint8), 8)
+
+
 def test_interleaved_requests_keep_their_own_scheduler_state(comps, image) -> None:
     """Two denoise tasks stepped alternately give what each gives alone (multistep UniPC, as in
     the real Wan2.1 repos, keeps history in the scheduler)."""

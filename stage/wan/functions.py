@@ -29,7 +29,7 @@ import copy
 import io
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -459,12 +459,33 @@ def denoise_i2v(ctx: StageContext, msg: Message) -> WanDenoise:
 # ---------------------------------------------------------------------------------- vae_decode
 
 
-def decode_frames(ctx: StageContext, msg: Message) -> np.ndarray:
-    """Latents → frames exactly as the pipelines' output_type="np": (frames, H, W, 3) in [0, 1]."""
+def _decoded(vae: Any, latents: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Decoded video (batch, 3, frames, H, W) in [-1, 1], a latent frame at a time (its first
+    frame, then 4 frames per latent frame), exactly as ``AutoencoderKLWan._decode`` makes it
+    (the same loop over its causal cache), so that frames can be encoded while the rest
+    decodes. Where tiling or patching is on, or the class is not the one known, all at once."""
+    if vae.use_tiling or getattr(vae.config, "patch_size", None) is not None or not hasattr(vae, "_feat_map"):
+        yield vae.decode(latents, return_dict=False)[0]
+        return
+    vae.clear_cache()
+    try:
+        x = vae.post_quant_conv(latents)
+        for i in range(x.shape[2]):
+            vae._conv_idx = [0]
+            out = vae.decoder(x[:, :, i:i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=i == 0)
+            yield torch.clamp(out, min=-1.0, max=1.0)
+    finally:
+        vae.clear_cache()
+
+
+def frame_chunks(ctx: StageContext, msg: Message) -> Iterator[np.ndarray]:
+    """Latents → frames as the pipelines' output_type="np" gives them ((frames, H, W, 3) in
+    [0, 1]), a few frames at a time, as the VAE decodes them."""
     from diffusers.video_processor import VideoProcessor
 
     vae = _component(ctx, "vae")
     device = _module_device(vae)
+    processor = VideoProcessor(vae_scale_factor=int(vae.config.scale_factor_spatial))
     with torch.inference_mode():
         latents = _input(msg, "latents", device).to(dtype=vae.dtype)
         if latents.ndim != 5 or latents.shape[1] != vae.config.z_dim:
@@ -472,19 +493,16 @@ def decode_frames(ctx: StageContext, msg: Message) -> np.ndarray:
                 f"part 'latents' must be (batch, {vae.config.z_dim}, frames, h, w), got {list(latents.shape)}"
             )
         mean, inv_std = _latents_norm(vae, latents.device, latents.dtype)
-        latents = latents / inv_std + mean
-        video = vae.decode(latents, return_dict=False)[0]
-        processor = VideoProcessor(vae_scale_factor=int(vae.config.scale_factor_spatial))
-        frames = processor.postprocess_video(video, output_type="np")
-    return np.asarray(frames[0])
+        for video in _decoded(vae, latents / inv_std + mean):
+            yield np.asarray(processor.postprocess_video(video, output_type="np")[0])
 
 
-def encode_mp4(frames: np.ndarray, fps: int) -> bytes:
-    """H.264 MP4 of ``frames`` ((frames, H, W, 3) floats in [0, 1], or uint8), encoded in this
-    process by PyAV (an ffmpeg subprocess cost ≈ 45-65 ms a video, as long as a small video's
-    denoising)."""
-    import av
+def decode_frames(ctx: StageContext, msg: Message) -> np.ndarray:
+    """Latents → all frames, as the pipelines' output_type="np": (frames, H, W, 3) in [0, 1]."""
+    return np.concatenate(list(frame_chunks(ctx, msg)))
 
+
+def _rgb24(frames: np.ndarray) -> np.ndarray:
     frames = np.asarray(frames)
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] == 0:
         raise ValueError(f"frames must be (frames, H, W, 3), got {list(frames.shape)}")
@@ -494,14 +512,68 @@ def encode_mp4(frames: np.ndarray, fps: int) -> bytes:
     h, w = frames.shape[1:3]
     if h % 2 or w % 2:  # yuv420p (what players expect) needs even sizes
         raise ValueError(f"frames must have an even height and width for H.264, got {w}x{h}")
-    out = io.BytesIO()
-    with av.open(out, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=int(fps))
-        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
-        container.mux(stream.encode(None))  # flush the encoder's delayed frames
-    return out.getvalue()
+    return frames
+
+
+class Mp4Writer:
+    """H.264 MP4 encoded in this process by PyAV (an ffmpeg subprocess cost ≈ 45-65 ms a video,
+    as long as a small video's denoising), on its own thread: chunks of frames go in as the VAE
+    decodes them, through a bounded queue, and the encoder (which leaves the GIL) works
+    meanwhile. ``content`` is the file once closed."""
+
+    def __init__(self, fps: int, queued: int = 4) -> None:
+        import queue
+        import threading
+
+        self.fps, self.content = int(fps), b""
+        self._q: queue.Queue = queue.Queue(maxsize=queued)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._encode, name="mp4-encoder", daemon=True)
+        self._thread.start()
+
+    def add(self, frames: np.ndarray) -> None:
+        if self._error is not None:
+            raise self._error
+        self._q.put(_rgb24(frames))
+
+    def close(self, discard: bool = False) -> bytes:
+        """The MP4; with ``discard`` (the decode failed) just stop the encoder."""
+        self._q.put(None)
+        self._thread.join()
+        if self._error is not None and not discard:
+            raise self._error
+        return self.content
+
+    def _encode(self) -> None:
+        import av
+
+        out, container, stream = io.BytesIO(), None, None
+        try:
+            while (frames := self._q.get()) is not None:
+                if container is None:
+                    container = av.open(out, mode="w", format="mp4")
+                    stream = container.add_stream("libx264", rate=self.fps)
+                    stream.height, stream.width = frames.shape[1:3]
+                    stream.pix_fmt = "yuv420p"
+                for frame in frames:
+                    container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame),
+                                                                           format="rgb24")))
+            if container is None:
+                raise ValueError("no frames to encode")
+            container.mux(stream.encode(None))  # flush the encoder's delayed frames
+            container.close()
+            self.content = out.getvalue()
+        except BaseException as e:  # handed to the caller; the queue is drained so it never blocks
+            self._error = e
+            while self._q.get() is not None:
+                pass
+
+
+def encode_mp4(frames: np.ndarray, fps: int) -> bytes:
+    """H.264 MP4 of ``frames`` ((frames, H, W, 3) floats in [0, 1], or uint8)."""
+    mp4 = Mp4Writer(fps)
+    mp4.add(frames)
+    return mp4.close()
 
 
 @stage_function("vae_decode", "t2v")
@@ -510,4 +582,11 @@ def vae_decode(ctx: StageContext, msg: Message) -> Parts:
     fps = _param(_params(msg), "fps", int)
     if fps <= 0:
         raise ValueError(f"parameter 'fps' must be positive, got {fps}")
-    return {"content": encode_mp4(decode_frames(ctx, msg), fps)}
+    mp4 = Mp4Writer(fps)
+    try:
+        for frames in frame_chunks(ctx, msg):
+            mp4.add(frames)
+    except BaseException:
+        mp4.close(discard=True)
+        raise
+    return {"content": mp4.close()}
