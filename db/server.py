@@ -53,6 +53,12 @@ failed is skipped for ``peer_backoff_s`` so one dead peer cannot slow replicatio
 ones; a change that reached fewer than ``replication`` holders is counted as ``short``. What
 arrives as ``replica``/``purge`` is applied and never forwarded, so there are no loops; the
 merge rules of ``db/store.py`` make peers converge whatever order copies arrive in.
+
+Copies reconcile: a change that fell short (no peers known yet, as while a restarted NM hands
+out routes again, or a peer that did not take it) is owed. The DB sends the record as it holds
+it now again when its peers change and every ``REPAY_S`` while anything is owed (bounded:
+``OWED_MAX`` uids, the oldest forgotten first), so a failure written to one copy reaches the
+others in the end.
 """
 
 from __future__ import annotations
@@ -101,6 +107,9 @@ REPL_SHORT = Counter("onepiece_db_replication_short",
                      "Changes that reached fewer DBs than the replication factor", ["db"])
 
 DRAIN_S = 1.0  # how long a stopping DB keeps sending queued replication messages
+REPAY_S = 5.0  # how often changes that fell short are sent again (and at once when peers change)
+OWED_MAX = 10_000
+REPAY_BATCH = 256
 DATA_BATCH = 256  # data messages handled per loop turn before the control socket is looked at
 
 
@@ -136,6 +145,9 @@ class DbServer:
         self._outq: queue.Queue[Message] = queue.Queue(maxsize=replication_queue)
         self._peers: list[dict[str, str]] = []
         self._peers_lock = threading.Lock()
+        self._owed: dict[str, None] = {}  # uids whose last change fell short, oldest first
+        self._owed_lock = threading.Lock()  # the loop and the replicator both owe
+        self._peers_changed = threading.Event()
         self._closing = threading.Event()
         self._idle = threading.Event()  # set while run() is not executing
         self._idle.set()
@@ -190,6 +202,7 @@ class DbServer:
             out.setdefault(control, {"data": data, "control": control})
         with self._peers_lock:
             self._peers = list(out.values())
+        self._peers_changed.set()
         log.info("db %s: replication peers %s (factor %d)", self.name, [p["data"] for p in out.values()],
                  self.replication)
 
@@ -229,6 +242,7 @@ class DbServer:
             else:
                 data_sock, wait_ms = None, 1
             next_sweep = time.monotonic() + self.sweep_interval_s
+            next_repay = time.monotonic() + REPAY_S
             self.snapshot = self.stats()
             log.info("db %s serving data=%s control=%s events=%s", self.name, self.data_address,
                      self.control_address, self.events_address)
@@ -238,6 +252,10 @@ class DbServer:
                     self._drain_data()
                 if self.rpc.sock in events:
                     self.rpc.handle()
+                if self._peers_changed.is_set() or time.monotonic() >= next_repay:
+                    self._peers_changed.clear()
+                    self._repay()
+                    next_repay = time.monotonic() + REPAY_S
                 if time.monotonic() >= next_sweep:
                     try:
                         self._sweep()
@@ -466,12 +484,40 @@ class DbServer:
     def _replicate(self, msg: Message) -> None:
         # With a factor of 1 only purges (and fetches) travel: nobody else should hold copies,
         # but a DB that got one while the set was configured differently must still drop it.
-        if not self.peers or (self.replication < 2 and msg.kind not in EVERY_PEER):
+        if self.replication < 2 and msg.kind not in EVERY_PEER:
+            return
+        if not self.peers:
+            self._owe(msg)
             return
         try:
             self._outq.put_nowait(msg)
         except queue.Full:
             self._dropped(msg.uid, "replication queue full")
+
+    def _owe(self, msg: Message) -> None:
+        if msg.kind != "replica":
+            return  # purges go to every peer there is; a later copy meets their tombstone
+        with self._owed_lock:
+            self._owed.pop(msg.uid, None)
+            self._owed[msg.uid] = None
+            while len(self._owed) > OWED_MAX:
+                del self._owed[next(iter(self._owed))]
+
+    def _repay(self) -> None:
+        """Send what fell short again, as the record stands now (on the loop thread, which owns
+        the store): a record gone meanwhile is owed to nobody."""
+        if not self.peers:
+            return
+        with self._owed_lock:
+            uids = list(self._owed)[:REPAY_BATCH]
+            for uid in uids:
+                del self._owed[uid]
+        for uid in uids:
+            rec = self.store.get(uid)
+            if rec is not None:
+                content = self.store.content(uid)
+                self._replicate(Message({"uid": uid, "kind": "replica", "record": rec},
+                                        {CONTENT: content} if content is not None else {}))
 
     def _dropped(self, uid: str, why: str, loud: bool = True) -> None:
         self._count("dropped")
@@ -557,6 +603,7 @@ class DbServer:
                 if have < min(self.replication, len(peers) + 1):
                     self._count("short")
                     REPL_SHORT.labels(self.name).inc()
+                    self._owe(msg)
         finally:
             for sender in senders.values():
                 sender.close()

@@ -133,6 +133,10 @@ class ResultStore:
         rec = self._records.get(uid)
         return dict(rec) if rec is not None else None
 
+    def content(self, uid: str) -> bytes | None:
+        """``uid``'s artefact, if it has one (a read: nothing expires because of it)."""
+        return self._content.get(uid)
+
     def gone(self, uid: str) -> bool:
         """Whether ``uid`` was held here and dropped (fetched, deleted, expired) within a TTL."""
         return uid in self._tombstones

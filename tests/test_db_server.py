@@ -407,6 +407,26 @@ def test_replication_to_a_dead_peer_is_dropped_and_counted(start_dbs) -> None:
     assert REGISTRY.get_sample_value("onepiece_db_replication_dropped_total", {"db": db.server.name}) >= 20
 
 
+def test_a_change_that_fell_short_reaches_the_peers_once_they_are_known(start_dbs) -> None:
+    """A failure written while a DB knew no peers (as while a restarted NM hands out routes
+    again) and a result a down peer did not take are owed, and sent again, as they stand now,
+    once the peers are back: the copies reconcile."""
+    a, b = start_dbs(2, mesh=False)
+    failed, done = new_uid(), new_uid()
+    send(a.server.data_address, {"uid": failed, "kind": "failed", "stage": "s", "error": "instance died"})
+    wait_for(lambda: failed in a.server._owed, what="the failure owed")
+    a.server.set_peers([{"data": "tcp://127.0.0.1:1", "control": "tcp://127.0.0.1:2"}])  # down
+    send(a.server.data_address, {"uid": done, "kind": "result"}, {"content": b"video"})
+    wait_for(lambda: done in a.server._owed, what="the result owed: its peer did not take it")
+    assert get_from(b, failed) is None and get_from(b, done) is None
+    a.server.set_peers([b.entry])  # the routes are back
+    wait_for(lambda: (r := get_from(b, failed)) and r["status"] == "failed" and r["error"] == "instance died",
+             what="the failure on the peer")
+    wait_for(lambda: (r := get_from(b, done)) and r["status"] == "completed", what="the result on the peer")
+    assert b.server.store.content(done) == b"video"
+    wait_for(lambda: not a.server._owed, what="nothing owed")
+
+
 def test_late_joining_peer_and_replicas_are_not_forwarded(start_dbs) -> None:
     a, b = start_dbs(2, mesh=False)
     a.server.set_peers([b.entry, a.entry, b.entry, {"data": "tcp://127.0.0.1:1"}, "tcp://127.0.0.1:3"])
