@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from onepiece.schema import problem
 
@@ -84,6 +84,113 @@ class ListArgs(BaseModel):
                  Annotated[StrictStr, Field(min_length=1, max_length=128)]] | None = None  # (created_at, uid)
     limit: Annotated[StrictInt, Field(ge=1, le=MAX_PAGE)] = 20
     order: Literal["asc", "desc"] = "desc"
+
+
+# ---- what a DB accepts, checked before any field is used ------------------------------------
+
+Uid = Annotated[StrictStr, Field(min_length=1, max_length=128)]
+Label = Annotated[StrictStr, Field(max_length=128)]  # an application, set or stage name
+
+
+class _Args(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NewRecord(RecordSchema):
+    """A record as the proxy creates it: not finished, ``queued`` unless it says otherwise."""
+
+    status: Literal["queued", "in_progress"] = QUEUED
+
+
+class CreateArgs(_Args):
+    """``create``: the record (checked again by the store, which fills its defaults) and ``if_absent``."""
+
+    record: NewRecord
+    if_absent: StrictBool = False
+
+
+class UidArgs(_Args):
+    """``get`` and ``content``."""
+
+    uid: Uid
+    owner: Owner | None = None
+
+
+class DeleteArgs(UidArgs):
+    forget: StrictBool = False
+
+
+class NoArgs(_Args):
+    """``stats`` and ``ping``."""
+
+
+RPC_SCHEMAS: dict[str, type[BaseModel]] = {
+    "create": CreateArgs, "get": UidArgs, "content": UidArgs, "delete": DeleteArgs, "list": ListArgs,
+    "stats": NoArgs, "ping": NoArgs,
+}
+
+
+class _Report(BaseModel):
+    """A data message's header. Stages send their whole header on (``result``), so unknown
+    fields pass; identity that fills a record's gaps is typed."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    uid: Uid
+    app: Label | None = None
+    set: Label | None = None
+
+
+class StatusReport(_Report):
+    kind: Literal["status"]
+    status: Literal["queued", "in_progress"]
+    stage: Label | None = None
+    progress: Annotated[StrictInt, Field(ge=0, le=100)] = 0  # whole percent, as progress_of gives
+    deadline: StrictInt | None = None  # ns since the epoch
+
+
+class ResultReport(_Report):
+    kind: Literal["result"]
+    content_type: StrictStr | None = Field(None, max_length=256)
+    trace: list[dict[str, Any]] | None = Field(None, max_length=1024)
+
+
+class FailedReport(_Report):
+    kind: Literal["failed"]
+    stage: Label | None = None
+    # Any length a header holds (transport.message.MAX_HEADER_BYTES): a failure is never refused
+    # for its text, which the store cuts to its first MAX_ERROR_CHARS.
+    error: StrictStr | None = None
+
+
+class ReplicaMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["replica"]
+    uid: Uid
+    record: RecordSchema
+
+
+class PurgeMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["purge"]
+    uid: Uid
+    forget: StrictBool = False
+
+
+class FetchedMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["fetched"]
+    uid: Uid
+    expires_at: Seconds
+
+
+DATA_SCHEMAS: dict[str, type[BaseModel]] = {
+    "status": StatusReport, "result": ResultReport, "failed": FailedReport, "replica": ReplicaMessage,
+    "purge": PurgeMessage, "fetched": FetchedMessage,
+}
 
 
 def check_record(record: Any) -> str | None:

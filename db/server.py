@@ -64,7 +64,6 @@ others in the end.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import queue
 import threading
@@ -72,13 +71,14 @@ import time
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
-import orjson
 import zmq
 from prometheus_client import Counter, Gauge
 
 from onepiece.db.placement import order_dbs
-from onepiece.db.protocol import CONTENT, TERMINAL, ListArgs
+from onepiece.db.protocol import (CONTENT, DATA_SCHEMAS, RPC_SCHEMAS, TERMINAL, CreateArgs, DeleteArgs, FailedReport,
+                                  ListArgs, PurgeMessage, ReplicaMessage, ResultReport, StatusReport, UidArgs)
 from onepiece.db.store import Change, Gone, InvalidUpdate, NotFound, ResultStore, StoreFull
+from onepiece.events import CANCEL, DONE, event_frames
 from onepiece.schema import checked
 from onepiece.supervise import stop_on_signals
 from onepiece.transport import registry
@@ -167,7 +167,7 @@ class DbServer:
             self.rpc = RpcServer(control_address, {
                 "create": self._op_create, "get": self._op_get, "content": self._op_content,
                 "delete": self._op_delete, "list": self._op_list, "stats": self._op_stats, "ping": self._op_ping,
-            })
+            }, RPC_SCHEMAS)
             self.control_address = self.rpc.address
             self.pub = zmq.Context.instance().socket(zmq.PUB)
             self.pub.setsockopt(zmq.LINGER, 0)
@@ -257,7 +257,10 @@ class DbServer:
                     self._repay()
                     next_repay = time.monotonic() + REPAY_S
                 if time.monotonic() >= next_sweep:
-                    self._sweep()
+                    try:
+                        self._sweep()
+                    except Exception:  # (a stored string expires_at once ended the loop here)
+                        log.exception("db %s: a sweep failed; serving on", self.name)
                     self.snapshot = self.stats()  # replaced whole, never mutated: safe to read anywhere
                     next_sweep = time.monotonic() + self.sweep_interval_s
                 RECORDS.labels(self.name).set(len(self.store))
@@ -271,63 +274,73 @@ class DbServer:
             msg = self.receiver.recv(0)
             if msg is None:
                 return
-            self._on_data(msg)
+            try:
+                self._on_data(msg)
+            except Exception:  # the last guard: a DB loop that died would lose every record
+                log.exception("db %s: uid=%s a message from %s broke its handling; dropped", self.name,
+                              msg.header.get("uid"), msg.sender or "?")
 
     def _on_data(self, msg: Message) -> None:
         h = msg.header
-        uid, kind = h.get("uid"), h.get("kind")
-        # Identity a stage's message may carry: fills a record this DB has not seen created.
-        extra = {k: h[k] for k in ("app", "set") if h.get(k) is not None}
+        kind = h.get("kind")
         try:
-            if kind == "status":
-                if h.get("deadline") is not None:
-                    extra["deadline"] = h["deadline"]
-                change = self.store.set_status(uid, h.get("status"), h.get("stage"), h.get("progress", 0), **extra)
-            elif kind == "result":
-                change = self.store.put_result(uid, _content_of(msg, required=True), h.get("content_type"),
-                                               h.get("trace"), **extra)
-            elif kind == "failed":
-                change = self.store.fail(uid, h.get("stage"), h.get("error") or f"failed at stage {h.get('stage')}",
-                                         **extra)
-            elif kind == "replica":
-                change = self.store.apply_replica(h.get("record"), _content_of(msg, required=False))
+            schema = DATA_SCHEMAS.get(kind) if isinstance(kind, str) else None
+            if schema is None:
+                raise InvalidUpdate(f"kind: unknown data message kind {str(kind)[:80]!r}")
+            m = checked(schema, h, kind)
+        except ValueError as e:  # (InvalidUpdate is one)
+            self._malformed(msg, e)
+            return
+        uid = m.uid
+        # Identity a stage's message may carry: fills a record this DB has not seen created.
+        extra = {k: v for k in ("app", "set") if (v := getattr(m, k, None)) is not None}
+        try:
+            if isinstance(m, StatusReport):
+                if m.deadline is not None:
+                    extra["deadline"] = m.deadline
+                change = self.store.set_status(uid, m.status, m.stage, m.progress, **extra)
+            elif isinstance(m, ResultReport):
+                change = self.store.put_result(uid, _content_of(msg, required=True), m.content_type, m.trace, **extra)
+            elif isinstance(m, FailedReport):
+                change = self.store.fail(uid, m.stage, m.error or f"failed at stage {m.stage}", **extra)
+            elif isinstance(m, ReplicaMessage):
+                change = self.store.apply_replica(h["record"], _content_of(msg, required=False))
                 WRITES.labels(self.name, kind).inc()
                 if change is not None:
                     self._on_change(change, replicate=False)  # never forwarded: no loops
                 return
-            elif kind == "purge":
-                self.store.purge(uid, tombstone=h.get("forget") is not True)
+            elif isinstance(m, PurgeMessage):
+                self.store.purge(uid, tombstone=not m.forget)
                 WRITES.labels(self.name, kind).inc()
                 log.debug("db %s: uid=%s purged by a peer", self.name, uid)
                 return
-            elif kind == "fetched":
-                at = h.get("expires_at")
-                if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
-                    raise InvalidUpdate(f"fetched: expires_at must be a time in seconds, got {at!r}")
-                self.store.expire_by(uid, float(at))
+            else:  # FetchedMessage: the schemas name no other kind
+                self.store.expire_by(uid, m.expires_at)
                 WRITES.labels(self.name, kind).inc()
                 return
-            else:
-                raise InvalidUpdate(f"unknown data message kind {kind!r}")
         except StoreFull as e:
             self._refused(uid, str(e))
             if kind == "result":
                 # The artefact does not fit: say so in the record rather than leave the client
                 # waiting for a result that will never come.
                 try:
-                    change = self.store.fail(uid, h.get("stage"), str(e))
+                    change = self.store.fail(uid, None, str(e))
                 except (StoreFull, InvalidUpdate):
                     return
             else:
                 return
-        except (InvalidUpdate, MessageError, KeyError, TypeError, ValueError) as e:
-            self._count("malformed")
-            MALFORMED.labels(self.name).inc()
-            log.warning("db %s: uid=%s dropped malformed %r message: %s", self.name, uid, kind, e)
+        except (MessageError, KeyError, TypeError, ValueError) as e:  # (InvalidUpdate is a ValueError)
+            self._malformed(msg, e)
             return
         WRITES.labels(self.name, kind).inc()
         if change is not None:
             self._on_change(change, replicate=True)
+
+    def _malformed(self, msg: Message, e: Exception) -> None:
+        self._count("malformed")
+        MALFORMED.labels(self.name).inc()
+        log.warning("db %s: uid=%s dropped a malformed %r message from %s: %s", self.name, msg.header.get("uid"),
+                    str(msg.header.get("kind"))[:80], msg.sender or "?", e)
 
     def _on_change(self, change: Change, replicate: bool) -> None:
         rec = change.record
@@ -340,11 +353,11 @@ class DbServer:
             self._replicate(Message({"uid": rec["uid"], "kind": "replica", "record": rec}, parts))
 
     def _publish(self, rec: dict[str, Any]) -> None:
-        self._event(b"done", rec["uid"], rec["status"])
+        self._event(DONE, rec["uid"], rec["status"])
 
     def _event(self, topic: bytes, uid: str, status: str) -> None:
         try:
-            self.pub.send_multipart([topic, orjson.dumps({"uid": uid, "status": status})], zmq.NOBLOCK)
+            self.pub.send_multipart(event_frames(topic, uid, status), zmq.NOBLOCK)
         except zmq.Again:
             log.warning("db %s: uid=%s %s event dropped (subscribers not reading)", self.name, uid, topic.decode())
 
@@ -368,12 +381,10 @@ class DbServer:
 
     # ---- RPC ops (run on the loop thread, inside RpcServer.handle) ---------------------------
 
-    def _op_create(self, req: dict, blobs: list) -> dict:
-        record = req.get("record")
-        if not isinstance(record, dict):
-            raise InvalidUpdate("create: 'record' must be an object")
-        if _flag(req, "if_absent"):
-            uid = _uid(record)
+    def _op_create(self, req: CreateArgs, blobs: list) -> dict:
+        record = req.record.model_dump(exclude_unset=True)  # as sent: no defaults added
+        if req.if_absent:
+            uid = req.record.uid
             held = self.store.get(uid)
             if held is not None and held.get("owner") == record.get("owner"):
                 return {"record": held, "created": False}
@@ -390,22 +401,22 @@ class DbServer:
             self._on_change(change, replicate=True)
         return {"record": self.store.get(record["uid"]), "created": True}
 
-    def _owned(self, req: dict) -> tuple[str, dict[str, Any] | None]:
+    def _owned(self, req: UidArgs) -> tuple[str, dict[str, Any] | None]:
         """The request's uid and its record here, None when absent or another owner's."""
-        uid, owner = _uid(req), _owner(req)
+        uid = req.uid
         rec = self.store.get(uid)
-        if rec is not None and owner is not None and rec.get("owner") != owner:
+        if rec is not None and req.owner is not None and rec.get("owner") != req.owner:
             rec = None
         return uid, rec
 
-    def _op_get(self, req: dict, blobs: list) -> dict:
+    def _op_get(self, req: UidArgs, blobs: list) -> dict:
         uid, rec = self._owned(req)
         READS.labels(self.name, "get").inc()
         if rec is None:
             raise NotFound(f"not found: {uid}")
         return {"record": rec}
 
-    def _op_content(self, req: dict, blobs: list) -> tuple[dict, list]:
+    def _op_content(self, req: UidArgs, blobs: list) -> tuple[dict, list]:
         uid, rec = self._owned(req)
         READS.labels(self.name, "content").inc()
         if rec is None:
@@ -420,16 +431,16 @@ class DbServer:
             self._replicate(Message({"uid": uid, "kind": "fetched", "expires_at": self.store.clock() + grace}))
         return {"record": rec}, [data]
 
-    def _op_delete(self, req: dict, blobs: list) -> dict:
+    def _op_delete(self, req: DeleteArgs, blobs: list) -> dict:
         uid, rec = self._owned(req)
-        forget = _flag(req, "forget")
-        if rec is None and req.get("owner") is not None:
+        forget = req.forget
+        if rec is None and req.owner is not None:
             if uid in self.store:
                 raise NotFound(f"not found: {uid}")  # another owner's: nothing to say about it
             return {"deleted": False}  # a DB that holds it checks the owner and tells its peers
         if rec is not None and rec.get("status") not in TERMINAL and not forget:
             # Still being generated: stages subscribe to this and drop it where it is.
-            self._event(b"cancel", uid, "")
+            self._event(CANCEL, uid, "")
         existed = self.store.purge(uid, tombstone=not forget)
         WRITES.labels(self.name, "delete").inc()
         log.info("db %s: uid=%s %s (%s)", self.name, uid, "forgotten" if forget else "deleted",
@@ -438,17 +449,16 @@ class DbServer:
         self._replicate(Message({"uid": uid, "kind": "purge", **({"forget": True} if forget else {})}))
         return {"deleted": existed}
 
-    def _op_list(self, req: dict, blobs: list) -> dict:
-        args = checked(ListArgs, {k: v for k, v in req.items() if k not in ("id", "op")}, "list")
+    def _op_list(self, args: ListArgs, blobs: list) -> dict:
         READS.labels(self.name, "list").inc()
         records, more = self.store.page(args.owner, args.after, args.limit, args.order == "desc")
         return {"records": records, "has_more": more}
 
-    def _op_stats(self, req: dict, blobs: list) -> dict:
+    def _op_stats(self, req: Any, blobs: list) -> dict:
         READS.labels(self.name, "stats").inc()
         return {"stats": self.stats()}
 
-    def _op_ping(self, req: dict, blobs: list) -> dict:
+    def _op_ping(self, req: Any, blobs: list) -> dict:
         return {"name": self.name, "data_address": self.data_address,
                 "control_address": self.control_address, "events_address": self.events_address}
 
@@ -631,27 +641,6 @@ class DbServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _uid(req: dict) -> str:
-    uid = req.get("uid")
-    if not isinstance(uid, str) or not uid:
-        raise InvalidUpdate(f"{req.get('op')}: 'uid' must be a non-empty string")
-    return uid
-
-
-def _owner(req: dict) -> str | None:
-    owner = req.get("owner")
-    if owner is not None and (not isinstance(owner, str) or not 0 < len(owner) <= 64):
-        raise InvalidUpdate(f"{req.get('op')}: 'owner' must be a string of 1 to 64 characters")
-    return owner
-
-
-def _flag(req: dict, name: str) -> bool:
-    value = req.get(name, False)
-    if not isinstance(value, bool):
-        raise InvalidUpdate(f"{req.get('op')}: {name!r} must be true or false")
-    return value
 
 
 def _content_of(msg: Message, required: bool) -> bytes | None:

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 from onepiece import deployment as deployments
 from onepiece.heartbeat import DELIVERED
+from onepiece.nm.protocol import Routes
+from onepiece.schema import problem
 from onepiece.transport.registry import scheme_of, with_host
 from onepiece.transport.rpc import RpcClient, RpcError, RpcTimeout
 
@@ -350,7 +352,10 @@ class Membership:
             self.stage = stage
             self.on_assign(stage)
 
-    def _apply(self, routes: dict, newer_only: bool = False) -> None:
+    def _apply(self, routes: Any, newer_only: bool = False) -> None:
+        if (wrong := problem(Routes, routes, "routes")) is not None:  # senders index it without checks
+            log.warning("%s: ignored a route table: %s", self.id, wrong)
+            return
         with self._routes_lock:
             # On ZooKeeper versions only grow (they live there), and two paths deliver tables.
             if newer_only and routes.get("version", 0) < self.routes.get("version", 0):

@@ -43,6 +43,7 @@ from onepiece.config import Topology, Workflow
 from onepiece.nm.client import NOT_PRIMARY
 from onepiece.nm.elastic import Elastic
 from onepiece.nm.election import PrimaryElection
+from onepiece.nm.protocol import RegisterArgs
 from onepiece.nm.server import NodeManager
 from onepiece.nm.state import ClusterState
 from onepiece.nm.zk import Paths, ZkSettings
@@ -99,7 +100,7 @@ class HaNodeManager(NodeManager):
         return {op: self._guard(fn) for op, fn in super()._handlers().items()}
 
     def _guard(self, fn):
-        def handler(req: dict, blobs: list) -> Any:
+        def handler(req: Any, blobs: list) -> Any:
             if not self.primary:
                 raise NotPrimary(self._redirect())
             return fn(req, blobs)
@@ -111,9 +112,9 @@ class HaNodeManager(NodeManager):
             return f"{NOT_PRIMARY}; primary at {where}"
         return f"{NOT_PRIMARY}; no primary elected yet"
 
-    def _instance_id(self, req: dict) -> str | None:
-        iid = req.get("instance")
-        if not isinstance(iid, str) or not MEMBER_ID.match(iid):
+    def _instance_id(self, req: RegisterArgs) -> str | None:
+        iid = req.instance
+        if iid is None or not MEMBER_ID.match(iid):
             raise ValueError("this node manager runs on ZooKeeper; an instance joins with its member node "
                              "(start it with --zk HOSTS, as the node managers)")
         from kazoo.exceptions import KazooException

@@ -30,7 +30,9 @@ from onepiece.heartbeat import DELIVERED, delivered_of, stage_stats_problem
 from onepiece.nm.deliveries import DeliveryLedger, Grave
 from onepiece.nm.elastic import Elastic, Move
 from onepiece.nm.liveness import Liveness, LivenessSpec
+from onepiece.nm.protocol import SCHEMAS, HeartbeatArgs, Holdings, InstanceArgs, MoveArgs, RegisterArgs, SetArgs
 from onepiece.nm.reaper import Reaper
+from onepiece.schema import problem as problem_of
 from onepiece.nm.state import ClusterState, Instance
 from onepiece.supervise import stop_on_signals
 from onepiece.transport.rpc import RpcServer
@@ -61,10 +63,11 @@ class NodeManager:
         self.deliveries = DeliveryLedger(2 * (max(self.liveness.spec.limit_s, nm.zk_session_s) + 2 * nm.heartbeat_s))
         # Until then members keep the routes they hold, and proxies get no capacity view.
         self._settle_until: float | None = time.monotonic() + SETTLE_HEARTBEATS * topology.nm.heartbeat_s
-        self.rpc = RpcServer(address or topology.nm.address, self._handlers())
+        self.rpc = RpcServer(address or topology.nm.address, self._handlers(), SCHEMAS)
         self.address = self.rpc.address
 
     def _handlers(self) -> dict:
+        """Op -> handler; each gets its arguments checked against ``nm.protocol.SCHEMAS``."""
         return {
             "register": self._register,
             "heartbeat": self._heartbeat,
@@ -81,16 +84,16 @@ class NodeManager:
     def _nm_status(self) -> dict[str, Any]:
         return {"mode": "embedded", "address": self.address, deployment.FIELD: self.deployment}
 
-    def _check_deployment(self, req: dict) -> None:
+    def _check_deployment(self, theirs: str) -> None:
         """Refuse a member of another deployment before it touches the state (the RPC server
         logs the refusal; the member logs it too)."""
-        why = deployment.refusal(self.deployment, req.get(deployment.FIELD, ""))
+        why = deployment.refusal(self.deployment, theirs)
         if why is not None:
             raise PermissionError(why)
 
     # ---- hooks for the NM on ZooKeeper -------------------------------------------------------
 
-    def _instance_id(self, req: dict) -> str | None:
+    def _instance_id(self, req: RegisterArgs) -> str | None:
         """The id a registering instance brings (None: this NM names it)."""
         return None
 
@@ -138,40 +141,30 @@ class NodeManager:
             self.deliveries.bury(address, Grave(inst.id, inst.stage, inst.set, since,
                                                 now + self.deliveries.horizon_s, reason, set(uids)))
 
-    def _delivered(self, report: Any) -> None:
+    def _delivered(self, report: Any, sender: str) -> None:
         """A member's recent deliveries; those to an instance that died meanwhile are reaped now."""
         delivered = delivered_of(report)
         if delivered is None:
-            log.warning("heartbeat: malformed %r report dropped", DELIVERED)
+            log.warning("heartbeat of %s: malformed %r report dropped", sender, DELIVERED)
             return
         for grave, uids in self.deliveries.record(delivered, time.monotonic()):
             log.info("%d request(s) were delivered to %s after it was last heard; reporting them failed",
                      len(uids), grave.instance)
             self.reaper.submit(grave.instance, grave.stage, uids, self.state.routes(grave.set)["dbs"], grave.reason)
 
-    def _set(self, req: dict) -> str:
-        name = req.get("set")
-        if name not in self.state.sets:
-            raise ValueError(f"unknown set {name!r} (known: {sorted(self.state.sets)})")
-        return name
+    def _set(self, req: SetArgs) -> str:
+        if req.set not in self.state.sets:
+            raise ValueError(f"unknown set {req.set!r} (known: {sorted(self.state.sets)})")
+        return req.set
 
-    def _all(self, key: str, req: dict) -> dict[str, list]:
-        names = [self._set(req)] if req.get("set") else list(self.state.sets)
+    def _all(self, key: str, req: SetArgs) -> dict[str, list]:
+        names = [self._set(req)] if req.set else list(self.state.sets)
         return {n: self.state.routes(n)[key] for n in names}
 
-    def _register(self, req: dict, _: Any) -> dict:
-        self._check_deployment(req)
-        addresses = req.get("addresses")
-        if not isinstance(addresses, dict) or not all(isinstance(v, str) for v in addresses.values()):
-            raise ValueError("register: 'addresses' must map names to address strings")
-        name = req.get("name", "")
-        if not isinstance(name, str):
-            raise ValueError("register: 'name' must be a string")
-        serving = req.get("serving")
-        inst = self.state.register(str(req.get("role")), str(req.get("set")), addresses,
-                                   int(req.get("pid", 0)), str(req.get("host", "")), req.get("stage"),
-                                   inst_id=self._instance_id(req), idle=req.get("idle") is True, name=name,
-                                   serving=serving if isinstance(serving, str) else None)
+    def _register(self, req: RegisterArgs, _: Any) -> dict:
+        self._check_deployment(req.deployment)
+        inst = self.state.register(req.role, req.set, dict(req.addresses), req.pid, req.host, req.stage,
+                                   inst_id=self._instance_id(req), idle=req.idle, name=req.name, serving=req.serving)
         if inst.role == "stage":
             self.deliveries.revive(inst.addresses["data"], time.monotonic())
         self._saved()
@@ -186,47 +179,41 @@ class NodeManager:
             "routes": self.state.routes(inst.set),
         }
 
-    def _heartbeat(self, req: dict, _: Any) -> dict:
-        self._check_deployment(req)  # before the lookup: a foreign member is not told to register again
-        version = req.get("version")
-        stats = req.get("stats")
-        stats = dict(stats) if isinstance(stats, dict) else {}
+    def _heartbeat(self, req: HeartbeatArgs, _: Any) -> dict:
+        self._check_deployment(req.deployment)  # before the lookup: a foreign member is not told to register again
+        stats = dict(req.stats)
         holding = stats.pop("holding", None)  # kept apart: status shows only its length
-        if not (isinstance(holding, list) and all(isinstance(u, str) for u in holding)):
+        if holding is not None and (problem := problem_of(Holdings, {"holding": holding}, "stats")) is not None:
+            log.warning("heartbeat of %s: holding dropped: %s", req.instance, problem)
             holding = None
-        serving = req.get("serving")
-        known = self.state.instances.get(str(req.get("instance")))
+        known = self.state.instances.get(req.instance)
         if known is not None and known.role == "stage" and (problem := stage_stats_problem(stats)) is not None:
             # Liveness still counts; the figures do not (they would break every capacity estimate).
             log.warning("heartbeat of %s: stats dropped: %s", known.id, problem)
             stats = known.stats
-        inst = self.state.heartbeat(str(req.get("instance")), bool(req.get("ready")), stats,
-                                    version if isinstance(version, int) else 0, holding,
-                                    serving if isinstance(serving, str) else None)
+        inst = self.state.heartbeat(req.instance, req.ready, stats, req.version, holding, req.serving)
         if inst.role == "stage":
             self.elastic.observe(inst, time.monotonic())
-        if req.get(DELIVERED):
-            self._delivered(req[DELIVERED])
+        if req.delivered:
+            self._delivered(req.delivered, req.instance)
         self._saved()
         reply: dict[str, Any] = {"version": self.state.version}
         if inst.role == "stage":
             reply["stage"] = inst.stage  # its assignment: the NM may have moved it
-        if version != self.state.version and not self._settling():
+        if req.version != self.state.version and not self._settling():
             reply["routes"] = self.state.routes(inst.set)
         if inst.role == "proxy" and self._monitor_ready(inst.set):
             reply["monitor"] = self.state.monitor(inst.set)  # the request monitor's view, fresh every heartbeat
         return reply
 
-    def _deregister(self, req: dict, _: Any) -> dict:
-        self.state.deregister(str(req.get("instance")), "left")
+    def _deregister(self, req: InstanceArgs, _: Any) -> dict:
+        self.state.deregister(req.instance, "left")
         self._saved()
         return {}
 
-    def _move(self, req: dict, _: Any) -> dict:
+    def _move(self, req: MoveArgs, _: Any) -> dict:
         """An operator's move: ``instance`` to ``stage`` (null: the idle pool)."""
-        iid, stage = req.get("instance"), req.get("stage")
-        if not isinstance(iid, str) or not (stage is None or isinstance(stage, str)):
-            raise ValueError("move: expected 'instance' (an id) and 'stage' (a stage name, or null for the idle pool)")
+        iid, stage = req.instance, req.stage
         inst = self.state.instances.get(iid)
         src = inst.stage if inst is not None else None
         self.elastic.apply(self.state, Move(iid, src, stage, "asked by an operator"), time.monotonic())
@@ -239,8 +226,11 @@ class NodeManager:
         tick_ms = int(min(self.topology.nm.heartbeat_s, 0.5) * 1000)
         while not stop.is_set():
             if poller.poll(tick_ms):
-                self.rpc.handle()
-            self._tick()
+                self.rpc.handle()  # (guarded per request)
+            try:
+                self._tick()
+            except Exception:  # the last guard: an embedded NM that died would take the whole state with it
+                log.exception("node manager: a periodic turn failed; serving on")
 
     def close(self) -> None:
         self.rpc.close()

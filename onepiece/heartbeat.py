@@ -49,6 +49,9 @@ class StageStats(BaseModel):
     queue: Count = 0
     workers: Count = 0
     policy: Annotated[str, Field(max_length=64)] = ""
+    # Cumulative seconds workers ran and worker slots existed: the NM's utilization (nm/utilization.py).
+    busy_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    slot_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     service: Annotated[dict[str, AppService], Field(max_length=256)] = Field(default_factory=dict)
 
 

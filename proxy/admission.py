@@ -21,12 +21,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import orjson
 import zmq
 import zmq.asyncio
 
+from onepiece.events import DONE, MAX_EVENT_BYTES, read_event
 from onepiece.nm.capacity import predicted_latency
 from onepiece.sched.options import DEADLINE_ORDERED
+from onepiece.transport.zmq_transport import peer_of
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,8 @@ class DoneWatcher:
         self.sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, 100_000)
-        self.sock.setsockopt(zmq.SUBSCRIBE, b"done")
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_BYTES)
+        self.sock.setsockopt(zmq.SUBSCRIBE, DONE)
         self.connected: set[str] = set()
         self._task: asyncio.Task | None = None
 
@@ -129,23 +131,20 @@ class DoneWatcher:
     async def _run(self) -> None:
         while True:
             try:
-                frames = await self.sock.recv_multipart()
+                frames = await self.sock.recv_multipart(copy=False)
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as e:
                 log.warning("DB events socket error: %s", e)
                 await asyncio.sleep(0.1)
                 continue
-            if len(frames) < 2 or frames[0] != b"done":
-                continue
             try:
-                ev = orjson.loads(frames[1])
-                uid, status = ev["uid"], ev.get("status", "")
-            except (orjson.JSONDecodeError, KeyError, TypeError):
-                log.warning("ignored malformed DB event")
-                continue
-            if isinstance(uid, str):
-                self.on_done(uid, str(status))
+                ev = read_event(frames, DONE)
+                self.on_done(ev.uid, ev.status)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # one event must not end the watch (ValueError: malformed)
+                log.warning("ignored a DB event from %s: %s", peer_of(frames[0]), e)
 
     async def close(self) -> None:
         if self._task is not None:

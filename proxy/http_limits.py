@@ -11,6 +11,10 @@ memory. Here, per connection:
   within ``header_timeout_s`` of its first byte, or of the connection opening (else 408);
 - the body must arrive within ``body_timeout_s`` of the head (else 408 and the app sees a
   disconnect);
+- a response the client stops reading (the transport's write buffer stays above its high-water
+  mark, so the app waits to send more) is cut off after ``write_timeout_s`` without progress:
+  the connection is aborted and the app sees a disconnect, so a client that never reads cannot
+  hold a response's buffers and its handler forever;
 - beyond ``max_connections`` open connections a new one gets 503 and is closed at once.
 
 Bodies are bounded in size by the app (GuardMiddleware); uvicorn itself pauses reading once 64
@@ -35,10 +39,11 @@ class HttpLimits:
     max_header_bytes: int = 32 * 1024  # request line + headers; nginx takes 4 x 8 KiB by default
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0  # 16 MiB in 60 s needs 280 KB/s from the client
+    write_timeout_s: float = 60.0  # a response of which the client reads nothing for this long
     max_connections: int = 4096
 
     def __post_init__(self) -> None:
-        for name in ("max_header_bytes", "header_timeout_s", "body_timeout_s", "max_connections"):
+        for name in ("max_header_bytes", "header_timeout_s", "body_timeout_s", "write_timeout_s", "max_connections"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"HTTP limit {name} must be positive (got {getattr(self, name)!r})")
 
@@ -52,6 +57,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = True  # bytes fed now belong to a request line or headers
         self._head_bytes = 0
         self._timer: TimerHandle | None = None
+        self._write_timer: TimerHandle | None = None  # runs while writing is paused
 
     # --- connection -------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -64,7 +70,23 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._writing()
         super().connection_lost(exc)
+
+    # --- flow control: the transport says when the client stops reading --------------------------
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.limits.write_timeout_s, self._write_timed_out)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._writing()
+
+    def _writing(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
 
     def data_received(self, data: bytes) -> None:
         if not self._in_head:
@@ -121,6 +143,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._refuse(408, f"request headers not received within {self.limits.header_timeout_s:g} s",
                      "header_timeout")
+
+    def _write_timed_out(self) -> None:
+        self._write_timer = None
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.disconnected = True  # the app's next send is dropped
+        # abort(), not close(): close() would wait to flush what the client is not reading.
+        self.transport.abort()
 
     def _body_timed_out(self) -> None:
         self._timer = None

@@ -18,6 +18,8 @@ from typing import Any, Callable
 from onepiece.config import Workflow
 from onepiece.db import protocol
 from onepiece.db.placement import order_dbs
+from onepiece.schema import checked
+from onepiece.task_header import Routed
 from onepiece.transport import registry
 from onepiece.transport.base import Sender, TransportError
 from onepiece.transport.message import Message
@@ -82,10 +84,15 @@ class ResultDeliver:
 
     def forward(self, msg: Message) -> None:
         """Send on a message that reached this instance for another stage."""
-        stage, hops = msg.header.get("stage"), msg.header.get("hops", 0)
-        if stage not in self.workflow.stages or msg.header.get("app") not in self.workflow.applications:
-            self._fail(msg, f"message for unknown stage {stage!r} or application {msg.header.get('app')!r}")
-        elif not isinstance(hops, int) or hops >= MAX_HOPS:
+        try:
+            r = checked(Routed, msg.header)
+        except ValueError as e:
+            self._fail(msg, f"malformed message to forward (from {msg.sender or '?'}): {e}")
+            return
+        stage, hops = r.stage, r.hops
+        if stage not in self.workflow.stages or r.app not in self.workflow.applications:
+            self._fail(msg, f"message for unknown stage {stage!r} or application {r.app!r}")
+        elif hops >= MAX_HOPS:
             self._fail(msg, f"forwarded {hops} times without reaching an instance of stage {stage}")
         else:
             msg.header["hops"] = hops + 1

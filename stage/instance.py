@@ -177,7 +177,9 @@ class StageInstance:
         if msg is None:
             return
         try:
-            self._forwarder.forward(msg)
+            self._forwarder.forward(msg)  # (checks the message's routing fields first)
+        except Exception:  # one message must not end the instance's loop
+            log.exception("uid=%s: could not forward a message from %s", msg.uid, msg.sender or "?")
         finally:
             self.holdings.discard(msg.uid)
 

@@ -26,45 +26,31 @@ import logging
 import queue
 import threading
 import time
-from typing import Annotated, Any, Callable
+from typing import Any, Callable
 
 import orjson
 import zmq
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from onepiece.config import Workflow
+from onepiece.events import CANCEL, MAX_EVENT_BYTES, read_event
 from onepiece.sched.core import Drop, Run, SchedCore
 from onepiece.sched.costs import CostModel
 from onepiece.sched.deadlines import stage_request
 from onepiece.sched.keys import at_dop, call_key, compat_key, shape_key
 from onepiece.sched.policy import Request
+from onepiece.schema import checked
+from onepiece.stage.reports import REPORTS, Admitted, Failed, Idle, Progress, Ready
 from onepiece.stage.service_times import ServiceTimes
 from onepiece.stage.stats import SchedulerStats
+from onepiece.task_header import TaskHeader
 from onepiece.transport.base import Receiver
 from onepiece.transport.message import Message, MessageError, decode, encode, now_ns
+from onepiece.transport.zmq_transport import peer_of
 
 log = logging.getLogger(__name__)
 
 HUNG_GRACE_S = 10.0  # a chunk still running this long past every member's deadline (at least 3 steps): hung
 MAX_CANCELLED = 65_536  # cancelled uids remembered, to drop them if they arrive later
-
-
-class TaskHeader(BaseModel):
-    """What the scheduler reads of a data message's header before it trusts it."""
-
-    model_config = ConfigDict(extra="allow")
-
-    uid: StrictStr = Field(min_length=1, max_length=128)
-    app: StrictStr
-    params: dict[str, Any]
-    deadline: StrictInt | None = None  # ns since the epoch: where the request fails
-    target: StrictInt | None = None  # ns since the epoch: its slo_s, what policies schedule for (default: deadline)
-    priority: StrictInt = Field(0, ge=-1000, le=1000)
-    # Per stage: seconds the stages after it need alone (the proxy's view): this stage aims to
-    # be done that much before the request's deadline.
-    reserve: dict[str, Annotated[float, Field(ge=0, le=86_400, allow_inf_nan=False)]] = Field(default_factory=dict,
-                                                                                              max_length=64)
-    trace: list[dict[str, Any]] = Field(default_factory=list, max_length=1024)
 
 
 class RequestScheduler:
@@ -83,7 +69,8 @@ class RequestScheduler:
         self.worker_address = self.workers.getsockopt_string(zmq.LAST_ENDPOINT)
         self.events = ctx.socket(zmq.SUB)  # the set's DBs: cancellations
         self.events.setsockopt(zmq.LINGER, 0)
-        self.events.setsockopt(zmq.SUBSCRIBE, b"cancel")
+        self.events.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_BYTES)
+        self.events.setsockopt(zmq.SUBSCRIBE, CANCEL)
         self._dbs: set[str] = set()
         self._dbs_version: Any = None
         self.core = SchedCore(spec.schedule, CostModel(costs))  # from a table, if given; measured from here on
@@ -122,12 +109,12 @@ class RequestScheduler:
             uid = item[1] if item[0] == "failed" else item[1].uid
             log.error("deliver mailbox full for 30s; dropped %s for uid=%s", item[0], uid)
 
-    def _fail(self, uid: str, app: str, error: str) -> None:
+    def _fail(self, uid: str, app: str, error: str, sender: str = "") -> None:
         self.stats.failed += 1
         self.msgs.pop(uid, None)
         self.shapes.pop(uid, None)
         self.fixed.pop(uid, None)
-        log.warning("uid=%s failed at %s: %s", uid, self.stage, error)
+        log.warning("uid=%s failed at %s: %s%s", uid, self.stage, error, f" (sent by {sender})" if sender else "")
         self._emit(("failed", uid, app, error))
 
     # --- the loop ---------------------------------------------------------------------------
@@ -147,17 +134,21 @@ class RequestScheduler:
                 reading = want_read
             # A receiver without a socket (the ring) is polled in memory, so the turn is short.
             events = dict(poller.poll(50 if handle is not None else 1))
-            if self.workers in events:
-                self._from_workers()
-            if self.events in events:
-                self._cancellations()
-            if want_read and (handle is None or handle in events):
-                self._intake()
-            self._control()
-            self._follow_dbs()
-            self._reclaim_hung()
-            self._decide()
-            self._update_stats()
+            try:
+                if self.workers in events:
+                    self._from_workers()
+                if self.events in events:
+                    self._cancellations()
+                if want_read and (handle is None or handle in events):
+                    self._intake()
+                self._control()
+                self._follow_dbs()
+                self._reclaim_hung()
+                self._decide()
+                self._update_stats()
+            except Exception:  # the last guard: what one turn hit must not stop the stage
+                log.exception("scheduler of %s: a turn failed; serving on", self.stage)
+                time.sleep(0.05)  # a fault that repeats every turn logs 20 lines a second, not thousands
 
     def _intake(self) -> None:
         now = time.monotonic()
@@ -166,50 +157,57 @@ class RequestScheduler:
             if msg is None:
                 break
             self.stats.received += 1
-            if msg.header.get("stage") != self.stage:
+            try:
+                self._accept(msg, now)
+            except Exception:  # one the checks let through and that still breaks: dropped alone
+                log.exception("uid=%s: dropped a message from %s that broke intake at %s", msg.header.get("uid"),
+                              msg.sender or "?", self.stage)
+
+    def _accept(self, msg: Message, now: float) -> None:
+        """Check one message and hand it to the core (or on, or fail it)."""
+        try:
+            h = checked(TaskHeader, msg.header)
+            if h.stage != self.stage:
                 self.stats.forwarded += 1
                 self._emit(("forward", msg))
-                continue
-            try:
-                h = TaskHeader.model_validate(msg.header)
-                stepped = self.stepped.get(h.app) if self.stepped else None
-                if stepped is None or h.app not in self.apps:
-                    raise ValueError(f"application {h.app!r} is not served by stage {self.stage}")
-                limits = self.apps[h.app].limits
-                params = self.apps[h.app].check_params(h.params)  # at every stage, stepped or not
-                steps = params.steps if stepped else 1
-            except (ValidationError, ValueError) as e:
-                err = e.errors()[0] if isinstance(e, ValidationError) else None
-                why = f"{'.'.join(map(str, err['loc']))}: {err['msg']}" if err else str(e)
-                uid, app = msg.header.get("uid"), msg.header.get("app")
-                if isinstance(uid, str) and uid:
-                    self._fail(uid, app if isinstance(app, str) else "", f"malformed request at stage {self.stage}: {why}")
-                else:
-                    log.warning("dropped a message without a usable uid at %s: %s", self.stage, why)
-                continue
-            if h.uid in self.cancelled:
-                self.cancelled_on_arrival += 1
-                log.info("uid=%s dropped on arrival: cancelled", h.uid)
-                continue
-            # Every request ends by the application's deadline at the latest, so none can hold a
-            # worker forever (the proxy's deadline is never later than that).
-            longest = now_ns() + int(limits.timeout_s * 1e9)
-            if h.deadline is None or h.deadline > longest:
-                msg.header["deadline"] = h.deadline = longest
-            t_ns = now_ns()
-            key = compat_key(h.params) if stepped else call_key(h.params)
-            r = stage_request(h.uid, h.app, key, steps, now, now + (h.deadline - t_ns) / 1e9,
-                              None if h.target is None else now + (h.target - t_ns) / 1e9,
-                              h.reserve.get(self.stage, 0.0), h.priority, batchable=stepped)
-            try:
-                self.core.add(r)
-            except ValueError:  # the same request twice (a duplicate forward): one is enough
-                log.warning("uid=%s arrived twice at %s; dropped the copy", h.uid, self.stage)
-                continue
-            msg.header["trace"] = h.trace
-            msg.mark(self.stage, "recv")
-            self.msgs[h.uid] = msg
-            self.shapes[h.uid] = shape_key(h.params)
+                return
+            stepped = self.stepped.get(h.app) if self.stepped else None
+            if stepped is None or h.app not in self.apps:
+                raise ValueError(f"app: application {h.app!r} is not served by stage {self.stage}")
+            limits = self.apps[h.app].limits
+            params = self.apps[h.app].check_params(h.params)  # at every stage, stepped or not
+            steps = params.steps if stepped else 1
+        except ValueError as e:
+            uid, app = msg.header.get("uid"), msg.header.get("app")
+            why = f"malformed request at stage {self.stage}: {e}"
+            if isinstance(uid, str) and 0 < len(uid) <= 128:  # a uid the DB takes: the client learns why
+                self._fail(uid, app if isinstance(app, str) else "", why, msg.sender)
+            else:
+                log.warning("dropped a message from %s without a usable uid: %s", msg.sender or "?", why)
+            return
+        if h.uid in self.cancelled:
+            self.cancelled_on_arrival += 1
+            log.info("uid=%s dropped on arrival: cancelled", h.uid)
+            return
+        # Every request ends by the application's deadline at the latest, so none can hold a
+        # worker forever (the proxy's deadline is never later than that).
+        longest = now_ns() + int(limits.timeout_s * 1e9)
+        if h.deadline is None or h.deadline > longest:
+            msg.header["deadline"] = h.deadline = longest
+        t_ns = now_ns()
+        key = compat_key(h.params) if stepped else call_key(h.params)
+        r = stage_request(h.uid, h.app, key, steps, now, now + (h.deadline - t_ns) / 1e9,
+                          None if h.target is None else now + (h.target - t_ns) / 1e9,
+                          h.reserve.get(self.stage, 0.0), h.priority, batchable=stepped)
+        try:
+            self.core.add(r)
+        except ValueError:  # the same request twice (a duplicate forward): one is enough
+            log.warning("uid=%s arrived twice at %s; dropped the copy", h.uid, self.stage)
+            return
+        msg.header["trace"] = h.trace
+        msg.mark(self.stage, "recv")
+        self.msgs[h.uid] = msg
+        self.shapes[h.uid] = shape_key(h.params)
 
     def _decide(self) -> None:
         t0 = time.perf_counter()
@@ -260,67 +258,70 @@ class RequestScheduler:
                 frames = self.workers.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            ident, tag = frames[0].bytes, frames[1].bytes
+            ident = frames[0].bytes
+            tag = frames[1].bytes if len(frames) > 1 else b""
             try:
-                self._report(ident, tag, frames[2:])
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, IndexError) as e:
-                log.error("malformed %r report from worker %s: %s", tag, ident, e)
+                if tag == b"done":
+                    self._done(ident.decode(errors="replace"), frames[2:])
+                elif tag in REPORTS and len(frames) == 3:
+                    self._report(ident, checked(REPORTS[tag], orjson.loads(frames[2].bytes), tag.decode()))
+                else:
+                    raise ValueError(f"{len(frames) - 1} frames tagged {tag[:16]!r}")
+            except Exception as e:  # a worker bug: its report is dropped, the scheduler goes on
+                log.error("dropped a report from worker %r of %s: %s", ident[:64], self.stage, e)
 
-    def _report(self, ident: bytes, tag: bytes, rest: list) -> None:
+    def _report(self, ident: bytes, info: Any) -> None:
         wid = ident.decode()
-        if tag == b"ready":
+        if isinstance(info, Ready):
             if wid in self.core.workers:  # restarted before its death was noticed
                 self._lost(wid, "restarted")
-            info = orjson.loads(rest[0].bytes)
-            self.stepped = {str(a): bool(s) for a, s in info["stepped"].items()}
-            self.core.worker_up(wid, int(info.get("ranks", 1)))
+            self.stepped = dict(info.stepped)
+            self.core.worker_up(wid, info.ranks)
             self.known.add(ident)
             self.fresh.add(ident)
             self.born[ident] = time.monotonic()
             self.running.pop(ident, None)
             self.stats.serving = True
-        elif tag == b"admitted":
-            info = orjson.loads(rest[0].bytes)
-            self.core.admitted(wid, info["uid"], int(info["nbytes"]))
-        elif tag == b"progress":
-            info = orjson.loads(rest[0].bytes)
-            r = self.core.requests.get(info["uid"])
+        elif isinstance(info, Admitted):
+            self.core.admitted(wid, info.uid, info.nbytes)
+        elif isinstance(info, Progress):
+            r = self.core.requests.get(info.uid)
             if r is not None:
-                self._emit(("progress", r.uid, r.app, float(info["fraction"])))
-        elif tag == b"done":
-            try:
-                msg = decode(rest)
-            except MessageError as e:  # a worker bug, not a client's: nothing to attribute it to
-                log.error("worker %s of %s returned a malformed result: %s", wid, self.stage, e)
-                return
-            r = self.core.finished(msg.uid)
-            if r is None:  # cancelled or expired while it ran: nobody wants it
-                return
-            self.stats.completed += 1
-            self.sample_later.setdefault(wid, []).append(r)  # once its chunk's step times are known
-            self._emit(("result", msg))
-        elif tag == b"failed":
-            info = orjson.loads(rest[0].bytes)
-            r = self.core.failed(info["uid"]) if isinstance(info.get("uid"), str) else None
+                self._emit(("progress", r.uid, r.app, info.fraction))
+        elif isinstance(info, Failed):
+            r = self.core.failed(info.uid)
             if r is not None:
-                self._fail(r.uid, r.app, str(info.get("error")))
-        elif tag == b"idle":
-            info = orjson.loads(rest[0].bytes)
+                self._fail(r.uid, r.app, info.error)
+        elif isinstance(info, Idle):
             measured = ident not in self.fresh
-            for uids, seconds in info["steps"]:
-                self.core.stepped(uids, float(seconds), measure=measured)
+            for uids, seconds in info.steps:
+                self.core.stepped(uids, seconds, measure=measured)
                 if measured:
-                    self.stats.step_time.observe(float(seconds))
-            for uid, seconds in info["fixed"].items():
+                    self.stats.step_time.observe(seconds)
+            for uid, seconds in info.fixed.items():
                 if measured:
-                    self.fixed[uid] = self.fixed.get(uid, 0.0) + float(seconds)
+                    self.fixed[uid] = self.fixed.get(uid, 0.0) + seconds
             self.fresh.discard(ident)
             for r in self.sample_later.pop(wid, []):
                 self._sample(r)
             self.core.idle(wid)
             run = self.running.pop(ident, None)
             if run is not None and measured:
-                self.core.note_overhead(time.monotonic() - run[0] - float(info["exec_s"]) + run[1])
+                self.core.note_overhead(time.monotonic() - run[0] - info.exec_s + run[1])
+
+    def _done(self, wid: str, rest: list) -> None:
+        """A finished request's result message."""
+        try:
+            msg = decode(rest)
+        except MessageError as e:  # a worker bug, not a client's: nothing to attribute it to
+            log.error("worker %s of %s returned a malformed result: %s", wid, self.stage, e)
+            return
+        r = self.core.finished(msg.uid)
+        if r is None:  # cancelled or expired while it ran: nobody wants it
+            return
+        self.stats.completed += 1
+        self.sample_later.setdefault(wid, []).append(r)  # once its chunk's step times are known
+        self._emit(("result", msg))
 
     def _sample(self, r: Request) -> None:
         """A finished request's service times, from the cost model: alone (its standalone time,
@@ -375,16 +376,15 @@ class RequestScheduler:
     def _cancellations(self) -> None:
         while True:
             try:
-                frames = self.events.recv_multipart(zmq.NOBLOCK)
+                frames = self.events.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             try:
-                uid = orjson.loads(frames[1])["uid"]
-            except (orjson.JSONDecodeError, KeyError, TypeError, IndexError):
-                log.warning("ignored a malformed cancel event")
+                uid = read_event(frames, CANCEL).uid
+            except ValueError as e:
+                log.warning("ignored a cancel event from %s: %s", peer_of(frames[0]), e)
                 continue
-            if isinstance(uid, str):
-                self.cancel(uid)
+            self.cancel(uid)
 
     def cancel(self, uid: str) -> None:
         """Forget ``uid`` here and drop it if it arrives later."""

@@ -365,8 +365,10 @@ def test_malformed_data_and_rpc_are_dropped_with_a_log_line(start_dbs, caplog) -
         wait_for(lambda: get_from(db, uid) is not None, what="valid message after malformed ones")
         rpc = RpcClient(db.control, timeout=1.0, retries=0)
         try:
-            with pytest.raises(RpcError, match="'uid' must be"):
+            with pytest.raises(RpcError, match="get.uid: Field required"):
                 rpc.call("get")
+            with pytest.raises(RpcError, match="get.uid: Input should be a valid string"):
+                rpc.call("get", uid=[1])
             with pytest.raises(RpcError, match="unknown op"):
                 rpc.call("explode")
             with pytest.raises(RpcError, match="not found: nope"):
@@ -384,7 +386,8 @@ def test_malformed_data_and_rpc_are_dropped_with_a_log_line(start_dbs, caplog) -
     text = caplog.text
     assert "dropped malformed message" in text  # transport-level rejects
     for u in ("u1", "u2", "u3", "u4", "u5"):
-        assert f"uid={u} dropped malformed" in text
+        assert f"uid={u} dropped a malformed" in text  # one line naming the field and the sender
+    assert "'status' message from 127.0.0.1: status.progress:" in text
     assert "expires_at" in text
     time.sleep(3 * FAST["sweep_interval_s"])  # sweeps ran past the bad replica: still serving
     assert get_from(db, uid) is not None

@@ -246,8 +246,8 @@ def test_bad_moves_get_clear_errors_and_the_nm_keeps_serving(nm):
         m.register()
         for args, match in (({"instance": "stage-99", "stage": "vae_decode"}, "no stage instance 'stage-99'"),
                             ({"instance": m.id, "stage": "vae_decode"}, f"no stage instance '{m.id}'"),
-                            ({"instance": 7, "stage": "x"}, "expected 'instance'"),
-                            ({"instance": "stage-1", "stage": ["x"]}, "expected 'instance'")):
+                            ({"instance": 7, "stage": "x"}, "move.instance: Input should be a valid string"),
+                            ({"instance": "stage-1", "stage": ["x"]}, "move.stage: Input should be a valid string")):
             with pytest.raises(RpcError, match=match):
                 client.call("move", **args)
         s = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9402"}, stage="vae_decode")

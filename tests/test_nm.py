@@ -88,7 +88,7 @@ def test_a_restarted_instance_returns_where_it_was_moved(nm):
             client.call("move", instance=m.id, stage="vae_encode")
             client.call("deregister", instance=m.id)
         assert len(nm.state.moved["set0"]) == nm_state.MAX_MOVED_NAMES and "set0-vae_decode0" not in nm.state.moved["set0"]
-        with pytest.raises(RpcError, match="'name' must be a string"):
+        with pytest.raises(RpcError, match=r"register.name: Input should be a valid string"):
             client.call("register", role="stage", set="set0", addresses={"data": "x"}, name=7)
     finally:
         client.close()

@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+from onepiece.proxy.http_limits import HttpLimits
+
 HEADER_BYTES = 16 * 1024
 TIMEOUT_S = 1.0
 MAX_BODY = 1 << 20
@@ -25,7 +27,7 @@ from onepiece.proxy.http_limits import HttpLimits
 from onepiece.proxy.server import ProxyServer
 
 limits = HttpLimits(max_header_bytes={HEADER_BYTES}, header_timeout_s={TIMEOUT_S}, body_timeout_s={TIMEOUT_S},
-                    max_connections={MAX_CONNECTIONS})
+                    write_timeout_s={TIMEOUT_S}, max_connections={MAX_CONNECTIONS})
 server = ProxyServer(StaticCluster(load_workflow(deploy_dir() / "wan21.yaml")), max_body_bytes={MAX_BODY},
                      max_buffered_bytes={3 * MAX_BODY}, http_limits=limits, log_level="warning")
 server.run(lambda host, port: print("PORT", port, flush=True))
@@ -212,6 +214,38 @@ def test_slow_bodies_are_cut_off(proxy):
             took = time.monotonic() - t0
         assert got.startswith(b"HTTP/1.1 408 ") and b"body_timeout" in got, got
         assert TIMEOUT_S * 0.9 <= took < TIMEOUT_S + 2, took
+
+
+def test_a_download_the_client_stops_reading_is_cut_off():
+    """A 32 MiB result, and a client that reads none of it: once the proxy's write buffer has
+    stayed full for the write timeout, the connection is aborted (it held the artefact and its
+    handler for as long as the client liked). A real DB and proxy on threads (tests/proxy_harness.py)."""
+    from proxy_harness import Harness
+
+    size = 32 << 20
+    h = Harness(http_limits=HttpLimits(write_timeout_s=TIMEOUT_S))
+    try:
+        uid = h.create(prompt="big", size="64x64").json()["id"]
+        h.db.result(h.recv().uid, b"v" * size)
+        deadline = time.monotonic() + 10
+        while h.http.get(f"/v1/videos/{uid}").json()["status"] != "completed" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        host, port = h.url.removeprefix("http://").split(":")
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        s.connect((host, int(port)))
+        with s:
+            s.sendall(f"GET /v1/videos/{uid}/content HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            time.sleep(TIMEOUT_S + 1.5)  # reads nothing meanwhile
+            t0 = time.monotonic()
+            got = answer(s, timeout=10)
+            took = time.monotonic() - t0
+        status, received = got[:13], len(got)
+        assert status == b"HTTP/1.1 200 " and received < size, (status, received)
+        assert took < 5, took  # aborted already: what was in flight, then the reset
+        assert h.healthz()["status"] == "ok"
+    finally:
+        h.close()
 
 
 def test_buffered_bodies_are_bounded_in_total(proxy):

@@ -6,11 +6,12 @@ import time
 import pytest
 import torch
 import zmq
+from pydantic import BaseModel, ConfigDict, Field
 
 from onepiece.transport import registry
 from onepiece.transport.base import Full
 from onepiece.transport.message import MAGIC, Message, encode, new_uid
-from onepiece.transport.rpc import RpcClient, RpcError, RpcServer, RpcTimeout
+from onepiece.transport.rpc import MAX_REQUEST_BYTES, RpcClient, RpcError, RpcServer, RpcTimeout
 
 
 @pytest.mark.parametrize("address", ["tcp://127.0.0.1:0", "ipc://{tmp}/rx.sock"])
@@ -77,6 +78,49 @@ def _serve(server, stop):
     while not stop.is_set():
         if poller.poll(50):
             server.handle()
+
+
+class _Square(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    n: int = Field(ge=0, le=1000, strict=True)
+
+
+def test_rpc_ops_with_a_schema_get_their_arguments_checked_first(caplog):
+    """A request that does not match its op's schema never reaches the handler: the reply
+    names the field, one log line names the field and the sender, and the server goes on."""
+    seen = []
+
+    def square(args, blobs):
+        seen.append(args)
+        return {"n": args.n * args.n}
+
+    server = RpcServer("tcp://127.0.0.1:0", {"square": square}, {"square": _Square})
+    stop = threading.Event()
+    t = threading.Thread(target=_serve, args=(server, stop))
+    t.start()
+    client = RpcClient(server.address, timeout=1.0, retries=0)
+    try:
+        for args, why in (({}, "square.n: Field required"), ({"n": "3"}, "square.n: Input should be a valid integer"),
+                          ({"n": 10 ** 6}, "square.n: Input should be less than or equal to 1000"),
+                          ({"n": 2, "m": 1}, "square.m: Extra inputs are not permitted")):
+            with pytest.raises(RpcError, match=why):
+                client.call("square", **args)
+            assert f"refused a request from 127.0.0.1: {why}" in caplog.text
+        assert not seen
+        assert client.call("square", n=12)[0]["n"] == 144
+        assert seen == [_Square(n=12)]  # the handler gets the checked model
+        # A request frame over the bound costs its sender the connection, not the server its loop.
+        big = zmq.Context.instance().socket(zmq.DEALER)
+        big.connect(server.address)
+        big.send_multipart([b"", b"x" * (MAX_REQUEST_BYTES + 1)])
+        assert not big.poll(300)
+        big.close(0)
+        assert client.call("square", n=3)[0]["n"] == 9
+    finally:
+        stop.set()
+        t.join()
+        server.close()
+        client.close()
 
 
 def test_rpc_round_trip_errors_and_timeouts():

@@ -61,6 +61,8 @@ class Message:
 
     header: dict[str, Any]
     parts: dict[str, Part] = field(default_factory=dict)
+    # Where it came from, as the receiving transport saw it (never sent): for log lines about it.
+    sender: str = field(default="", compare=False, repr=False)
 
     @property
     def uid(self) -> str:

@@ -2,7 +2,9 @@
 over ZMQ ROUTER/DEALER with JSON headers and optional raw blob frames.
 
 A request is ``[b"", header, *blobs]`` with header ``{"id", "op", ...}`` (both reserved); the reply echoes the
-id with ``ok`` and either results or ``error``. Clients time out and retry a bounded number of
+id with ``ok`` and either results or ``error``. A server declares a pydantic schema per op for
+the other fields: a request that does not match is answered with an error naming the field and
+logged once with its sender; its handler never sees it. Clients time out and retry a bounded number of
 times; a late reply to an abandoned request is recognised by its id and discarded.
 """
 
@@ -12,18 +14,21 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import orjson
 import zmq
 import zmq.asyncio
+from pydantic import BaseModel
 
-from onepiece.transport.zmq_transport import bind_address
+from onepiece.schema import checked
+from onepiece.transport.zmq_transport import bind_address, peer_of
 
 log = logging.getLogger(__name__)
 
 Blobs = list[Any]
-Handler = Callable[[dict, Blobs], "dict | tuple[dict, Blobs]"]
+Handler = Callable[[Any, Blobs], "dict | tuple[dict, Blobs]"]
+MAX_REQUEST_BYTES = 4 << 20  # per frame: requests are small JSON; a bigger one costs its sender the connection
 
 
 class RpcError(RuntimeError):
@@ -44,12 +49,18 @@ def _dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
 
 class RpcServer:
     """Serves ``op`` handlers on a ROUTER socket. Owners poll ``sock`` and call ``handle()``,
-    so one thread can serve control and data sockets without locks."""
+    so one thread can serve control and data sockets without locks.
 
-    def __init__(self, address: str, handlers: dict[str, Handler]) -> None:
+    An op named in ``schemas`` has its arguments (the request less ``id`` and ``op``) checked
+    against its model first, and its handler gets the model instance, not the raw request."""
+
+    def __init__(self, address: str, handlers: Mapping[str, Handler],
+                 schemas: Mapping[str, type[BaseModel]] | None = None) -> None:
         self.handlers = handlers
+        self.schemas = dict(schemas or {})
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         self.sock.setsockopt(zmq.RCVHWM, 1000)
         self.sock.setsockopt(zmq.SNDHWM, 1000)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -69,8 +80,9 @@ class RpcServer:
                 log.exception("rpc %s: dropped a request that broke its handling", self.address)
 
     def _handle_one(self, frames: list) -> None:
+        peer = peer_of(frames[0])
         if len(frames) < 3 or frames[1].bytes != b"":
-            log.warning("rpc %s: dropped request with %d frames", self.address, len(frames))
+            log.warning("rpc %s: dropped request from %s with %d frames", self.address, peer, len(frames))
             return
         ident = frames[0].bytes
         try:
@@ -78,13 +90,24 @@ class RpcServer:
             if not isinstance(req, dict):
                 raise ValueError("request is not a JSON object")
         except (orjson.JSONDecodeError, ValueError) as e:
-            log.warning("rpc %s: dropped malformed request: %s", self.address, e)
+            log.warning("rpc %s: dropped malformed request from %s: %s", self.address, peer, e)
             return
         rid, op = req.get("id"), req.get("op")
+        if not (isinstance(rid, int) and -(1 << 63) <= rid < 1 << 63 or isinstance(rid, str) and len(rid) <= 128):
+            rid = None  # echoed back: only an id a client could have sent
         handler = self.handlers.get(op) if isinstance(op, str) else None  # an op may be any JSON value
         blobs: Blobs = []
+        refused = None
         if handler is None:
-            reply: dict = {"ok": False, "error": f"unknown op {str(op)[:80]!r}"}
+            refused = f"unknown op {str(op)[:80]!r}"
+        elif op in self.schemas:
+            try:
+                req = checked(self.schemas[op], {k: v for k, v in req.items() if k not in RESERVED}, op)
+            except ValueError as e:
+                refused = str(e)
+        if refused is not None:
+            log.warning("rpc %s: refused a request from %s: %s", self.address, peer, refused)
+            reply: dict = {"ok": False, "error": refused}
         else:
             try:
                 out = handler(req, frames[3:])
@@ -151,7 +174,7 @@ class RpcClient:
                     reply = orjson.loads(frames[1])
                 except (orjson.JSONDecodeError, IndexError):
                     continue
-                if reply.get("id") == rid:  # anything else is a late reply to an abandoned try
+                if isinstance(reply, dict) and reply.get("id") == rid:  # else a late reply to an abandoned try
                     return _check(reply, op), frames[2:]
             self._reset()  # drop what is queued for a server that did not answer
         raise RpcTimeout(f"{op}: no answer from {self.address} after {self.retries + 1} tries of {timeout:.1f}s")
@@ -198,12 +221,15 @@ class AsyncRpcClient:
 
     async def _read_loop(self) -> None:
         while True:
-            frames = await self.sock.recv_multipart()
             try:
+                frames = await self.sock.recv_multipart()
                 reply = orjson.loads(frames[1])
-            except (orjson.JSONDecodeError, IndexError):
+                fut = self._pending.get(reply.get("id")) if isinstance(reply, dict) else None
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # one bad reply must not end every later call
+                log.warning("rpc client %s: ignored a malformed reply: %r", self.address, e)
                 continue
-            fut = self._pending.get(reply.get("id"))
             if fut is not None and not fut.done():
                 fut.set_result((reply, frames[2:]))
 

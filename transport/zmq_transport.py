@@ -21,6 +21,15 @@ SNDHWM = 16
 RCVHWM = 64
 
 
+def peer_of(frame: zmq.Frame) -> str:
+    """The address a received frame came from (an IP for tcp, the process for ipc), to name
+    the sender of a message that is dropped; "?" when the transport does not say."""
+    try:
+        return frame.get("Peer-Address") or "?"
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return "?"
+
+
 def bind_address(address: str) -> str:
     """``tcp://host:0`` means any free port, which zmq spells ``*``."""
     if address.startswith("tcp://") and address.endswith(":0"):
@@ -67,13 +76,15 @@ class ZmqReceiver(Receiver):
         while self.sock.poll(deadline_ms, zmq.POLLIN):
             frames = self.sock.recv_multipart(copy=False)
             try:
-                return decode(frames)
+                msg = decode(frames)
+                msg.sender = peer_of(frames[0])
+                return msg
             except MessageError as e:
                 reason = str(e)
             except Exception as e:  # a decoder gap must not take the receiver down
                 reason = f"undecodable ({type(e).__name__}: {e})"
             self.rejected += 1
-            log.warning("dropped malformed message on %s: %s", self.address, reason)
+            log.warning("dropped malformed message on %s from %s: %s", self.address, peer_of(frames[0]), reason)
             deadline_ms = 0
         return None
 

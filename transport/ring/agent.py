@@ -30,7 +30,7 @@ from onepiece.transport.ring import layout
 from onepiece.transport.ring.endpoints import RingReceiver, RingSender
 from onepiece.transport.ring.region import MappedRegion, PeerGone, Region
 from onepiece.transport.ring.shm import parse_address
-from onepiece.transport.zmq_transport import bind_address
+from onepiece.transport.zmq_transport import bind_address, peer_of
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,9 @@ class Agent:
                 status, body = b"G", b""
             except (ValueError, IndexError, struct.error) as e:
                 status, body = b"E", str(e).encode()[:200]
+            except Exception as e:  # one request must not end the agent every remote sender needs
+                log.warning("ring agent: request from %s failed: %r", peer_of(peer), e)
+                status, body = b"E", b"failed"
             self.sock.send_multipart([peer, *rid, status, body], copy=False)
 
     def _gen(self, args: bytes) -> None:

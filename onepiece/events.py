@@ -1,0 +1,43 @@
+"""The DB's events channel (ZMQ PUB/SUB), as its publisher writes it and its subscribers check it.
+
+An event is two frames, ``[topic, body]``: topic ``done`` when a request ends (``status``
+``completed`` or ``failed``; the proxy's in-flight count and the request monitor follow it),
+``cancel`` when a request that is not finished is deleted (``status`` empty; stages drop it).
+A subscriber takes nothing on trust: an event that is not exactly this is dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Sequence
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
+
+from onepiece.schema import checked
+
+DONE, CANCEL = b"done", b"cancel"
+MAX_EVENT_BYTES = 4096  # per frame, set on subscribers: a bigger one costs the publisher its connection
+
+
+class Event(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    uid: Annotated[StrictStr, Field(min_length=1, max_length=128)]
+    status: Literal["", "completed", "failed"]
+
+
+def event_frames(topic: bytes, uid: str, status: str) -> list[bytes]:
+    """What a DB publishes."""
+    return [topic, orjson.dumps({"uid": uid, "status": status})]
+
+
+def read_event(frames: Sequence[Any], topic: bytes) -> Event:
+    """The event in ``frames`` (bytes or zmq frames) on ``topic``; ValueError saying what is wrong."""
+    raw = [bytes(getattr(f, "buffer", f)) for f in frames]
+    if len(raw) != 2 or raw[0] != topic:
+        raise ValueError(f"frames: expected [{topic.decode()!r}, body], got {len(raw)} frames")
+    try:
+        body = orjson.loads(raw[1])
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"body: not JSON ({e})") from None
+    return checked(Event, body, "event")

@@ -1,0 +1,42 @@
+"""A message that reaches a stage instance for another stage is forwarded only once its routing
+fields check out (onepiece.task_header.Routed). An unhashable ``stage`` once escaped the idle
+pool's forward loop and ended the instance; now the request fails with the field named."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from onepiece.stage.deliver import ResultDeliver
+from onepiece.transport.message import Message, new_uid
+from onepiece.transport.rpc import RpcClient, RpcError
+from proxy_harness import WORKFLOW, DbThread
+
+
+@pytest.mark.parametrize("header, field", [
+    ({"stage": [1], "app": "t2v"}, "stage: Input should be a valid string"),
+    ({"stage": {"a": 1}, "app": "t2v"}, "stage: Input should be a valid string"),
+    ({"stage": "vae_decode", "app": ["t2v"]}, "app: Input should be a valid string"),
+    ({"stage": "vae_decode", "app": "t2v", "hops": "2"}, "hops: Input should be a valid integer"),
+])
+def test_a_malformed_forward_fails_its_request_with_the_field_named(header, field):
+    db = DbThread()
+    rpc = RpcClient(db.server.control_address, timeout=1.0, retries=0)
+    deliver = ResultDeliver("", WORKFLOW, None, routes=lambda: {"stages": {}, "dbs": [db.addresses]})  # type: ignore[arg-type]
+    try:
+        uid = new_uid()
+        deliver.forward(Message({"uid": uid, **header}))  # raises nothing
+        rec = None
+        deadline = time.monotonic() + 5
+        while rec is None and time.monotonic() < deadline:
+            try:
+                rec = rpc.call("get", uid=uid)[0]["record"]
+            except RpcError:  # not there yet
+                time.sleep(0.02)
+        assert rec is not None and rec["status"] == "failed", rec
+        assert "malformed message to forward" in rec["error"] and field in rec["error"], rec["error"]
+    finally:
+        deliver.close()
+        rpc.close()
+        db.close()
