@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"round {k + 1}: reaction {r['reaction_s']:.2f}s (decision {r['decision_s']:.2f}s + move "
                       f"{r['move_s']:.2f}s), {r['rate_before']:.2f} -> {r['rate_after']:.2f} req/s, "
                       f"{len(r['bad'])} not completed of {r['requests']}", flush=True)
-                nm.call("move", instance=r["instance"], stage="vae_decode")  # back, for the next round
+                nm.move(r["instance"], "vae_decode")  # back, for the next round
                 deadline = time.monotonic() + args.round_timeout
                 while time.monotonic() < deadline:
                     inst = instance(nm.status(), r["instance"])

@@ -129,6 +129,14 @@ class NmClient:
                 return out
         raise NoPrimary(f"{op}: no primary node manager answered ({'; '.join(errors[-4:]) or 'none known'})")
 
+    def move(self, instance: str, stage: str | None, key: str | None = None) -> dict:
+        """An operator's move of ``instance`` to ``stage`` (None: the idle pool), with the
+        operator key (``key``, else the environment's, else `onepiece up`'s file)."""
+        from onepiece import operator_key
+
+        key = key if key is not None else operator_key.resolve(None, fallback=True)
+        return self.call("move", instance=instance, stage=stage, **({"key": key} if key else {}))[0]
+
     def _down(self, addr: str) -> bool:
         return self._down_until.get(addr, 0.0) > time.monotonic()
 
@@ -209,6 +217,7 @@ class Membership:
         self.advertise = advertise  # the host peers reach this instance at, if not the bound one
         self.capacity = dict(capacity or {})
         self.id: str | None = None
+        self._token: str | None = None  # from our registration: what deregistering ourselves takes
         self._joined = False  # registered once: a later registration is a return (the NM forgot us)
         self.routes: dict[str, Any] = {"version": 0, "stages": {}, "dbs": [], "proxies": []}
         self.monitor: dict[str, Any] | None = None  # proxies: the set's capacity view
@@ -335,6 +344,7 @@ class Membership:
                 log.error("not joining %s: %s", self.nm.address, e)
                 raise Refused(str(e)) from None
         self.id = reply["instance"]
+        self._token = reply.get("token")  # what deregistering ourselves takes
         self._joined = True
         self._assign(reply.get("stage"))
         self.heartbeat_s = float(reply.get("heartbeat_s", 1.0))
@@ -433,7 +443,8 @@ class Membership:
             log.warning("heartbeat thread of %s still busy; leaving without deregistering", self.id)
         elif self.id is not None:
             try:
-                self.nm.call("deregister", instance=self.id, timeout=0.5)
+                self.nm.call("deregister", instance=self.id, timeout=0.5,
+                             **({"token": self._token} if self._token else {}))
             except RpcError:
                 pass  # the NM drops us after the heartbeat timeout (or when our member node goes)
         if self.zk is not None:

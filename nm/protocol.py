@@ -58,10 +58,16 @@ class Holdings(BaseModel):
     holding: Annotated[list[Uid], Field(max_length=1 << 16)]
 
 
+Secret = Annotated[StrictStr, Field(max_length=256)]
+
+
 class InstanceArgs(_Args):
-    """``deregister``: the instance that leaves."""
+    """``deregister``: the instance that leaves, with its own token (from its registration) or
+    the operator key."""
 
     instance: Name
+    token: Secret | None = None
+    key: Secret | None = None
 
 
 class SetArgs(_Args):
@@ -79,6 +85,7 @@ class MoveArgs(_Args):
 
     instance: Name
     stage: Name | None = None
+    key: Secret | None = None  # the operator key (onepiece/operator_key.py)
 
 
 class Routes(BaseModel):

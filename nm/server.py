@@ -14,6 +14,7 @@ requests are reported failed to the set's DBs (nm/reaper.py). The NM on ZooKeepe
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
@@ -24,7 +25,7 @@ import zmq
 from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-from onepiece import deployment
+from onepiece import deployment, operator_key
 from onepiece.config import Topology, Workflow
 from onepiece.heartbeat import DELIVERED, delivered_of, stage_stats_problem
 from onepiece.nm.deliveries import DeliveryLedger, Grave
@@ -53,6 +54,8 @@ class NodeManager:
                  deployment_id: str = "") -> None:
         self.topology, self.workflow, self.base_dir = topology, workflow, base_dir
         self.deployment = deployment_id  # members of another deployment are refused (onepiece/deployment.py)
+        # What `move` needs (onepiece/operator_key.py): the environment's, unless serve() is given a file's.
+        self.operator_key = operator_key.resolve(None)
         self.state = ClusterState(topology, workflow)
         self.reaper = Reaper(workflow)
         self.elastic = Elastic(topology.nm.elastic)
@@ -170,6 +173,7 @@ class NodeManager:
         self._saved()
         return {
             "instance": inst.id,
+            "token": inst.token,  # what it deregisters itself with
             "settling": self._settling(),  # the routes may lack some: one that holds routes keeps them
             "stage": inst.stage,
             "workflow": self.workflow.model_dump(mode="json"),
@@ -207,12 +211,23 @@ class NodeManager:
         return reply
 
     def _deregister(self, req: InstanceArgs, _: Any) -> dict:
+        """An instance that leaves (with its own token), or one an operator takes out (the key)."""
+        if req.key is not None:
+            operator_key.check(self.operator_key, req.key, "deregister")
+        else:
+            inst = self.state.instances.get(req.instance)
+            if inst is None:
+                return {}  # gone already: leaving twice is no error
+            if not req.token or not hmac.compare_digest(inst.token.encode(), req.token.encode()):
+                raise PermissionError(f"deregister of {req.instance}: needs that instance's own token (from its "
+                                      f"registration) or the operator key")
         self.state.deregister(req.instance, "left")
         self._saved()
         return {}
 
     def _move(self, req: MoveArgs, _: Any) -> dict:
         """An operator's move: ``instance`` to ``stage`` (null: the idle pool)."""
+        operator_key.check(self.operator_key, req.key, "move")
         iid, stage = req.instance, req.stage
         inst = self.state.instances.get(iid)
         src = inst.stage if inst is not None else None
@@ -266,9 +281,9 @@ class NmMetrics:
 
 def serve(topology: Topology, workflow: Workflow, base_dir: Path, address: str | None = None,
           metrics_port: int = 0, zk: "ZkSettings | None" = None, advertise: str | None = None,
-          deployment_id: str = "") -> None:
+          deployment_id: str = "", operator: str | None = None) -> None:
     """Run an NM until SIGTERM: embedded, or with ``zk`` one of several on ZooKeeper. It admits
-    members of ``deployment_id`` only."""
+    members of ``deployment_id`` only; ``operator``: the operator key (default: the environment's)."""
     stop = stop_on_signals()
     if zk is None:
         nm = NodeManager(topology, workflow, base_dir, address, deployment_id)
@@ -276,6 +291,11 @@ def serve(topology: Topology, workflow: Workflow, base_dir: Path, address: str |
         from onepiece.nm.ha import HaNodeManager
 
         nm = HaNodeManager(topology, workflow, base_dir, zk, address, advertise, deployment_id)
+    if operator:
+        nm.operator_key = operator
+    if not nm.operator_key:
+        log.warning("no operator key (%s FILE or %s): `move` and operators' `deregister` are refused",
+                    operator_key.FLAG, operator_key.ENV)
     REGISTRY.register(NmMetrics(nm))
     metrics, _ = start_http_server(metrics_port, addr="127.0.0.1")
     log.info("node manager of deployment %s serving at %s, metrics at http://127.0.0.1:%d/metrics",

@@ -56,8 +56,11 @@ class Instance:
     heard: bool = False  # heartbeated to this NM (a new primary has no stats until then)
     serving: str | None = None  # the stage the instance last said it serves (stage role)
     name: str = ""  # the name it was launched under (`onepiece stage --name`), which outlives its process
+    # What it proves itself with when it leaves (handed out with its registration, never shown).
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
 
-    PERSISTENT = ("id", "role", "set", "addresses", "pid", "host", "stage", "ready", "registered_at", "name")
+    PERSISTENT = ("id", "role", "set", "addresses", "pid", "host", "stage", "ready", "registered_at", "name",
+                  "token")
 
     def view(self, now: float) -> dict[str, Any]:
         return {

@@ -66,8 +66,18 @@ def cmd_nm(args: argparse.Namespace) -> int:
     setup_logging("nm", args.log_level)
     topo, wf, base = load_topology(_topology(args.topology))
     serve(topo, wf, base, args.address, args.metrics_port, zk=_zk(args, topo.nm), advertise=args.advertise,
-          deployment_id=_deployment(args) or topo.deployment or "")
+          deployment_id=_deployment(args) or topo.deployment or "", operator=_operator_key(args.operator_key_file))
     return 0
+
+
+def _operator_key(path: str | None, fallback: bool = False) -> str | None:
+    from onepiece import operator_key
+    from onepiece.secret_file import SecretFileError
+
+    try:
+        return operator_key.resolve(path, fallback=fallback)
+    except SecretFileError as e:
+        raise ConfigError(str(e)) from None
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
@@ -160,9 +170,10 @@ def cmd_move(args: argparse.Namespace) -> int:
     from onepiece.nm.client import NmClient
     from onepiece.transport.rpc import RpcError
 
+    key = _operator_key(args.operator_key_file, fallback=True)
     client = NmClient(args.nm, timeout=2.0, retries=0)
     try:
-        reply, _ = client.call("move", instance=args.instance, stage=None if args.stage == "idle" else args.stage)
+        reply = client.move(args.instance, None if args.stage == "idle" else args.stage, key=key or "")
     except RpcError as e:
         print(f"onepiece move: {e}", file=sys.stderr)
         return 1
@@ -291,6 +302,12 @@ def _nm_addresses(value: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _operator_flag(sp: argparse.ArgumentParser, help: str) -> None:
+    from onepiece.operator_key import FLAG
+
+    sp.add_argument(FLAG, metavar="FILE", help=f"file (mode 0600) with {help}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="onepiece", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -317,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (default: any free one)")
     sp.add_argument("--advertise", metavar="HOST", help="host that clients reach this NM at (default: the bound one)")
     _zk_flags(sp)
+    _operator_flag(sp, "the operator key that `move` needs (default: ONEPIECE_OPERATOR_KEY; none: moves refused)")
     sp.set_defaults(fn=cmd_nm)
 
     for name, help in (("stage", "run one workflow instance"), ("db", "run one result store"),
@@ -380,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("instance", help="instance id, as `onepiece status` shows it")
     sp.add_argument("stage", help="stage name, or 'idle' for the idle pool")
     sp.add_argument("--nm", default=DEFAULT_NM, type=_nm_addresses, help="node manager address(es), a,b,c")
+    _operator_flag(sp, "the operator key (default: ONEPIECE_OPERATOR_KEY, else the file `onepiece up` keeps)")
     sp.set_defaults(fn=cmd_move)
 
     sp = sub.add_parser("models", help="build or list the models of a workflow")

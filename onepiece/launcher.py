@@ -11,6 +11,7 @@ first, leaving no processes, sockets or runtime files behind.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import signal
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from onepiece import deployment
+from onepiece import deployment, operator_key
 from onepiece.config import SetSpec, load_topology
 from onepiece.nm.client import NmClient
 from onepiece.nm.zk_auth import child_env
@@ -98,11 +99,19 @@ class Deployment:
         out = []
         for i, address in enumerate(self.nm_addresses):
             name = "nm" if self.nm_count == 1 else f"nm{i}"
-            out.append(Child(name, _cli("nm", "--topology", str(self.topology_path), "--address", address, *common),
-                             self.log_dir / f"{name}.log", env))
+            out.append(Child(name, _cli("nm", "--topology", str(self.topology_path), "--address", address, *common,
+                                        *self._operator_args()), self.log_dir / f"{name}.log", env))
         for s in self.topo.sets:
             out += [Child(c.name, c.argv + common, c.log_path, env) for c in self._set_children(s, self.nm_address)]
         return out
+
+    @staticmethod
+    def _operator_args() -> list[str]:
+        """The NM's operator key: the environment's if set (the NM inherits it), else the file
+        `onepiece move` also finds (made now if missing)."""
+        if os.environ.get(operator_key.ENV):
+            return []
+        return [operator_key.FLAG, str(operator_key.ensure_default())]
 
     def _set_children(self, s: SetSpec, nm: str) -> list[Child]:
         out = []

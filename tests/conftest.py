@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,9 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# The operator key every node manager the tests start (in process or as a child) and every
+# `onepiece move` they run share: nothing is written to the user's config folder.
+os.environ["ONEPIECE_OPERATOR_KEY"] = secrets.token_urlsafe(24)
 
 
 @pytest.fixture(scope="session")

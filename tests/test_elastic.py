@@ -164,7 +164,7 @@ def test_a_moved_instance_that_dies_comes_back_at_the_stage_it_was_moved_to(tiny
     try:
         st = nm.status()["sets"]["set0"]["stages"]["vae_decode"]["instances"][0]
         assert st["name"] == "set0-vae_decode0"
-        nm.call("move", instance=st["id"], stage="denoise_t2v")
+        nm.move(st["id"], "denoise_t2v")
         wait_for(lambda: (i := instance(nm.status(), st["id"])) and i["ready"] and i["serving"] == "denoise_t2v",
                  90, "the moved instance to serve denoise_t2v")
         os.kill(st["pid"], signal.SIGKILL)

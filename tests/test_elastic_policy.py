@@ -3,6 +3,7 @@ how an assignment changes the routes of a real embedded NM (ZMQ RPC, Membership 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -13,6 +14,7 @@ from onepiece.config import ConfigError, ElasticSpec, NmSpec, Topology, deploy_d
 from onepiece.nm.client import Membership, NmClient
 from onepiece.nm.elastic import Elastic, StageLoad, decide
 from onepiece.nm.utilization import Utilization
+from onepiece.operator_key import ENV as OPERATOR_ENV
 from onepiece.transport.rpc import RpcError
 from waiting import wait_for
 
@@ -176,7 +178,7 @@ def test_a_moved_instance_leaves_the_old_routes_at_once_and_joins_the_new_once_i
     try:
         stages = lambda: client.routes("set0")["stages"]  # noqa: E731
         assert wait_for(lambda: stages()["vae_decode"] == ["tcp://127.0.0.1:9400"])
-        reply, _ = client.call("move", instance=m.id, stage="denoise_t2v")
+        reply = client.move(m.id, "denoise_t2v")
         assert (reply["instance"], reply["from"], reply["to"]) == (m.id, "vae_decode", "denoise_t2v")
         # out of the old stage's routes before the instance even heard of it
         assert stages()["vae_decode"] == [] and stages()["denoise_t2v"] == []
@@ -190,7 +192,7 @@ def test_a_moved_instance_leaves_the_old_routes_at_once_and_joins_the_new_once_i
         assert (d["instance"], d["from"], d["to"], d["reason"]) == (m.id, "vae_decode", "denoise_t2v", "asked by an operator")
         assert any("moving " + m.id in e for e in status["events"])
         # the idle pool: no route at all, and the status lists it there
-        client.call("move", instance=m.id, stage=None)
+        client.move(m.id, None)
         serving["stage"] = None
         wait_for(lambda: [i["id"] for i in client.status()["sets"]["set0"]["idle"]] == [m.id])
         assert stages()["denoise_t2v"] == []
@@ -249,13 +251,13 @@ def test_bad_moves_get_clear_errors_and_the_nm_keeps_serving(nm):
                             ({"instance": 7, "stage": "x"}, "move.instance: Input should be a valid string"),
                             ({"instance": "stage-1", "stage": ["x"]}, "move.stage: Input should be a valid string")):
             with pytest.raises(RpcError, match=match):
-                client.call("move", **args)
+                client.call("move", key=os.environ[OPERATOR_ENV], **args)
         s = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9402"}, stage="vae_decode")
         s.register()
         with pytest.raises(RpcError, match="unknown stage 'nope'"):
-            client.call("move", instance=s.id, stage="nope")
+            client.move(s.id, "nope")
         with pytest.raises(RpcError, match="already assigned to vae_decode"):
-            client.call("move", instance=s.id, stage="vae_decode")
+            client.move(s.id, "vae_decode")
         out = subprocess.run([sys.executable, "-m", "onepiece", "move", "stage-99", "idle", "--nm", nm.address],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 1 and "no stage instance 'stage-99'" in out.stderr

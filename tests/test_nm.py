@@ -1,6 +1,7 @@
 """The embedded node manager over real sockets: registration, assignment, routes, expiry."""
 
 import logging
+import os
 import threading
 
 import pytest
@@ -11,6 +12,8 @@ from onepiece.nm.client import Membership, NmClient
 from onepiece.nm.server import NodeManager
 from onepiece.transport.rpc import RpcError
 from waiting import wait_for
+
+KEY = os.environ["ONEPIECE_OPERATOR_KEY"]  # conftest's
 
 
 @pytest.fixture
@@ -66,8 +69,8 @@ def test_a_restarted_instance_returns_where_it_was_moved(nm):
         first = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9200"}, stage="vae_decode",
                            name="set0-vae_decode0")
         first.register()
-        client.call("move", instance=first.id, stage="denoise_t2v")
-        client.call("deregister", instance=first.id)  # its process died
+        client.move(first.id, "denoise_t2v")
+        client.call("deregister", instance=first.id, key=KEY)  # its process died (an operator says so)
         again = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9201"}, stage="vae_decode",
                            name="set0-vae_decode0")
         assert again.register()["stage"] == "denoise_t2v" and again.id != first.id
@@ -75,8 +78,8 @@ def test_a_restarted_instance_returns_where_it_was_moved(nm):
         other = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9202"}, stage="vae_decode",
                            name="set0-vae_decode1")
         assert other.register()["stage"] == "vae_decode"
-        client.call("move", instance=again.id, stage=None)  # to the idle pool: a restart stays there
-        client.call("deregister", instance=again.id)
+        client.move(again.id, None)  # to the idle pool: a restart stays there
+        client.call("deregister", instance=again.id, key=KEY)
         third = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9203"}, stage="vae_decode",
                            name="set0-vae_decode0")
         assert third.register()["stage"] is None
@@ -85,8 +88,8 @@ def test_a_restarted_instance_returns_where_it_was_moved(nm):
             m = Membership(nm.address, "stage", "set0", {"data": f"tcp://127.0.0.1:{9300 + i}"}, stage="vae_decode",
                            name=f"n{i}")
             m.register()
-            client.call("move", instance=m.id, stage="vae_encode")
-            client.call("deregister", instance=m.id)
+            client.move(m.id, "vae_encode")
+            client.call("deregister", instance=m.id, key=KEY)
         assert len(nm.state.moved["set0"]) == nm_state.MAX_MOVED_NAMES and "set0-vae_decode0" not in nm.state.moved["set0"]
         with pytest.raises(RpcError, match=r"register.name: Input should be a valid string"):
             client.call("register", role="stage", set="set0", addresses={"data": "x"}, name=7)
@@ -201,3 +204,61 @@ def test_a_malformed_stage_heartbeat_keeps_the_instance_alive_and_breaks_no_esti
         assert f"heartbeat of {m.id}: stats dropped: stats.ready" in caplog.text
     finally:
         client.close()
+
+
+def test_moves_need_the_operator_key_and_leaving_needs_the_members_own_token(nm):
+    m = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9300"}, stage="vae_decode")
+    m.register()
+    client = NmClient(nm.address)
+    try:
+        for key in ("", "not-the-key"):
+            with pytest.raises(RpcError, match="move needs the operator key"):
+                client.move(m.id, None, key=key)
+        assert nm.state.instances[m.id].stage == "vae_decode"  # nothing moved
+        assert client.move(m.id, "denoise_t2v", key=KEY)["to"] == "denoise_t2v"
+        # Anyone else's deregister is refused; the member's own (its registration's token) is not.
+        with pytest.raises(RpcError, match="needs that instance's own token"):
+            client.call("deregister", instance=m.id)
+        with pytest.raises(RpcError, match="needs that instance's own token"):
+            client.call("deregister", instance=m.id, token="guess")
+        assert m.id in nm.state.instances
+        m.stop()
+        assert m.id not in nm.state.instances
+    finally:
+        client.close()
+
+
+def test_a_node_manager_without_an_operator_key_refuses_every_move(monkeypatch):
+    monkeypatch.delenv("ONEPIECE_OPERATOR_KEY")
+    topo, wf, base = load_topology(deploy_dir() / "local.yaml")
+    server = NodeManager(topo, wf, base, "tcp://127.0.0.1:0")
+    stop = threading.Event()
+    t = threading.Thread(target=server.run, args=(stop,))
+    t.start()
+    client = NmClient(server.address)
+    try:
+        with pytest.raises(RpcError, match="this node manager has none"):
+            client.move("stage-1", None, key="anything")
+    finally:
+        client.close()
+        stop.set()
+        t.join()
+        server.close()
+
+
+def test_onepiece_up_keeps_the_operator_key_in_a_private_file_never_on_a_command_line(tmp_path, monkeypatch):
+    import stat
+
+    from onepiece import operator_key
+    from onepiece.launcher import Deployment
+
+    monkeypatch.delenv("ONEPIECE_OPERATOR_KEY")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    (nm_child,) = [c for c in Deployment(deploy_dir() / "local.yaml", tmp_path / "logs").plan() if c.name == "nm"]
+    path = operator_key.default_path()
+    assert nm_child.argv[nm_child.argv.index(operator_key.FLAG) + 1] == str(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    key = operator_key.resolve(None, fallback=True)  # what `onepiece move` finds
+    assert key and key not in " ".join(nm_child.argv)
+    (again,) = [c for c in Deployment(deploy_dir() / "local.yaml", tmp_path / "logs").plan() if c.name == "nm"]
+    assert operator_key.resolve(None, fallback=True) == key  # made once, then kept

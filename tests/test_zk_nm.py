@@ -579,7 +579,7 @@ def test_a_move_is_kept_in_zookeeper_across_a_failover(nms_factory):
     try:
         stages = lambda: nms.client.routes("set0")["stages"]  # noqa: E731
         wait_for(lambda: stages()["vae_decode"] == ["tcp://127.0.0.1:9420"], 5, "the stage to be routed")
-        nms.client.call("move", instance=st.id, stage="denoise_t2v")
+        nms.client.move(st.id, "denoise_t2v")
         wait_for(lambda: st.stage == "denoise_t2v", 5, "the instance to learn its new stage")
         nms.procs[first].kill()
         nms.primary(timeout=SESSION_S + 6, other_than=first)
