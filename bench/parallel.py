@@ -155,7 +155,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from onepiece.stage.collective import Collective
+    from onepiece.stage.collective import Collective, leave
     from onepiece.stage.loader import load_components
     from onepiece.stage.wan.parallel import ParallelDenoiser
 
@@ -209,6 +209,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
         out = report.get("overhead") or report
         (Path(cfg["out"]) / "report.json").write_text(json.dumps(out))
     c.close()
+    leave()
 
 
 if __name__ == "__main__":

@@ -118,7 +118,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
     import torch
 
     from onepiece.sched.keys import at_dop, compat_key
-    from onepiece.stage.collective import Collective
+    from onepiece.stage.collective import Collective, leave
     from onepiece.stage.registry import parallel_of
 
     wf_path = Path(cfg["workflow"])
@@ -143,6 +143,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
                "seconds": statistics.median(times[warm:]), "samples": repeat, "dop": c.size}
         (Path(cfg["out"]) / "report.json").write_text(json.dumps(row))
     c.close()
+    leave()
 
 
 class Profiler:

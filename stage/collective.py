@@ -106,6 +106,18 @@ class Collective:
             dist.destroy_process_group()
 
 
+def leave() -> None:
+    """End a rank's process at once, after ``Collective.close``: the process groups' C++ objects
+    outlive ``destroy_process_group`` while Python still holds them (meshes, hooks), and torn
+    down at interpreter exit they may abort the process ("terminate called without an active
+    exception", seen under load) after all its work was done."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def local_world(module: str, config: dict[str, Any], size: int, timeout_s: float = 1800.0) -> Any:
     """Run ``python -m module '<config>'`` as the ``size`` ranks of a world on this host (each
     config gets ``rank``, ``size``, ``address`` and an ``out`` folder) and return the JSON rank 0

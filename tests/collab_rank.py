@@ -28,7 +28,7 @@ def write_messages(path: Path, msgs: list) -> None:
 def main(cfg: dict) -> None:
     import torch
 
-    from onepiece.stage.collective import Collective
+    from onepiece.stage.collective import Collective, leave
     from onepiece.stage.loader import load_components
     from onepiece.stage.registry import StageContext, lookup
     from onepiece.stage.wan.parallel import ParallelDenoiser
@@ -46,6 +46,7 @@ def main(cfg: dict) -> None:
         for i, t in enumerate(tasks):
             np.save(Path(cfg["out"]) / f"latents-{c.rank}-{i}.npy", t.latents.numpy())
     c.close()
+    leave()
 
 
 if __name__ == "__main__":
