@@ -9,9 +9,10 @@ ways, combined when the DoP allows both:
   through the transformer's ``_cp_plan``, over the group's mesh.
 
 Every rank of the instance keeps a replica of every request's state (latents and its own
-diffusers scheduler). A step's guided noise is handed to every rank, and each rank applies the
-scheduler step itself, so the replicas stay identical and a request can change its DoP at any
-step boundary: moving between layouts costs nothing but the next step's layout.
+diffusers scheduler). Every step's guided noise reaches every rank (at the end of the run the
+step belongs to), and each rank applies the scheduler step itself, so the replicas stay
+identical and a request can change its DoP between any two runs: moving between layouts costs
+nothing but the next step's layout.
 
 diffusers' ``enable_parallelism`` cannot be used as it is: it picks the device as ``rank %
 torch.accelerator.device_count()``, which divides by zero on CPU, and it attaches context
