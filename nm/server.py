@@ -43,10 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# After it starts, the embedded NM hands out no narrowed routes for this many heartbeats: a
-# restarted NM knows nobody until each instance has heard "unknown instance" and registered
-# again, and those that did first must not lose the routes to those that did not yet.
-SETTLE_HEARTBEATS = 2
 
 
 class NodeManager:
@@ -64,8 +60,13 @@ class NodeManager:
         # here, a ZooKeeper session on ZooKeeper), with room for a stall.
         nm = topology.nm
         self.deliveries = DeliveryLedger(2 * (max(self.liveness.spec.limit_s, nm.zk_session_s) + 2 * nm.heartbeat_s))
-        # Until then members keep the routes they hold, and proxies get no capacity view.
-        self._settle_until: float | None = time.monotonic() + SETTLE_HEARTBEATS * topology.nm.heartbeat_s
+        # After it starts, the embedded NM hands out no narrowed routes for the dead limit: a
+        # restarted NM knows nobody until each instance has heard "unknown instance" and
+        # registered again, those that did first must not lose the routes to those that did not
+        # yet, and a live instance is heard within that limit (two heartbeats were too short for
+        # a member backing off after failed heartbeats on a loaded machine). Until then members
+        # keep the routes they hold, and proxies get no capacity view.
+        self._settle_until: float | None = time.monotonic() + self.liveness.spec.limit_s
         self.rpc = RpcServer(address or topology.nm.address, self._handlers(), SCHEMAS)
         self.address = self.rpc.address
 
@@ -119,7 +120,7 @@ class NodeManager:
         instances where the load is."""
         if self._settle_until is not None and time.monotonic() >= self._settle_until:
             self._settle_until = None
-            self.state.republish(f"every instance had {SETTLE_HEARTBEATS} heartbeats to register after the start")
+            self.state.republish(f"every live instance had {self.liveness.spec.limit_s:.1f}s to register after the start")
         why = f"no heartbeat for {self.liveness.spec.limit_s:.1f}s"
         for iid in self.liveness.dead({i.id: i.last_seen for i in self.state.instances.values()}):
             if (inst := self.state.deregister(iid, why)) is not None:

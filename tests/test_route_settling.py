@@ -1,8 +1,8 @@
 """Routes are not narrowed while the instances of a restarted NM register again (issue 15, item
 1): a restarted embedded NM knows nobody, and the members that registered again first got route
 tables without those that had not yet (503 and 429 for 1-2 s although every instance was
-alive). Now a stage instance that registers again while serving is routed at once, and for two
-heartbeats after its start the NM hands out no routes to members that hold some. A real NM
+alive). Now a stage instance that registers again while serving is routed at once, and for the
+dead limit after its start the NM hands out no routes to members that hold some. A real NM
 process is SIGKILLed and started again; the members are real Memberships over real sockets,
 each recording every route table it applies."""
 
