@@ -326,7 +326,8 @@ class SchedCore:
         free, taken = (w.free_bytes if w else 0), set()
         for b in batches:
             why = self._check(b, free, taken)
-            if why is None and w.ranks > 1 and place([x.dop for x in ok] + [b.dop], w.ranks) is None:
+            # One rank runs one batch (the common case, decided without placing anything).
+            if why is None and ok and (w.ranks == 1 or place([x.dop for x in ok] + [b.dop], w.ranks) is None):
                 why = f"DoPs {[x.dop for x in ok] + [b.dop]} do not fit {w.ranks} ranks"
             if why is not None:
                 self._reject(b, why)
@@ -336,10 +337,6 @@ class SchedCore:
             free -= sum(self.est_bytes(self.requests[u]) for u in b.uids if self.requests[u].worker is None)
         if not ok:
             return None
-        if w.ranks == 1 and len(ok) > 1:  # one rank runs one batch
-            for b in ok[1:]:
-                self._reject(b, "a second batch for a worker of one rank")
-            ok = ok[:1]
         blocks = place([b.dop for b in ok], w.ranks) if w.ranks > 1 else [(0,)]
         admit: list[str] = []
         w.cost_keys = {}
