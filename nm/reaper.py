@@ -36,6 +36,7 @@ from onepiece.db.placement import order_dbs
 log = logging.getLogger(__name__)
 
 MAX_UIDS = 4096  # per dead instance: more than any scheduler queue + mailbox holds
+READ_TRIES = 3  # reads of one record before its failure is left to the DB's deadline sweep
 
 
 @dataclass
@@ -85,8 +86,22 @@ class Reaper:
             return False
         return app.stages.index(at) > app.stages.index(stage)
 
+    def _read(self, reader: Any, uid: str, instance: str) -> dict[str, Any] | None:
+        """The UID's record, or None if no DB has it. A DB slow to answer is asked again (a
+        loaded machine's DB may miss one short timeout); only when none answers after
+        READ_TRIES does the request go to the deadline sweep."""
+        from onepiece.db.client import DbError
+
+        for attempt in range(READ_TRIES):
+            try:
+                return reader.get(uid)
+            except DbError as e:
+                log.warning("uid=%s: no DB answered while reaping %s (try %d of %d): %s",
+                            uid, instance, attempt + 1, READ_TRIES, e)
+        return None
+
     def _reap(self, job: Job) -> None:
-        from onepiece.db.client import DbClient, DbError
+        from onepiece.db.client import DbClient
         from onepiece.transport import registry
         from onepiece.transport.base import TransportError
         from onepiece.transport.message import Message
@@ -96,11 +111,7 @@ class Reaper:
         done = 0
         try:
             for uid in job.uids:
-                try:
-                    rec = reader.get(uid)
-                except DbError as e:
-                    rec = None
-                    log.warning("uid=%s: no DB answered while reaping %s: %s", uid, job.instance, e)
+                rec = self._read(reader, uid, job.instance)
                 if rec is None or self._moved_on(rec, job.stage):
                     continue
                 error = f"{job.reason}: instance {job.instance} of stage {job.stage} died while holding the request"

@@ -331,7 +331,9 @@ def test_a_killed_instance_leaves_the_routes_and_its_requests_fail(nms_factory, 
 
         def record(uid: str) -> dict:
             return rpc.call("get", uid=uid)[0]["record"]
-        wait_for(lambda: record(held["at_stage"])["status"] == "failed", 5, "the held request to fail")
+        # the reaper fails them one by one: wait for both
+        wait_for(lambda: all(record(held[k])["status"] == "failed" for k in ("at_stage", "queued_before_it")), 5,
+                 "the held requests to fail")
         for key in ("at_stage", "queued_before_it"):
             rec = record(held[key])
             assert rec["status"] == "failed", rec
