@@ -45,7 +45,7 @@ from onepiece.nm.elastic import Elastic
 from onepiece.nm.election import PrimaryElection
 from onepiece.nm.protocol import RegisterArgs
 from onepiece.nm.server import NodeManager
-from onepiece.nm.state import ClusterState
+from onepiece.nm.state import ClusterState, fresh_version
 from onepiece.nm.zk import Paths, ZkSettings
 from onepiece.nm.zk_store import Fenced, Snapshot, ZkStore, read_primary
 from onepiece.transport.registry import with_host
@@ -329,7 +329,7 @@ class HaNodeManager(NodeManager):
         self.topology = Topology.model_validate(snap.config["topology"])
         self.workflow = Workflow.model_validate(snap.config["workflow"])
         self.base_dir = Path(snap.config["base_dir"])
-        self.state = ClusterState(self.topology, self.workflow)
+        self.state = ClusterState(self.topology, self.workflow, fresh_version())
         self.reaper.workflow = self.workflow
 
     def _members(self, children: set[str]) -> None:

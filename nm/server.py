@@ -34,7 +34,7 @@ from onepiece.nm.liveness import Liveness, LivenessSpec
 from onepiece.nm.protocol import SCHEMAS, HeartbeatArgs, Holdings, InstanceArgs, MoveArgs, RegisterArgs, SetArgs
 from onepiece.nm.reaper import Reaper
 from onepiece.schema import problem as problem_of
-from onepiece.nm.state import ClusterState, Instance
+from onepiece.nm.state import ClusterState, Instance, fresh_version
 from onepiece.supervise import stop_on_signals
 from onepiece.transport.rpc import RpcServer
 
@@ -52,7 +52,7 @@ class NodeManager:
         self.deployment = deployment_id  # members of another deployment are refused (onepiece/deployment.py)
         # What `move` needs (onepiece/operator_key.py): the environment's, unless serve() is given a file's.
         self.operator_key = operator_key.resolve(None)
-        self.state = ClusterState(topology, workflow)
+        self.state = ClusterState(topology, workflow, fresh_version())
         self.reaper = Reaper(workflow)
         self.elastic = Elastic(topology.nm.elastic)
         self.liveness = Liveness(LivenessSpec(topology.nm.heartbeat_s, topology.nm.dead_after_s))

@@ -80,12 +80,20 @@ class Instance:
         return cls(**{k: rec[k] for k in cls.PERSISTENT if k in rec})
 
 
+def fresh_version() -> int:
+    """A first route version for a starting NM: milliseconds since the epoch, so that a
+    restarted NM starts above every version its predecessor handed out. Counting from 1 again,
+    its table could reach a version a member already held with other content, and the member
+    (its heartbeat naming that version) would never be sent the new table."""
+    return time.time_ns() // 1_000_000
+
+
 class ClusterState:
-    def __init__(self, topology: Topology, workflow: Workflow) -> None:
+    def __init__(self, topology: Topology, workflow: Workflow, first_version: int = 1) -> None:
         self.topology, self.workflow = topology, workflow
         self.sets = {s.name: s for s in topology.sets}
         self.instances: dict[str, Instance] = {}
-        self.version = 1  # bumped whenever any route table changes
+        self.version = first_version  # bumped whenever any route table changes
         self._ids = itertools.count(1)
         # Ids carry this NM's incarnation: a restarted NM never hands out an id that an
         # instance of the one before still holds (it would heartbeat as another instance and
