@@ -515,6 +515,13 @@ def _rgb24(frames: np.ndarray) -> np.ndarray:
     return frames
 
 
+# A serving encoder's settings: x264's default (medium, with lookahead and B-frames that hold
+# frames back until the end) took 16 ms for 9 frames at 64x64 and 338 ms for 17 at 256x256
+# here; veryfast + zerolatency takes 7 ms and 49 ms, emits each frame as it comes (what
+# streaming from the VAE needs), and its files were no larger at the default quality (CRF 23).
+X264_OPTIONS = {"preset": "veryfast", "tune": "zerolatency"}
+
+
 class Mp4Writer:
     """H.264 MP4 encoded in this process by PyAV (an ffmpeg subprocess cost ≈ 45-65 ms a video,
     as long as a small video's denoising), on its own thread: chunks of frames go in as the VAE
@@ -552,7 +559,7 @@ class Mp4Writer:
             while (frames := self._q.get()) is not None:
                 if container is None:
                     container = av.open(out, mode="w", format="mp4")
-                    stream = container.add_stream("libx264", rate=self.fps)
+                    stream = container.add_stream("libx264", rate=self.fps, options=X264_OPTIONS)
                     stream.height, stream.width = frames.shape[1:3]
                     stream.pix_fmt = "yuv420p"
                 for frame in frames:
