@@ -32,6 +32,7 @@ import orjson
 import zmq
 
 from onepiece.config import Workflow
+from onepiece.droplog import log_dropped
 from onepiece.events import CANCEL, MAX_EVENT_BYTES, read_event
 from onepiece.sched.core import Drop, Run, SchedCore
 from onepiece.sched.costs import CostModel
@@ -183,7 +184,8 @@ class RequestScheduler:
             if isinstance(uid, str) and 0 < len(uid) <= 128:  # a uid the DB takes: the client learns why
                 self._fail(uid, app if isinstance(app, str) else "", why, msg.sender)
             else:
-                log.warning("dropped a message from %s without a usable uid: %s", msg.sender or "?", why)
+                log_dropped(log, f"stage {self.stage} at {self.receiver.address}", str(e),
+                            "dropped a message from %s without a usable uid: %s", msg.sender or "?", why)
             return
         if h.uid in self.cancelled:
             self.cancelled_on_arrival += 1

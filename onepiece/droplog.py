@@ -1,0 +1,92 @@
+"""Log lines for dropped (malformed, refused) messages, rate-limited per (receiver, reason).
+
+A flood of bad messages must not fill the logs: of each (receiver, reason), the first ``burst``
+drops of an interval are logged; the rest are counted, and the next drop after the interval
+logs one summary line "… and K more" before its own. Reasons are reduced to their kind (the
+field path before the first ':'), and the table of kinds is bounded, so varied junk can neither
+grow it nor get around the limit. :class:`DropLimiter` is the pure core; :func:`log_dropped` is
+the one call the receivers make.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+BURST = 5
+INTERVAL_S = 10.0
+MAX_KEYS = 256
+OTHER = "(other reasons)"  # the kind every reason shares once the table is full
+
+
+@dataclass
+class _Window:
+    start: float
+    logged: int = 0
+    suppressed: int = 0
+
+
+class DropLimiter:
+    """Which drops to log. Not thread-safe (:func:`log_dropped` holds a lock)."""
+
+    def __init__(self, burst: int = BURST, interval_s: float = INTERVAL_S, max_keys: int = MAX_KEYS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if burst < 1 or interval_s <= 0 or max_keys < 1:
+            raise ValueError("burst and max_keys must be >= 1 and interval_s > 0")
+        self.burst, self.interval_s, self.max_keys, self.clock = burst, interval_s, max_keys, clock
+        self._windows: dict[Hashable, _Window] = {}
+
+    def admit(self, receiver: str, reason: str) -> tuple[bool, int]:
+        """For one drop: (log it?, how many drops of its key went unlogged in the interval
+        that just ended; > 0 only on a logged drop, whose caller reports them first)."""
+        now = self.clock()
+        key = (receiver, kind_of(reason))
+        w = self._windows.get(key)
+        if w is None:
+            if len(self._windows) >= self.max_keys:
+                self._expire(now)
+            if len(self._windows) >= self.max_keys:
+                key = (receiver, OTHER)
+                w = self._windows.get(key)
+        if w is None:
+            # The overflow key may need one slot past the bound: at most one per receiver.
+            w = self._windows[key] = _Window(now)
+        missed = 0
+        if now - w.start >= self.interval_s:
+            missed, w.start, w.logged, w.suppressed = w.suppressed, now, 0, 0
+        if w.logged < self.burst:
+            w.logged += 1
+            return True, missed
+        w.suppressed += 1
+        return False, 0
+
+    def _expire(self, now: float) -> None:
+        """Forget windows that ended with nothing unlogged (their next drop starts afresh)."""
+        for key in [k for k, w in self._windows.items() if now - w.start >= self.interval_s and not w.suppressed]:
+            del self._windows[key]
+
+
+def kind_of(reason: str) -> str:
+    """What a reason is about, without the values it quotes: ``"params.steps: Input should be
+    ..."`` -> ``"params.steps"``."""
+    return reason.split(":", 1)[0].strip()[:64]
+
+
+_limiter = DropLimiter()
+_lock = threading.Lock()
+
+
+def log_dropped(logger: logging.Logger, receiver: str, reason: str, fmt: str, *args: object,
+                level: int = logging.WARNING) -> None:
+    """``logger.log(level, fmt, *args)`` unless drops of (``receiver``, ``reason``) are over
+    their rate; then counted, and reported in one line with the next one logged."""
+    with _lock:
+        show, missed = _limiter.admit(receiver, reason)
+    if missed:
+        logger.log(level, "%s: … and %d more dropped for %r (not logged: over %d per %g s)", receiver, missed,
+                   kind_of(reason), _limiter.burst, _limiter.interval_s)
+    if show:
+        logger.log(level, fmt, *args)

@@ -1,0 +1,78 @@
+"""The rate limit on dropped-message log lines (onepiece/droplog.py): pure, on a fake clock."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from onepiece import droplog
+from onepiece.droplog import OTHER, DropLimiter, kind_of
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_flood_logs_the_first_few_then_one_summary_per_interval():
+    clock = Clock()
+    lim = DropLimiter(burst=3, interval_s=10, clock=clock)
+    got = [lim.admit("db0", "steps: too large") for _ in range(1000)]
+    assert got[:3] == [(True, 0)] * 3 and set(got[3:]) == {(False, 0)}
+    clock.t = 9.9
+    assert lim.admit("db0", "steps: too large") == (False, 0)  # still the first interval
+    clock.t = 10.0
+    assert lim.admit("db0", "steps: other words") == (True, 998)  # the summary rides on the next line
+    assert [lim.admit("db0", "steps: x") for _ in range(3)] == [(True, 0), (True, 0), (False, 0)]
+    clock.t = 100.0
+    assert lim.admit("db0", "steps: x") == (True, 1)
+
+
+def test_receivers_and_reasons_are_limited_apart():
+    lim = DropLimiter(burst=1, interval_s=10, clock=Clock())
+    assert lim.admit("db0", "steps: a") == (True, 0)
+    assert lim.admit("db0", "steps: b") == (False, 0)  # same kind: the quoted values differ
+    assert lim.admit("db0", "seed: a") == (True, 0)
+    assert lim.admit("nm", "steps: a") == (True, 0)
+
+
+def test_varied_reasons_cannot_grow_the_table_or_get_past_the_limit():
+    clock = Clock()
+    lim = DropLimiter(burst=1, interval_s=10, max_keys=4, clock=clock)
+    shown = sum(lim.admit("db0", f"field{i}: bad")[0] for i in range(10_000))
+    assert shown == 4 + 1  # four kinds, then everything else as one
+    assert len(lim._windows) == 5 and ("db0", OTHER) in lim._windows
+    clock.t = 20.0  # windows that ended with nothing unlogged are forgotten when room is needed
+    lim2 = DropLimiter(burst=5, interval_s=10, max_keys=2, clock=clock)
+    lim2.admit("a", "x"), lim2.admit("a", "y")
+    clock.t = 40.0
+    assert lim2.admit("a", "z") == (True, 0) and ("a", "z") in lim2._windows
+
+
+def test_kind_of_keeps_the_field_path_only():
+    assert kind_of("params.steps: Input should be less than 100") == "params.steps"
+    assert kind_of("undecodable (ValueError: x)") == "undecodable (ValueError"
+    assert len(kind_of("a" * 1000)) == 64
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError):
+        DropLimiter(burst=0)
+
+
+def test_log_dropped_writes_the_lines(monkeypatch, caplog):
+    clock = Clock()
+    monkeypatch.setattr(droplog, "_limiter", DropLimiter(burst=2, interval_s=5, clock=clock))
+    log = logging.getLogger("test.droplog")
+    with caplog.at_level(logging.WARNING, "test.droplog"):
+        for i in range(50):
+            droplog.log_dropped(log, "db0", "kind: bad", "db0 dropped #%d", i)
+        clock.t = 6
+        droplog.log_dropped(log, "db0", "kind: bad", "db0 dropped #%d", 50)
+    assert [r.getMessage() for r in caplog.records] == [
+        "db0 dropped #0", "db0 dropped #1",
+        "db0: … and 48 more dropped for 'kind' (not logged: over 2 per 5 s)", "db0 dropped #50"]

@@ -1,0 +1,80 @@
+"""An HTTP fuzz of the proxy's served OpenAPI schema (schemathesis): requests generated from
+``/openapi.json``, valid and invalid, sent over real HTTP to a real proxy with a real DB behind
+it (tests/proxy_harness.py); no answer may be a 5xx, and every answer must be one the schema
+declares (status, content type, headers, body). A thread plays the pipeline, so created videos
+complete and their content can be read, listed and deleted."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import checks
+from schemathesis.generation import GenerationMode
+
+import proxy_harness as H
+
+# The checks of what the proxy answers. Not the ones that judge acceptance by the schema alone
+# (positive_data_acceptance...): some limits cannot be written in it (4k+1 frames, a size in
+# multiples of 16 within the model's bounds, an image for image-to-video models only).
+CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
+          checks.response_headers_conformance, checks.response_schema_conformance]
+
+
+class Pipeline:
+    """Completes every request that reaches the entrance: a result written to the DB, as the
+    last stage writes one."""
+
+    def __init__(self, h: H.Harness) -> None:
+        self.h, self.stop = h, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            msg = self.h.entrance.recv(0.1)
+            if msg is not None:
+                self.h.db.result(msg.uid, b"\x00\x00\x00\x18ftypmp42 a video")
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def served():
+    h = H.Harness(max_inflight=10_000, max_body_bytes=1 << 20)
+    pipeline = Pipeline(h)
+    try:
+        yield h, schemathesis.openapi.from_url(h.url + "/openapi.json")
+    finally:
+        pipeline.close()
+        h.close()
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+def test_no_request_the_schema_admits_or_breaks_gets_a_5xx_or_an_undeclared_answer(served, mode):
+    h, schema = served
+
+    @given(case=schema.as_strategy(generation_mode=mode))
+    @settings(max_examples=150, deadline=2000, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    def fuzz(case: schemathesis.Case) -> None:
+        case.call_and_validate(base_url=h.url, checks=CHECKS)
+
+    fuzz()
+    assert h.healthz()["status"] == "ok"
+
+
+def test_the_schema_declares_what_the_proxy_answers(served):
+    h, schema = served
+    raw = schema.raw_schema
+    ops = {(path, method): op for path, item in raw["paths"].items() for method, op in item.items()}
+    assert not [k for k, op in ops.items() if "422" in op["responses"]]  # the proxy answers 400
+    assert {"400", "401", "409", "413", "415", "429", "503"} <= set(ops["/v1/videos", "post"]["responses"])
+    content = ops["/v1/videos/{video_id}/content", "get"]["responses"]["200"]["content"]
+    assert list(content) == ["video/mp4"]
+    names = [p["name"] for p in ops["/v1/videos", "get"]["parameters"]]
+    assert names == ["after", "limit", "order"]
