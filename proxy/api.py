@@ -15,10 +15,10 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Annotated, Any, AsyncIterator, Callable
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from starlette.datastructures import UploadFile
@@ -637,7 +637,9 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None, keys: ApiKeys
 
     @app.get("/v1/videos/{video_id}/content", response_class=Response,
              responses=oa.responses(oa.ok({"type": "string", "format": "binary"}, "video/mp4"), 400, 404, 409, 503))
-    async def download_video(video_id: str, request: Request, variant: str | None = None) -> Response:
+    async def download_video(video_id: str, request: Request,
+                             variant: Annotated[str | None, Query(json_schema_extra={"enum": ["video", ""]})] = None
+                             ) -> Response:
         st = state
         if variant not in (None, "", "video"):
             raise bad_request(f"variant {variant!r} is not available; only 'video'", param="variant")

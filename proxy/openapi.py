@@ -114,7 +114,10 @@ def create_body(workflow: Workflow, image_field: str) -> Schema:
     image = {"description": "image-to-video: the first frame, as base64, a data URL or {\"image_url\": data URL}",
              "anyOf": [{"type": "string"}, {"type": "object", "properties": {"image_url": {"type": "string"}}}]}
     as_json = {**fields, "properties": {**props, image_field: image}}
-    as_form = {**fields, "properties": {**props, image_field: {"type": "string", "format": "binary"}}}
+    # A form field is a string or absent: it cannot say null.
+    form_props = {name: {**prop, "anyOf": [alt for alt in prop["anyOf"] if alt.get("type") != "null"]}
+                  if "anyOf" in prop else prop for name, prop in props.items()}
+    as_form = {**fields, "properties": {**form_props, image_field: {"type": "string", "format": "binary"}}}
     idem = {"name": IDEM_HEADER, "in": "header", "required": False,
             "schema": {"type": "string", "pattern": "^[!-~]{1,255}$"},
             "description": "a retry with the same key answers the video the first create made"}

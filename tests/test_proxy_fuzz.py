@@ -78,3 +78,8 @@ def test_the_schema_declares_what_the_proxy_answers(served):
     assert list(content) == ["video/mp4"]
     names = [p["name"] for p in ops["/v1/videos", "get"]["parameters"]]
     assert names == ["after", "limit", "order"]
+    (variant,) = [p for p in ops["/v1/videos/{video_id}/content", "get"]["parameters"] if p["name"] == "variant"]
+    assert variant["schema"]["enum"] == ["video", ""]
+    form = ops["/v1/videos", "post"]["requestBody"]["content"]["multipart/form-data"]["schema"]["properties"]
+    assert form["priority"]["anyOf"] == [{"type": "integer", "minimum": -1000, "maximum": 1000}]  # no null in a form
+    assert list(ops["/metrics", "get"]["responses"]["200"]["content"]) == ["text/plain"]
