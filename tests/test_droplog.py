@@ -42,20 +42,25 @@ def test_receivers_and_reasons_are_limited_apart():
 
 def test_varied_reasons_cannot_grow_the_table_or_get_past_the_limit():
     clock = Clock()
-    lim = DropLimiter(burst=1, interval_s=10, max_keys=4, clock=clock)
-    shown = sum(lim.admit("db0", f"field{i}: bad")[0] for i in range(10_000))
-    assert shown == 4 + 1  # four kinds, then everything else as one
+    lim = DropLimiter(burst=1, interval_s=10, max_kinds=4, clock=clock)
+    shown = sum(lim.admit("db0", f"field{chr(97 + i % 26)}{i // 26}x: bad")[0] for i in range(10_000))
+    assert shown == 4 + 1  # four kinds, then everything else of db0 as one
     assert len(lim._windows) == 5 and ("db0", OTHER) in lim._windows
-    clock.t = 20.0  # windows that ended with nothing unlogged are forgotten when room is needed
-    lim2 = DropLimiter(burst=5, interval_s=10, max_keys=2, clock=clock)
+    assert lim.admit("db1", "fieldz: bad") == (True, 0)  # another receiver has its own kinds
+    # Windows that ended with nothing unlogged are forgotten when room is needed.
+    lim2 = DropLimiter(burst=5, interval_s=10, max_kinds=2, clock=clock)
     lim2.admit("a", "x"), lim2.admit("a", "y")
+    assert lim2.admit("a", "z") == (True, 0) and ("a", "z") not in lim2._windows  # now: OTHER
     clock.t = 40.0
-    assert lim2.admit("a", "z") == (True, 0) and ("a", "z") in lim2._windows
+    assert lim2.admit("a", "w") == (True, 0) and ("a", "w") in lim2._windows
 
 
 def test_kind_of_keeps_the_field_path_only():
     assert kind_of("params.steps: Input should be less than 100") == "params.steps"
     assert kind_of("undecodable (ValueError: x)") == "undecodable (ValueError"
+    assert len({kind_of(f"part {name!r} is bytes, not a tensor") for name in ("a'b", "zz", 'q"')}) == 1
+    assert kind_of("expected at least 2 frames, got 1") == "expected at least _ frames, got _"
+    assert kind_of('unknown op "x"') == "unknown op _"
     assert len(kind_of("a" * 1000)) == 64
 
 
