@@ -41,9 +41,10 @@ class DropLimiter:
         self._windows: dict[tuple[str, str], _Window] = {}
         self._kinds: dict[str, int] = {}  # per receiver, its kinds in the table (OTHER aside)
 
-    def admit(self, receiver: str, reason: str) -> tuple[bool, int]:
-        """For one drop: (log it?, how many drops of its key went unlogged in the interval
-        that just ended; > 0 only on a logged drop, whose caller reports them first)."""
+    def admit(self, receiver: str, reason: str) -> tuple[bool, int, str]:
+        """For one drop: (log it?, how many drops of its kind went unlogged in the interval
+        that just ended, > 0 only on a logged drop, whose caller reports them first; the kind
+        it was counted under)."""
         now = self.clock()
         key = (receiver, kind_of(reason))
         w = self._windows.get(key)
@@ -62,9 +63,9 @@ class DropLimiter:
             missed, w.start, w.logged, w.suppressed = w.suppressed, now, 0, 0
         if w.logged < self.burst:
             w.logged += 1
-            return True, missed
+            return True, missed, key[1]
         w.suppressed += 1
-        return False, 0
+        return False, 0, key[1]
 
     def _expire(self, receiver: str, now: float) -> None:
         """Forget ``receiver``'s windows that ended with nothing unlogged (their next drop
@@ -93,9 +94,9 @@ def log_dropped(logger: logging.Logger, receiver: str, reason: str, fmt: str, *a
     """``logger.log(level, fmt, *args)`` unless drops of (``receiver``, ``reason``) are over
     their rate; then counted, and reported in one line with the next one logged."""
     with _lock:
-        show, missed = _limiter.admit(receiver, reason)
+        show, missed, kind = _limiter.admit(receiver, reason)
     if missed:
         logger.log(level, "%s: … and %d more dropped for %r (not logged: over %d per %g s)", receiver, missed,
-                   kind_of(reason), _limiter.burst, _limiter.interval_s)
+                   kind, _limiter.burst, _limiter.interval_s)
     if show:
         logger.log(level, fmt, *args)

@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Sen
 from onepiece.db import protocol
 from onepiece.db.client import DbError, DbFull, DbGone, DbUnavailable, NotReady
 from onepiece.db.listing import created_key
+from onepiece.proxy import openapi as oa
 from onepiece.proxy.admission import CapacityAdmission, DoneWatcher, InflightTracker, Refusal, admit
 from onepiece.proxy.auth import AuthMiddleware, caller_of
 from onepiece.proxy.buffers import ByteBudget
@@ -43,7 +44,6 @@ from onepiece.proxy.images import decode_base64_image, decode_image
 from onepiece.proxy.keys import ANYONE, ApiKeys, Caller
 from onepiece.proxy.listing import list_object, parse_query
 from onepiece.proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
-from onepiece.proxy import openapi as oa
 from onepiece.proxy.validation import VideoJob, build_job
 from onepiece.sched import deadlines
 from onepiece.sched.keys import shape_key

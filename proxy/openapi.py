@@ -84,6 +84,7 @@ LIST_PARAMETERS: list[Schema] = [
     {"name": "order", "in": "query", "required": False, "schema": {"enum": ["asc", "desc"]}},
 ]
 
+
 def create_body(workflow: Workflow, image_field: str) -> Schema:
     """``POST /v1/videos``'s header and body (the route reads the raw request, JSON or multipart,
     validated by proxy/validation.py, so FastAPI cannot infer them), with the bounds that hold for
