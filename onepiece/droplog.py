@@ -4,8 +4,9 @@ A flood of bad messages must not fill the logs: of each (receiver, reason), the 
 drops of an interval are logged; the rest are counted, and the next drop after the interval
 logs one summary line "… and K more" before its own. Reasons are reduced to their kind (what
 comes before the first ':', quoted names and numbers blanked), and each receiver keeps at most
-``max_kinds`` of them, so varied junk can neither grow the table nor get around the limit. :class:`DropLimiter` is the pure core; :func:`log_dropped` is
-the one call the receivers make.
+``max_kinds`` of them, so varied junk can neither grow the table nor get around the limit.
+:class:`DropLimiter` is the pure core; :func:`log_dropped` is the one call the receivers make.
+A flood that stops has its last count reported with the next drop of its kind, not before.
 """
 
 from __future__ import annotations
