@@ -150,7 +150,7 @@ def rpc_us(op: str, args: dict[str, Any], n: int, repeats: int) -> float:
         client.close()
         stop.set()
         t.join(5)
-        server.sock.close(linger=0)
+        server.close()
 
 
 def measure(n: int, repeats: int) -> dict[str, dict[str, float]]:
