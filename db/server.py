@@ -78,6 +78,7 @@ from onepiece.db.placement import order_dbs
 from onepiece.db.protocol import (CONTENT, DATA_SCHEMAS, RPC_SCHEMAS, TERMINAL, CreateArgs, DeleteArgs, FailedReport,
                                   ListArgs, PurgeMessage, ReplicaMessage, ResultReport, StatusReport, UidArgs)
 from onepiece.db.store import Change, Gone, InvalidUpdate, NotFound, ResultStore, StoreFull
+from onepiece.droplog import log_dropped
 from onepiece.events import CANCEL, DONE, event_frames
 from onepiece.schema import checked
 from onepiece.supervise import stop_on_signals
@@ -339,7 +340,8 @@ class DbServer:
     def _malformed(self, msg: Message, e: Exception) -> None:
         self._count("malformed")
         MALFORMED.labels(self.name).inc()
-        log.warning("db %s: uid=%s dropped a malformed %r message from %s: %s", self.name, msg.header.get("uid"),
+        log_dropped(log, f"db {self.name} at {self.data_address}", str(e),
+                    "db %s: uid=%s dropped a malformed %r message from %s: %s", self.name, msg.header.get("uid"),
                     str(msg.header.get("kind"))[:80], msg.sender or "?", e)
 
     def _on_change(self, change: Change, replicate: bool) -> None:

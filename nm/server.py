@@ -27,6 +27,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from onepiece import deployment, operator_key
 from onepiece.config import Topology, Workflow
+from onepiece.droplog import log_dropped
 from onepiece.heartbeat import DELIVERED, delivered_of, stage_stats_problem
 from onepiece.nm.deliveries import DeliveryLedger, Grave
 from onepiece.nm.elastic import Elastic, Move
@@ -149,7 +150,8 @@ class NodeManager:
         """A member's recent deliveries; those to an instance that died meanwhile are reaped now."""
         delivered = delivered_of(report)
         if delivered is None:
-            log.warning("heartbeat of %s: malformed %r report dropped", sender, DELIVERED)
+            log_dropped(log, f"nm at {self.rpc.address}", DELIVERED, "heartbeat of %s: malformed %r report dropped",
+                        sender, DELIVERED)
             return
         for grave, uids in self.deliveries.record(delivered, time.monotonic()):
             log.info("%d request(s) were delivered to %s after it was last heard; reporting them failed",
@@ -189,12 +191,14 @@ class NodeManager:
         stats = dict(req.stats)
         holding = stats.pop("holding", None)  # kept apart: status shows only its length
         if holding is not None and (problem := problem_of(Holdings, {"holding": holding}, "stats")) is not None:
-            log.warning("heartbeat of %s: holding dropped: %s", req.instance, problem)
+            log_dropped(log, f"nm at {self.rpc.address}", f"holding {problem}", "heartbeat of %s: holding dropped: %s",
+                        req.instance, problem)
             holding = None
         known = self.state.instances.get(req.instance)
         if known is not None and known.role == "stage" and (problem := stage_stats_problem(stats)) is not None:
             # Liveness still counts; the figures do not (they would break every capacity estimate).
-            log.warning("heartbeat of %s: stats dropped: %s", known.id, problem)
+            log_dropped(log, f"nm at {self.rpc.address}", f"stats {problem}", "heartbeat of %s: stats dropped: %s",
+                        known.id, problem)
             stats = known.stats
         inst = self.state.heartbeat(req.instance, req.ready, stats, req.version, holding, req.serving)
         if inst.role == "stage":

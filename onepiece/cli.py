@@ -437,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("bench", help="benchmarks (see bench/)")
     benches = sp.add_subparsers(dest="which", required=True, metavar="BENCHMARK")
     from onepiece.bench import (batching, dop, e2e, elastic, failover, overload, parallel, sched, simspeed,
-                                 simval, transport)
+                                 simval, transport, validation)
 
     for module, help_text in (
         (e2e, "end-to-end latency against the monolithic pipeline"),
@@ -449,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
         (simval, "the simulator against a bench sched run: predicted vs measured, every policy and load"),
         (overload, "open-loop load at multiples of capacity, request monitor on and off"),
         (transport, "transport throughput and one-way latency against memcpy"),
+        (validation, "the receivers' schema checks per message, against sending it over zmq"),
         (failover, "node manager failover on ZooKeeper: SIGKILL and graceful handover times"),
         (elastic, "elastic assignment: saturation begins -> a moved instance serves the busy stage"),
     ):

@@ -15,11 +15,12 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Annotated, Any, AsyncIterator, Callable
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -29,6 +30,7 @@ from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Sen
 from onepiece.db import protocol
 from onepiece.db.client import DbError, DbFull, DbGone, DbUnavailable, NotReady
 from onepiece.db.listing import created_key
+from onepiece.proxy import openapi as oa
 from onepiece.proxy.admission import CapacityAdmission, DoneWatcher, InflightTracker, Refusal, admit
 from onepiece.proxy.auth import AuthMiddleware, caller_of
 from onepiece.proxy.buffers import ByteBudget
@@ -42,7 +44,7 @@ from onepiece.proxy.images import decode_base64_image, decode_image
 from onepiece.proxy.keys import ANYONE, ApiKeys, Caller
 from onepiece.proxy.listing import list_object, parse_query
 from onepiece.proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
-from onepiece.proxy.validation import CreateFields, VideoJob, build_job
+from onepiece.proxy.validation import VideoJob, build_job
 from onepiece.sched import deadlines
 from onepiece.sched.keys import shape_key
 from onepiece.transport.message import Message, MessageError, new_uid
@@ -550,7 +552,14 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None, keys: ApiKeys
 
     # The schema (not the HTML docs pages, which load scripts from a CDN) at /openapi.json.
     app = FastAPI(title="onepiece proxy", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url="/openapi.json")
+                  openapi_url="/openapi.json", default_response_class=JsonResponse)
+
+    def served_schema() -> dict[str, Any]:
+        if app.openapi_schema is None:  # built once, on the first request for it
+            app.openapi_schema = oa.finish(get_openapi(title=app.title, version=app.version, routes=app.routes))
+        return app.openapi_schema
+
+    app.openapi = served_schema  # type: ignore[method-assign]
     app.state.proxy = state
     app.add_middleware(AuthMiddleware, keys=keys)
     app.add_middleware(GuardMiddleware, state=state)  # outermost: renders the 401s of the one inside
@@ -579,7 +588,8 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None, keys: ApiKeys
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
         return ApiError(400, str(exc.errors()[:1]), code="invalid_request").response()
 
-    @app.post("/v1/videos", openapi_extra=CREATE_BODY_SCHEMA)
+    @app.post("/v1/videos", openapi_extra=oa.create_body(cluster.workflow, IMAGE_FIELD),
+              responses=oa.responses(oa.ok(oa.VIDEO), 400, 409, 413, 415, 429, 503))
     async def create_video(request: Request) -> Response:
         st = state
         t0 = time.perf_counter()
@@ -596,7 +606,8 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None, keys: ApiKeys
         st.metrics.submit_latency.observe(time.perf_counter() - t0)
         return JsonResponse(obj, headers={"Idempotent-Replayed": "true"} if replayed else None)
 
-    @app.get("/v1/videos")
+    @app.get("/v1/videos", openapi_extra={"parameters": oa.LIST_PARAMETERS},
+             responses=oa.responses(oa.ok(oa.VIDEO_LIST), 400, 503))
     async def list_videos(request: Request) -> Response:
         st = state
         query = parse_query(request.query_params)
@@ -612,7 +623,7 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None, keys: ApiKeys
         records, more = await _db(st.dbs.list(owner, after, query.limit, query.order))
         return JsonResponse(list_object([video_object(r) for r in records], more))
 
-    @app.get("/v1/videos/{video_id}")
+    @app.get("/v1/videos/{video_id}", responses=oa.responses(oa.ok(oa.VIDEO), 404, 503))
     async def retrieve_video(video_id: str, request: Request) -> Response:
         st = state
         uid = uid_of(video_id)
@@ -624,8 +635,11 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None, keys: ApiKeys
             st.metrics.inflight.set(len(st.tracker))  # the done event was lost; the record says enough
         return JsonResponse(video_object(record))
 
-    @app.get("/v1/videos/{video_id}/content")
-    async def download_video(video_id: str, request: Request, variant: str | None = None) -> Response:
+    @app.get("/v1/videos/{video_id}/content", response_class=Response,
+             responses=oa.responses(oa.ok({"type": "string", "format": "binary"}, "video/mp4"), 400, 404, 409, 503))
+    async def download_video(video_id: str, request: Request,
+                             variant: Annotated[str | None, Query(json_schema_extra={"enum": ["video", ""]})] = None
+                             ) -> Response:
         st = state
         if variant not in (None, "", "video"):
             raise bad_request(f"variant {variant!r} is not available; only 'video'", param="variant")
@@ -650,7 +664,7 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None, keys: ApiKeys
         return Response(bytes(data), media_type=record.get("content_type") or "video/mp4",
                         headers={"Content-Disposition": f'attachment; filename="{ID_PREFIX}{uid}.mp4"'})
 
-    @app.delete("/v1/videos/{video_id}")
+    @app.delete("/v1/videos/{video_id}", responses=oa.responses(oa.ok(oa.DELETED), 404, 503))
     async def delete_video(video_id: str, request: Request) -> Response:
         st = state
         uid = uid_of(video_id)
@@ -661,14 +675,14 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None, keys: ApiKeys
             st.metrics.inflight.set(len(st.tracker))
         return JsonResponse({"id": ID_PREFIX + uid, "object": "video.deleted", "deleted": True})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=oa.responses(oa.ok(oa.MODELS)))
     async def list_models() -> Response:
         wf = state.cluster.workflow
         return JsonResponse({"object": "list", "data": [
             {"id": app_id, "object": "model", "created": 0, "owned_by": "onepiece", "kind": spec.kind,
              "stages": spec.stages} for app_id, spec in wf.applications.items()]})
 
-    @app.get("/healthz")
+    @app.get("/healthz", responses=oa.responses(oa.ok(oa.HEALTH)))
     async def healthz() -> Response:
         st = state
         apps = {}
@@ -683,13 +697,15 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None, keys: ApiKeys
             "monitor": st.admission is not None, "admission": _admission_health(st),
         })
 
-    @app.get("/readyz")
+    @app.get("/readyz", responses={**oa.responses(oa.ok(oa.READY)),
+                                   503: oa.ok(oa.READY, why="some application cannot be served now")})
     async def readyz() -> Response:
         missing = _not_ready(state)
         return JsonResponse({"status": "not ready" if missing else "ready", "set": state.cluster.set_name,
                              "missing": missing}, status_code=503 if missing else 200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses=oa.responses(oa.ok({"type": "string"}, CONTENT_TYPE_LATEST.split(";")[0])))
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -704,22 +720,6 @@ def allowed_methods(app: FastAPI, path: str) -> list[str]:
         if regex is not None and methods and regex.match(path):
             out |= methods
     return sorted(out)
-
-
-def _create_body_schema() -> dict[str, Any]:
-    """The create request's body for the OpenAPI schema: the route reads the raw request (JSON or
-    multipart, validated by proxy/validation.py), so FastAPI cannot infer it."""
-    fields = CreateFields.model_json_schema()
-    image = {"description": "image-to-video: the first frame, as base64, a data URL or {\"image_url\": data URL}",
-             "anyOf": [{"type": "string"}, {"type": "object", "properties": {"image_url": {"type": "string"}}}]}
-    as_json = {**fields, "properties": {**fields["properties"], IMAGE_FIELD: image}}
-    as_form = {**fields, "properties": {**fields["properties"],
-                                        IMAGE_FIELD: {"type": "string", "format": "binary"}}}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": as_json},
-                                                          "multipart/form-data": {"schema": as_form}}}}
-
-
-CREATE_BODY_SCHEMA = _create_body_schema()
 
 
 def _not_ready(st: ProxyState) -> list[str]:

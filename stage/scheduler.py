@@ -32,6 +32,7 @@ import orjson
 import zmq
 
 from onepiece.config import Workflow
+from onepiece.droplog import log_dropped
 from onepiece.events import CANCEL, MAX_EVENT_BYTES, read_event
 from onepiece.sched.core import Drop, Run, SchedCore
 from onepiece.sched.costs import CostModel
@@ -109,12 +110,13 @@ class RequestScheduler:
             uid = item[1] if item[0] == "failed" else item[1].uid
             log.error("deliver mailbox full for 30s; dropped %s for uid=%s", item[0], uid)
 
-    def _fail(self, uid: str, app: str, error: str, sender: str = "") -> None:
+    def _fail(self, uid: str, app: str, error: str, logged: bool = False) -> None:
         self.stats.failed += 1
         self.msgs.pop(uid, None)
         self.shapes.pop(uid, None)
         self.fixed.pop(uid, None)
-        log.warning("uid=%s failed at %s: %s%s", uid, self.stage, error, f" (sent by {sender})" if sender else "")
+        if not logged:
+            log.warning("uid=%s failed at %s: %s", uid, self.stage, error)
         self._emit(("failed", uid, app, error))
 
     # --- the loop ---------------------------------------------------------------------------
@@ -180,10 +182,14 @@ class RequestScheduler:
         except ValueError as e:
             uid, app = msg.header.get("uid"), msg.header.get("app")
             why = f"malformed request at stage {self.stage}: {e}"
+            receiver = f"stage {self.stage} at {self.receiver.address}"
             if isinstance(uid, str) and 0 < len(uid) <= 128:  # a uid the DB takes: the client learns why
-                self._fail(uid, app if isinstance(app, str) else "", why, msg.sender)
+                log_dropped(log, receiver, str(e), "uid=%s failed at %s: %s (sent by %s)", uid, self.stage, why,
+                            msg.sender or "?")
+                self._fail(uid, app if isinstance(app, str) else "", why, logged=True)
             else:
-                log.warning("dropped a message from %s without a usable uid: %s", msg.sender or "?", why)
+                log_dropped(log, receiver, str(e), "dropped a message from %s without a usable uid: %s",
+                            msg.sender or "?", why)
             return
         if h.uid in self.cancelled:
             self.cancelled_on_arrival += 1

@@ -192,6 +192,44 @@ def test_slow_heads_and_idle_connections_are_cut_off(proxy):
             assert time.monotonic() - t0 < TIMEOUT_S + 2
 
 
+def test_many_slow_heads_at_once_are_all_cut_off_while_healthz_answers(proxy):
+    """A slowloris: 40 connections (most of the bound) each send a header line every 0.2 s and
+    never end their heads; each is cut off at the header timeout, and /healthz answers throughout."""
+    _, port = proxy
+    socks = [connect(port) for _ in range(40)]
+    closed_at: dict[int, float] = {}
+    try:
+        with HealthPoller(port):
+            t0 = time.monotonic()
+            for s in socks:
+                s.sendall(b"GET /healthz HTTP/1.1\r\n")
+                s.setblocking(False)
+            while len(closed_at) < len(socks) and time.monotonic() - t0 < TIMEOUT_S + 3:
+                for i, s in enumerate(socks):
+                    if i in closed_at:
+                        continue
+                    try:
+                        if s.recv(4096) is not None:  # a 408, or b"" once closed: either way cut off
+                            closed_at[i] = time.monotonic() - t0
+                            continue
+                    except BlockingIOError:
+                        pass
+                    except ConnectionResetError:
+                        closed_at[i] = time.monotonic() - t0
+                        continue
+                    try:
+                        s.sendall(b"X-Slow: a\r\n")
+                    except (BrokenPipeError, ConnectionResetError, BlockingIOError):
+                        closed_at[i] = time.monotonic() - t0
+                time.sleep(0.2)
+    finally:
+        for s in socks:
+            s.close()
+    assert len(closed_at) == len(socks), f"{len(socks) - len(closed_at)} slow heads were never cut off"
+    assert all(TIMEOUT_S * 0.9 <= t < TIMEOUT_S + 2 for t in closed_at.values()), sorted(closed_at.values())
+    assert healthy(port)
+
+
 def test_slow_bodies_are_cut_off(proxy):
     _, port = proxy
     with HealthPoller(port):

@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 from pydantic import BaseModel
 
+from onepiece.droplog import log_dropped
 from onepiece.schema import checked
 from onepiece.transport.zmq_transport import bind_address, peer_of
 
@@ -82,7 +83,8 @@ class RpcServer:
     def _handle_one(self, frames: list) -> None:
         peer = peer_of(frames[0])
         if len(frames) < 3 or frames[1].bytes != b"":
-            log.warning("rpc %s: dropped request from %s with %d frames", self.address, peer, len(frames))
+            log_dropped(log, self.address, "frames", "rpc %s: dropped request from %s with %d frames", self.address, peer,
+                        len(frames))
             return
         ident = frames[0].bytes
         try:
@@ -90,7 +92,8 @@ class RpcServer:
             if not isinstance(req, dict):
                 raise ValueError("request is not a JSON object")
         except (orjson.JSONDecodeError, ValueError) as e:
-            log.warning("rpc %s: dropped malformed request from %s: %s", self.address, peer, e)
+            log_dropped(log, self.address, "not JSON", "rpc %s: dropped malformed request from %s: %s", self.address,
+                        peer, e)
             return
         rid, op = req.get("id"), req.get("op")
         if not (isinstance(rid, int) and -(1 << 63) <= rid < 1 << 63 or isinstance(rid, str) and len(rid) <= 128):
@@ -106,7 +109,7 @@ class RpcServer:
             except ValueError as e:
                 refused = str(e)
         if refused is not None:
-            log.warning("rpc %s: refused a request from %s: %s", self.address, peer, refused)
+            log_dropped(log, self.address, refused, "rpc %s: refused a request from %s: %s", self.address, peer, refused)
             reply: dict = {"ok": False, "error": refused}
         else:
             try:

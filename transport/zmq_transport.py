@@ -11,6 +11,7 @@ import logging
 
 import zmq
 
+from onepiece.droplog import log_dropped
 from onepiece.transport import registry
 from onepiece.transport.base import Full, Receiver, Sender
 from onepiece.transport.message import Message, MessageError, decode, encode
@@ -84,7 +85,8 @@ class ZmqReceiver(Receiver):
             except Exception as e:  # a decoder gap must not take the receiver down
                 reason = f"undecodable ({type(e).__name__}: {e})"
             self.rejected += 1
-            log.warning("dropped malformed message on %s from %s: %s", self.address, peer_of(frames[0]), reason)
+            log_dropped(log, self.address, reason, "dropped malformed message on %s from %s: %s", self.address,
+                        peer_of(frames[0]), reason)
             deadline_ms = 0
         return None
 
