@@ -45,7 +45,7 @@ from onepiece.nm.elastic import Elastic
 from onepiece.nm.election import PrimaryElection
 from onepiece.nm.protocol import RegisterArgs
 from onepiece.nm.server import NodeManager
-from onepiece.nm.state import ClusterState, fresh_version
+from onepiece.nm.state import ClusterState
 from onepiece.nm.zk import Paths, ZkSettings
 from onepiece.nm.zk_store import Fenced, Snapshot, ZkStore, read_primary
 from onepiece.transport.registry import with_host
@@ -95,6 +95,10 @@ class HaNodeManager(NodeManager):
         self.election: PrimaryElection | None = None
 
     # ---- RPC: only the primary answers -------------------------------------------------------
+
+    def first_version(self) -> int:
+        """Versions live in ZooKeeper: a new primary goes on from the saved one (restore)."""
+        return 1
 
     def _handlers(self) -> dict:
         return {op: self._guard(fn) for op, fn in super()._handlers().items()}
@@ -329,7 +333,7 @@ class HaNodeManager(NodeManager):
         self.topology = Topology.model_validate(snap.config["topology"])
         self.workflow = Workflow.model_validate(snap.config["workflow"])
         self.base_dir = Path(snap.config["base_dir"])
-        self.state = ClusterState(self.topology, self.workflow, fresh_version())
+        self.state = ClusterState(self.topology, self.workflow)
         self.reaper.workflow = self.workflow
 
     def _members(self, children: set[str]) -> None:

@@ -53,7 +53,7 @@ class NodeManager:
         self.deployment = deployment_id  # members of another deployment are refused (onepiece/deployment.py)
         # What `move` needs (onepiece/operator_key.py): the environment's, unless serve() is given a file's.
         self.operator_key = operator_key.resolve(None)
-        self.state = ClusterState(topology, workflow, fresh_version())
+        self.state = ClusterState(topology, workflow, self.first_version())
         self.reaper = Reaper(workflow)
         self.elastic = Elastic(topology.nm.elastic)
         self.liveness = Liveness(LivenessSpec(topology.nm.heartbeat_s, topology.nm.dead_after_s))
@@ -70,6 +70,11 @@ class NodeManager:
         self._settle_until: float | None = time.monotonic() + self.liveness.spec.limit_s
         self.rpc = RpcServer(address or topology.nm.address, self._handlers(), SCHEMAS)
         self.address = self.rpc.address
+
+    def first_version(self) -> int:
+        """The route version this NM starts at: above any its predecessor handed out (this
+        embedded NM keeps no state across a restart)."""
+        return fresh_version()
 
     def _handlers(self) -> dict:
         """Op -> handler; each gets its arguments checked against ``nm.protocol.SCHEMAS``."""
