@@ -29,6 +29,7 @@ from typing import Any
 import zmq
 
 from onepiece.bench.common import PROMPT, T2V_STAGES, cpu_name, parse_shape, tiny_models
+from onepiece.transport import curve
 
 DEFAULT_CASES = "64x64x9:10,256x256x17:10"
 
@@ -120,6 +121,7 @@ def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder
         db = DbClient([d["control"] for d in dbs])
         events = zmq.Context.instance().socket(zmq.SUB)
         events.setsockopt(zmq.SUBSCRIBE, b"done")
+        curve.client(events)
         for d in dbs:
             events.connect(d["events"])
         mono = Monolithic(models["t2v"], device)

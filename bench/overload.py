@@ -67,6 +67,7 @@ from typing import Any
 import orjson
 
 from onepiece.bench.common import PROMPT, T2V_STAGES, parse_shape, percentile, tiny_models
+from onepiece.transport import curve
 
 DEFAULT_LEVELS = "0.5,1,2,5"
 DEFAULT_SHAPE = "64x64x9:20"
@@ -135,6 +136,7 @@ class Events:
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"done")
+        curve.client(self.sock)
         self.sock.setsockopt(zmq.RCVHWM, 100_000)
         for a in addresses:
             self.sock.connect(a)

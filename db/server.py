@@ -82,7 +82,7 @@ from onepiece.droplog import log_dropped
 from onepiece.events import CANCEL, DONE, event_frames
 from onepiece.schema import checked
 from onepiece.supervise import stop_on_signals
-from onepiece.transport import registry
+from onepiece.transport import curve, registry
 from onepiece.transport.base import Receiver, Sender, TransportError
 from onepiece.transport.message import Message, MessageError
 from onepiece.transport.rpc import RpcServer
@@ -173,7 +173,7 @@ class DbServer:
             self.pub = zmq.Context.instance().socket(zmq.PUB)
             self.pub.setsockopt(zmq.LINGER, 0)
             self.pub.setsockopt(zmq.SNDHWM, 10_000)  # PUB drops beyond this; it never blocks
-            self.pub.bind(bind_address(events_address))
+            curve.server(self.pub).bind(bind_address(events_address))
             self.events_address = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         except Exception:
             self._release()

@@ -58,6 +58,26 @@ def _deployment(args: argparse.Namespace) -> str:
         raise ConfigError(str(e)) from None
 
 
+def _curve(args: argparse.Namespace, addresses: list[str], mode: str | None = None, folder: str | None = None) -> None:
+    """This process's CURVE keys, as --auth (else ``mode``, else auto) decides for the addresses it
+    binds and connects to: the keys folder from --curve-dir, else ONEPIECE_CURVE_DIR, else ``folder``."""
+    import os
+
+    from onepiece.curve_policy import AuthPolicyError, curve_on
+    from onepiece.transport import curve
+
+    folder = getattr(args, "curve_dir", None) or os.environ.get(curve.ENV) or folder
+    try:
+        on = curve_on(getattr(args, "auth", None) or mode or "auto", addresses, folder is not None)
+        if on and folder is None:
+            raise ConfigError(f"CURVE is on for {', '.join(addresses)} (beyond loopback, or --auth curve) and no keys "
+                              f"folder was given: make one with `onepiece keys curve DIR` and pass --curve-dir DIR "
+                              f"(or set {curve.ENV})")
+        curve.use(curve.load(folder) if on else None)
+    except (AuthPolicyError, curve.CurveKeysError) as e:
+        raise ConfigError(str(e)) from None
+
+
 def cmd_nm(args: argparse.Namespace) -> int:
     from onepiece.config import load_topology
     from onepiece.nm.server import serve
@@ -65,6 +85,7 @@ def cmd_nm(args: argparse.Namespace) -> int:
 
     setup_logging("nm", args.log_level)
     topo, wf, base = load_topology(_topology(args.topology))
+    _curve(args, [args.address or topo.nm.address], topo.auth, topo.curve_dir)
     serve(topo, wf, base, args.address, args.metrics_port, zk=_zk(args, topo.nm), advertise=args.advertise,
           deployment_id=_deployment(args) or topo.deployment or "", operator=_operator_key(args.operator_key_file))
     return 0
@@ -88,6 +109,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
         print("onepiece stage: --idle and --stage exclude each other", file=sys.stderr)
         return 2
     setup_logging(f"stage[{args.stage or ('idle' if args.idle else '?')}]", args.log_level)
+    _curve(args, [args.listen, *args.nm.split(",")])
     serve(args.nm, args.set, args.listen, args.stage, args.runtime_dir, args.advertise, zk=_zk(args), idle=args.idle,
           name=args.name, deployment_id=_deployment(args))
     return 0
@@ -98,6 +120,7 @@ def cmd_db(args: argparse.Namespace) -> int:
     from onepiece.supervise import setup_logging
 
     setup_logging("db", args.log_level)
+    _curve(args, [args.listen, args.control, args.events, *args.nm.split(",")])
     serve(args.nm, args.set, args.listen, args.control, args.events, args.ttl, args.max_bytes,
           None if args.keep_after_fetch else args.purge_after_fetch, replication=args.replication,
           advertise=args.advertise, zk=_zk(args), deployment_id=_deployment(args))
@@ -116,6 +139,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     except SecretFileError as e:
         raise ConfigError(str(e)) from None
     setup_logging("proxy", args.log_level)
+    _curve(args, args.nm.split(","))  # its HTTP side has API keys; its ZeroMQ sockets are all clients
     serve(args.nm, args.set, args.host, args.port, args.max_inflight, args.max_body_bytes, monitor=args.monitor,
           deadline_factor=args.deadline_factor, advertise=args.advertise, zk=_zk(args), keys=keys,
           deployment_id=_deployment(args))
@@ -126,6 +150,11 @@ def cmd_keys(args: argparse.Namespace) -> int:
     from onepiece.proxy.keys import new_key
     from onepiece.secret_file import SecretFileError, write_secret_file
 
+    if args.action == "curve":
+        return _curve_keys(args.folder)
+    if args.folder:
+        print("onepiece keys new: takes no folder (a client key goes to --file, or is printed)", file=sys.stderr)
+        return 2
     key = new_key()
     if not args.file:
         print(key)
@@ -142,6 +171,22 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _curve_keys(folder: str | None) -> int:
+    from onepiece.transport import curve
+
+    if not folder:
+        print("onepiece keys curve: name the folder to make the deployment's key pair in", file=sys.stderr)
+        return 2
+    try:
+        curve.make(folder)
+    except (curve.CurveKeysError, OSError) as e:
+        print(f"onepiece keys curve: {e}", file=sys.stderr)
+        return 1
+    print(f"made the deployment's CURVE key pair in {folder} ({curve.PUBLIC}, and {curve.SECRET} of mode 0600): "
+          f"give every member the folder (--curve-dir {folder} or {curve.ENV})", file=sys.stderr)
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import orjson
 
@@ -149,6 +194,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from onepiece.status import render
     from onepiece.transport.rpc import RpcError
 
+    _curve(args, args.nm.split(","))
     client = NmClient(args.nm, timeout=2.0, retries=0)
     try:
         status = client.status()
@@ -171,6 +217,7 @@ def cmd_move(args: argparse.Namespace) -> int:
     from onepiece.transport.rpc import RpcError
 
     key = _operator_key(args.operator_key_file, fallback=True)
+    _curve(args, args.nm.split(","))
     client = NmClient(args.nm, timeout=2.0, retries=0)
     try:
         reply = client.move(args.instance, None if args.stage == "idle" else args.stage, key=key or "")
@@ -302,6 +349,20 @@ def _nm_addresses(value: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _curve_flags(sp: argparse.ArgumentParser, auth: bool = True) -> None:
+    from onepiece.curve_policy import MODES
+    from onepiece.transport.curve import ENV
+
+    g = sp.add_argument_group("CURVE between roles (see onepiece keys curve)")
+    g.add_argument("--curve-dir", metavar="DIR",
+                   help=f"folder with the deployment's CURVE key pair (default: {ENV}); its secret file has mode 0600")
+    if auth:
+        g.add_argument("--auth", choices=MODES,
+                       help="curve: always; off: without CURVE, refused for an address beyond loopback; auto (the "
+                            "default, or the topology's auth): CURVE when an address is beyond loopback or keys "
+                            "are given")
+
+
 def _operator_flag(sp: argparse.ArgumentParser, help: str) -> None:
     from onepiece.operator_key import FLAG
 
@@ -320,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument(FLAG, metavar="ID", type=_checked(check_id, "deployment id"),
                         help=f"the deployment this process belongs to (default: {ENV}, else none; onepiece up "
                              f"gives one): a node manager refuses members of another deployment")
+        _curve_flags(sp)
         return sp
 
     sp = sub.add_parser("up", help="start a whole local deployment from a topology file")
@@ -386,10 +448,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("status", help="print sets, stages, instances, health and queues")
     sp.add_argument("--nm", default=DEFAULT_NM, type=_nm_addresses, help="node manager address(es), a,b,c")
     sp.add_argument("--json", action="store_true")
+    _curve_flags(sp, auth=False)
     sp.set_defaults(fn=cmd_status)
 
-    sp = sub.add_parser("keys", help="make a client API key for the proxies")
-    sp.add_argument("action", choices=["new"])
+    sp = sub.add_parser("keys", help="make a client API key for the proxies (new), or the deployment's CURVE key "
+                                     "pair (curve DIR)")
+    sp.add_argument("action", choices=["new", "curve"])
+    sp.add_argument("folder", nargs="?", help="curve: the folder to make the key pair in (mode 0700)")
     sp.add_argument("--file", metavar="PATH",
                     help="append it to this keys file (created with mode 0600) instead of printing it")
     sp.set_defaults(fn=cmd_keys)
@@ -399,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("stage", help="stage name, or 'idle' for the idle pool")
     sp.add_argument("--nm", default=DEFAULT_NM, type=_nm_addresses, help="node manager address(es), a,b,c")
     _operator_flag(sp, "the operator key (default: ONEPIECE_OPERATOR_KEY, else the file `onepiece up` keeps)")
+    _curve_flags(sp, auth=False)
     sp.set_defaults(fn=cmd_move)
 
     sp = sub.add_parser("models", help="build or list the models of a workflow")
@@ -436,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("bench", help="benchmarks (see bench/)")
     benches = sp.add_subparsers(dest="which", required=True, metavar="BENCHMARK")
-    from onepiece.bench import (batching, dop, e2e, elastic, failover, overload, parallel, sched, simspeed,
+    from onepiece.bench import (batching, curve, dop, e2e, elastic, failover, overload, parallel, sched, simspeed,
                                  simval, transport, validation)
 
     for module, help_text in (
@@ -450,6 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
         (overload, "open-loop load at multiples of capacity, request monitor on and off"),
         (transport, "transport throughput and one-way latency against memcpy"),
         (validation, "the receivers' schema checks per message, against sending it over zmq"),
+        (curve, "the cost of CURVE on the data path: ZeroMQ tcp with and without it, 1 KB and 16 MB"),
         (failover, "node manager failover on ZooKeeper: SIGKILL and graceful handover times"),
         (elastic, "elastic assignment: saturation begins -> a moved instance serves the busy stage"),
     ):

@@ -367,6 +367,11 @@ class Topology(_Strict):
     nm: NmSpec = NmSpec()
     sets: list[SetSpec] = Field(min_length=1)
     transport: Literal["tcp", "ipc"] = "ipc"
+    auth: Literal["auto", "curve", "off"] = Field(
+        "auto", description="CURVE between the roles (onepiece/curve_policy.py): auto turns it on when an address is "
+                            "beyond loopback; off is refused then")
+    curve_dir: str | None = Field(None, description="folder with the deployment's CURVE key pair (onepiece keys curve "
+                                                    "DIR); default: onepiece up makes one under ~/.config/onepiece")
 
     @field_validator("deployment")
     @classmethod
@@ -459,6 +464,8 @@ def load_topology(path: str | Path) -> tuple[Topology, Workflow, Path]:
     wf_path = resolve_path(topo.workflow, path.parent)
     if topo.nm.zk_auth_file:
         topo.nm.zk_auth_file = str(resolve_path(topo.nm.zk_auth_file, path.parent))
+    if topo.curve_dir:
+        topo.curve_dir = str(resolve_path(topo.curve_dir, path.parent))
     wf = load_workflow(wf_path)
     for s in topo.sets:
         if s.proxy.api_keys_file:

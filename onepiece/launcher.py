@@ -25,11 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from onepiece import deployment, operator_key
-from onepiece.config import SetSpec, load_topology
+from onepiece.config import ConfigError, SetSpec, load_topology
+from onepiece.curve_policy import AuthPolicyError, curve_on
 from onepiece.nm.client import NmClient
 from onepiece.nm.zk_auth import child_env
 from onepiece.ports import free_port
 from onepiece.supervise import Backoff, child_preexec
+from onepiece.transport import curve
 from onepiece.transport.rpc import RpcError
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,26 @@ class Deployment:
         self.nm_count = len(self.nm_addresses)
         # Every process of this run carries it; the NM refuses members of another deployment.
         self.deployment = self.topo.deployment or deployment.new_id()
+        self.curve_dir = self._curve_dir()
+
+    def _curve_dir(self) -> Path | None:
+        """The CURVE keys folder every process of this run uses, None when the topology runs
+        without CURVE; made (under ~/.config/onepiece) if the topology names none and it is missing."""
+        given = self.topo.curve_dir or os.environ.get(curve.ENV)
+        addresses = [*self.nm_addresses, self._address("probe"), self._data_address("probe", "ring")]
+        try:
+            if not curve_on(self.topo.auth, addresses, given is not None):
+                return None
+        except AuthPolicyError as e:
+            raise ConfigError(f"{self.topology_path}: {e}") from None
+        folder = Path(given) if given else default_curve_dir()
+        try:
+            if given is None and not (folder / curve.SECRET).exists():
+                curve.make(folder)
+            curve.load(folder)  # refuse a bad folder here, not in every child
+        except curve.CurveKeysError as e:
+            raise ConfigError(str(e)) from None
+        return folder
 
     def _address(self, name: str) -> str:
         if self.topo.transport == "ipc":
@@ -96,6 +118,11 @@ class Deployment:
         credentials reach them by environment, never on their command lines (nm/zk_auth.py)."""
         common = (self.zk.args() if self.zk else []) + [deployment.FLAG, self.deployment]
         env = child_env(self.zk.auth if self.zk else None)
+        # The keys folder by environment (a path, not a secret), so that every role finds it alike.
+        env.pop(curve.ENV, None)
+        common += ["--auth", "off" if self.curve_dir is None else "curve"]
+        if self.curve_dir is not None:
+            env[curve.ENV] = str(self.curve_dir)
         out = []
         for i, address in enumerate(self.nm_addresses):
             name = "nm" if self.nm_count == 1 else f"nm{i}"
@@ -181,6 +208,8 @@ class Deployment:
         for path in ensure_models(self.workflow, self.base_dir):
             print(f"built tiny random-weight model at {path}", flush=True)
         self.children = self.plan()
+        if self.curve_dir is not None:  # this process asks the NM whether the deployment is ready
+            curve.use(curve.load(self.curve_dir))
         nms, rest = self.children[:self.nm_count], self.children[self.nm_count:]
         for nm in nms:
             nm.start()
@@ -283,9 +312,16 @@ class Deployment:
                 c.proc.kill()
                 c.proc.wait()
         shutil.rmtree(self.runtime, ignore_errors=True)
+        if self.curve_dir is not None:
+            curve.use(None)
         # Rings of processes that were killed (a clean close removes its own).
         for ring in Path("/dev/shm").glob(f"{self.runtime.name}-*"):
             ring.unlink(missing_ok=True)
+
+
+def default_curve_dir() -> Path:
+    """Where `onepiece up` keeps the CURVE keys it makes (beside the operator key)."""
+    return operator_key.default_path().parent / "curve"
 
 
 def up(topology: Path, log_dir: Path | None = None, ready_timeout: float = 300.0) -> int:
@@ -294,6 +330,9 @@ def up(topology: Path, log_dir: Path | None = None, ready_timeout: float = 300.0
     stop = stop_on_signals()
     dep = Deployment(topology, log_dir)
     print(f"onepiece: starting {topology} as deployment {dep.deployment} (logs in {dep.log_dir})", flush=True)
+    if dep.curve_dir is not None:
+        print(f"onepiece: CURVE between roles, keys in {dep.curve_dir} (`onepiece status` and `move` need "
+              f"{curve.ENV}={dep.curve_dir})", flush=True)
     try:
         dep.start()
         proxies = dep.wait_ready(ready_timeout, stop)

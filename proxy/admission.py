@@ -27,6 +27,7 @@ import zmq.asyncio
 from onepiece.events import DONE, MAX_EVENT_BYTES, read_event
 from onepiece.nm.capacity import predicted_latency
 from onepiece.sched.options import DEADLINE_ORDERED
+from onepiece.transport import curve
 from onepiece.transport.zmq_transport import peer_of
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class DoneWatcher:
         self.sock.setsockopt(zmq.RCVHWM, 100_000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_BYTES)
         self.sock.setsockopt(zmq.SUBSCRIBE, DONE)
+        curve.client(self.sock)
         self.connected: set[str] = set()
         self._task: asyncio.Task | None = None
 

@@ -44,6 +44,7 @@ from onepiece.stage.reports import REPORTS, Admitted, Failed, Idle, Progress, Re
 from onepiece.stage.service_times import ServiceTimes
 from onepiece.stage.stats import SchedulerStats
 from onepiece.task_header import TaskHeader
+from onepiece.transport import curve
 from onepiece.transport.base import Receiver
 from onepiece.transport.message import Message, MessageError, decode, encode, now_ns
 from onepiece.transport.zmq_transport import peer_of
@@ -66,12 +67,14 @@ class RequestScheduler:
         self.workers = ctx.socket(zmq.ROUTER)
         self.workers.setsockopt(zmq.LINGER, 0)
         self.workers.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reuses its identity
+        # No CURVE: the workers' ipc socket lives in this instance's private folder (mode 0700).
         self.workers.bind(worker_address)
         self.worker_address = self.workers.getsockopt_string(zmq.LAST_ENDPOINT)
         self.events = ctx.socket(zmq.SUB)  # the set's DBs: cancellations
         self.events.setsockopt(zmq.LINGER, 0)
         self.events.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_BYTES)
         self.events.setsockopt(zmq.SUBSCRIBE, CANCEL)
+        curve.client(self.events)  # the DBs' events socket admits members only
         self._dbs: set[str] = set()
         self._dbs_version: Any = None
         self.core = SchedCore(spec.schedule, CostModel(costs))  # from a table, if given; measured from here on

@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from onepiece.droplog import log_dropped
 from onepiece.schema import checked
+from onepiece.transport import curve
 from onepiece.transport.zmq_transport import bind_address, peer_of
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def _dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 64)  # requests queued for an absent server stay few
-    sock.connect(address)
+    curve.client(sock).connect(address)
     return sock
 
 
@@ -65,7 +66,7 @@ class RpcServer:
         self.sock.setsockopt(zmq.RCVHWM, 1000)
         self.sock.setsockopt(zmq.SNDHWM, 1000)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.sock.bind(bind_address(address))
+        curve.server(self.sock).bind(bind_address(address))
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def handle(self) -> None:

@@ -12,7 +12,7 @@ import logging
 import zmq
 
 from onepiece.droplog import log_dropped
-from onepiece.transport import registry
+from onepiece.transport import curve, registry
 from onepiece.transport.base import Full, Receiver, Sender
 from onepiece.transport.message import Message, MessageError, decode, encode
 
@@ -45,7 +45,7 @@ class ZmqSender(Sender):
         self.sock.setsockopt(zmq.IMMEDIATE, 1)
         self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
+        curve.client(self.sock).connect(address)
 
     def send(self, msg: Message, timeout: float = 5.0) -> None:
         frames = encode(msg)
@@ -68,7 +68,7 @@ class ZmqReceiver(Receiver):
         self.sock = zmq.Context.instance().socket(zmq.PULL)
         self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(bind_address(address))
+        curve.server(self.sock).bind(bind_address(address))
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.rejected = 0
 

@@ -25,7 +25,7 @@ from typing import Iterable
 
 import zmq
 
-from onepiece.transport import registry
+from onepiece.transport import curve, registry
 from onepiece.transport.ring import layout
 from onepiece.transport.ring.endpoints import RingReceiver, RingSender
 from onepiece.transport.ring.region import MappedRegion, PeerGone, Region
@@ -55,7 +55,7 @@ class Agent:
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, 256)
-        self.sock.bind(bind_address(address))
+        curve.server(self.sock).bind(bind_address(address))
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.ops = {b"H": self._hello, b"L": self._load, b"R": self._read, b"W": self._write, b"C": self._cas,
                     **(extra_ops or {})}
@@ -161,7 +161,7 @@ class AgentRegion(Region):
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.connect(self.endpoint)
+        curve.client(sock).connect(self.endpoint)
         return sock
 
     def call(self, op: bytes, args: bytes, data: Iterable = ()) -> bytes:

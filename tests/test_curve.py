@@ -1,0 +1,320 @@
+"""CURVE between roles (transport/curve.py, onepiece/curve_policy.py).
+
+The policy is a pure function. Then real processes over tcp: a node manager and a DB started
+with `--auth curve`, and a ring agent. An outsider without a key, or with a key pair that is not
+the deployment's (knowing the deployment's public key, which is no secret), gets nothing through:
+no register, RPC call, operator command, data message or event reaches the handler, which the
+members see (no intruder registered, the record untouched). The members, whose messages are the
+same, are served, and the processes keep serving. test_e2e_request_with_curve runs a request
+through `onepiece up` with CURVE on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+import zmq
+
+from onepiece.cli import build_parser
+from onepiece.client import Client
+from onepiece.curve_policy import AuthPolicyError, beyond_host, curve_on
+from onepiece.db.client import DbClient
+from onepiece.launcher import free_tcp_address
+from onepiece.transport import curve
+from onepiece.transport.message import Message, encode, new_uid
+from onepiece.transport.rpc import RpcClient
+from onepiece.transport.ring.agent import AgentRegion, listen as ring_listen
+
+from deployment import Up
+from waiting import wait_for
+
+pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+
+REFUSED_WITHIN_S = 1.0  # loopback: a member's reply comes in milliseconds
+
+
+# ---- the policy -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("address,wide", [
+    ("tcp://127.0.0.1:7700", False), ("tcp://localhost:1", False), ("tcp://[::1]:1", False),
+    ("ipc:///tmp/x/nm.sock", False), ("inproc://a", False), ("shm://r?slots=4&bytes=4096", False),
+    ("ring+tcp://127.0.0.1:0?slots=4&bytes=4096", False),
+    ("tcp://0.0.0.0:7700", True), ("tcp://*:7700", True), ("tcp://10.1.2.3:1", True), ("tcp://nm:7700", True),
+    ("ring+tcp://0.0.0.0:0?slots=4&bytes=4096", True),
+])
+def test_which_addresses_reach_beyond_this_host(address, wide):
+    assert beyond_host(address) is wide
+
+
+LOCAL, WIDE = ["tcp://127.0.0.1:1", "ipc:///tmp/a.sock"], ["tcp://127.0.0.1:1", "tcp://0.0.0.0:2"]
+
+
+@pytest.mark.parametrize("mode,addresses,keys,on", [
+    ("auto", LOCAL, False, False), ("auto", LOCAL, True, True), ("auto", WIDE, False, True),
+    ("curve", LOCAL, False, True), ("curve", WIDE, True, True), ("off", LOCAL, False, False),
+    ("off", LOCAL, True, False),
+])
+def test_curve_on(mode, addresses, keys, on):
+    assert curve_on(mode, addresses, keys) is on
+
+
+def test_off_beyond_loopback_and_unknown_modes_are_refused():
+    with pytest.raises(AuthPolicyError, match="tcp://0.0.0.0:2"):
+        curve_on("off", WIDE, True)
+    with pytest.raises(AuthPolicyError, match="auto, curve, off"):
+        curve_on("none", LOCAL, False)
+
+
+# ---- key files ------------------------------------------------------------------------------------
+
+def test_keys_are_made_private_and_never_replaced(tmp_path):
+    folder = curve.make(tmp_path / "k")
+    assert (folder.stat().st_mode & 0o777, (folder / curve.SECRET).stat().st_mode & 0o777) == (0o700, 0o600)
+    keys = curve.load(folder)
+    assert keys.members == {keys.public}
+    with pytest.raises(curve.CurveKeysError, match="already holds"):
+        curve.make(folder)
+    assert curve.load(folder) == keys
+
+
+def test_unusable_key_folders_are_refused_by_name(tmp_path):
+    folder = curve.make(tmp_path / "k")
+    os.chmod(folder / curve.SECRET, 0o644)
+    with pytest.raises(curve.CurveKeysError, match="chmod 600"):
+        curve.load(folder)
+    with pytest.raises(curve.CurveKeysError, match="onepiece keys curve"):
+        curve.load(tmp_path / "missing")
+    other = curve.make(tmp_path / "other")
+    (folder / curve.SECRET).unlink()
+    os.replace(other / curve.SECRET, folder / curve.SECRET)  # a secret that is not deployment.key's half
+    with pytest.raises(curve.CurveKeysError, match="not the public half"):
+        curve.load(folder)
+
+
+def test_a_role_beyond_loopback_without_keys_does_not_start(tmp_path):
+    """Refused before it binds, with a message saying how to make keys."""
+    env = {k: v for k, v in os.environ.items() if k != curve.ENV}
+    out = subprocess.run([sys.executable, "-m", "onepiece", "db", "--listen", "tcp://0.0.0.0:0"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "onepiece keys curve" in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, "-m", "onepiece", "db", "--auth", "off", "--listen", "tcp://0.0.0.0:0"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "auth: off with tcp://0.0.0.0:0" in out.stderr, out.stderr
+
+
+def test_keys_command_makes_a_pair(tmp_path):
+    args = build_parser().parse_args(["keys", "curve", str(tmp_path / "k")])
+    assert args.fn(args) == 0 and curve.load(tmp_path / "k").public
+
+
+# ---- outsiders against real processes ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> curve.CurveKeys:
+    return curve.load(curve.make(tmp_path_factory.mktemp("curve") / "keys"))
+
+
+@pytest.fixture
+def member(keys):
+    """This test process as a member of the deployment (its client sockets prove the keys)."""
+    curve.use(keys)
+    yield keys
+    curve.use(None)
+
+
+OPERATOR_KEY = "op-" + "k" * 40
+
+
+@pytest.fixture(scope="module")
+def servers(keys, tmp_path_factory):
+    """A node manager and a DB, separate processes with CURVE on over tcp."""
+    logs = tmp_path_factory.mktemp("curve-logs")
+    nm = free_tcp_address()
+    env = {**os.environ, curve.ENV: str(keys.folder), "ONEPIECE_OPERATOR_KEY": OPERATOR_KEY}
+    flags = ["--auth", "curve", "--deployment", "curvetest"]
+    procs = {
+        "nm": ["nm", "--address", nm, *flags],
+        "db": ["db", "--nm", nm, "--set", "set0", "--listen", "tcp://127.0.0.1:0", "--control", "tcp://127.0.0.1:0",
+               "--events", "tcp://127.0.0.1:0", "--replication", "1", *flags],
+    }
+    started = {}
+    try:
+        for name, argv in procs.items():
+            with open(logs / f"{name}.log", "w") as log:
+                started[name] = subprocess.Popen([sys.executable, "-m", "onepiece", *argv], env=env, stdout=log,
+                                                 stderr=subprocess.STDOUT)
+        curve.use(keys)
+        client = RpcClient(nm, timeout=2.0)
+        try:
+            dbs = wait_for(lambda: _dbs(client), timeout=60, what="the DB registered with the NM")
+        finally:
+            client.close()
+            curve.use(None)
+        yield {"nm": nm, "db": dbs[0], "procs": started, "logs": logs}
+    finally:
+        curve.use(None)
+        for p in started.values():
+            p.terminate()
+        for p in started.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _dbs(client: RpcClient) -> list[dict]:
+    return client.call("routes", set="set0")[0]["routes"]["dbs"]
+
+
+def _status(client: RpcClient) -> dict:
+    return client.call("status")[0]
+
+
+OUTSIDERS = ["no key", "wrong key"]
+
+
+def _outsider(kind: int, address: str, who: str, keys: curve.CurveKeys, ctx: zmq.Context) -> zmq.Socket:
+    """A socket of someone outside the deployment: no CURVE, or its own pair (and the
+    deployment's public key as the server's, which it may well know)."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if who == "wrong key":
+        public, secret = zmq.curve_keypair()
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, keys.public
+    sock.connect(address)
+    return sock
+
+
+def _send(sock: zmq.Socket, frames: list) -> None:
+    """Hand ``frames`` to ``sock``; once libzmq has dropped a refused connection, it has no peer
+    to queue them for (Again), which is a refusal too."""
+    try:
+        sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        pass
+
+
+def _rpc(sock: zmq.Socket, op: str, **args) -> bytes | None:
+    _send(sock, [b"", orjson.dumps({"id": 1, "op": op, **args})])
+    return sock.recv_multipart()[1] if sock.poll(int(REFUSED_WITHIN_S * 1000)) else None
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+@pytest.mark.parametrize("who", OUTSIDERS)
+def test_nm_refuses_outsiders_register_rpc_and_operator_commands(servers, keys, who, ctx):
+    sock = _outsider(zmq.DEALER, servers["nm"], who, keys, ctx)
+    registration = {"role": "db", "set": "set0", "name": "intruder", "deployment": "curvetest",
+                    "addresses": {"data": "tcp://127.0.0.1:9", "control": "tcp://127.0.0.1:9",
+                                  "events": "tcp://127.0.0.1:9"}}
+    assert _rpc(sock, "register", **registration) is None
+    assert _rpc(sock, "status") is None
+    curve.use(keys)
+    client = RpcClient(servers["nm"], timeout=2.0)
+    try:
+        (victim,) = [d["id"] for d in _status(client)["sets"]["set0"]["dbs"]]
+        assert _rpc(sock, "deregister", instance=victim, key=OPERATOR_KEY) is None  # even with the operator key
+        assert _rpc(sock, "move", instance=victim, stage=None, key=OPERATOR_KEY) is None
+        # The members' view: nothing of the above happened.
+        assert [d["id"] for d in _status(client)["sets"]["set0"]["dbs"]] == [victim]
+        assert "intruder" not in orjson.dumps(_status(client)).decode()
+    finally:
+        client.close()
+        curve.use(None)
+    assert all(p.poll() is None for p in servers["procs"].values())
+
+
+@pytest.mark.parametrize("who", OUTSIDERS)
+def test_db_refuses_outsiders_reads_deletes_data_and_events(servers, keys, who, ctx, member):
+    db = servers["db"]
+    members = DbClient([db["control"]])
+    uid = new_uid()
+    members.create({"uid": uid, "app": "t2v", "set": "set0"})
+    try:
+        rpc = _outsider(zmq.DEALER, db["control"], who, keys, ctx)
+        assert _rpc(rpc, "get", uid=uid) is None
+        assert _rpc(rpc, "delete", uid=uid) is None
+        data = _outsider(zmq.PUSH, db["data"], who, keys, ctx)
+        forged = {"uid": uid, "kind": "status", "status": "in_progress", "stage": "forged", "progress": 99}
+        _send(data, encode(Message(forged)))
+        events = _outsider(zmq.SUB, db["events"], who, keys, ctx)
+        events.setsockopt(zmq.SUBSCRIBE, b"")
+        mine = curve.client(zmq.Context.instance().socket(zmq.SUB))
+        mine.setsockopt(zmq.SUBSCRIBE, b"")
+        mine.setsockopt(zmq.LINGER, 0)
+        mine.connect(db["events"])
+        try:
+            time.sleep(0.3)  # subscriptions travel before the event (PUB drops what no one asked for)
+            # A member deletes a record still queued: the DB publishes its cancellation.
+            victim = new_uid()
+            members.create({"uid": victim, "app": "t2v", "set": "set0"})
+            members.delete(victim)
+            assert mine.poll(5000) and victim.encode() in b"".join(mine.recv_multipart())
+            assert not events.poll(int(REFUSED_WITHIN_S * 1000))
+        finally:
+            mine.close(linger=0)
+        rec = members.get(uid)
+        assert rec["status"] == "queued" and rec.get("stage") != "forged", rec
+        # The same message from a member goes through: what stopped the outsider was CURVE.
+        sender = curve.client(zmq.Context.instance().socket(zmq.PUSH))
+        sender.connect(db["data"])
+        try:
+            sender.send_multipart(encode(Message(forged)), copy=False)
+            wait_for(lambda: members.get(uid).get("stage") == "forged", timeout=5, what="the member's status")
+        finally:
+            sender.close(linger=500)
+    finally:
+        members.close()
+    assert all(p.poll() is None for p in servers["procs"].values())
+    assert "refused a connection from a client key" in (servers["logs"] / "db.log").read_text() or who == "no key"
+
+
+@pytest.mark.parametrize("who", OUTSIDERS)
+def test_ring_agent_refuses_outsiders(keys, who, ctx, member):
+    receiver = ring_listen("ring+tcp://127.0.0.1:0?slots=4&bytes=65536")
+    endpoint = receiver.agent.endpoint
+    try:
+        sock = _outsider(zmq.DEALER, endpoint, who, keys, ctx)
+        _send(sock, [b"\x01" * 8, b"H", b""])
+        assert not sock.poll(int(REFUSED_WITHIN_S * 1000))
+        region = AgentRegion(endpoint)  # a member attaches (its hello answered)
+        try:
+            assert region.geometry.nslots == 4
+        finally:
+            region.close()
+    finally:
+        receiver.close()
+
+
+# ---- one request through a deployment with CURVE on ---------------------------------------------------
+
+@pytest.mark.slow
+def test_e2e_request_with_curve(tiny_models, tmp_path, make_topology, keys, ctx):
+    import yaml
+
+    nm = free_tcp_address()
+    path = make_topology(tmp_path, tiny_models, nm, dbs=1, transport="tcp",
+                         stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1})
+    topo = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**topo, "auth": "curve", "curve_dir": str(keys.folder)}))
+    dep = Up(path, tmp_path / "logs", nm)
+    try:
+        assert dep.wait_for(r"CURVE between roles, keys in (\S+)", timeout=60).group(1) == str(keys.folder)
+        url = dep.wait_for(r"serves the API at (http://\S+)", timeout=240).group(1)
+        with Client(url) as c:
+            video = c.submit("a lighthouse", model="t2v", size="64x48", num_frames=5, steps=2, seed=1)
+            assert c.wait(video["id"], timeout=120)["status"] == "completed"
+            assert c.download(video["id"], tmp_path / "out.mp4").stat().st_size > 0
+        assert _rpc(_outsider(zmq.DEALER, nm, "no key", keys, ctx), "status") is None
+    finally:
+        dep.stop()
