@@ -89,6 +89,24 @@ def test_a_proxy_on_all_interfaces_gets_its_keys_as_a_private_secret():
         assert mount["uid"] == "0" and int(str(mount["mode"]).replace("0o", ""), 8) & 0o077 == 0
 
 
+def test_every_role_gets_the_curve_key_pair_as_private_secrets():
+    """Bound to 0.0.0.0, a role turns CURVE on (onepiece/curve_policy.py) and needs the pair:
+    both halves copied from the environment into the --curve-dir folder, the secret one 0400."""
+    from onepiece.curve_policy import curve_on
+    from onepiece.transport.curve import PUBLIC, SECRET
+
+    for role in ("nm", "stage", "db", "proxy"):
+        for name, a in by_role(role).items():
+            addresses = [a.address] if role == "nm" else [*(a.nm.split(",")), *([] if role == "proxy" else [a.listen])]
+            assert curve_on(a.auth or "auto", addresses, keys_given=True), name
+            assert a.curve_dir == "/run/secrets", f"{name}: no CURVE keys folder"
+            mounts = {m["target"]: m for m in SERVICES[name].get("secrets", [])}
+            assert {PUBLIC, SECRET} <= set(mounts), f"{name} lacks the CURVE key pair"
+            secret = mounts[SECRET]
+            assert COMPOSE["secrets"][secret["source"]] == {"environment": "ONEPIECE_CURVE_SECRET"}
+            assert secret["uid"] == "0" and int(str(secret["mode"]).replace("0o", ""), 8) & 0o077 == 0, name
+
+
 def test_dependencies_exist_and_stages_wait_for_models():
     for name, svc in SERVICES.items():
         deps = svc.get("depends_on") or []

@@ -20,6 +20,7 @@ from onepiece.nm.client import NmClient
 from onepiece.proxy import keys
 from onepiece.proxy.keys import new_key
 from onepiece.supervise import child_preexec
+from onepiece.transport import curve
 from onepiece.transport.rpc import RpcError
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
@@ -74,6 +75,7 @@ def test_stages_on_another_host_serve_through_proxy_and_db_on_this_one(data, two
     procs: list[subprocess.Popen] = []
 
     key = new_key()  # a proxy beyond loopback serves only with API keys
+    folder = curve.make(tmp_path / "curve")  # and every role beyond loopback only with CURVE
 
     def start(name: str, *args: str, netns: str | None = None, env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "onepiece", *args]
@@ -81,7 +83,7 @@ def test_stages_on_another_host_serve_through_proxy_and_db_on_this_one(data, two
             cmd = ["ip", "netns", "exec", netns, *cmd]
         with open(logs / f"{name}.log", "wb") as log:
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=child_preexec,
-                                          env={**os.environ, **(env or {})}))
+                                          env={**os.environ, curve.ENV: str(folder), **(env or {})}))
 
     try:
         start("nm", "nm", "--topology", str(topology), "--address", nm)
@@ -91,6 +93,7 @@ def test_stages_on_another_host_serve_through_proxy_and_db_on_this_one(data, two
         for stage in STAGES:
             start(stage, "stage", "--nm", nm, "--stage", stage, "--listen", f"{data}://{host_b}:0", netns=ns)
 
+        curve.use(curve.load(folder))  # this test asks the NM as a member would
         client = NmClient(nm, timeout=1.0, retries=0)
         deadline = time.monotonic() + 120
         routes: dict = {}
@@ -114,6 +117,7 @@ def test_stages_on_another_host_serve_through_proxy_and_db_on_this_one(data, two
                               steps=2, timeout=120)
         assert iio.imread(path.read_bytes(), extension=".mp4").shape == (5, 32, 32, 3)
     finally:
+        curve.use(None)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
