@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--nm", metavar="ADDR",
                        help="node manager address (e.g. tcp://127.0.0.1:7700): use every set's proxies, "
                             "going on to another set when one refuses")
-    from onepiece.cli import _refused
+    from onepiece.cli import _curve_flags, _refused
     from onepiece.proxy.keys import CLIENT_ENV as KEY_ENV
 
     parser.add_argument("--api-key-file", metavar="PATH",
@@ -46,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", help=argparse.SUPPRESS, type=_refused(
         f"a key on a command line is readable by every user of the host (ps); put it in a file of mode 0600 named "
         f"by --api-key-file, or in the environment variable {KEY_ENV}"))
+    _curve_flags(parser, auth=False)  # with --nm: the node manager of a deployment on CURVE
     parser.add_argument("--rounds", type=int, default=3,
                         help="times to go round all proxies while they refuse, with backoff (default 3)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the video")
@@ -73,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
     from onepiece.proxy.keys import client_key
     from onepiece.secret_file import SecretFileError
 
+    if args.nm:
+        from onepiece.cli import _curve
+
+        _curve(args, args.nm.split(","))
     extra = {"num_frames": args.frames, "steps": args.steps, "guidance": args.guidance, "seed": args.seed,
              "negative_prompt": args.negative_prompt, "timeout_s": args.deadline, "slo_s": args.slo}
     bar = tqdm(total=100, unit="%", desc="submitting", disable=args.quiet, file=sys.stderr,
