@@ -331,8 +331,8 @@ def up(topology: Path, log_dir: Path | None = None, ready_timeout: float = 300.0
     dep = Deployment(topology, log_dir)
     print(f"onepiece: starting {topology} as deployment {dep.deployment} (logs in {dep.log_dir})", flush=True)
     if dep.curve_dir is not None:
-        print(f"onepiece: CURVE between roles, keys in {dep.curve_dir} (`onepiece status` and `move` need "
-              f"{curve.ENV}={dep.curve_dir})", flush=True)
+        print(f"onepiece: CURVE between roles, keys in {dep.curve_dir} (`onepiece status`, `move` and "
+              f"`generate --nm` need {curve.ENV}={dep.curve_dir})", flush=True)
     try:
         dep.start()
         proxies = dep.wait_ready(ready_timeout, stop)

@@ -76,10 +76,15 @@ def test_keys_are_made_private_and_never_replaced(tmp_path):
     folder = curve.make(tmp_path / "k")
     assert (folder.stat().st_mode & 0o777, (folder / curve.SECRET).stat().st_mode & 0o777) == (0o700, 0o600)
     keys = curve.load(folder)
-    assert keys.members == {keys.public}
+    assert keys.members == {keys.public} and keys.secret.decode() not in repr(keys)
     with pytest.raises(curve.CurveKeysError, match="already holds"):
         curve.make(folder)
     assert curve.load(folder) == keys
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    with pytest.raises(curve.CurveKeysError, match="chmod 700"):
+        curve.make(shared)
+    assert not list(shared.iterdir())
 
 
 def test_unusable_key_folders_are_refused_by_name(tmp_path):

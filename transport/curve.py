@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
@@ -45,20 +45,23 @@ class CurveKeysError(SecretFileError):
 @dataclass(frozen=True)
 class CurveKeys:
     public: bytes  # z85, 40 bytes
-    secret: bytes
+    secret: bytes = field(repr=False)  # never in a log line or a traceback's locals
     members: frozenset[bytes]  # z85 public keys admitted as clients
     folder: Path
 
 
 def make(folder: str | Path) -> Path:
-    """A new deployment key pair in ``folder`` (made with mode 0700 if missing); refuses to
-    replace an existing pair, which would lock out every member that holds it."""
+    """A new deployment key pair in ``folder`` (made with mode 0700 if missing; an existing one
+    must be closed to other users already, since the secret is written before its chmod). Refuses
+    to replace an existing pair, which would lock out every member that holds it."""
     folder = Path(folder)
     if (folder / SECRET).exists() or (folder / PUBLIC).exists():
         raise CurveKeysError(f"CURVE keys folder {folder}: already holds a key pair ({PUBLIC}); remove it first "
                              f"to make a new one")
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(folder, 0o700)  # no other user reaches the secret in the moment before its chmod below
+    if folder.stat().st_mode & 0o077:
+        raise CurveKeysError(f"CURVE keys folder {folder}: other users may open it (mode "
+                             f"{folder.stat().st_mode & 0o777:04o}); name a new folder, or run: chmod 700 {folder}")
     zmq.auth.create_certificates(folder, NAME)
     os.chmod(folder / SECRET, 0o600)
     os.chmod(folder / PUBLIC, 0o644)
@@ -120,6 +123,8 @@ def use(keys: CurveKeys | None) -> None:
             _auth = ThreadAuthenticator(zmq.Context.instance(), log=logging.getLogger("zmq.auth"))
             _auth.start()
             _auth.configure_curve_callback("*", _Members(keys.members))
+            log.info("CURVE: every socket uses the key pair in %s (%d member key(s) admitted)", keys.folder,
+                     len(keys.members))
 
 
 def active() -> CurveKeys | None:
