@@ -5,8 +5,9 @@ encryption and decryption run in two processes' I/O threads as between two stage
 data messages (``encode``/``decode``) of 1 KB and 16 MB. Two receivers live for the whole run,
 one a CURVE server of a fresh deployment key pair, one plain; each measurement sends a batch to
 one of them and ends when the receiver has decoded the last message (its CLOCK_MONOTONIC time,
-shared by the processes of one host). The two are measured alternately, the order flipping every
-round, and the result is each round's ratio, so that the drift of a shared VM cancels out.
+shared by the processes of one host). 1 KB messages also get one-way latencies: one message at a
+time, sent once the receiver says it waits. The two are measured alternately, the order flipping
+every round, and the result is each round's ratio, so that the drift of a shared VM cancels out.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ MODES = ("plain", "curve")
 KB, MB = 1 << 10, 1 << 20
 DEFAULT_SIZES = "1024,16777216"
 RECV_TIMEOUT_S = 30.0  # a batch that stalls this long is an error, not a wait
+LATENCY_SAMPLES = 200  # per mode and round, of the smallest size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,6 +48,13 @@ def _receiver(keys_folder: str | None, conn) -> None:
     rx = ZmqReceiver("tcp://127.0.0.1:0")
     conn.send(rx.address)
     while (n := conn.recv()) is not None:
+        if n < 0:  # latencies: say "waiting" before each message, then the times each was decoded
+            times = []
+            for _ in range(-n):
+                conn.send("waiting")
+                times.append(time.monotonic() if rx.recv(RECV_TIMEOUT_S) is not None else float("nan"))
+            conn.send(times)
+            continue
         got = 0
         while got < n:
             msg = rx.recv(RECV_TIMEOUT_S)
@@ -69,6 +78,20 @@ def _batch(tx: ZmqSender, conn, size: int, count: int) -> float:
     return t_last - t0
 
 
+def _latencies(tx: ZmqSender, conn, size: int, count: int) -> list[float]:
+    """One-way seconds of ``count`` messages sent one at a time (NaN: one was lost)."""
+    msg = Message({"uid": "bench", "kind": "data"}, {"x": bytes(size)})
+    conn.send(-count)
+    sent = []
+    for _ in range(count):
+        if not conn.poll(RECV_TIMEOUT_S):
+            raise RuntimeError("the receiver stopped answering")
+        conn.recv()
+        sent.append(time.monotonic())
+        tx.send(msg, timeout=RECV_TIMEOUT_S)
+    return [t - s for s, t in zip(sent, conn.recv())]
+
+
 def run(args: argparse.Namespace) -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     t_start = time.monotonic()
@@ -90,14 +113,18 @@ def run(args: argparse.Namespace) -> int:
                 senders[mode], conns[mode], children[mode] = ZmqSender(address), parent, proc
             curve.use(None)
             seconds: dict[tuple[str, int], list[float]] = {(m, s): [] for m in MODES for s in sizes}
+            latency: dict[str, list[list[float]]] = {m: [] for m in MODES}  # per round, of min(sizes)
             counts = {s: max(16, min(20_000, args.bytes_per_batch // s)) for s in sizes}
             for s in sizes:  # warm-up: connections, handshakes, allocator
                 for m in MODES:
                     _batch(senders[m], conns[m], s, min(counts[s], 64))
             for r in range(args.rounds):
+                order = MODES if r % 2 == 0 else MODES[::-1]
                 for s in sizes:
-                    for m in (MODES if r % 2 == 0 else MODES[::-1]):
+                    for m in order:
                         seconds[(m, s)].append(_batch(senders[m], conns[m], s, counts[s]))
+                for m in order:
+                    latency[m].append(_latencies(senders[m], conns[m], min(sizes), LATENCY_SAMPLES))
                 print(f"{time.strftime('%H:%M:%S')} round {r + 1} of {args.rounds}", flush=True)
         finally:
             curve.use(None)
@@ -121,6 +148,14 @@ def run(args: argparse.Namespace) -> int:
             "time_ratio_median": statistics.median(ratios), "time_ratio_min": min(ratios),
             "time_ratio_max": max(ratios), "seconds": {"plain": plain, "curve": secured},
         })
+    p50 = {m: [statistics.median(x) * 1e6 for x in latency[m]] for m in MODES}  # per round, µs
+    lat_ratios = [c / p for p, c in zip(p50["plain"], p50["curve"])]
+    latency_cell = {
+        "size": min(sizes), "samples_per_round": LATENCY_SAMPLES,
+        "plain_p50_us": statistics.median(p50["plain"]), "curve_p50_us": statistics.median(p50["curve"]),
+        "ratio_median": statistics.median(lat_ratios), "ratio_min": min(lat_ratios), "ratio_max": max(lat_ratios),
+        "p50_us_per_round": p50,
+    }
     result = {
         "bench": "curve", "when": time.strftime("%Y-%m-%d %H:%M"),
         "machine": {"cores": os.cpu_count(), "cpu": cpu_name(), "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
@@ -132,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
                   "time_ratio = curve / plain of the same round (1.0: no cost)",
         "units": {"size": "bytes", "mb_per_s": "10^6 bytes/s"},
         "cells": cells,
+        "latency": latency_cell,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -160,4 +196,9 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {_size(c['size'])} | {c['plain_mb_per_s']:.0f} | {c['curve_mb_per_s']:.0f} | "
                      f"{c['plain_msgs_per_s']:.0f} | {c['curve_msgs_per_s']:.0f} | {c['time_ratio_median']:.2f} "
                      f"({c['time_ratio_min']:.2f}-{c['time_ratio_max']:.2f}) |")
+    lat = result["latency"]
+    lines += ["", f"One-way latency of {_size(lat['size'])} messages, one at a time ({lat['samples_per_round']} a round "
+                  f"and mode; the median of the rounds' p50s): plain {lat['plain_p50_us']:.0f} µs, CURVE "
+                  f"{lat['curve_p50_us']:.0f} µs, ratio {lat['ratio_median']:.2f} "
+                  f"({lat['ratio_min']:.2f}-{lat['ratio_max']:.2f})."]
     return "\n".join(lines) + "\n"

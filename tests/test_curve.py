@@ -323,3 +323,21 @@ def test_e2e_request_with_curve(tiny_models, tmp_path, make_topology, keys, ctx)
         assert _rpc(_outsider(zmq.DEALER, nm, "no key", keys, ctx), "status") is None
     finally:
         dep.stop()
+
+
+# ---- the benchmark ------------------------------------------------------------------------------------
+
+def test_bench_curve_measures_both_modes_side_by_side(tmp_path):
+    """`onepiece bench curve`, small: both modes at both sizes, ratios and files written."""
+    out = tmp_path / "results"
+    args = build_parser().parse_args(["bench", "curve", "--rounds", "2", "--sizes", "1024,65536",
+                                      "--bytes-per-batch", "1048576", "--out", str(out)])
+    assert args.fn(args) == 0
+    result = orjson.loads((out / "curve.json").read_bytes())
+    assert [c["size"] for c in result["cells"]] == [1024, 65536]
+    for c in result["cells"]:
+        assert len(c["seconds"]["plain"]) == len(c["seconds"]["curve"]) == 2
+        assert c["time_ratio_min"] <= c["time_ratio_median"] <= c["time_ratio_max"] and c["curve_mb_per_s"] > 0
+    assert result["latency"]["plain_p50_us"] > 0 and result["latency"]["curve_p50_us"] > 0
+    assert "| 64 KB |" in (out / "curve.md").read_text()
+    assert curve.active() is None  # the benchmark leaves this process as it found it
