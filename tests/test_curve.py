@@ -27,7 +27,7 @@ from onepiece.db.client import DbClient
 from onepiece.launcher import free_tcp_address
 from onepiece.transport import curve
 from onepiece.transport.message import Message, encode, new_uid
-from onepiece.transport.rpc import RpcClient
+from onepiece.transport.rpc import RpcClient, RpcError
 from onepiece.transport.ring.agent import AgentRegion, listen as ring_listen
 
 from deployment import Up
@@ -173,7 +173,11 @@ def servers(keys, tmp_path_factory):
 
 
 def _dbs(client: RpcClient) -> list[dict]:
-    return client.call("routes", set="set0")[0]["routes"]["dbs"]
+    """The set's DBs in the NM's routes; none while the NM is still starting."""
+    try:
+        return client.call("routes", set="set0")[0]["routes"]["dbs"]
+    except RpcError:
+        return []
 
 
 def _status(client: RpcClient) -> dict:
