@@ -175,7 +175,11 @@ class SchedCore:
         if not uids:
             return
         first, n = uids[0], len(uids)
-        key = next((w.cost_keys[first] for w in self.workers.values() if first in w.cost_keys), None)
+        key = None
+        for w in self.workers.values():
+            key = w.cost_keys.get(first)
+            if key is not None:
+                break
         if key is not None and measure:
             self.costs.observe(key, n, seconds)
         share = seconds / n
@@ -212,7 +216,9 @@ class SchedCore:
     # --- estimates ------------------------------------------------------------------------------
     def est_bytes(self, r: Request) -> int:
         b = self._bytes.get(r.key)
-        return b if b is not None else max(self._bytes.values(), default=0)
+        if b is not None:
+            return b
+        return max(self._bytes.values()) if self._bytes else 0
 
     def chunk(self, key: str, batch: int) -> int:
         """Steps per chunk: as configured, else the fewest that keep the measured per-chunk

@@ -12,6 +12,7 @@ the chunk lasts as long as its slowest part.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 from dataclasses import dataclass, field
@@ -34,19 +35,38 @@ class EventLoop:
     def __init__(self) -> None:
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable, tuple]] = []
+        # Events given in time order up front (a trace's arrivals): kept out of the heap, which
+        # then holds only what is in flight, and merged with it by (time, order given).
+        self._queue: collections.deque[tuple[float, int, Callable, tuple]] = collections.deque()
         self._seq = itertools.count()
 
     def at(self, t: float, fn: Callable[..., Any], *args: Any) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), fn, args))
 
+    def at_in_order(self, t: float, fn: Callable[..., Any], *args: Any) -> None:
+        """As ``at``, for an event no earlier than the last one given this way."""
+        if self._queue and t < self._queue[-1][0]:
+            raise ValueError(f"at_in_order: {t} is before the last event given so ({self._queue[-1][0]})")
+        self._queue.append((t, next(self._seq), fn, args))
+
     def run(self, until: float = float("inf")) -> None:
-        heap, pop = self._heap, heapq.heappop
-        while heap and heap[0][0] <= until:
-            self.now, _, fn, args = pop(heap)
+        heap, queue, pop, first = self._heap, self._queue, heapq.heappop, self._queue.popleft
+        while True:
+            # (time, order given) is unique: a comparison never reaches the callables
+            if queue and (not heap or queue[0] < heap[0]):
+                if queue[0][0] > until:
+                    return
+                self.now, _, fn, args = first()
+            elif heap:
+                if heap[0][0] > until:
+                    return
+                self.now, _, fn, args = pop(heap)
+            else:
+                return
             fn(*args)
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._heap) + len(self._queue)
 
 
 class VirtualInstance:
