@@ -416,5 +416,5 @@ class SchedCore:
         if w.previous:
             stats.preempted += sum(1 for u in w.previous if u in resident and u not in uids)
         w.previous, w.idle = uids, False
-        parts = tuple(Part(r, b.uids, b.steps) for r, b in zip(blocks, ok))
+        parts = tuple([Part(r, b.uids, b.steps) for r, b in zip(blocks, ok)])
         return Run(wid, uids, max(b.steps for b in ok), tuple(admit), parts)

@@ -188,9 +188,11 @@ def build_batches(view: View, order: Iterable[Request], may_join: Callable[[View
         if lead.worker is None:
             free[wid] -= view.est_bytes(lead)
         dop = idle[wid].ranks
-        steps = max(r.left for r in members) if whole else view.chunk(at_dop(lead.key, dop), len(members))
-        out.append(Batch(wid, tuple(r.uid for r in members), max(1, min(steps, max(r.left for r in members))), dop))
-        taken.update(r.uid for r in members)
+        left = max(r.left for r in members) if len(members) > 1 else lead.left
+        steps = left if whole else view.chunk(at_dop(lead.key, dop), len(members))
+        uids = tuple([r.uid for r in members])
+        out.append(Batch(wid, uids, max(1, min(steps, left)), dop))
+        taken.update(uids)
         del idle[wid]
     return out
 
