@@ -298,11 +298,15 @@ class SchedCore:
                 out.expired.append(r)
                 if r.worker is not None:
                     out.commands.append(Drop(r.worker, (r.uid,)))
-        aging = self.spec.aging
+        aging, memo = self.spec.aging, self._memo_valid()
         for r in requests.values():
-            if not r.aged and now - r.arrival > aging * (self.standalone_s(r) or UNKNOWN_STANDALONE_S):
-                r.aged = True
-                self.stats.aged += 1
+            if not r.aged:
+                alone = memo.get((r.key, r.steps), memo)  # standalone_s(r), without a call when known
+                if alone is memo:
+                    alone = self.standalone_s(r)
+                if now - r.arrival > aging * (alone or UNKNOWN_STANDALONE_S):
+                    r.aged = True
+                    self.stats.aged += 1
         idle = [w for w in self.workers.values() if w.idle]
         if not idle:
             return out
