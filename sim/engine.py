@@ -161,9 +161,11 @@ class Simulation:
         core = SchedCore(spec.schedule, self.costs.model(stage))
         service = self.service[name] = ServiceTimes(clock=lambda: self.loop.now)
 
+        monitored = self.admission.get(set_name) is not None  # the service times' only reader
+
         def ended(uid: str, status: str, r: Any, first: float | None) -> None:
             j = self.journeys[uid]
-            if status == "completed":
+            if monitored and status == "completed":
                 service.finished(core, r, j.shape)  # what its heartbeat will report
             self._left_stage(j, stage, name, status)
 
