@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from onepiece.sched.costs import CostModel
@@ -237,16 +238,18 @@ class SchedCore:
             self._memo_stamp = stamp
         return self._memo
 
-    def standalone_s(self, r: Request) -> float | None:
-        """Seconds ``r`` takes alone on an idle worker, at its fastest DoP: its steps, its
-        preparing and finishing, and the decision and IPC of each chunk."""
+    def _memoized(self, k: tuple, compute: Callable[[Request], float | None], r: Request) -> float | None:
         memo = self._memo_valid()
-        k = (r.key, r.steps)
         try:
             return memo[k]
         except KeyError:
-            t = memo[k] = self._standalone_s(r)
+            t = memo[k] = compute(r)
             return t
+
+    def standalone_s(self, r: Request) -> float | None:
+        """Seconds ``r`` takes alone on an idle worker, at its fastest DoP: its steps, its
+        preparing and finishing, and the decision and IPC of each chunk."""
+        return self._memoized((r.key, r.steps), self._standalone_s, r)
 
     def _standalone_s(self, r: Request) -> float | None:
         offered = self._offered
@@ -262,13 +265,7 @@ class SchedCore:
         """Worker seconds ``r`` takes at the largest batch the stage reached for its key, at the
         DoP that uses a group's ranks best (``d`` of a worker's ``n`` ranks for ``t`` seconds
         is ``t·d/n`` of the worker): what the stage's sustained rate follows from."""
-        memo = self._memo_valid()
-        k = (r.key, r.steps, r.batchable)
-        try:
-            return memo[k]
-        except KeyError:
-            t = memo[k] = self._share_s(r)
-            return t
+        return self._memoized((r.key, r.steps, r.batchable), self._share_s, r)
 
     def _share_s(self, r: Request) -> float | None:
         ranks = self._offered[-1]  # the largest group's size
@@ -299,6 +296,7 @@ class SchedCore:
                 if r.worker is not None:
                     out.commands.append(Drop(r.worker, (r.uid,)))
         aging, memo = self.spec.aging, self._memo_valid()
+        free = []  # what may advance: not in a chunk now
         for r in requests.values():
             if not r.aged:
                 alone = memo.get((r.key, r.steps), memo)  # standalone_s(r), without a call when known
@@ -307,11 +305,10 @@ class SchedCore:
                 if now - r.arrival > aging * (alone or UNKNOWN_STANDALONE_S):
                     r.aged = True
                     self.stats.aged += 1
+            if not r.running:
+                free.append(r)
         idle = [w for w in self.workers.values() if w.idle]
-        if not idle:
-            return out
-        free = [r for r in requests.values() if not r.running]
-        if not free:
+        if not idle or not free:
             return out
         free.sort(key=_arrival)
         aged = [r for r in free if r.aged]
