@@ -80,7 +80,7 @@ class View:
     previous: set[str] = field(default_factory=set)  # the uids of each worker's last batch
 
     def __post_init__(self) -> None:
-        ranks = max((w.ranks for w in self.workers), default=1)
+        ranks = max([w.ranks for w in self.workers], default=1)
         self.dops = [1] if ranks == 1 else dops(ranks)  # what the idle workers offer
 
     @functools.cached_property

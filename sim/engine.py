@@ -68,6 +68,7 @@ class Journey:
     deadline: float  # absolute, virtual seconds
     target: float | None
     alone: dict[str, float]  # seconds each stage takes for it alone
+    reserve: dict[str, float]  # per stage, what the stages after it need alone (sched.deadlines.reserve)
     # per stage, in order: its key there, its steps there, whether it batches there
     entries: list[tuple[str, int, bool]] = field(default_factory=list)
     shape: str = ""  # sched.keys.shape_key of its params
@@ -77,9 +78,6 @@ class Journey:
     outcome: str = ""  # completed | failed | rejected
     error: str | None = None  # why it failed, or the code of its last refusal
     spans: list[tuple[str, str, float, float]] = field(default_factory=list)  # (stage, instance, enter, leave)
-
-    def __post_init__(self) -> None:
-        self.reserve = reserve(self.stages, self.alone.get)  # as the proxy splits the deadline
 
     @property
     def app(self) -> str:
@@ -201,7 +199,7 @@ class Simulation:
     def load(self, trace: Trace) -> None:
         """Check every request of ``trace`` as a proxy would, and price every stage it needs;
         a request the simulation cannot run is refused with its index and the reason."""
-        priced: dict[tuple, tuple[list[tuple[str, int, bool]], dict[str, float]]] = {}  # the same shapes recur
+        priced: dict[tuple, tuple[list[tuple[str, int, bool]], dict[str, float], dict[str, float]]] = {}  # shapes recur
         for i, tr in enumerate(trace.requests):
             try:
                 job = build_job(self.wf, tr.body("simulated"), _NO_PIXELS if self._wants_image(tr.app) else None)
@@ -219,11 +217,12 @@ class Simulation:
                     if why:
                         raise SimInputError(f"requests[{i}] ({tr.size}x{tr.num_frames}:{tr.steps}): {why}")
                 alone = {s: self.costs.alone_s(s, key, steps) for s, (key, steps, _) in zip(stages, entries)}
-                known = priced[(job.app, *entries)] = entries, alone
+                # the deadline split as the proxy splits it
+                known = priced[(job.app, *entries)] = entries, alone, reserve(stages, alone.get)
             uid = f"r{i}"
             self.journeys[uid] = Journey(uid, i, tr, job, params, stages, tr.at + job.timeout_s,
                                          None if job.slo_s is None else tr.at + job.slo_s, dict(known[1]),
-                                         known[0], shape_key(params))
+                                         dict(known[2]), known[0], shape_key(params))
             self.loop.at_in_order(tr.at, self._arrive, self.journeys[uid])  # a trace is in time order
             self._open += 1
         if (self.elastic is not None or any(a is not None for a in self.admission.values())) and self._open:
