@@ -16,7 +16,7 @@ import collections
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from onepiece.sched.core import Run, SchedCore
 from onepiece.sched.keys import at_dop
@@ -110,7 +110,7 @@ class VirtualInstance:
         now = self.loop.now
         first = {u: reqs[u].started for u in run.uids}
         start = t = now + self.overhead_s
-        steps: list[tuple[list[str], float]] = []
+        steps: list[tuple[Sequence[str], float]] = []  # (who advanced, seconds) per step
         for p in run.parts:
             # A batch is of one key (the core checks it): its step costs depend on how many are left.
             uids = p.uids
