@@ -285,7 +285,7 @@ class SchedCore:
 
     # --- the decision ---------------------------------------------------------------------------
     def schedule(self, now: float) -> Decision:
-        out = Decision()
+        out = Decision([], [])
         requests = self.requests
         if self.spec.drop_expired:
             for r in [r for r in requests.values()
