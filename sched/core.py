@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import collections
 import math
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from onepiece.sched.costs import CostModel
@@ -85,8 +87,7 @@ class _Worker(Worker):
     cost_keys: dict[str, str] = field(default_factory=dict)
 
 
-def _expiry(r: Request) -> float | None:
-    return r.deadline if r.expires is None else r.expires
+_arrival = operator.attrgetter("arrival")
 
 
 class SchedCore:
@@ -102,6 +103,11 @@ class SchedCore:
         self.rejections: collections.deque[str] = collections.deque(maxlen=32)  # why, for logs and tests
         self._bytes: collections.OrderedDict[str, int] = collections.OrderedDict()  # state size per key
         self._offered = [1]  # the DoPs the workers offer (1 unless a worker is a collaboration group)
+        # standalone_s and share_s per (key, steps[, batchable]), valid while the cost model's
+        # version, the overhead and the DoPs offered stay what they were (the simulator asks at
+        # every decision, for the same few shapes).
+        self._memo: dict[tuple, float | None] = {}
+        self._memo_stamp: tuple = ()
 
     # --- requests -------------------------------------------------------------------------------
     def add(self, r: Request) -> None:
@@ -137,11 +143,13 @@ class SchedCore:
         """A worker (re)started: empty and idle; ``ranks``: a collaboration group's size."""
         self.workers[wid] = _Worker(wid, idle=True, free_bytes=self.spec.resident_bytes, ranks=max(1, ranks))
         self._offered = dops(max(w.ranks for w in self.workers.values()))
+        self._memo_stamp = ()
 
     def worker_gone(self, wid: str) -> list[Request]:
         """A worker died: the requests whose state it held, now forgotten (the shell fails them)."""
         self.workers.pop(wid, None)
         self._offered = dops(max((w.ranks for w in self.workers.values()), default=1))
+        self._memo_stamp = ()
         lost = [r for r in self.requests.values() if r.worker == wid]
         for r in lost:
             del self.requests[r.uid]
@@ -167,14 +175,23 @@ class SchedCore:
         ``measure``: a sample for the cost model (not a warm-up)."""
         if not uids:
             return
-        live = [self.requests[u] for u in uids if u in self.requests]
-        key = next((w.cost_keys[uids[0]] for w in self.workers.values() if uids[0] in w.cost_keys), None)
+        first, n = uids[0], len(uids)
+        key = None
+        for w in self.workers.values():
+            key = w.cost_keys.get(first)
+            if key is not None:
+                break
         if key is not None and measure:
-            self.costs.observe(key, len(uids), seconds)
-        for r in live:
-            r.done = min(r.steps, r.done + 1)
-            r.device_s += seconds / len(uids)
-        self.stats.steps += len(uids)
+            self.costs.observe(key, n, seconds)
+        share = seconds / n
+        requests = self.requests
+        for u in uids:
+            r = requests.get(u)
+            if r is not None:
+                done = r.done + 1
+                r.done = done if done < r.steps else r.steps
+                r.device_s += share
+        self.stats.steps += n
 
     def finished(self, uid: str) -> Request | None:
         """``uid`` is done (its result left the worker)."""
@@ -199,9 +216,10 @@ class SchedCore:
 
     # --- estimates ------------------------------------------------------------------------------
     def est_bytes(self, r: Request) -> int:
-        if r.key in self._bytes:
-            return self._bytes[r.key]
-        return max(self._bytes.values(), default=0)
+        b = self._bytes.get(r.key)
+        if b is not None:
+            return b
+        return max(self._bytes.values()) if self._bytes else 0
 
     def chunk(self, key: str, batch: int) -> int:
         """Steps per chunk: as configured, else the fewest that keep the measured per-chunk
@@ -213,9 +231,27 @@ class SchedCore:
             return 1
         return max(1, min(MAX_CHUNK, math.ceil(self.overhead_s / (CHUNK_OVERHEAD * t))))
 
+    def _memo_valid(self) -> dict[tuple, float | None]:
+        stamp = (self.costs, self.costs.version, self.overhead_s)
+        if stamp != self._memo_stamp:
+            self._memo.clear()
+            self._memo_stamp = stamp
+        return self._memo
+
+    def _memoized(self, k: tuple, compute: Callable[[Request], float | None], r: Request) -> float | None:
+        memo = self._memo_valid()
+        try:
+            return memo[k]
+        except KeyError:
+            t = memo[k] = compute(r)
+            return t
+
     def standalone_s(self, r: Request) -> float | None:
         """Seconds ``r`` takes alone on an idle worker, at its fastest DoP: its steps, its
         preparing and finishing, and the decision and IPC of each chunk."""
+        return self._memoized((r.key, r.steps), self._standalone_s, r)
+
+    def _standalone_s(self, r: Request) -> float | None:
         offered = self._offered
         if len(offered) == 1:  # the common case, kept cheap: the simulator asks this at every decision
             t = self.costs.step_s(r.key, 1)
@@ -229,6 +265,9 @@ class SchedCore:
         """Worker seconds ``r`` takes at the largest batch the stage reached for its key, at the
         DoP that uses a group's ranks best (``d`` of a worker's ``n`` ranks for ``t`` seconds
         is ``t·d/n`` of the worker): what the stage's sustained rate follows from."""
+        return self._memoized((r.key, r.steps, r.batchable), self._share_s, r)
+
+    def _share_s(self, r: Request) -> float | None:
         ranks = self._offered[-1]  # the largest group's size
         best = None
         for d in self._offered:
@@ -246,25 +285,32 @@ class SchedCore:
 
     # --- the decision ---------------------------------------------------------------------------
     def schedule(self, now: float) -> Decision:
-        out = Decision()
+        out = Decision([], [])
+        requests = self.requests
         if self.spec.drop_expired:
-            for r in [r for r in self.requests.values() if _expiry(r) is not None and _expiry(r) < now]:
+            for r in [r for r in requests.values()
+                      if (e := r.deadline if r.expires is None else r.expires) is not None and e < now]:
                 self._remove(r.uid)
                 self.stats.expired += 1
                 out.expired.append(r)
                 if r.worker is not None:
                     out.commands.append(Drop(r.worker, (r.uid,)))
-        for r in self.requests.values():
-            if not r.aged and now - r.arrival > self.spec.aging * (self.standalone_s(r) or UNKNOWN_STANDALONE_S):
-                r.aged = True
-                self.stats.aged += 1
+        aging, memo = self.spec.aging, self._memo_valid()
+        free = []  # what may advance: not in a chunk now
+        for r in requests.values():
+            if not r.aged:
+                alone = memo.get((r.key, r.steps), memo)  # standalone_s(r), without a call when known
+                if alone is memo:
+                    alone = self.standalone_s(r)
+                if now - r.arrival > aging * (alone or UNKNOWN_STANDALONE_S):
+                    r.aged = True
+                    self.stats.aged += 1
+            if not r.running:
+                free.append(r)
         idle = [w for w in self.workers.values() if w.idle]
-        if not idle:
+        if not idle or not free:
             return out
-        free = [r for r in self.requests.values() if not r.running]
-        if not free:
-            return out
-        free.sort(key=lambda r: r.arrival)
+        free.sort(key=_arrival)
         aged = [r for r in free if r.aged]
         batches: list[Batch] = []
         if aged:
@@ -276,6 +322,11 @@ class SchedCore:
             free = [r for r in free if r.uid not in used]
         if idle and free:
             batches += self.policy.plan(self._view(now, free, idle))
+        if len(batches) == 1:
+            cmd = self._start(batches[0].worker, batches, now)
+            if cmd is not None:
+                out.commands.append(cmd)
+            return out
         per_worker: dict[str, list[Batch]] = {}
         for b in batches:
             per_worker.setdefault(b.worker, []).append(b)
@@ -294,23 +345,26 @@ class SchedCore:
         w = self.workers.get(b.worker)
         if w is None or not w.idle:
             return f"worker {b.worker!r} is not idle"
-        if not b.uids or len(set(b.uids)) != len(b.uids) or taken & set(b.uids):
+        uids = b.uids
+        if not uids or len(set(uids)) != len(uids) or not taken.isdisjoint(uids):
             return "empty batch or a request twice"
-        if len(b.uids) > self.max_batch:
-            return f"{len(b.uids)} requests over max_batch {self.max_batch}"
+        if len(uids) > self.max_batch:
+            return f"{len(uids)} requests over max_batch {self.max_batch}"
         if not isinstance(b.steps, int) or b.steps < 1:
             return f"steps must be a positive int, got {b.steps!r}"
-        if b.dop not in dops(w.ranks):
+        if b.dop != 1 and b.dop not in dops(w.ranks):  # every worker offers DoP 1
             return f"DoP {b.dop!r} is not one of worker {b.worker!r}'s ({dops(w.ranks)})"
-        rs = [self.requests.get(u) for u in b.uids]
+        requests = self.requests
+        rs = [requests.get(u) for u in uids]
         if any(r is None or r.running for r in rs):
             return "a request unknown or already running"
         if len(rs) > 1 and (len({r.key for r in rs}) > 1 or not all(r.batchable for r in rs)):
             return "requests of different keys, or a one-step call, in one batch"
-        if any(r.worker not in (None, b.worker) for r in rs):
+        new = [r for r in rs if r.worker is None]
+        if len(new) < len(rs) and any(r.worker is not None and r.worker != b.worker for r in rs):
             return "a request resident on another worker"
-        need = sum(self.est_bytes(r) for r in rs if r.worker is None)
-        if need > free_bytes and (w.resident or taken or len([r for r in rs if r.worker is None]) > 1):
+        need = sum(self.est_bytes(r) for r in new)
+        if need > free_bytes and (w.resident or taken or len(new) > 1):
             return f"admitting needs {need} bytes, worker has {free_bytes} free"
         return None
 
@@ -322,6 +376,7 @@ class SchedCore:
         """One Run of the batches a policy gave worker ``wid``: each checked, then laid onto
         disjoint blocks of its ranks (a batch that does not fit is refused, not shrunk)."""
         w = self.workers.get(wid)
+        requests = self.requests
         ok: list[Batch] = []
         free, taken = (w.free_bytes if w else 0), set()
         for b in batches:
@@ -334,29 +389,33 @@ class SchedCore:
                 continue
             ok.append(b)
             taken.update(b.uids)
-            free -= sum(self.est_bytes(self.requests[u]) for u in b.uids if self.requests[u].worker is None)
+            free -= sum(self.est_bytes(r) for u in b.uids if (r := requests[u]).worker is None)
         if not ok:
             return None
         blocks = place([b.dop for b in ok], w.ranks) if w.ranks > 1 else [(0,)]
         admit: list[str] = []
-        w.cost_keys = {}
+        cost_keys = w.cost_keys = {}
+        resident = w.resident
+        stats = self.stats
         for b in ok:
-            rs = [self.requests[u] for u in b.uids]
+            rs = [requests[u] for u in b.uids]
+            cost_key = at_dop(rs[0].key, b.dop)
             for r in rs:
                 if r.worker is None:
                     r.worker, r.nbytes = wid, self.est_bytes(r)
-                    w.resident.add(r.uid)
+                    resident.add(r.uid)
                     w.free_bytes -= r.nbytes
                     admit.append(r.uid)
                 r.running = True
                 if r.started is None:
                     r.started = now
-                w.cost_keys[r.uid] = at_dop(rs[0].key, b.dop)
-            self.stats.batches += 1
-            self.stats.batched += len(b.uids)
-        uids = tuple(u for b in ok for u in b.uids)
+                cost_keys[r.uid] = cost_key
+            stats.batches += 1
+            stats.batched += len(b.uids)
+        uids = tuple(ok[0].uids) if len(ok) == 1 else tuple(u for b in ok for u in b.uids)
         # Passed over: in this worker's last run, still resident and unfinished, not in this one.
-        self.stats.preempted += sum(1 for u in w.previous if u in w.resident and u not in uids)
+        if w.previous:
+            stats.preempted += sum(1 for u in w.previous if u in resident and u not in uids)
         w.previous, w.idle = uids, False
-        parts = tuple(Part(r, b.uids, b.steps) for r, b in zip(blocks, ok))
+        parts = tuple([Part(r, b.uids, b.steps) for r, b in zip(blocks, ok)])
         return Run(wid, uids, max(b.steps for b in ok), tuple(admit), parts)

@@ -42,23 +42,51 @@ class CostModel:
         self._seed: dict[str, dict[int, float]] = {k: dict(v) for k, v in (table or {}).items()}
         self._obs: collections.OrderedDict[str, dict[int, collections.deque]] = collections.OrderedDict()
         self._fixed: collections.OrderedDict[str, collections.deque] = collections.OrderedDict()
-        self._rows: dict[str, dict[int, float]] = {}  # row() of each key, until it is observed again
+        self._rows: dict[str, dict[int, float]] = {}  # row() of each key, kept up to date by observe()
+        self._fixed_s: dict[str, float] = {}  # fixed_s() of each key, until it is observed again
+        # Lookups the scheduler repeats at every decision, valid until a figure changes:
+        # (key, batch) -> step_s, (key, cap) -> reached.
+        self._step_memo: dict[tuple[str, int], float | None] = {}
+        self._reached_memo: dict[tuple[str, int], int] = {}
+        self.version = 0  # bumped whenever a lookup may answer differently: what callers' memos check
+
+    def _changed(self) -> None:
+        self.version += 1
+        self._step_memo.clear()
+        self._reached_memo.clear()
 
     # --- measurements ---------------------------------------------------------------------------
     def observe(self, key: str, batch: int, seconds: float) -> None:
         if batch < 1 or not seconds >= 0:
             return
-        row = self._obs.pop(key, None) or {}
-        row.setdefault(batch, collections.deque(maxlen=self.window)).append(float(seconds))
-        self._obs[key] = row  # most recently observed last
-        self._rows.pop(key, None)
-        while len(self._obs) > MAX_KEYS:
-            self._rows.pop(self._obs.popitem(last=False)[0], None)
+        row = self._obs.get(key)
+        if row is None:
+            row = self._obs[key] = {}
+            if len(self._obs) > MAX_KEYS:  # the least recently observed key falls back to the table
+                self._rows.pop(self._obs.popitem(last=False)[0], None)
+                self._changed()
+        else:
+            self._obs.move_to_end(key)  # most recently observed last
+        window = row.get(batch)
+        if window is None:
+            window = row[batch] = collections.deque(maxlen=self.window)
+        window.append(float(seconds))
+        cached = self._rows.get(key)
+        if cached is None:
+            self._changed()  # not looked up since: whatever it was, lookups start afresh
+            return
+        x = window[-1]
+        median = x if window.count(x) == len(window) else statistics.median(window)  # steady figures: no sort
+        if cached.get(batch) != median:  # a sample that leaves the median where it was changes nothing
+            cached = dict(cached)  # a row handed out earlier stays as it was
+            cached[batch] = median
+            self._rows[key] = cached
+            self._changed()
 
     def row(self, key: str) -> dict[int, float]:
         """Known seconds per batch size for ``key`` (do not change it): measured medians (a step
         that shared the cores with another process is an outlier, not the cost) over the table's.
-        Kept until the key is observed again: the scheduler asks for it at every decision."""
+        Kept up to date as samples come: the scheduler asks for it at every decision."""
         out = self._rows.get(key)
         if out is None:
             out = dict(self._seed.get(key, {}))
@@ -76,12 +104,19 @@ class CostModel:
         window.append(float(seconds))
         self._fixed[key] = window
         while len(self._fixed) > MAX_KEYS:
-            self._fixed.popitem(last=False)
+            self._fixed_s.pop(self._fixed.popitem(last=False)[0], None)
+        self._fixed_s.pop(key, None)
+        self.version += 1
 
     def fixed_s(self, key: str) -> float:
         """Seconds a request of ``key`` costs besides its steps (0 until measured)."""
-        window = self._fixed.get(key)
-        return statistics.median(window) if window else 0.0
+        out = self._fixed_s.get(key)
+        if out is None:
+            window = self._fixed.get(key)
+            if not window:
+                return 0.0
+            out = self._fixed_s[key] = statistics.median(window)
+        return out
 
     def keys(self) -> set[str]:
         return set(self._seed) | set(self._obs)
@@ -90,6 +125,16 @@ class CostModel:
     def step_s(self, key: str, batch: int = 1) -> float | None:
         """Seconds one step (or call) of a batch of ``batch`` requests of ``key`` takes; None
         when nothing comparable is known."""
+        try:
+            return self._step_memo[key, batch]
+        except KeyError:
+            pass
+        if len(self._step_memo) >= 4096:  # bounded: keys a stage was asked about and never ran
+            self._step_memo.clear()
+        t = self._step_memo[key, batch] = self._lookup(key, batch)
+        return t
+
+    def _lookup(self, key: str, batch: int) -> float | None:
         row = self.row(key)
         if row:
             return at_batch(row, batch)
@@ -128,7 +173,14 @@ class CostModel:
 
     def reached(self, key: str, cap: int) -> int:
         """The largest batch size known for ``key`` up to ``cap`` (1 when none)."""
-        return max((b for b in self.row(key) if b <= cap), default=1)
+        try:
+            return self._reached_memo[key, cap]
+        except KeyError:
+            pass
+        if len(self._reached_memo) >= 4096:
+            self._reached_memo.clear()
+        b = self._reached_memo[key, cap] = max((b for b in self.row(key) if b <= cap), default=1)
+        return b
 
     def share_s(self, key: str, cap: int) -> float | None:
         """Device seconds per request-step when the stage runs ``key`` at the largest batch it

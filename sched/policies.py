@@ -125,7 +125,7 @@ class Slo(RankedPolicy):
         return True
 
     def plan(self, view: View) -> list[Batch]:
-        if all(w.ranks == 1 for w in view.workers):
+        if len(view.dops) == 1:  # no idle worker is a group: no DoP to pick
             return super().plan(view)
         return build_dop_batches(view, self.rank(view), frugal_fit, self.may_join)
 

@@ -15,6 +15,7 @@ request leads, compatible ones join in rank order. Time is the core's clock (sec
 from __future__ import annotations
 
 import abc
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -79,15 +80,22 @@ class View:
     previous: set[str] = field(default_factory=set)  # the uids of each worker's last batch
 
     def __post_init__(self) -> None:
-        self.by_uid = {r.uid: r for r in self.requests}
-        self.dops = dops(max((w.ranks for w in self.workers), default=1))  # what the idle workers offer
+        ranks = max([w.ranks for w in self.workers], default=1)
+        self.dops = [1] if ranks == 1 else dops(ranks)  # what the idle workers offer
+
+    @functools.cached_property
+    def by_uid(self) -> dict[str, Request]:
+        return {r.uid: r for r in self.requests}
 
     def alone_s(self, r: Request, steps: int | None = None, dop: int | None = None) -> float:
         """Seconds ``steps`` (default: all left) of ``r`` take alone on ``dop`` ranks (default:
         at the fastest DoP the workers offer); inf when unknown, so an unmeasured request ranks
         as long, never as free."""
-        n = r.left if steps is None else steps
-        ts = [t for d in ((dop,) if dop else self.dops) if (t := self.costs.step_s(at_dop(r.key, d), 1)) is not None]
+        n = r.steps - r.done if steps is None else steps
+        if dop or len(self.dops) == 1:  # one DoP to price (the common case: asked for at every decision)
+            t = self.costs.step_s(at_dop(r.key, dop or self.dops[0]), 1)
+            return math.inf if t is None else t * n
+        ts = [t for d in self.dops if (t := self.costs.step_s(at_dop(r.key, d), 1)) is not None]
         return min(ts) * n if ts else math.inf
 
     def slack(self, r: Request, dop: int | None = None) -> float:
@@ -118,7 +126,9 @@ class RankedPolicy(Policy):
         return True
 
     def plan(self, view: View) -> list[Batch]:
-        return build_batches(view, self.rank(view), self.may_join, self.whole)
+        # One request ranks first whatever the order (rank has no side effects): skip ranking it.
+        order = view.requests if len(view.requests) == 1 else self.rank(view)
+        return build_batches(view, order, self.may_join, self.whole)
 
 
 def _gather(view: View, order: Iterable[Request], lead: Request, taken: set[str], fits: Callable[[Request], bool],
@@ -127,7 +137,7 @@ def _gather(view: View, order: Iterable[Request], lead: Request, taken: set[str]
     worker, accepted) up to the batch bound; ``admit`` hears of each joining request not yet
     resident (its memory is then spoken for)."""
     members = [lead]
-    for r in order if lead.batchable else ():
+    for r in order if lead.batchable and view.max_batch > 1 else ():
         if len(members) >= view.max_batch:
             break
         if (r.uid in taken or r is lead or not r.batchable or r.key != lead.key or not fits(r)
@@ -168,8 +178,9 @@ def build_batches(view: View, order: Iterable[Request], may_join: Callable[[View
         else:
             # Prefer a worker already holding requests it could batch with, then the emptiest.
             cands = [w for w in idle if fits(lead, w)]
-            wid = max(cands, key=lambda w: (any(getattr(view.by_uid.get(u), "key", None) == lead.key
-                                                for u in idle[w].resident), free[w]), default=None)
+            wid = cands[0] if len(cands) == 1 else max(
+                cands, key=lambda w: (any(getattr(view.by_uid.get(u), "key", None) == lead.key
+                                          for u in idle[w].resident), free[w]), default=None)
         if wid is None:
             continue
         members = _gather(view, order, lead, taken, lambda r: fits(r, wid), lambda ms, r: may_join(view, ms, r),
@@ -177,9 +188,11 @@ def build_batches(view: View, order: Iterable[Request], may_join: Callable[[View
         if lead.worker is None:
             free[wid] -= view.est_bytes(lead)
         dop = idle[wid].ranks
-        steps = max(r.left for r in members) if whole else view.chunk(at_dop(lead.key, dop), len(members))
-        out.append(Batch(wid, tuple(r.uid for r in members), max(1, min(steps, max(r.left for r in members))), dop))
-        taken.update(r.uid for r in members)
+        left = max(r.left for r in members) if len(members) > 1 else lead.left
+        steps = left if whole else view.chunk(at_dop(lead.key, dop), len(members))
+        uids = tuple([r.uid for r in members])
+        out.append(Batch(wid, uids, max(1, min(steps, left)), dop))
+        taken.update(uids)
         del idle[wid]
     return out
 

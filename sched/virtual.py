@@ -12,10 +12,11 @@ the chunk lasts as long as its slowest part.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from onepiece.sched.core import Run, SchedCore
 from onepiece.sched.keys import at_dop
@@ -34,18 +35,38 @@ class EventLoop:
     def __init__(self) -> None:
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable, tuple]] = []
+        # Events given in time order up front (a trace's arrivals): kept out of the heap, which
+        # then holds only what is in flight, and merged with it by (time, order given).
+        self._queue: collections.deque[tuple[float, int, Callable, tuple]] = collections.deque()
         self._seq = itertools.count()
 
     def at(self, t: float, fn: Callable[..., Any], *args: Any) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), fn, args))
 
+    def at_in_order(self, t: float, fn: Callable[..., Any], *args: Any) -> None:
+        """As ``at``, for an event no earlier than the last one given this way."""
+        if self._queue and t < self._queue[-1][0]:
+            raise ValueError(f"at_in_order: {t} is before the last event given so ({self._queue[-1][0]})")
+        self._queue.append((t, next(self._seq), fn, args))
+
     def run(self, until: float = float("inf")) -> None:
-        while self._heap and self._heap[0][0] <= until:
-            self.now, _, fn, args = heapq.heappop(self._heap)
+        heap, queue, pop, first = self._heap, self._queue, heapq.heappop, self._queue.popleft
+        while True:
+            # (time, order given) is unique: a comparison never reaches the callables
+            if queue and (not heap or queue[0] < heap[0]):
+                if queue[0][0] > until:
+                    return
+                self.now, _, fn, args = first()
+            elif heap:
+                if heap[0][0] > until:
+                    return
+                self.now, _, fn, args = pop(heap)
+            else:
+                return
             fn(*args)
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._heap) + len(self._queue)
 
 
 class VirtualInstance:
@@ -86,38 +107,54 @@ class VirtualInstance:
     def _execute(self, run: Run) -> None:
         """Price the chunk now; its effects land when it ends (the core sees them then)."""
         reqs = self.core.requests
-        left = {u: reqs[u].left for u in run.uids}
+        now = self.loop.now
         first = {u: reqs[u].started for u in run.uids}
-        start, t, steps = self.loop.now + self.overhead_s, self.loop.now + self.overhead_s, []
+        start = t = now + self.overhead_s
+        steps: list[tuple[Sequence[str], float]] = []  # (who advanced, seconds) per step
         for p in run.parts:
+            # A batch is of one key (the core checks it): its step costs depend on how many are left.
+            uids = p.uids
+            key = at_dop(reqs[uids[0]].key, len(p.ranks))
             end = start
-            for _ in range(p.steps):
-                live = [u for u in p.uids if left[u] > 0]
-                if not live:
-                    break
-                dt = self.cost(at_dop(reqs[live[0]].key, len(p.ranks)), len(live))
-                end += dt
-                steps.append((live, dt))
-                for u in live:
-                    left[u] -= 1
+            if len(uids) == 1:
+                n = min(p.steps, reqs[uids[0]].left)
+                dt = self.cost(key, 1) if n > 0 else 0.0
+                for _ in range(n):
+                    end += dt
+                    steps.append((uids, dt))
+            else:
+                left, dts = [reqs[u].left for u in uids], {}
+                for _ in range(p.steps):
+                    live = [u for u, n in zip(uids, left) if n > 0]
+                    if not live:
+                        break
+                    dt = dts.get(len(live))
+                    if dt is None:
+                        dt = dts[len(live)] = self.cost(key, len(live))
+                    end += dt
+                    steps.append((live, dt))
+                    left = [n - 1 for n in left]
             t = max(t, end)
-        self.busy_s += t - self.loop.now
+        self.busy_s += t - now
         if self.on_chunk is not None:
-            self.on_chunk(self.loop.now, t, run)
+            self.on_chunk(now, t, run)
         self.loop.at(t, self._finish_chunk, run, steps, first)
 
     def _finish_chunk(self, run: Run, steps: list, first: dict) -> None:
+        core = self.core
+        reqs = core.requests
         for live, dt in steps:
-            live = [u for u in live if u in self.core.requests]  # cancelled or expired meanwhile
-            self.core.stepped(live, dt)
+            if len(live) > 1 or live[0] not in reqs:
+                live = [u for u in live if u in reqs]  # cancelled or expired meanwhile
+            core.stepped(live, dt)
             for u in live:
-                r = self.core.requests[u]
-                if r.left == 0:
-                    self.core.finished(u)
+                r = reqs[u]
+                if r.steps == r.done:
+                    core.finished(u)
                     self.on_end(u, "completed", r, first.get(u))
-        self.core.idle(run.worker)
+        core.idle(run.worker)
         if self.overhead_s:
-            self.core.note_overhead(self.overhead_s)
+            core.note_overhead(self.overhead_s)
         self.decide()
 
 

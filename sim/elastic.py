@@ -91,6 +91,6 @@ class SimElastic:
         if self.state.instances[m.id].stage != dst:
             return  # the NM has moved it elsewhere meanwhile
         m.vi, m.serving, m.born = self.sim.new_instance(m.set, dst), dst, self.sim.loop.now
-        self.sim.instances[m.set].setdefault(dst, []).append(m.vi)
+        self.sim.route(m.set, dst, m.vi)
         last = next(mv for mv in reversed(self.moves) if mv["instance"] == m.id)
         last["serving_at"] = self.sim.loop.now

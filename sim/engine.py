@@ -24,6 +24,7 @@ No I/O and no wall clock: the same inputs give the same result, so a test can pi
 
 from __future__ import annotations
 
+import gc
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -67,15 +68,16 @@ class Journey:
     deadline: float  # absolute, virtual seconds
     target: float | None
     alone: dict[str, float]  # seconds each stage takes for it alone
+    reserve: dict[str, float]  # per stage, what the stages after it need alone (sched.deadlines.reserve)
+    # per stage, in order: its key there, its steps there, whether it batches there
+    entries: list[tuple[str, int, bool]] = field(default_factory=list)
+    shape: str = ""  # sched.keys.shape_key of its params
     set: str = ""
     at_stage: int = 0
     end: float | None = None
     outcome: str = ""  # completed | failed | rejected
     error: str | None = None  # why it failed, or the code of its last refusal
     spans: list[tuple[str, str, float, float]] = field(default_factory=list)  # (stage, instance, enter, leave)
-
-    def __post_init__(self) -> None:
-        self.reserve = reserve(self.stages, self.alone.get)  # as the proxy splits the deadline
 
     @property
     def app(self) -> str:
@@ -133,6 +135,7 @@ class Simulation:
         self.instances: dict[str, dict[str, list[VirtualInstance]]] = {}
         self._rr: dict[tuple[str, str], int] = {}
         self._set_rr = itertools.cycle(list(sets))
+        self._serving: dict[str, tuple[list[str], dict[str, int]]] = {}  # first stage -> sets with it, their places
         self.lifetimes: list[tuple[str, VirtualInstance, float, float | None]] = []  # stage, vi, born, retired
         self._names: dict[tuple[str, str], itertools.count] = {}  # instance numbers per set and stage
         for set_name, counts in sets.items():
@@ -156,10 +159,12 @@ class Simulation:
         core = SchedCore(spec.schedule, self.costs.model(stage))
         service = self.service[name] = ServiceTimes(clock=lambda: self.loop.now)
 
+        monitored = self.admission.get(set_name) is not None  # the service times' only reader
+
         def ended(uid: str, status: str, r: Any, first: float | None) -> None:
             j = self.journeys[uid]
-            if status == "completed":
-                service.finished(core, r, shape_key(j.params))  # what its heartbeat will report
+            if monitored and status == "completed":
+                service.finished(core, r, j.shape)  # what its heartbeat will report
             self._left_stage(j, stage, name, status)
 
         chunk = None if self.chunks is None else self._chunk_hook(stage, name)
@@ -168,6 +173,11 @@ class Simulation:
                              on_end=ended, on_chunk=chunk, name=name, ranks=ranks)
         self.lifetimes.append((stage, vi, self.loop.now, None))
         return vi
+
+    def route(self, set_name: str, stage: str, vi: VirtualInstance) -> None:
+        """Send ``vi``'s set's requests for ``stage`` to it too."""
+        self.instances[set_name].setdefault(stage, []).append(vi)
+        self._serving.clear()  # a set may serve a stage it did not
 
     def retire(self, vi: VirtualInstance) -> None:
         """``vi`` stopped (its workers exited): its time ends here."""
@@ -189,6 +199,7 @@ class Simulation:
     def load(self, trace: Trace) -> None:
         """Check every request of ``trace`` as a proxy would, and price every stage it needs;
         a request the simulation cannot run is refused with its index and the reason."""
+        priced: dict[tuple, tuple[list[tuple[str, int, bool]], dict[str, float], dict[str, float]]] = {}  # shapes recur
         for i, tr in enumerate(trace.requests):
             try:
                 job = build_job(self.wf, tr.body("simulated"), _NO_PIXELS if self._wants_image(tr.app) else None)
@@ -196,18 +207,23 @@ class Simulation:
                 raise SimInputError(f"requests[{i}]: {e.message}") from None
             params = job.params()
             stages = list(self.wf.applications[job.app].stages)
-            for s in stages:
-                if not any(s in by_stage for by_stage in self.instances.values()):
-                    raise SimInputError(f"requests[{i}]: application {job.app!r} needs stage {s!r}, which no set runs")
-                why = next(filter(None, (self.costs.missing(s, at_dop(self._key(s, params), d))
-                                         for d in dops(self._ranks(s)))), None)
-                if why:
-                    raise SimInputError(f"requests[{i}] ({tr.size}x{tr.num_frames}:{tr.steps}): {why}")
-            alone = {s: self.costs.alone_s(s, self._key(s, params), self._steps(s, params)) for s in stages}
+            entries = [(self._key(s, params), self._steps(s, params), self.costs.stepped(s)) for s in stages]
+            known = priced.get((job.app, *entries))
+            if known is None:
+                for s, (key, _, _) in zip(stages, entries):
+                    if not any(s in by_stage for by_stage in self.instances.values()):
+                        raise SimInputError(f"requests[{i}]: application {job.app!r} needs stage {s!r}, which no set runs")
+                    why = next(filter(None, (self.costs.missing(s, at_dop(key, d)) for d in dops(self._ranks(s)))), None)
+                    if why:
+                        raise SimInputError(f"requests[{i}] ({tr.size}x{tr.num_frames}:{tr.steps}): {why}")
+                alone = {s: self.costs.alone_s(s, key, steps) for s, (key, steps, _) in zip(stages, entries)}
+                # the deadline split as the proxy splits it
+                known = priced[(job.app, *entries)] = entries, alone, reserve(stages, alone.get)
             uid = f"r{i}"
             self.journeys[uid] = Journey(uid, i, tr, job, params, stages, tr.at + job.timeout_s,
-                                         None if job.slo_s is None else tr.at + job.slo_s, alone)
-            self.loop.at(tr.at, self._arrive, self.journeys[uid])
+                                         None if job.slo_s is None else tr.at + job.slo_s, dict(known[1]),
+                                         dict(known[2]), known[0], shape_key(params))
+            self.loop.at_in_order(tr.at, self._arrive, self.journeys[uid])  # a trace is in time order
             self._open += 1
         if (self.elastic is not None or any(a is not None for a in self.admission.values())) and self._open:
             self.loop.at(0.0, self._heartbeat)
@@ -230,11 +246,12 @@ class Simulation:
     def _arrive(self, j: Journey) -> None:
         """The client offers the request to the sets that serve it, from the next one round-robin,
         until one admits it (the proxy's own ``admit``)."""
-        serving = [s for s in self.instances if j.stages[0] in self.instances[s]]
-        first = next(s for s in self._set_rr if s in serving)
-        order = serving[serving.index(first):] + serving[:serving.index(first)]
-        for set_name in order:
-            refusal = admit(self.admission[set_name], self.trackers[set_name], j.uid, j.app, shape_key(j.params),
+        serving, place = self._serving_sets(j.stages[0])
+        first = next(s for s in self._set_rr if s in place)
+        start, n = place[first], len(serving)
+        for k in range(n):
+            set_name = serving[(start + k) % n]
+            refusal = admit(self.admission[set_name], self.trackers[set_name], j.uid, j.app, j.shape,
                             int(self.loop.now * 1e9), j.job.timeout_s, j.job.target_s, j.job.target_given)
             if refusal is None:
                 j.set = set_name
@@ -242,6 +259,14 @@ class Simulation:
                 return
             j.error = refusal.code
         self._resolve(j, self.loop.now, "rejected", j.error)
+
+    def _serving_sets(self, stage: str) -> tuple[list[str], dict[str, int]]:
+        """The sets that run ``stage`` (in the sets' order), and each one's place among them."""
+        got = self._serving.get(stage)
+        if got is None:
+            serving = [s for s in self.instances if stage in self.instances[s]]
+            got = self._serving[stage] = serving, {s: i for i, s in enumerate(serving)}
+        return got
 
     def _heartbeat(self) -> None:
         """Every instance reports and the NM rebuilds each set's capacity view, which its proxies
@@ -266,8 +291,9 @@ class Simulation:
         if inst is None:  # every instance of it moved away: the deliverer finds no route
             self._resolve(j, now, "failed", f"no instance of stage {stage} in set {j.set}")
             return
-        r = stage_request(j.uid, j.app, self._key(stage, j.params), self._steps(stage, j.params), now, j.deadline,
-                          j.target, j.reserve.get(stage, 0.0), j.req.priority, batchable=self.costs.stepped(stage))
+        key, steps, batchable = j.entries[j.at_stage]
+        r = stage_request(j.uid, j.app, key, steps, now, j.deadline, j.target, j.reserve.get(stage, 0.0),
+                          j.req.priority, batchable=batchable)
         j.spans.append((stage, inst.name, now, now))
         inst.add(r)
 
@@ -293,13 +319,21 @@ class Simulation:
     def run(self, until: float = float("inf")) -> list[dict[str, Any]]:
         """Run to the end (or ``until``); one record per request, in trace order. A request
         still in flight at ``until`` is recorded as ``timeout``."""
-        self.loop.run(until)
-        out = []
-        for j in sorted(self.journeys.values(), key=lambda j: j.index):
-            if not j.outcome:
-                j.outcome = "timeout"
-            out.append(j.record())
-        return out
+        # Millions of objects made and dropped, next to every journey kept: the cyclic collector's
+        # passes cost a tenth of a run and find next to nothing (a run makes few cycles).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self.loop.run(until)
+            out = []
+            for j in sorted(self.journeys.values(), key=lambda j: j.index):
+                if not j.outcome:
+                    j.outcome = "timeout"
+                out.append(j.record())
+            return out
+        finally:
+            if collecting:
+                gc.enable()
 
     def utilization(self) -> dict[str, float]:
         """Per stage, the share of its workers' time spent in chunks over the run."""

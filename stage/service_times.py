@@ -44,12 +44,16 @@ class ServiceTimes:
         when it ran alone)."""
         self._app.setdefault(app, collections.deque(maxlen=WINDOW)).append(share_s)
         shapes = self._shape.setdefault(app, collections.OrderedDict())
-        shares, alone = shapes.pop(shape, None) or (collections.deque(maxlen=WINDOW), collections.deque(maxlen=WINDOW))
+        windows = shapes.get(shape)
+        if windows is None:
+            windows = shapes[shape] = collections.deque(maxlen=WINDOW), collections.deque(maxlen=WINDOW)
+            while len(shapes) > MAX_SHAPES:
+                shapes.popitem(last=False)
+        else:
+            shapes.move_to_end(shape)  # most recently seen last
+        shares, alone = windows
         shares.append(share_s)
         alone.append(share_s if alone_s is None else alone_s)
-        shapes[shape] = shares, alone  # most recently seen last
-        while len(shapes) > MAX_SHAPES:
-            shapes.popitem(last=False)
         self._recent.append((self.clock(), app))
 
     def finished(self, core: "SchedCore", r: "Request", shape: str) -> None:
