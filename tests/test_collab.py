@@ -64,11 +64,13 @@ def frames_of(comps, msg: Message, latents: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("app", ["t2v", "i2v"])
 def test_collaborative_output_equals_one_worker(app, tiny_models, comps, image, tmp_path) -> None:
-    """Every step on both ranks: CFG-parallel (guided), then sequence-parallel (unguided)."""
-    for guidance in (5.0, 1.0):
-        msg = denoise_input(app, comps, image, guidance=guidance)
+    """Every step on both ranks: CFG-parallel (guided), then sequence-parallel (unguided), one
+    run each on the same two rank processes."""
+    guidances = (5.0, 1.0)
+    msgs = [denoise_input(app, comps, image, guidance=g) for g in guidances]
+    lats = collaborate(tmp_path, tiny_models[app], msgs, [[[[0, 1], [0], 4]], [[[0, 1], [1], 4]]])
+    for guidance, msg, lat in zip(guidances, msgs, lats):
         ref = alone(app, comps, msg)
-        (lat,) = collaborate(tmp_path, tiny_models[app], [msg], [[[[0, 1], [0], 4]]])
         got = frames_of(comps, msg, lat)
         assert float(np.abs(got - ref).max()) <= 1e-4, (app, guidance)
         assert float(ref.std()) > 0.01

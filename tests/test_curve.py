@@ -21,7 +21,6 @@ import pytest
 import zmq
 
 from onepiece.cli import build_parser
-from onepiece.client import Client
 from onepiece.curve_policy import AuthPolicyError, beyond_host, curve_on
 from onepiece.db.client import DbClient
 from onepiece.launcher import free_tcp_address
@@ -213,6 +212,17 @@ def _rpc(sock: zmq.Socket, op: str, **args) -> bytes | None:
     return sock.recv_multipart()[1] if sock.poll(int(REFUSED_WITHIN_S * 1000)) else None
 
 
+def _answers(sock: zmq.Socket, calls: list[tuple[str, dict]]) -> list[bytes]:
+    """Send every call, then collect what comes back within the refusal time (all at once: a
+    member gets each answer in milliseconds)."""
+    for i, (op, args) in enumerate(calls):
+        _send(sock, [b"", orjson.dumps({"id": i, "op": op, **args})])
+    got = []
+    while sock.poll(int(REFUSED_WITHIN_S * 1000)):
+        got.append(sock.recv_multipart()[1])
+    return got
+
+
 @pytest.fixture
 def ctx():
     c = zmq.Context()
@@ -226,14 +236,14 @@ def test_nm_refuses_outsiders_register_rpc_and_operator_commands(servers, keys, 
     registration = {"role": "db", "set": "set0", "name": "intruder", "deployment": "curvetest",
                     "addresses": {"data": "tcp://127.0.0.1:9", "control": "tcp://127.0.0.1:9",
                                   "events": "tcp://127.0.0.1:9"}}
-    assert _rpc(sock, "register", **registration) is None
-    assert _rpc(sock, "status") is None
     curve.use(keys)
     client = RpcClient(servers["nm"], timeout=2.0)
     try:
         (victim,) = [d["id"] for d in _status(client)["sets"]["set0"]["dbs"]]
-        assert _rpc(sock, "deregister", instance=victim, key=OPERATOR_KEY) is None  # even with the operator key
-        assert _rpc(sock, "move", instance=victim, stage=None, key=OPERATOR_KEY) is None
+        assert _answers(sock, [("register", registration), ("status", {}),
+                               # even with the operator key
+                               ("deregister", {"instance": victim, "key": OPERATOR_KEY}),
+                               ("move", {"instance": victim, "stage": None, "key": OPERATOR_KEY})]) == []
         # The members' view: nothing of the above happened.
         assert [d["id"] for d in _status(client)["sets"]["set0"]["dbs"]] == [victim]
         assert "intruder" not in orjson.dumps(_status(client)).decode()
@@ -251,8 +261,7 @@ def test_db_refuses_outsiders_reads_deletes_data_and_events(servers, keys, who, 
     members.create({"uid": uid, "app": "t2v", "set": "set0"})
     try:
         rpc = _outsider(zmq.DEALER, db["control"], who, keys, ctx)
-        assert _rpc(rpc, "get", uid=uid) is None
-        assert _rpc(rpc, "delete", uid=uid) is None
+        assert _answers(rpc, [("get", {"uid": uid}), ("delete", {"uid": uid})]) == []
         data = _outsider(zmq.PUSH, db["data"], who, keys, ctx)
         forged = {"uid": uid, "kind": "status", "status": "in_progress", "stage": "forged", "progress": 99}
         _send(data, encode(Message(forged)))
@@ -308,22 +317,37 @@ def test_ring_agent_refuses_outsiders(keys, who, ctx, member):
 # ---- one request through a deployment with CURVE on ---------------------------------------------------
 
 @pytest.mark.slow
-def test_e2e_request_with_curve(tiny_models, tmp_path, make_topology, keys, ctx):
+def test_a_deployment_open_to_other_hosts_serves_with_api_keys_and_curve(tiny_models, tmp_path, make_topology, keys,
+                                                                        ctx):
+    """What a user does to open a deployment to other hosts: a client key file and a proxy on
+    0.0.0.0 that names it, CURVE between the roles over tcp, `onepiece up`, and `onepiece
+    generate --api-key-file`. Without the key the client is refused; the key is in no log; an
+    outsider's socket gets nothing from the NM."""
     import yaml
 
+    from test_api_keys import run_cli
+
+    api_keys = tmp_path / "keys"
+    assert run_cli("keys", "new", "--file", str(api_keys)).returncode == 0
     nm = free_tcp_address()
-    path = make_topology(tmp_path, tiny_models, nm, dbs=1, transport="tcp",
-                         stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1})
+    path = make_topology(tmp_path, tiny_models, nm, dbs=1, transport="tcp", threads=1,
+                         stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1},
+                         sets=[{"proxy": {"host": "0.0.0.0", "api_keys_file": "keys"}}])
     topo = yaml.safe_load(path.read_text())
     path.write_text(yaml.safe_dump({**topo, "auth": "curve", "curve_dir": str(keys.folder)}))
     dep = Up(path, tmp_path / "logs", nm)
     try:
         assert dep.wait_for(r"CURVE between roles, keys in (\S+)", timeout=60).group(1) == str(keys.folder)
         url = dep.wait_for(r"serves the API at (http://\S+)", timeout=240).group(1)
-        with Client(url) as c:
-            video = c.submit("a lighthouse", model="t2v", size="64x48", num_frames=5, steps=2, seed=1)
-            assert c.wait(video["id"], timeout=120)["status"] == "completed"
-            assert c.download(video["id"], tmp_path / "out.mp4").stat().st_size > 0
+        out = run_cli("generate", "--url", url, "--prompt", "a fox", "--size", "32x32", "--frames", "5", "--steps",
+                      "2", "--quiet", "-o", str(tmp_path / "fox.mp4"), "--api-key-file", str(api_keys))
+        assert out.returncode == 0, out.stderr
+        assert (tmp_path / "fox.mp4").stat().st_size > 0
+        out = run_cli("generate", "--url", url, "--prompt", "a fox", "--quiet", "-o", str(tmp_path / "no.mp4"),
+                      env={k: v for k, v in os.environ.items() if k != "ONEPIECE_API_KEY"})
+        assert out.returncode == 1 and "API key" in out.stderr
+        key = api_keys.read_text().strip()
+        assert not any(key in (tmp_path / "logs" / f).read_text() for f in ("set0-proxy0.log", "nm.log"))
         assert _rpc(_outsider(zmq.DEALER, nm, "no key", keys, ctx), "status") is None
     finally:
         dep.stop()

@@ -63,7 +63,7 @@ def _nm_process(up: Up) -> psutil.Process:
 def test_the_nm_killed_under_load_leaves_every_request_served_and_every_instance_its_own(
         tiny_models, tmp_path, make_topology):
     nm = free_tcp_address()
-    topology = make_topology(tmp_path, tiny_models, nm, stages=STAGES, heartbeat_s=0.25,
+    topology = make_topology(tmp_path, tiny_models, nm, stages=STAGES, heartbeat_s=0.25, threads=1,
                              nm={"elastic": {"enabled": False}})
     up = Up(topology, tmp_path / "logs", nm)
     try:
