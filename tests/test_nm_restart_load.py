@@ -3,8 +3,9 @@ evidence): before, a restarted NM handed out ids from 1 again, so instances took
 other's ids and assignments, and routes were partial for 1-2 s (503 and 429 although every
 instance was alive). A real `onepiece up` serves a closed-loop stream of requests over HTTP
 while its NM is killed; the launcher restarts the NM, every instance registers again, and:
-every request completes (none failed, none refused but by the monitor's rate limit), no two instances share an id, every
-instance serves the stage it served before, and the new routes are versioned above the old."""
+every request completes (none failed, none refused but by the monitor's rate limit), no two
+instances share an id, every instance serves the stage it served before, and the new routes
+are versioned above the old."""
 
 from __future__ import annotations
 
