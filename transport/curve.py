@@ -112,16 +112,16 @@ _auth: ThreadAuthenticator | None = None
 
 def use(keys: CurveKeys | None) -> None:
     """Secure this process's sockets made from now on with ``keys`` (None: without CURVE).
-    Starts the ZAP handler on the shared context that every server socket uses."""
+    The ZAP handler on the shared context that every server socket uses is started once and
+    kept: later calls only change whom it admits. (Stopping and starting it again raced libzmq's
+    release of its inproc address: EADDRINUSE.)"""
     global _keys, _auth
     with _lock:
-        if _auth is not None:
-            _auth.stop()
-            _auth = None
         _keys = keys
         if keys is not None:
-            _auth = ThreadAuthenticator(zmq.Context.instance(), log=logging.getLogger("zmq.auth"))
-            _auth.start()
+            if _auth is None:
+                _auth = ThreadAuthenticator(zmq.Context.instance(), log=logging.getLogger("zmq.auth"))
+                _auth.start()
             _auth.configure_curve_callback("*", _Members(keys.members))
             log.info("CURVE: every socket uses the key pair in %s (%d member key(s) admitted)", keys.folder,
                      len(keys.members))
