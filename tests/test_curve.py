@@ -272,12 +272,15 @@ def test_db_refuses_outsiders_reads_deletes_data_and_events(servers, keys, who, 
         mine.setsockopt(zmq.LINGER, 0)
         mine.connect(db["events"])
         try:
-            time.sleep(0.3)  # subscriptions travel before the event (PUB drops what no one asked for)
-            # A member deletes a record still queued: the DB publishes its cancellation.
-            victim = new_uid()
-            members.create({"uid": victim, "app": "t2v", "set": "set0"})
-            members.delete(victim)
-            assert mine.poll(5000) and victim.encode() in b"".join(mine.recv_multipart())
+            # A member deletes a record still queued: the DB publishes its cancellation. PUB drops
+            # what no one has asked for yet, so records are deleted until the member's
+            # subscription has arrived and it hears one (the outsider had as long to subscribe).
+            def cancelled() -> bool:
+                victim = new_uid()
+                members.create({"uid": victim, "app": "t2v", "set": "set0"})
+                members.delete(victim)
+                return bool(mine.poll(100)) and victim.encode() in b"".join(mine.recv_multipart())
+            wait_for(cancelled, timeout=5, what="a member hearing a cancellation")
             assert not events.poll(int(REFUSED_WITHIN_S * 1000))
         finally:
             mine.close(linger=0)

@@ -4,14 +4,13 @@ pool's forward loop and ended the instance; now the request fails with the field
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from onepiece.stage.deliver import ResultDeliver
 from onepiece.transport.message import Message, new_uid
 from onepiece.transport.rpc import RpcClient, RpcError
 from proxy_harness import WORKFLOW, DbThread
+from waiting import wait_for
 
 
 @pytest.mark.parametrize("header, field", [
@@ -27,14 +26,13 @@ def test_a_malformed_forward_fails_its_request_with_the_field_named(header, fiel
     try:
         uid = new_uid()
         deliver.forward(Message({"uid": uid, **header}))  # raises nothing
-        rec = None
-        deadline = time.monotonic() + 5
-        while rec is None and time.monotonic() < deadline:
+        def record() -> dict | None:
             try:
-                rec = rpc.call("get", uid=uid)[0]["record"]
+                return rpc.call("get", uid=uid)[0]["record"]
             except RpcError:  # not there yet
-                time.sleep(0.02)
-        assert rec is not None and rec["status"] == "failed", rec
+                return None
+        rec = wait_for(record, timeout=5, what="the request's record")
+        assert rec["status"] == "failed", rec
         assert "malformed message to forward" in rec["error"] and field in rec["error"], rec["error"]
     finally:
         deliver.close()

@@ -33,6 +33,7 @@ from onepiece.transport.message import MAGIC, Message, encode, new_uid
 from onepiece.transport.rpc import MAX_REQUEST_BYTES, RpcClient
 
 from deployment import Up
+from waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -315,16 +316,12 @@ def test_the_deployment_still_serves(up, tmp_path):
     """Every process is the one that started, and a real request completes."""
     assert up.proc.poll() is None
     assert _pids(up) == up.pids
-    deadline = time.monotonic() + 30
-    while len(up.routes()["dbs"]) != 1 and time.monotonic() < deadline:  # the test's DB has left
-        time.sleep(0.2)
+    wait_for(lambda: len(up.routes()["dbs"]) == 1, timeout=30, what="the test's DB gone from the routes", interval=0.2)
     with Client(up.url) as c:
         v = c.submit("after the fuzz", model="t2v", size="32x32", num_frames=5, steps=2)
         # Not polled: only the DB's done event frees its slot, so the proxy's event watch still runs.
-        deadline = time.monotonic() + 60
-        while httpx.get(f"{up.url}/healthz").json()["inflight"] and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert httpx.get(f"{up.url}/healthz").json()["inflight"] == 0
+        wait_for(lambda: httpx.get(f"{up.url}/healthz").json()["inflight"] == 0, timeout=60,
+                 what="the proxy's in-flight count back to 0", interval=0.2)
         assert c.wait(v["id"], timeout=10)["status"] == "completed"
     logs = {p.stem: p.read_text(errors="replace") for p in up.logs.glob("*.log")}
     assert any("refused a request from" in t for t in logs.values())  # the RPC checks answered

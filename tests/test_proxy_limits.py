@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from onepiece.proxy.http_limits import HttpLimits
+from waiting import wait_for
 
 HEADER_BYTES = 16 * 1024
 TIMEOUT_S = 1.0
@@ -265,9 +266,8 @@ def test_a_download_the_client_stops_reading_is_cut_off():
     try:
         uid = h.create(prompt="big", size="64x64").json()["id"]
         h.db.result(h.recv().uid, b"v" * size)
-        deadline = time.monotonic() + 10
-        while h.http.get(f"/v1/videos/{uid}").json()["status"] != "completed" and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: h.http.get(f"/v1/videos/{uid}").json()["status"] == "completed", timeout=10,
+                 what="the result stored", interval=0.05)
         host, port = h.url.removeprefix("http://").split(":")
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
