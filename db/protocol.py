@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from onepiece.schema import problem
+from onepiece.schema import Name, problem
 
 QUEUED, IN_PROGRESS, COMPLETED, FAILED = "queued", "in_progress", "completed", "failed"
 TERMINAL = frozenset({COMPLETED, FAILED})
@@ -81,14 +81,14 @@ class ListArgs(BaseModel):
 
     owner: Owner | None = None  # None: every record of this DB
     after: tuple[Annotated[float, Field(strict=True, allow_inf_nan=False)],
-                 Annotated[StrictStr, Field(min_length=1, max_length=128)]] | None = None  # (created_at, uid)
+                 Name] | None = None  # (created_at, uid)
     limit: Annotated[StrictInt, Field(ge=1, le=MAX_PAGE)] = 20
     order: Literal["asc", "desc"] = "desc"
 
 
 # ---- what a DB accepts, checked before any field is used ------------------------------------
 
-Uid = Annotated[StrictStr, Field(min_length=1, max_length=128)]
+Uid = Name
 Label = Annotated[StrictStr, Field(max_length=128)]  # an application, set or stage name
 
 

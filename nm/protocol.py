@@ -13,9 +13,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-Name = Annotated[StrictStr, Field(min_length=1, max_length=128)]
+from onepiece.schema import Name
+
 Address = Annotated[StrictStr, Field(max_length=512)]
-Uid = Annotated[StrictStr, Field(min_length=1, max_length=128)]
+Uid = Name
 # onepiece.deployment.FIELD; its format is checked where it is compared (deployment.refusal).
 DeploymentId = Annotated[StrictStr, Field(max_length=64)]
 

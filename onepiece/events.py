@@ -8,12 +8,12 @@ A subscriber takes nothing on trust: an event that is not exactly this is droppe
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from pydantic import BaseModel, ConfigDict
 
-from onepiece.schema import checked
+from onepiece.schema import Name, checked
 
 DONE, CANCEL = b"done", b"cancel"
 MAX_EVENT_BYTES = 4096  # per frame, set on subscribers: a bigger one costs the publisher its connection
@@ -22,7 +22,7 @@ MAX_EVENT_BYTES = 4096  # per frame, set on subscribers: a bigger one costs the 
 class Event(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    uid: Annotated[StrictStr, Field(min_length=1, max_length=128)]
+    uid: Name
     status: Literal["", "completed", "failed"]
 
 

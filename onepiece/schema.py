@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, StrictStr, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
+# A uid or a name in any message: a non-empty string, bounded (what every role's schemas share).
+Name = Annotated[StrictStr, Field(min_length=1, max_length=128)]
 
 
 def checked(model: type[M], value: Any, prefix: str = "") -> M:

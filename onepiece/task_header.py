@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-Name = Annotated[StrictStr, Field(min_length=1, max_length=128)]
+from onepiece.schema import Name
+
 Ns = Annotated[StrictInt, Field(ge=0, le=1 << 63)]  # ns since the epoch
 
 

@@ -8,7 +8,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
-Uid = Annotated[StrictStr, Field(min_length=1, max_length=128)]
+from onepiece.schema import Name
+
+Uid = Name
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
