@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from onepiece.bench.common import cpu_name
+from onepiece.bench.transport import size_label
 from onepiece.transport import curve
 from onepiece.transport.message import Message
 from onepiece.transport.zmq_transport import ZmqReceiver, ZmqSender
 
 MODES = ("plain", "curve")
-KB, MB = 1 << 10, 1 << 20
+MB = 1 << 20
 DEFAULT_SIZES = "1024,16777216"
 RECV_TIMEOUT_S = 30.0  # a batch that stalls this long is an error, not a wait
 LATENCY_SAMPLES = 200  # per mode and round, of the smallest size
@@ -179,10 +180,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _size(n: int) -> str:
-    return f"{n // MB} MB" if n >= MB else f"{n // KB} KB" if n >= KB else f"{n} B"
-
-
 def markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
     lines = [
@@ -193,11 +190,11 @@ def markdown(result: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|---|",
     ]
     for c in result["cells"]:
-        lines.append(f"| {_size(c['size'])} | {c['plain_mb_per_s']:.0f} | {c['curve_mb_per_s']:.0f} | "
+        lines.append(f"| {size_label(c['size'])} | {c['plain_mb_per_s']:.0f} | {c['curve_mb_per_s']:.0f} | "
                      f"{c['plain_msgs_per_s']:.0f} | {c['curve_msgs_per_s']:.0f} | {c['time_ratio_median']:.2f} "
                      f"({c['time_ratio_min']:.2f}-{c['time_ratio_max']:.2f}) |")
     lat = result["latency"]
-    lines += ["", f"One-way latency of {_size(lat['size'])} messages, one at a time ({lat['samples_per_round']} a round "
+    lines += ["", f"One-way latency of {size_label(lat['size'])} messages, one at a time ({lat['samples_per_round']} a round "
                   f"and mode; the median of the rounds' p50s): plain {lat['plain_p50_us']:.0f} µs, CURVE "
                   f"{lat['curve_p50_us']:.0f} µs, ratio {lat['ratio_median']:.2f} "
                   f"({lat['ratio_min']:.2f}-{lat['ratio_max']:.2f})."]

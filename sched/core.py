@@ -322,11 +322,6 @@ class SchedCore:
             free = [r for r in free if r.uid not in used]
         if idle and free:
             batches += self.policy.plan(self._view(now, free, idle))
-        if len(batches) == 1:
-            cmd = self._start(batches[0].worker, batches, now)
-            if cmd is not None:
-                out.commands.append(cmd)
-            return out
         per_worker: dict[str, list[Batch]] = {}
         for b in batches:
             per_worker.setdefault(b.worker, []).append(b)

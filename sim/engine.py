@@ -221,8 +221,8 @@ class Simulation:
                 known = priced[(job.app, *entries)] = entries, alone, reserve(stages, alone.get)
             uid = f"r{i}"
             self.journeys[uid] = Journey(uid, i, tr, job, params, stages, tr.at + job.timeout_s,
-                                         None if job.slo_s is None else tr.at + job.slo_s, dict(known[1]),
-                                         dict(known[2]), known[0], shape_key(params))
+                                         None if job.slo_s is None else tr.at + job.slo_s, known[1],
+                                         known[2], known[0], shape_key(params))  # shared: read only
             self.loop.at_in_order(tr.at, self._arrive, self.journeys[uid])  # a trace is in time order
             self._open += 1
         if (self.elastic is not None or any(a is not None for a in self.admission.values())) and self._open:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import orjson
 import pytest

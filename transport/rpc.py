@@ -82,9 +82,9 @@ class RpcServer:
                 log.exception("rpc %s: dropped a request that broke its handling", self.address)
 
     def _handle_one(self, frames: list) -> None:
-        peer = peer_of(frames[0])
         if len(frames) < 3 or frames[1].bytes != b"":
-            log_dropped(log, self.address, "frames", "rpc %s: dropped request from %s with %d frames", self.address, peer,
+            log_dropped(log, self.address, "frames", "rpc %s: dropped request from %s with %d frames", self.address,
+                        peer_of(frames[0]),
                         len(frames))
             return
         ident = frames[0].bytes
@@ -94,7 +94,7 @@ class RpcServer:
                 raise ValueError("request is not a JSON object")
         except (orjson.JSONDecodeError, ValueError) as e:
             log_dropped(log, self.address, "not JSON", "rpc %s: dropped malformed request from %s: %s", self.address,
-                        peer, e)
+                        peer_of(frames[0]), e)
             return
         rid, op = req.get("id"), req.get("op")
         if not (isinstance(rid, int) and -(1 << 63) <= rid < 1 << 63 or isinstance(rid, str) and len(rid) <= 128):
@@ -110,7 +110,8 @@ class RpcServer:
             except ValueError as e:
                 refused = str(e)
         if refused is not None:
-            log_dropped(log, self.address, refused, "rpc %s: refused a request from %s: %s", self.address, peer, refused)
+            log_dropped(log, self.address, refused, "rpc %s: refused a request from %s: %s", self.address,
+                        peer_of(frames[0]), refused)
             reply: dict = {"ok": False, "error": refused}
         else:
             try:
