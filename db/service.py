@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from prometheus_client import start_http_server
 
+from onepiece import metrics_endpoint
 from onepiece.db.server import DbServer
 from onepiece.db.server import serve as serve_db
 from onepiece.nm.client import Membership
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 def serve(nm_address: str, set_name: str, data: str, control: str, events: str, ttl_s: float, max_bytes: int,
           purge_after_fetch_s: float | None, replication: int = 2, advertise: str | None = None,
           zk: "ZkSettings | None" = None, deployment_id: str = "") -> None:
-    metrics, _ = start_http_server(0, addr=host_of(data))
+    metrics = metrics_endpoint.start(0, host_of(data))
     member: Membership | None = None
 
     def on_ready(server: DbServer) -> None:
@@ -52,5 +52,4 @@ def serve(nm_address: str, set_name: str, data: str, control: str, events: str, 
     finally:
         if member is not None:
             member.stop()
-        metrics.shutdown()
-        metrics.server_close()
+        metrics_endpoint.stop(metrics)

@@ -13,7 +13,10 @@
 
 Only instances serving their stage now (ready, heard within three heartbeats) count: a dead one
 not yet dropped, or a replacement still loading, never lets a healthy one leave, and the last
-one serving a stage never leaves.
+one serving a stage never leaves. An instance keeps the devices it started with, so it moves
+only to a stage that needs no more than it holds (a 1-GPU text encoder never becomes a 2-GPU
+denoiser); in a deployment every instance holds and needs one device (its workers share it), in
+the planner's simulation a stage needs its workers x GPUs.
 
 ``Elastic`` runs it on the primary NM: it keeps the utilization windows (nm/utilization.py),
 applies at most one move per set at a time, waits ``cooldown_s`` after each, and waits for a
@@ -55,7 +58,7 @@ class StageLoad:
     # move is judged, and the only donors (default: all assigned).
     live: list[str] | None = None
     had_min: bool = True  # it has had its minimum since this NM started: it can fall below it
-
+    needs: int = 1  # devices one instance of it holds
 
     def __post_init__(self) -> None:
         if self.live is None:
@@ -86,38 +89,44 @@ class Move:
 
 
 def decide(spec: ElasticSpec, loads: dict[str, StageLoad], idle: list[str],
-           inst_util: dict[str, float | None], floors_only: bool = False) -> Move | None:
+           inst_util: dict[str, float | None], floors_only: bool = False,
+           holds: dict[str, int] | None = None) -> Move | None:
     """At most one move for a set, or None. A stage below its minimum is refilled from the idle
     pool first, with no utilization window needed (``floors_only``: that rule alone, which holds
-    even during a cooldown or while another move settles)."""
-    short = [l for l in loads.values() if l.below_floor()]
-    if short and idle:
+    even during a cooldown or while another move settles). ``holds``: the devices each instance
+    holds (default 1); an instance moves only to a stage that needs no more."""
+    def fitting(ids: list[str], dst: StageLoad) -> list[str]:
+        return sorted(i for i in ids if (holds or {}).get(i, 1) >= dst.needs)
+
+    short = [l for l in loads.values() if l.below_floor() and fitting(idle, l)]
+    if short:
         dst = min(short, key=lambda l: (len(l.assigned), l.stage))
-        return Move(sorted(idle)[0], None, dst.stage,
+        return Move(fitting(idle, dst)[0], None, dst.stage,
                     f"{dst.stage} has {len(dst.assigned)} instance(s), below its minimum {dst.min}; from the idle pool")
     if floors_only:
         return None
     known = [l for l in loads.values() if l.util is not None]
     hot = [l for l in known if l.util >= spec.threshold]
 
-    def least_busy(l: StageLoad) -> str:
-        return min(l.live, key=lambda i: (inst_util.get(i) if inst_util.get(i) is not None else 2.0, i))
+    def least_busy(ids: list[str]) -> str:
+        return min(ids, key=lambda i: (inst_util.get(i) if inst_util.get(i) is not None else 2.0, i))
 
     if hot:
         dst = max(hot, key=lambda l: l.util)
         why = f"{dst.stage} busy {dst.util:.0%} >= {spec.threshold:.0%} with {len(dst.assigned)} instance(s)"
-        if idle:
-            return Move(sorted(idle)[0], None, dst.stage, f"{why}; from the idle pool")
-        donors = [l for l in known if l is not dst and l.can_spare() and l.without_one() < spec.threshold]
+        if fitting(idle, dst):
+            return Move(fitting(idle, dst)[0], None, dst.stage, f"{why}; from the idle pool")
+        donors = [l for l in known if l is not dst and l.can_spare() and l.without_one() < spec.threshold
+                  and fitting(l.live, dst)]
         if not donors:
             return None
         src = min(donors, key=lambda l: l.util)
-        return Move(least_busy(src), src.stage, dst.stage,
+        return Move(least_busy(fitting(src.live, dst)), src.stage, dst.stage,
                     f"{why}; {src.stage} busy {src.util:.0%} with {len(src.live)} (min {src.min}) can spare one")
     cold = [l for l in known if l.util < spec.low and l.can_spare() and l.without_one() < spec.threshold]
     if cold:
         src = min(cold, key=lambda l: l.util)
-        return Move(least_busy(src), src.stage, None,
+        return Move(least_busy(src.live), src.stage, None,
                     f"{src.stage} busy {src.util:.0%} < {spec.low:.0%} for a window with {len(src.live)} "
                     f"instance(s) (min {src.min}); one returns to the idle pool")
     return None
@@ -131,8 +140,10 @@ def _fresh_s(state: "ClusterState") -> float:
 
 
 class Elastic:
-    def __init__(self, spec: ElasticSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: ElasticSpec, needs: dict[str, int] | None = None) -> None:
+        """``needs``: devices one instance of a stage holds (default 1 each)."""
+        self.spec, self.needs = spec, needs or {}
+        self.holds: dict[str, int] = {}  # instance -> devices, from the stage it was first seen at
         self.util = Utilization(spec.window_s)
         self.last_move: dict[str, float] = {}  # set -> when its last move was decided
         self.moving: dict[str, float] = {}  # instance -> when it was moved (until it settled)
@@ -147,6 +158,8 @@ class Elastic:
         the one it is assigned."""
         serving = inst.serving if inst.serving == inst.stage else None
         self.util.observe(inst.id, serving, inst.stats, now)
+        if self.needs:
+            self.holds.setdefault(inst.id, self.needs.get(inst.stage, 1) if inst.stage else 1)
 
     def loads(self, state: "ClusterState", set_name: str, now: float) -> dict[str, StageLoad]:
         spec = state.sets[set_name]
@@ -161,7 +174,8 @@ class Elastic:
             if len(mine) >= spec.min_of(stage):
                 self.had_min.add((set_name, stage))
             out[stage] = StageLoad(stage, [i.id for i in mine], sum(known) / len(known) if known else None,
-                                   spec.min_of(stage), live, (set_name, stage) in self.had_min)
+                                   spec.min_of(stage), live, (set_name, stage) in self.had_min,
+                                   self.needs.get(stage, 1))
         return out
 
     def tick(self, state: "ClusterState", now: float | None = None) -> list[Move]:
@@ -182,7 +196,8 @@ class Elastic:
                 or any(i.id in self.moving for i in members)
             loads = self.loads(state, set_name, now)
             idle = [i.id for i in members if i.stage is None and i.heard and now - i.last_seen <= _fresh_s(state)]
-            move = decide(self.spec, loads, idle, {i.id: self.util.of(i.id, now) for i in members}, floors_only=waiting)
+            move = decide(self.spec, loads, idle, {i.id: self.util.of(i.id, now) for i in members}, floors_only=waiting,
+                          holds=self.holds)
             if move is not None:
                 self.apply(state, move, now, loads)
                 moves.append(move)
@@ -205,6 +220,8 @@ class Elastic:
         """A moved instance has settled once it served a whole window at its new stage (or
         drained into the idle pool); one that takes too long is reported and let go."""
         self.util.keep(state.instances)  # however an instance left, its samples go with it
+        for iid in [i for i in self.holds if i not in state.instances]:
+            del self.holds[iid]
         limit = self.spec.drain_s + self.spec.window_s + MOVE_GRACE_S
         for iid, since in list(self.moving.items()):
             inst = state.instances.get(iid)

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
-from prometheus_client import REGISTRY, start_http_server
+from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 
-from onepiece import deployment, operator_key
+from onepiece import deployment, metrics_endpoint, operator_key
 from onepiece.config import Topology, Workflow
 from onepiece.droplog import log_dropped
 from onepiece.heartbeat import DELIVERED, delivered_of, stage_stats_problem
@@ -307,11 +307,11 @@ def serve(topology: Topology, workflow: Workflow, base_dir: Path, address: str |
         log.warning("no operator key (%s FILE or %s): `move` and operators' `deregister` are refused",
                     operator_key.FLAG, operator_key.ENV)
     REGISTRY.register(NmMetrics(nm))
-    metrics, _ = start_http_server(metrics_port, addr="127.0.0.1")
+    metrics = metrics_endpoint.start(metrics_port, "127.0.0.1")
     log.info("node manager of deployment %s serving at %s, metrics at http://127.0.0.1:%d/metrics",
              deployment_id or "none", nm.address, metrics.server_port)
     try:
         nm.run(stop)
     finally:
         nm.close()
-        metrics.shutdown()
+        metrics_endpoint.stop(metrics)

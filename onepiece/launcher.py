@@ -297,20 +297,22 @@ class Deployment:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop everything: roles first, the NMs last, then the runtime folder."""
-        order = self.children[self.nm_count:] + self.children[:self.nm_count]
-        for c in order:
-            if c.proc is not None and c.proc.poll() is None:
-                c.proc.send_signal(signal.SIGTERM)
+        # The NMs only once the roles are gone: a role says goodbye to its NM on the way out, and
+        # with the NM gone first it would wait out a heartbeat's and a goodbye's timeouts instead.
         deadline = time.monotonic() + grace_s
-        for c in order:
-            if c.proc is None:
-                continue
-            try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0fs; killing it", c.name, grace_s)
-                c.proc.kill()
-                c.proc.wait()
+        for group in (self.children[self.nm_count:], self.children[:self.nm_count]):
+            for c in group:
+                if c.proc is not None and c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+            for c in group:
+                if c.proc is None:
+                    continue
+                try:
+                    c.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop within %.0fs; killing it", c.name, grace_s)
+                    c.proc.kill()
+                    c.proc.wait()
         shutil.rmtree(self.runtime, ignore_errors=True)
         if self.curve_dir is not None:
             curve.use(None)

@@ -7,6 +7,7 @@ import logging
 import signal
 import threading
 import time
+from typing import Callable
 
 PR_SET_PDEATHSIG = 1
 
@@ -17,11 +18,18 @@ def child_preexec() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def stop_on_signals() -> threading.Event:
-    """An event set by SIGTERM or SIGINT, for a role's main loop to end on."""
+def stop_on_signals(wake: Callable[[], object] | None = None) -> threading.Event:
+    """An event set by SIGTERM or SIGINT, for a role's main loop to end on; ``wake`` (if given)
+    runs too, for a loop that waits on something else."""
     stop = threading.Event()
+
+    def handler(*_: object) -> None:
+        stop.set()
+        if wake is not None:
+            wake()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, handler)
     return stop
 
 

@@ -5,7 +5,9 @@ shell's utilization windows, one move at a time, cooldown and settling) run on t
 clock, fed every heartbeat with each simulated instance's counters. A move is carried out as the
 instance's protocol does it (stage/instance.py): out of its old stage's routes at once; it
 finishes what it holds and waits at least two heartbeats (so every sender has the new routes);
-its workers exit and load the new stage's models (``move_s``); then it is routed to.
+its workers exit and load the new stage's models (``move_s``); then it is routed to. An instance
+keeps the devices it started with (its first stage's workers x GPUs), so the policy moves it only
+to a stage that needs no more.
 """
 
 from __future__ import annotations
@@ -35,10 +37,10 @@ class Member:
 
 
 class SimElastic:
-    def __init__(self, sim: "Simulation", topology: Topology, move_s: float) -> None:
+    def __init__(self, sim: "Simulation", topology: Topology, move_s: float, gpus: dict[str, int]) -> None:
         self.sim, self.move_s = sim, move_s
         self.state = ClusterState(topology, sim.wf)
-        self.policy = Elastic(topology.nm.elastic)
+        self.policy = Elastic(topology.nm.elastic, {s: spec.workers * gpus.get(s, 1) for s, spec in sim.wf.stages.items()})
         self.members: dict[str, Member] = {}
         self.moves: list[dict[str, Any]] = []  # what `onepiece sim` reports
         for set_name, by_stage in sim.instances.items():

@@ -110,12 +110,13 @@ class Simulation:
     def __init__(self, workflow: Workflow, sets: dict[str, dict[str, int]], costs: CostTable,
                  hop_s: float = HOP_S, overhead_s: float = OVERHEAD_S, keep_chunks: bool = True,
                  proxies: dict[str, ProxySpec] | None = None, heartbeat_s: float = HEARTBEAT_S,
-                 elastic: Topology | None = None, move_s: float = MOVE_S) -> None:
+                 elastic: Topology | None = None, move_s: float = MOVE_S, gpus: dict[str, int] | None = None) -> None:
         """``sets``: per workflow set, the instances of each stage; ``proxies``: per set, its
         proxies' settings (the request monitor, the in-flight bound; default: no monitor);
         ``elastic``: a topology whose NM moves instances between stages (its ``nm.elastic``, its
         sets' minimums and idle pools; its heartbeat replaces ``heartbeat_s``), each move taking
-        ``move_s`` beyond the drain to load the new stage's models."""
+        ``move_s`` beyond the drain to load the new stage's models; ``gpus``: GPUs one worker of a stage
+        holds (default 1), so that a move never takes an instance to a stage that needs more."""
         self.wf, self.costs, self.hop_s, self.overhead_s = workflow, costs, hop_s, overhead_s
         self.heartbeat_s = heartbeat_s
         self.loop = EventLoop()
@@ -149,7 +150,7 @@ class Simulation:
             from onepiece.sim.elastic import SimElastic
 
             self.heartbeat_s = elastic.nm.heartbeat_s
-            self.elastic = SimElastic(self, elastic, move_s)
+            self.elastic = SimElastic(self, elastic, move_s, gpus or {})
 
     # --- instances and routes -------------------------------------------------------------------
     def new_instance(self, set_name: str, stage: str) -> VirtualInstance:

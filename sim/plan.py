@@ -54,7 +54,8 @@ def attainment(wf: Workflow, counts: dict[str, int], costs: CostTable, trace: Tr
             raise SimInputError(f"with elastic moves a set holds at most {MAX_ELASTIC} instances of a stage "
                                 f"(asked for {counts}); plan several sets, or without --elastic")
         topo = Topology(workflow="(planned)", nm=NmSpec(elastic=elastic), sets=[SetSpec(name="set0", stages=counts)])
-    sim = Simulation(wf, {"set0": counts}, costs, hop_s=hop_s, keep_chunks=False, elastic=topo, move_s=move_s)
+    sim = Simulation(wf, {"set0": counts}, costs, hop_s=hop_s, keep_chunks=False, elastic=topo, move_s=move_s,
+                     gpus=gpus)
     sim.load(trace)
     records = sim.run()
     summary = summarize(records, {c: v.slo_s or math.inf for c, v in trace.classes.items()})

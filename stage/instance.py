@@ -25,9 +25,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from prometheus_client import REGISTRY, start_http_server
+from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from onepiece import metrics_endpoint
 from onepiece.config import Workflow
 from onepiece.nm.client import Membership
 from onepiece.nm.holdings import Holdings, TrackingReceiver
@@ -191,14 +192,14 @@ def serve(nm_address: str, set_name: str, listen: str = "tcp://127.0.0.1:0", sta
     assigns, or with ``idle`` the idle pool); the NM may move it later. ``name``, if given,
     outlives the process: registering again under it (a restart) returns to where the NM last
     moved an instance of that name."""
-    stop = stop_on_signals()
+    inst: StageInstance | None = None
+    stop = stop_on_signals(lambda: inst and inst.moved.set())  # wakes the assignment loop at once
     rdir = Path(tempfile.mkdtemp(prefix="stage-", dir=runtime_dir))
-    metrics, _ = start_http_server(0, addr=registry.host_of(listen))
+    metrics = metrics_endpoint.start(0, registry.host_of(listen))
     # What this instance holds goes out with every heartbeat: if it dies, the NM reports those
     # requests failed (nm/reaper.py).
     holdings = Holdings()
     receiver = TrackingReceiver(registry.listen(listen), holdings)
-    inst: StageInstance | None = None
     member = Membership(
         nm_address, "stage", set_name,
         {"data": receiver.address, "metrics": f"http://{registry.host_of(listen)}:{metrics.server_port}"},
@@ -218,5 +219,5 @@ def serve(nm_address: str, set_name: str, listen: str = "tcp://127.0.0.1:0", sta
     finally:
         member.stop()
         receiver.close()
-        metrics.shutdown()
+        metrics_endpoint.stop(metrics)
         shutil.rmtree(rdir, ignore_errors=True)

@@ -175,7 +175,8 @@ def test_the_image_steps_give_a_package_that_serves(tmp_path, tiny_models, make_
 
     nm = free_tcp_address()
     (tmp_path / "deployment").mkdir()
-    topology = make_topology(tmp_path / "deployment", tiny_models, nm)
+    topology = make_topology(tmp_path / "deployment", tiny_models, nm, dbs=1,
+                             stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1})
     dep = Up(topology, tmp_path / "logs", nm, python=python, cwd=tmp_path)
     try:
         url = dep.wait_for(r"serves the API at (http://\S+)", timeout=240).group(1)

@@ -1,6 +1,6 @@
-"""T2V and I2V end to end with every stage and DB receiving its data over the ring buffer:
-shared memory when the deployment is one host (ipc topology), the TCP agent when it is not
-(tcp topology). Real `onepiece up`, real HTTP, real MP4s."""
+"""T2V and I2V end to end with every stage and DB receiving its data over the ring buffer in
+shared memory (one host, ipc topology). Real `onepiece up`, real HTTP, real MP4s. The ring's TCP
+agent end to end (every stage on another host) is tests/test_netns.py's ring+tcp case."""
 
 from __future__ import annotations
 
@@ -17,15 +17,14 @@ from deployment import Up, decode_mp4, png
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 
-@pytest.fixture(scope="module", params=["ipc", "tcp"])
-def up(request, tiny_models, tmp_path_factory, make_topology):
-    folder = tmp_path_factory.mktemp(f"ring-{request.param}")
+@pytest.fixture(scope="module")
+def up(tiny_models, tmp_path_factory, make_topology):
+    folder = tmp_path_factory.mktemp("ring")
     nm = free_tcp_address()
-    topology = make_topology(folder, tiny_models, nm, transport=request.param, data="ring", dbs=2)
+    topology = make_topology(folder, tiny_models, nm, transport="ipc", data="ring", dbs=2)
     dep = Up(topology, folder / "logs", nm)
     try:
         dep.url = dep.wait_for(r"serves the API at (http://\S+)", timeout=240).group(1)
-        dep.scheme = "shm://" if request.param == "ipc" else "ring+tcp://"
         yield dep
     finally:
         dep.stop()
@@ -35,7 +34,7 @@ def test_every_data_address_is_a_ring(up):
     r = up.routes()
     addresses = [a for addrs in r["stages"].values() for a in addrs] + [d["data"] for d in r["dbs"]]
     assert len(addresses) == 6 + 2
-    assert all(a.startswith(up.scheme) for a in addresses), addresses
+    assert all(a.startswith("shm://") for a in addresses), addresses
 
 
 def test_text_to_video_over_the_ring(up, tmp_path):
@@ -54,8 +53,7 @@ def test_image_to_video_over_the_ring(up, tmp_path):
 
 def test_sigterm_removes_the_rings(up):
     shm = sorted(Path("/dev/shm").glob("onepiece-*"))
-    if up.scheme == "shm://":
-        assert shm, "the shared-memory rings should exist while the deployment runs"
+    assert shm, "the shared-memory rings should exist while the deployment runs"
     up.proc.send_signal(signal.SIGTERM)
     assert up.proc.wait(60) == 0
     left = [p for p in shm if p.exists()]

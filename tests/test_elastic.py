@@ -6,7 +6,8 @@ stage worker on one torch thread.
 1. text_encode ×1, denoise_t2v ×1, vae_decode ×2: denoise saturates while vae_decode idles;
    the NM moves a vae_decode instance to denoise_t2v, throughput rises (measured before and
    after in this run), and every request completes. Then an operator moves a denoise
-   instance while it holds requests: they complete, nothing fails.
+   instance while it holds requests: they complete, nothing fails. Then an instance an
+   operator moved dies, and its restarted process serves where it had been moved.
 2. One instance of each stage plus one in the idle pool: the idle instance goes to denoise
    under load, and returns to the pool once the load is gone (low watermark).
 """
@@ -123,6 +124,35 @@ def test_an_operator_moves_an_instance_while_it_holds_requests_and_none_is_lost(
     assert f"{victim['id']} drained denoise_t2v" in text and "gave up" not in text
 
 
+def test_a_moved_instance_that_dies_comes_back_at_the_stage_it_was_moved_to(donor_set):
+    """`onepiece up`'s supervisor restarts a dead stage process with its own --stage pin and
+    --name; the NM puts the new process where the old one had been moved (here by an operator),
+    not back at the pin. (On the first test's deployment, idle by now: no load, no moves.)"""
+    dep, nm, url = donor_set
+    stop = threading.Event()
+    supervisor = threading.Thread(target=dep.supervise, args=(stop,), daemon=True)
+    supervisor.start()
+    try:
+        st = next(i for i in nm.status()["sets"]["set0"]["stages"]["vae_decode"]["instances"]
+                  if i["name"].startswith("set0-vae_decode") and i["ready"])
+        nm.move(st["id"], "denoise_t2v")
+        wait_for(lambda: (i := instance(nm.status(), st["id"])) and i["ready"] and i["serving"] == "denoise_t2v",
+                 90, "the moved instance to serve denoise_t2v")
+        os.kill(st["pid"], signal.SIGKILL)
+
+        def named(stage: str) -> list[dict]:
+            return [i for i in nm.status()["sets"]["set0"]["stages"][stage]["instances"] if i["name"] == st["name"]]
+
+        again = wait_for(lambda: next((i for i in named("denoise_t2v") if i["id"] != st["id"] and i["ready"]
+                                       and i["serving"] == "denoise_t2v"), None),
+                         120, "the restarted process to serve denoise_t2v")
+        assert again["pid"] != st["pid"] and named("vae_decode") == []
+        assert any("where it was moved before it restarted" in e for e in nm.status()["events"])
+    finally:
+        stop.set()
+        supervisor.join(5)
+
+
 def test_the_idle_pool_serves_under_load_and_takes_the_instance_back_when_load_is_gone(tiny_models, tmp_path):
     dep, nm, url = start(tmp_path, tiny_models, cooldown_s=2.0, low=0.3,
                          stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1}, idle=1)
@@ -148,38 +178,5 @@ def test_the_idle_pool_serves_under_load_and_takes_the_instance_back_when_load_i
         assert [i["id"] for i in st["idle"]] == [back["instance"]]
         assert len(st["stages"]["denoise_t2v"]["instances"]) == 1
     finally:
-        nm.close()
-        dep.stop()
-
-
-def test_a_moved_instance_that_dies_comes_back_at_the_stage_it_was_moved_to(tiny_models, tmp_path):
-    """`onepiece up`'s supervisor restarts a dead stage process with its own --stage pin and
-    --name; the NM puts the new process where the old one had been moved (here by an operator),
-    not back at the pin."""
-    dep, nm, url = start(tmp_path, tiny_models, cooldown_s=WINDOW,
-                         stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1})
-    stop = threading.Event()
-    supervisor = threading.Thread(target=dep.supervise, args=(stop,), daemon=True)
-    supervisor.start()
-    try:
-        st = nm.status()["sets"]["set0"]["stages"]["vae_decode"]["instances"][0]
-        assert st["name"] == "set0-vae_decode0"
-        nm.move(st["id"], "denoise_t2v")
-        wait_for(lambda: (i := instance(nm.status(), st["id"])) and i["ready"] and i["serving"] == "denoise_t2v",
-                 90, "the moved instance to serve denoise_t2v")
-        os.kill(st["pid"], signal.SIGKILL)
-
-        def named(stage: str) -> list[dict]:
-            return [i for i in nm.status()["sets"]["set0"]["stages"][stage]["instances"]
-                    if i["name"] == "set0-vae_decode0"]
-
-        again = wait_for(lambda: next((i for i in named("denoise_t2v") if i["id"] != st["id"] and i["ready"]
-                                       and i["serving"] == "denoise_t2v"), None),
-                         120, "the restarted process to serve denoise_t2v")
-        assert again["pid"] != st["pid"] and named("vae_decode") == []
-        assert any("where it was moved before it restarted" in e for e in nm.status()["events"])
-    finally:
-        stop.set()
-        supervisor.join(5)
         nm.close()
         dep.stop()

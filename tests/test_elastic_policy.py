@@ -311,3 +311,18 @@ def test_a_message_for_a_stage_this_instance_left_is_forwarded_with_a_hop_bound(
         deliver.close()
         decode.close()
         db.close()
+
+
+def test_an_instance_moves_only_to_a_stage_that_needs_no_more_devices_than_it_holds():
+    ls = loads(denoise=(0.95, 1, 1), decode=(0.1, 2, 1))
+    ls["denoise"].needs = 2
+    # The idle one and both decoders hold 1 device: nothing can go to denoise.
+    assert decide(SPEC, ls, ["idle-1"], {}, holds={"idle-1": 1}) is None
+    assert decide(SPEC, ls, [], {}) is None
+    # A decoder on 2 devices can; the one on 1 stays even though it is the least busy.
+    move = decide(SPEC, ls, [], {"decode-0": 0.0, "decode-1": 0.3}, holds={"decode-1": 2})
+    assert (move.instance, move.src, move.dst) == ("decode-1", "decode", "denoise")
+    # A stage below its minimum is refilled only by an idle instance that fits it.
+    short = {"denoise": StageLoad("denoise", [], None, 1, needs=2)}
+    assert decide(SPEC, short, ["idle-1"], {}, floors_only=True) is None
+    assert decide(SPEC, short, ["idle-1", "idle-2"], {}, floors_only=True, holds={"idle-2": 2}).instance == "idle-2"

@@ -213,3 +213,28 @@ def test_the_nm_moves_an_idle_stage_s_instance_to_the_saturated_one():
     static.load(tr)
     mean = lambda rs: sum(r["latency_s"] for r in rs) / len(rs)  # noqa: E731
     assert mean(recs) < mean(static.run())
+
+
+def test_a_move_never_takes_an_instance_to_a_stage_that_needs_more_gpus_than_it_holds():
+    """The same saturation with denoise_t2v on 2 GPUs per worker: a 1-GPU vae_decode instance
+    must stay (the planner counts the devices a set starts with, so a move that grew an instance
+    would make its count a lie); with vae_decode on 2 GPUs too, the move happens."""
+    from onepiece.config import Topology
+
+    topo = Topology.model_validate({
+        "workflow": "wan21-scale.yaml",
+        "nm": {"heartbeat_s": 0.25, "elastic": {"window_s": 5, "cooldown_s": 5, "threshold": 0.85, "low": 0.0}},
+        "sets": [{"name": "set0", "stages": {"text_encode": 1, "denoise_t2v": 1, "vae_decode": 2},
+                  "min": {"vae_decode": 1}}]})
+    classes = parse_classes("L=192x192x17:10")
+    classes["L"]["slo_s"] = 60.0
+    tr = poisson_trace(classes, {"L": 1.0}, rate=6.0, n=150, seed=2, timeout_s=600)
+    sets = {"set0": {"text_encode": 1, "denoise_t2v": 1, "vae_decode": 2}}
+    moves = {}
+    for name, gpus in (("apart", {"denoise_t2v": 2}), ("alike", {"denoise_t2v": 2, "vae_decode": 2})):
+        sim = Simulation(WF, sets, table(), keep_chunks=False, elastic=topo, move_s=3.0, gpus=gpus)
+        sim.load(tr)
+        assert all(r["outcome"] == "completed" for r in sim.run())
+        moves[name] = [(m["from"], m["to"]) for m in sim.elastic.moves]
+    assert ("vae_decode", "denoise_t2v") not in moves["apart"], moves
+    assert ("vae_decode", "denoise_t2v") in moves["alike"], moves

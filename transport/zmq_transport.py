@@ -8,6 +8,7 @@ poll with a timeout turns "full" into an error instead of a block. Parts go out 
 from __future__ import annotations
 
 import logging
+import time
 
 import zmq
 
@@ -73,8 +74,9 @@ class ZmqReceiver(Receiver):
         self.rejected = 0
 
     def recv(self, timeout: float) -> Message | None:
-        deadline_ms = int(timeout * 1000)
-        while self.sock.poll(deadline_ms, zmq.POLLIN):
+        # A dropped message does not end the wait: the caller asked for one good message in `timeout`.
+        deadline = time.monotonic() + timeout
+        while self.sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLIN):
             frames = self.sock.recv_multipart(copy=False)
             try:
                 msg = decode(frames)
@@ -87,7 +89,6 @@ class ZmqReceiver(Receiver):
             self.rejected += 1
             log_dropped(log, self.address, reason, "dropped malformed message on %s from %s: %s", self.address,
                         peer_of(frames[0]), reason)
-            deadline_ms = 0
         return None
 
     def close(self) -> None:
