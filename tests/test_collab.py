@@ -98,6 +98,19 @@ def test_two_requests_at_dop_1_on_two_ranks_at_once(tiny_models, comps, image, t
         assert float(np.abs(frames_of(comps, m, lat) - ref).max()) <= 1e-4
 
 
+def test_four_ranks_combine_cfg_and_sequence_parallel_and_split_into_smaller_groups(tiny_models, comps, image,
+                                                                                 tmp_path) -> None:
+    """A group of 4 (gloo, 4 processes): guided at DoP 4 is CFG-parallel over two halves, each
+    half sequence-parallel (Ulysses over 2); then the same request at DoP 2 on ranks 2-3 and at
+    DoP 1 on rank 3, while the other request runs on ranks 0-1. Both give one worker's frames."""
+    msgs = [denoise_input("t2v", comps, image, guidance=5.0, seed=s, steps=4) for s in (1, 2)]
+    refs = [alone("t2v", comps, m) for m in msgs]
+    plan = [[[[0, 1, 2, 3], [0, 1], 1]], [[[2, 3], [0], 2], [[0, 1], [1], 3]], [[[3], [0], 1]]]
+    lats = collaborate(tmp_path, tiny_models["t2v"], msgs, plan, size=4)
+    for m, lat, ref in zip(msgs, lats, refs):
+        assert float(np.abs(frames_of(comps, m, lat) - ref).max()) <= 1e-4
+
+
 def test_groups_and_layouts() -> None:
     assert blocks(1) == [(0,)]
     assert blocks(2) == [(0,), (1,), (0, 1)]

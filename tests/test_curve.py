@@ -24,7 +24,9 @@ from onepiece.db.client import DbClient
 from onepiece.launcher import free_tcp_address
 from onepiece.transport import curve
 from onepiece.transport.message import Message, encode, new_uid
-from onepiece.transport.rpc import RpcClient, RpcError
+from onepiece.transport.base import Full
+from onepiece.transport.registry import connect
+from onepiece.transport.rpc import RpcClient, RpcError, RpcTimeout
 from onepiece.transport.ring.agent import AgentRegion, listen as ring_listen
 
 from deployment import Up
@@ -248,6 +250,36 @@ def test_nm_refuses_outsiders_register_rpc_and_operator_commands(servers, keys, 
     finally:
         client.close()
         curve.use(None)
+    assert all(p.poll() is None for p in servers["procs"].values())
+
+
+def test_a_member_without_the_deployment_s_keys_is_told_why_nothing_answers(servers, tmp_path):
+    """libzmq drops a failed handshake silently; the client's socket monitor hears of it, so a
+    CLI or a role without keys (or with another deployment's) says so instead of "no answer"."""
+    client = RpcClient(servers["nm"], timeout=0.5, retries=0)
+    try:
+        with pytest.raises(RpcTimeout, match=f"asks for CURVE and this process has no keys \\(set {curve.ENV}"):
+            client.call("status")
+    finally:
+        client.close()
+    sender = connect(servers["db"]["data"])
+    try:
+        with pytest.raises(Full, match="asks for CURVE"):
+            sender.send(Message({"uid": new_uid()}, {}), timeout=0.5)
+    finally:
+        sender.close()
+    curve.use(curve.load(curve.make(tmp_path / "other")))
+    client = RpcClient(servers["nm"], timeout=0.5, retries=1)
+    try:
+        with pytest.raises(RpcTimeout, match="are not the deployment's"):
+            client.call("status")
+    finally:
+        client.close()
+        curve.use(None)
+    env = {k: v for k, v in os.environ.items() if k != curve.ENV}
+    out = subprocess.run([sys.executable, "-m", "onepiece", "status", "--nm", servers["nm"]], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and f"set {curve.ENV}" in out.stderr, out.stderr
     assert all(p.poll() is None for p in servers["procs"].values())
 
 

@@ -186,10 +186,9 @@ def test_the_request_monitor_refuses_what_the_set_cannot_absorb_and_the_client_t
     assert both["summary"]["all"]["refused"] < m["refused"] / 2
 
 
-def test_the_nm_moves_an_idle_stage_s_instance_to_the_saturated_one():
-    """bench elastic's scenario on the virtual clock: denoise saturates while one of two
-    vae_decode instances idles; the NM's own elastic policy moves it, the move drains and loads,
-    and the stage then completes requests faster. Nothing is lost on the way."""
+def saturated_denoise(n: int):
+    """bench elastic's scenario: a topology whose NM moves instances, its sets, and a trace of
+    ``n`` large requests that saturates denoise_t2v while one of two vae_decode instances idles."""
     from onepiece.config import Topology
 
     topo = Topology.model_validate({
@@ -199,8 +198,15 @@ def test_the_nm_moves_an_idle_stage_s_instance_to_the_saturated_one():
                   "min": {"vae_decode": 1}}]})
     classes = parse_classes("L=192x192x17:10")
     classes["L"]["slo_s"] = 60.0
-    tr = poisson_trace(classes, {"L": 1.0}, rate=6.0, n=300, seed=2, timeout_s=600)
-    sets = {"set0": {"text_encode": 1, "denoise_t2v": 1, "vae_decode": 2}}
+    tr = poisson_trace(classes, {"L": 1.0}, rate=6.0, n=n, seed=2, timeout_s=600)
+    return topo, {"set0": {"text_encode": 1, "denoise_t2v": 1, "vae_decode": 2}}, tr
+
+
+def test_the_nm_moves_an_idle_stage_s_instance_to_the_saturated_one():
+    """bench elastic's scenario on the virtual clock: denoise saturates while one of two
+    vae_decode instances idles; the NM's own elastic policy moves it, the move drains and loads,
+    and the stage then completes requests faster. Nothing is lost on the way."""
+    topo, sets, tr = saturated_denoise(300)
     sim = Simulation(WF, sets, table(), keep_chunks=False, elastic=topo, move_s=3.0)
     sim.load(tr)
     recs = sim.run()
@@ -219,17 +225,7 @@ def test_a_move_never_takes_an_instance_to_a_stage_that_needs_more_gpus_than_it_
     """The same saturation with denoise_t2v on 2 GPUs per worker: a 1-GPU vae_decode instance
     must stay (the planner counts the devices a set starts with, so a move that grew an instance
     would make its count a lie); with vae_decode on 2 GPUs too, the move happens."""
-    from onepiece.config import Topology
-
-    topo = Topology.model_validate({
-        "workflow": "wan21-scale.yaml",
-        "nm": {"heartbeat_s": 0.25, "elastic": {"window_s": 5, "cooldown_s": 5, "threshold": 0.85, "low": 0.0}},
-        "sets": [{"name": "set0", "stages": {"text_encode": 1, "denoise_t2v": 1, "vae_decode": 2},
-                  "min": {"vae_decode": 1}}]})
-    classes = parse_classes("L=192x192x17:10")
-    classes["L"]["slo_s"] = 60.0
-    tr = poisson_trace(classes, {"L": 1.0}, rate=6.0, n=150, seed=2, timeout_s=600)
-    sets = {"set0": {"text_encode": 1, "denoise_t2v": 1, "vae_decode": 2}}
+    topo, sets, tr = saturated_denoise(150)
     moves = {}
     for name, gpus in (("apart", {"denoise_t2v": 2}), ("alike", {"denoise_t2v": 2, "vae_decode": 2})):
         sim = Simulation(WF, sets, table(), keep_chunks=False, elastic=topo, move_s=3.0, gpus=gpus)

@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from onepiece.droplog import log_dropped
 from onepiece.schema import checked
 from onepiece.transport import curve
+from onepiece.transport.handshake import HandshakeWatch
 from onepiece.transport.zmq_transport import bind_address, peer_of
 
 log = logging.getLogger(__name__)
@@ -41,12 +42,12 @@ class RpcTimeout(RpcError):
     pass
 
 
-def _dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
+def _dealer(ctx: zmq.Context) -> zmq.Socket:
+    """A client socket, not connected yet."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 64)  # requests queued for an absent server stay few
-    curve.client(sock).connect(address)
-    return sock
+    return curve.client(sock)
 
 
 class RpcServer:
@@ -157,10 +158,13 @@ class RpcClient:
     def __init__(self, address: str, timeout: float = 2.0, retries: int = 2) -> None:
         self.address, self.timeout, self.retries = address, timeout, retries
         self._ids = itertools.count(1)
-        self.sock = self._socket()
+        self._why: str | None = None  # a failed handshake seen by an earlier try's socket
+        self._open()
 
-    def _socket(self) -> zmq.Socket:
-        return _dealer(zmq.Context.instance(), self.address)
+    def _open(self) -> None:
+        self.sock = _dealer(zmq.Context.instance())
+        self._watch = HandshakeWatch(self.sock)  # before the connect: a handshake can fail at once
+        self.sock.connect(self.address)
 
     def call(self, op: str, blobs: Blobs = (), timeout: float | None = None, **args: Any) -> tuple[dict, list[bytes]]:
         timeout = self.timeout if timeout is None else timeout
@@ -182,13 +186,17 @@ class RpcClient:
                 if isinstance(reply, dict) and reply.get("id") == rid:  # else a late reply to an abandoned try
                     return _check(reply, op), frames[2:]
             self._reset()  # drop what is queued for a server that did not answer
-        raise RpcTimeout(f"{op}: no answer from {self.address} after {self.retries + 1} tries of {timeout:.1f}s")
+        why, self._why = self._why, None
+        raise RpcTimeout(f"{op}: no answer from {self.address} after {self.retries + 1} tries of {timeout:.1f}s"
+                         + (f"; {why}" if why else ""))
 
     def _reset(self) -> None:
-        self.sock.close(linger=0)
-        self.sock = self._socket()
+        self.close()
+        self._open()
 
     def close(self) -> None:
+        self._why = self._watch.reason() or self._why
+        self._watch.close()
         self.sock.close(linger=0)
 
 
@@ -198,7 +206,8 @@ class AsyncRpcClient:
     def __init__(self, address: str, timeout: float = 2.0, retries: int = 1) -> None:
         self.address, self.timeout, self.retries = address, timeout, retries
         self._ids = itertools.count(1)
-        self.sock = _dealer(zmq.asyncio.Context.instance(), address)
+        self.sock = _dealer(zmq.asyncio.Context.instance())
+        self.sock.connect(address)
         self._pending: dict[int, Any] = {}
         self._reader = None
 

@@ -15,6 +15,7 @@ import zmq
 from onepiece.droplog import log_dropped
 from onepiece.transport import curve, registry
 from onepiece.transport.base import Full, Receiver, Sender
+from onepiece.transport.handshake import HandshakeWatch
 from onepiece.transport.message import Message, MessageError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class ZmqSender(Sender):
         self.sock.setsockopt(zmq.IMMEDIATE, 1)
         self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self._watch = HandshakeWatch(self.sock)  # before the connect: a handshake can fail at once
         curve.client(self.sock).connect(address)
 
     def send(self, msg: Message, timeout: float = 5.0) -> None:
@@ -57,9 +59,11 @@ class ZmqSender(Sender):
                 return
             except zmq.Again:
                 pass
-        raise Full(f"receiver at {self.address} took nothing within {timeout:.1f}s (full or not running)")
+        why = self._watch.reason()
+        raise Full(f"receiver at {self.address} took nothing within {timeout:.1f}s ({why or 'full or not running'})")
 
     def close(self) -> None:
+        self._watch.close()
         # A short, bounded linger: what send() reported as handed over still leaves the socket.
         self.sock.close(linger=200)
 
