@@ -77,11 +77,12 @@ class Deployment:
         self.nm_count = len(self.nm_addresses)
         # Every process of this run carries it; the NM refuses members of another deployment.
         self.deployment = self.topo.deployment or deployment.new_id()
-        self.curve_dir = self._curve_dir()
+        self.curve_keys = self._curve_keys()
+        self.curve_dir = None if self.curve_keys is None else self.curve_keys.folder
 
-    def _curve_dir(self) -> Path | None:
-        """The CURVE keys folder every process of this run uses, None when the topology runs
-        without CURVE; made (under ~/.config/onepiece) if the topology names none and it is missing."""
+    def _curve_keys(self) -> curve.CurveKeys | None:
+        """The CURVE keys every process of this run uses, None when the topology runs without
+        CURVE; made (under ~/.config/onepiece) if the topology names no folder and it is missing."""
         given = self.topo.curve_dir or os.environ.get(curve.ENV)
         addresses = [*self.nm_addresses, self._address("probe"), self._data_address("probe", "ring")]
         try:
@@ -93,10 +94,9 @@ class Deployment:
         try:
             if given is None and not (folder / curve.SECRET).exists():
                 curve.make(folder)
-            curve.load(folder)  # refuse a bad folder here, not in every child
+            return curve.load(folder)  # refuse a bad folder here, not in every child
         except curve.CurveKeysError as e:
             raise ConfigError(str(e)) from None
-        return folder
 
     def _address(self, name: str) -> str:
         if self.topo.transport == "ipc":
@@ -208,8 +208,8 @@ class Deployment:
         for path in ensure_models(self.workflow, self.base_dir):
             print(f"built tiny random-weight model at {path}", flush=True)
         self.children = self.plan()
-        if self.curve_dir is not None:  # this process asks the NM whether the deployment is ready
-            curve.use(curve.load(self.curve_dir))
+        if self.curve_keys is not None:  # this process asks the NM whether the deployment is ready
+            curve.use(self.curve_keys)
         nms, rest = self.children[:self.nm_count], self.children[self.nm_count:]
         for nm in nms:
             nm.start()
