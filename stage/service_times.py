@@ -6,10 +6,10 @@ rate follows from: with batching, a step's time divided among the requests it ad
 the batch sizes the stage reaches) and its *standalone* time (alone on an idle worker: what
 its latency is predicted from). The report has the mean share over a moving window per
 application (the mean, because throughput is workers / mean share even when shapes are
-mixed), the mean standalone time per shape, and a count of what arrived recently per
-application (the mix, for stages shared between applications), and the mean share per shape
-(what admission charges a request of that shape). Everything is bounded: the
-windows, the number of shapes kept, the recent-arrivals log.
+mixed), the standalone time per shape as the stage's cost model gives it at the report, a
+count of what arrived recently per application (the mix, for stages shared between
+applications), and the mean share per shape (what admission charges a request of that shape).
+Everything is bounded: the windows, the number of shapes kept, the recent-arrivals log.
 """
 
 from __future__ import annotations
@@ -31,37 +31,56 @@ MAX_RECENT = 4096
 Window = collections.deque  # of seconds, at most WINDOW long
 
 
+class _Alone:
+    """A shape's standalone time: from the stage's cost model, asked again at every report (the
+    latest request of the shape stands for it), or a figure as given (``ServiceTimes.add``).
+    A mean of the estimates made as requests finished kept a worker's first, cold, steps in it
+    for a whole window, well above what the model says once its medians settle, and the request
+    monitor predicts a request's latency from this figure. (Shares stay a window's mean: the
+    rate they give follows the batch sizes the stage reached over that window.)"""
+
+    def __init__(self, seconds: float, core: "SchedCore | None" = None, r: "Request | None" = None) -> None:
+        self.seconds, self.core, self.r = seconds, core, r
+
+    def now(self) -> float:
+        if self.core is not None:
+            t = self.core.standalone_s(self.r)
+            if t is not None:  # else the model lost the key: its last figure
+                self.seconds = t
+        return self.seconds
+
+
 class ServiceTimes:
     def __init__(self, clock=time.monotonic) -> None:
         self.clock = clock
         self._app: dict[str, collections.deque[float]] = {}
-        # per app and shape: (share, standalone) windows
-        self._shape: dict[str, collections.OrderedDict[str, tuple[Window, Window]]] = {}
+        # per app and shape: the window of shares, and the standalone time
+        self._shape: dict[str, collections.OrderedDict[str, tuple[Window, _Alone]]] = {}
         self._recent: collections.deque[tuple[float, str]] = collections.deque(maxlen=MAX_RECENT)
 
     def add(self, app: str, shape: str, share_s: float, alone_s: float | None = None) -> None:
         """One finished request: its share of the device and its standalone time (the same
         when it ran alone)."""
+        self._record(app, shape, share_s, _Alone(share_s if alone_s is None else alone_s))
+
+    def _record(self, app: str, shape: str, share_s: float, alone: _Alone) -> None:
         self._app.setdefault(app, collections.deque(maxlen=WINDOW)).append(share_s)
         shapes = self._shape.setdefault(app, collections.OrderedDict())
-        windows = shapes.get(shape)
-        if windows is None:
-            windows = shapes[shape] = collections.deque(maxlen=WINDOW), collections.deque(maxlen=WINDOW)
-            while len(shapes) > MAX_SHAPES:
-                shapes.popitem(last=False)
-        else:
-            shapes.move_to_end(shape)  # most recently seen last
-        shares, alone = windows
+        entry = shapes.pop(shape, None)
+        shares = entry[0] if entry is not None else collections.deque(maxlen=WINDOW)
         shares.append(share_s)
-        alone.append(share_s if alone_s is None else alone_s)
+        shapes[shape] = (shares, alone)  # most recently seen last
+        while len(shapes) > MAX_SHAPES:
+            shapes.popitem(last=False)
         self._recent.append((self.clock(), app))
 
     def finished(self, core: "SchedCore", r: "Request", shape: str) -> None:
-        """``r`` of ``shape`` left ``core``: its times from the core's cost model (the stage's
-        scheduler and the simulator both record them so)."""
+        """``r`` of ``shape`` left ``core``: its share from the core's cost model now, and the
+        shape's standalone time from it at every report (the stage's scheduler and the simulator
+        both record them so)."""
         alone, share = core.standalone_s(r), core.share_s(r)
         if alone is not None and share is not None:
-            self.add(r.app, shape, share, alone)
+            self._record(r.app, shape, share, _Alone(alone, core, r))
 
     def report(self) -> dict[str, dict[str, Any]]:
         """{app: {"mean_s" (share), "recent" (count in the last MIX_WINDOW_S), "shapes": {shape: standalone s},
@@ -74,7 +93,7 @@ class ServiceTimes:
             app: {
                 "mean_s": statistics.fmean(w),
                 "recent": recent.get(app, 0),
-                "shapes": {s: statistics.fmean(alone) for s, (_, alone) in self._shape[app].items()},
+                "shapes": {s: alone.now() for s, (_, alone) in self._shape[app].items()},
                 "shares": {s: statistics.fmean(shares) for s, (shares, _) in self._shape[app].items()},
             }
             for app, w in self._app.items()

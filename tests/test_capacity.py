@@ -126,3 +126,33 @@ def test_theorem_1_sums_every_application_flowing_into_a_shared_stage():
     assert est["t2v"]["stages"]["vae_decode"]["needed"] == 2
     assert est["i2v"]["stages"]["vae_decode"]["needed"] == 2
     assert not est["t2v"]["stages"]["vae_decode"]["keeps_up"]
+
+
+def test_a_shape_s_standalone_time_follows_the_cost_model_not_the_estimates_made_as_requests_finished():
+    """A worker's first steps of a shape are slow (cold caches, lazy set-up): the first requests'
+    estimates are high. The report asks the cost model again, so once its medians settle the
+    monitor admits against what a request takes now, not a window's mean of older estimates."""
+    from onepiece.sched.core import SchedCore
+    from onepiece.sched.costs import CostModel
+    from onepiece.sched.options import ScheduleSpec
+    from onepiece.sched.virtual import request
+
+    key = "64x64x9/cfg/L64"
+    core = SchedCore(ScheduleSpec(policy="slo", max_batch=1, chunk_steps=10), CostModel())
+    core.worker_up("w0")
+    st = ServiceTimes()
+
+    def one(uid: str, step_s: float) -> None:
+        core.add(request(uid, key, steps=10))
+        core.schedule(0.0)
+        for _ in range(10):
+            core.stepped([uid], step_s)
+        core.idle("w0")
+        st.finished(core, core.finished(uid), "64x64x9:10")
+
+    for i in range(3):
+        one(f"cold{i}", 0.5)  # the model's median is 0.5 s a step
+    assert st.report()["t2v"]["shapes"]["64x64x9:10"] == pytest.approx(5.0, rel=0.01)
+    for _ in range(40):
+        core.costs.observe(key, 1, 0.1)  # later steps: 0.1 s (the window's median moves there)
+    assert st.report()["t2v"]["shapes"]["64x64x9:10"] == pytest.approx(1.0, rel=0.01)  # none finished since
