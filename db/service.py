@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-
 from onepiece import metrics_endpoint
 from onepiece.db.server import DbServer
 from onepiece.db.server import serve as serve_db

@@ -8,6 +8,8 @@ that got no answer asks its monitor why (``HandshakeWatch.reason``).
 
 from __future__ import annotations
 
+import itertools
+
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -16,6 +18,9 @@ from onepiece.transport import curve
 FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
           | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 MAX_EVENTS = 64  # read per question: a peer that keeps failing must not keep the caller reading
+# Each watch's own inproc address: pyzmq's default names it by the socket's file descriptor, which
+# a socket made right after another one closed may get again before libzmq has released the name.
+_names = itertools.count()
 
 
 class HandshakeWatch:
@@ -23,12 +28,12 @@ class HandshakeWatch:
 
     def __init__(self, sock: zmq.Socket) -> None:
         self.sock = sock
-        self.monitor = sock.get_monitor_socket(FAILED)
+        self.monitor = sock.get_monitor_socket(FAILED, addr=f"inproc://onepiece-handshake-{next(_names)}")
         self.failed: int | None = None  # the last failure's event
 
     def reason(self) -> str | None:
         """Why handshakes with the server failed since the socket was made; None if none did."""
-        for _ in range(MAX_EVENTS):
+        for _ in range(0 if self.monitor.closed else MAX_EVENTS):
             if not self.monitor.poll(0):
                 break
             self.failed = recv_monitor_message(self.monitor)["event"]
@@ -43,7 +48,9 @@ class HandshakeWatch:
                 f"deployment's, or the server runs without CURVE")
 
     def close(self) -> None:
-        """Stop watching (before the socket closes)."""
+        """Stop watching (before the socket closes; again: nothing)."""
+        if self.monitor.closed:
+            return
         try:
             self.sock.disable_monitor()
         except zmq.ZMQError:
