@@ -251,8 +251,10 @@ def run_plan(args: argparse.Namespace) -> int:
                    "monolithic": mono.devices, "mono_counts": mono.counts, "mono_attainment": mono.attainment,
                    "disaggregated": dis.devices, "counts": dis.counts, "dis_attainment": dis.attainment}
             if args.elastic is not None:
+                # From the plan without moves: what moves can take away from it. (From Theorem 1's
+                # counts the search went another way, and stopped at more devices than this.)
                 el = plan.disaggregated(wf, costs, trace, args.target, gpus=args.gpus,
-                                        elastic=elastic_spec(args.elastic), move_s=args.move_s)
+                                        elastic=elastic_spec(args.elastic), move_s=args.move_s, start=dis.counts)
                 row.update(elastic=el.devices, elastic_counts=el.counts, elastic_attainment=el.attainment)
             apps = sorted({r.app for r in trace.requests})
             if len(apps) > 1:  # the stages shared by the applications, against a deployment of each

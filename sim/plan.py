@@ -164,11 +164,11 @@ def theorem1(wf: Workflow, costs: CostTable, trace: Trace, utilization: float = 
 
 def disaggregated(wf: Workflow, costs: CostTable, trace: Trace, target: float, hop_s: float = HOP_S,
                   gpus: dict[str, int] | None = None, elastic: ElasticSpec | None = None, move_s: float = MOVE_S,
-                  max_runs: int = 200) -> Verdict:
-    """Theorem 1's counts, then: add one instance to the busiest stage until ``target`` is met,
-    then remove any instance the target does not need (the least busy stages first); with
-    ``elastic``, every simulation runs the NM's moves."""
-    counts = theorem1(wf, costs, trace)
+                  max_runs: int = 200, start: dict[str, int] | None = None) -> Verdict:
+    """Theorem 1's counts (or ``start``), then: add one instance to the busiest stage until
+    ``target`` is met, then remove any instance the target does not need (the least busy stages
+    first); with ``elastic``, every simulation runs the NM's moves."""
+    counts = dict(start) if start else theorem1(wf, costs, trace)
     stages = list(counts)
     runs = 0
 

@@ -158,6 +158,10 @@ def test_the_planner_finds_the_fewest_devices_that_meet_the_target():
     # Theorem 1's start: the denoise stage is offered most of the work, so it gets most devices
     start = plan.theorem1(WF, table(), tr)
     assert start["denoise_t2v"] == max(start.values()) and min(start.values()) >= 1
+    # From a given start (the elastic plan starts from the plan without moves): pruned from there
+    generous = {s: n + 2 for s, n in dis.counts.items()}
+    again = plan.disaggregated(WF, table(), tr, 0.95, start=generous)
+    assert again.attainment >= 0.95 and again.devices <= sum(generous.values()) - 2
     mixed = tr.model_copy(update={"requests": [*tr.requests[:2], tr.requests[2].model_copy(update={"steps": 20})]})
     with pytest.raises(SimInputError, match="give each shape one step count"):
         plan.monolithic(WF, table(), mixed)
