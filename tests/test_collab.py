@@ -20,7 +20,7 @@ from onepiece.nm.client import NmClient
 from onepiece.ports import free_port
 from onepiece.sched.ranks import blocks, dops, place
 from onepiece.stage.collective import pack, unpack
-from onepiece.stage.registry import StageContext, lookup
+from onepiece.stage.registry import StageContext
 from onepiece.stage.wan.functions import decode_frames
 from onepiece.stage.wan.parallel import layout
 from onepiece.transport.message import Message, new_uid
