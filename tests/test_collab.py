@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ import pytest
 
 from collab_rank import write_messages
 from deployment import Up
+from waiting import wait_for
 from onepiece.client import Client, RequestFailed
 from onepiece.launcher import free_tcp_address
 from onepiece.nm.client import NmClient
@@ -183,27 +183,20 @@ def test_a_collaboration_instance_serves_and_a_dead_rank_restarts_its_group(tiny
         assert denoise()["stats"]["workers"] == 1  # the scheduler sees the group as one worker
         # slo picks each batch's DoP: alone, a request takes both ranks (measured at DoP 2; the
         # figures reach the NM with a later heartbeat)
-        deadline = time.monotonic() + 30
-        while not any(k.endswith("@2") for k in denoise()["stats"].get("costs", {})):
-            assert time.monotonic() < deadline, denoise()["stats"].get("costs")
-            time.sleep(0.2)
+        wait_for(lambda: any(k.endswith("@2") for k in denoise()["stats"].get("costs", {})), 30,
+                 "a cost measured at DoP 2", interval=0.2)
         assert len(ranks()) == 2
         vids = [c.submit(f"held {i}", model="t2v", seed=i, **SLOW) for i in range(2)]
-        deadline = time.monotonic() + 60
-        while denoise()["stats"]["resident"] < 2:
-            assert time.monotonic() < deadline, "both requests resident"
-            time.sleep(0.1)
+        wait_for(lambda: denoise()["stats"]["resident"] >= 2, 60, "both requests resident", interval=0.1)
         old = ranks()
         old[1].kill()
         for v in vids:
             with pytest.raises(RequestFailed) as e:
                 c.wait(v["id"], timeout=30)
             assert "collaboration group down: rank 1 killed by signal 9" in e.value.video["error"]["message"]
-        deadline = time.monotonic() + 90
-        while not (denoise()["stats"]["ready"] == 1 and len(ranks()) == 2 and
-                   not {p.pid for p in ranks()} & {p.pid for p in old}):
-            assert time.monotonic() < deadline, "the group back, both ranks new"
-            time.sleep(0.2)
+        wait_for(lambda: denoise()["stats"]["ready"] == 1 and len(ranks()) == 2 and
+                 not {p.pid for p in ranks()} & {p.pid for p in old}, 90, "the group back, both ranks new",
+                 interval=0.2)
         c.generate("after the restart", tmp_path / "b.mp4", size="64x64", num_frames=5, steps=4)
         c.close()
     finally:

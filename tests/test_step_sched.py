@@ -27,6 +27,7 @@ from onepiece.sim.costs import CostTable
 from onepiece.stage.service_times import WINDOW
 
 from deployment import Up
+from waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -59,16 +60,6 @@ def denoise(up) -> dict:
         client.close()
 
 
-def wait(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout}s: {what}")
-
-
 def test_the_stage_rate_follows_the_batch_sizes_it_reaches(up):
     """Alone, the denoise rate is 1 / its standalone time; after a burst the stage reached
     batch 4, and its reported rate (what the NM's capacity view, and so the request monitor,
@@ -86,7 +77,7 @@ def test_the_stage_rate_follows_the_batch_sizes_it_reaches(up):
     with Client(up.url) as c:
         for i in range(3):  # alone, one after the other (a worker's first chunk is not a sample)
             c.wait(c.submit(f"alone {i}", model="t2v", seed=i, **shape)["id"], timeout=60)
-    alone_rate, alone_s = wait(lambda: (r := stage_rate()) and r[0] and r[1] and r, 10, "a measured rate")
+    alone_rate, alone_s = wait_for(lambda: (r := stage_rate()) and r[0] and r[1] and r, 10, "a measured rate")
     assert alone_rate == pytest.approx(1 / alone_s, rel=0.35)
     with Client(up.url) as c:
         # The rate is a mean over the last WINDOW requests: a burst that fills it leaves none of the
@@ -95,7 +86,7 @@ def test_the_stage_rate_follows_the_batch_sizes_it_reaches(up):
         for v in vids:
             assert c.wait(v["id"], timeout=120)["status"] == "completed"
     try:
-        wait(lambda: stage_rate()[0] > 1.3 * alone_rate, 10, f"the rate to rise above 1.3x {alone_rate:.2f}/s")
+        wait_for(lambda: stage_rate()[0] > 1.3 * alone_rate, 10, f"the rate to rise above 1.3x {alone_rate:.2f}/s")
     except AssertionError as e:
         raise AssertionError(f"{e}; now {stage_rate()[0]:.2f}/s; the stage's view: {denoise(up)['stats']}") from None
 
@@ -105,7 +96,7 @@ def test_compatible_requests_share_forward_passes(up, tmp_path):
         vids = [c.submit(f"fox {i}", model="t2v", size="64x64", num_frames=9, steps=20, seed=i) for i in range(4)]
         for v in vids:
             assert c.wait(v["id"], timeout=120)["status"] == "completed"
-    s = wait(lambda: (st := denoise(up)["stats"]) and st["completed"] >= 4 and st, 10, "stats")
+    s = wait_for(lambda: (st := denoise(up)["stats"]) and st["completed"] >= 4 and st, 10, "stats")
     assert s["policy"] == "slo" and s["max_batch"] == 4
     assert s["batched"] / s["batches"] > 1.5, s  # they shared forward passes
     assert any(int(b) > 1 for key in s["costs"].values() for b in key)  # steps measured at batch > 1
@@ -124,11 +115,11 @@ def test_compatible_requests_share_forward_passes(up, tmp_path):
 def test_cancelled_in_flight_request_stops_at_a_step_boundary_and_frees_its_state(up):
     with Client(up.url) as c:
         v = c.submit("a long one", model="t2v", **SLOW)
-        wait(lambda: denoise(up)["stats"]["resident"] == 1, 60, "resident in the denoise worker")
+        wait_for(lambda: denoise(up)["stats"]["resident"] == 1, 60, "resident in the denoise worker")
         before = denoise(up)["stats"]
         t0 = time.monotonic()
         c.delete(v["id"])
-        after = wait(lambda: (st := denoise(up)["stats"]) and st["resident"] == 0 and st["busy"] == 0 and st,
+        after = wait_for(lambda: (st := denoise(up)["stats"]) and st["resident"] == 0 and st["busy"] == 0 and st,
                      5, "its state freed and the worker idle")
         freed = time.monotonic() - t0
         assert after["cancelled"] == before["cancelled"] + 1
@@ -148,7 +139,7 @@ def test_a_request_past_its_deadline_is_dropped_with_a_reason(up):
     done = e.value.video
     assert done["status"] == "failed"
     assert done["error"]["code"] == "deadline_exceeded" and "at stage denoise_t2v" in done["error"]["message"]
-    wait(lambda: denoise(up)["stats"]["resident"] == 0, 5, "its state freed")
+    wait_for(lambda: denoise(up)["stats"]["resident"] == 0, 5, "its state freed")
     assert denoise(up)["stats"]["expired"] >= 1
 
 
@@ -196,7 +187,7 @@ def test_the_simulator_predicts_a_real_run(up):
 def test_a_killed_worker_fails_every_request_it_held_and_comes_back(up, tmp_path):
     c = Client(up.url)
     vids = [c.submit(f"held {i}", model="t2v", seed=i, **SLOW) for i in range(3)]
-    wait(lambda: denoise(up)["stats"]["resident"] == 3, 60, "all three resident")
+    wait_for(lambda: denoise(up)["stats"]["resident"] == 3, 60, "all three resident")
     stage = psutil.Process(denoise(up)["pid"])
     (worker,) = [p for p in stage.children() if "onepiece.stage.worker" in " ".join(p.cmdline())]
     worker.kill()
@@ -204,6 +195,6 @@ def test_a_killed_worker_fails_every_request_it_held_and_comes_back(up, tmp_path
         with pytest.raises(RequestFailed) as e:
             c.wait(v["id"], timeout=30)
         assert "died (killed by signal 9)" in e.value.video["error"]["message"], e.value.video
-    wait(lambda: denoise(up)["stats"]["ready"] == 1 and denoise(up)["stats"]["resident"] == 0, 60, "worker back")
+    wait_for(lambda: denoise(up)["stats"]["ready"] == 1 and denoise(up)["stats"]["resident"] == 0, 60, "worker back")
     c.generate("after the restart", tmp_path / "after.mp4", size="64x64", num_frames=5, steps=4)
     c.close()
