@@ -143,6 +143,43 @@ def test_slo_refuses_to_batch_when_it_would_make_a_member_late() -> None:
     assert set(cmd.uids) == {"tight", "loose"}
 
 
+def test_slo_runs_the_shortest_first_while_every_deadline_still_holds() -> None:
+    """EDF runs the long request first for its earlier deadline; slo runs the short one first
+    when the long one still makes its deadline after it (a lower mean latency, nothing late),
+    and keeps EDF's order when it would not."""
+    def run(policy: str, long_deadline: float) -> dict:
+        st = stage(policy, max_batch=1, chunk_steps=1)
+        st.submit(0.0, request("long", L, steps=10, deadline=long_deadline))  # 0.4 s alone
+        st.submit(0.0, request("short", S, steps=10, deadline=2.0))  # 0.1 s alone
+        return st.run()
+
+    edf, slo = run("edf", 0.6), run("slo", 0.6)
+    assert edf["long"].end < edf["short"].end
+    # long's first step (it came first, alone) runs before short is there to pass it
+    assert slo["short"].end == pytest.approx(0.04 + 0.1) and slo["long"].end == pytest.approx(0.5)  # within 0.6
+    tight = run("slo", 0.45)  # short first would make long late (0.5 s): long goes first
+    assert tight["long"].end == pytest.approx(0.4) and tight["short"].end == pytest.approx(0.5)
+
+
+def test_slo_batches_only_where_a_batch_saves_device_time() -> None:
+    """Two large requests whose batched step costs as much as two steps apart (a shape that
+    fills the device alone) run one after the other; small ones whose batch costs 1.25 steps
+    share the forward pass."""
+    table = {S: {1: 0.01, 2: 0.0125}, L: {1: 0.04, 2: 0.08}}
+    c = SchedCore(ScheduleSpec(policy="slo", max_batch=4, chunk_steps=1), CostModel(table))
+    c.worker_up("w0")
+    for uid, key in (("l1", L), ("l2", L)):
+        c.add(request(uid, key, steps=10, deadline=10.0))
+    (cmd,) = c.schedule(0.0).commands
+    assert cmd.uids == ("l1",)
+    c2 = SchedCore(ScheduleSpec(policy="slo", max_batch=4, chunk_steps=1), CostModel(table))
+    c2.worker_up("w0")
+    for uid in ("s1", "s2"):
+        c2.add(request(uid, S, steps=10, deadline=10.0))
+    (cmd,) = c2.schedule(0.0).commands
+    assert set(cmd.uids) == {"s1", "s2"}
+
+
 def test_slo_tries_a_batch_size_it_has_not_measured() -> None:
     """Priced by extrapolation (no gain assumed) a batch would look too slow and never be tried,
     so it would never be measured: an unmeasured batch size is tried."""
