@@ -30,7 +30,7 @@ from onepiece.sched.costs import CostModel
 from onepiece.sched.keys import at_dop
 from onepiece.sched.options import ScheduleSpec
 from onepiece.sched.policies import make_policy
-from onepiece.sched.policy import Batch, Policy, Request, View, Worker, build_batches
+from onepiece.sched.policy import Batch, Policy, RankedPolicy, Request, View, Worker, build_batches
 from onepiece.sched.ranks import Ranks, dops, place
 
 CHUNK_OVERHEAD = 0.03  # decision + IPC per chunk, at most this share of the chunk's compute
@@ -315,7 +315,10 @@ class SchedCore:
         batches: list[Batch] = []
         if aged:
             view = self._view(now, free, idle)
-            batches = build_batches(view, aged + [r for r in free if not r.aged], lambda *_: True,
+            # The aged lead; who joins them is still the policy's call (a batch that saves no
+            # device time would hold every other request back for nothing).
+            join = self.policy.may_join if isinstance(self.policy, RankedPolicy) else lambda *_: True
+            batches = build_batches(view, aged + [r for r in free if not r.aged], join,
                                     whole=getattr(self.policy, "whole", False), leaders=len(aged))
             used = {b.worker for b in batches} | {u for b in batches for u in b.uids}
             idle = [w for w in idle if w.id not in used]

@@ -7,11 +7,11 @@
 - ``srtf``: least remaining work first (the cost model prices it), preemptive at chunk ends;
 - ``edf``: earliest deadline first;
 - ``slo``: this project's own: the most deadlines met (see ``Slo``): the largest set of
-  requests that can all make their deadlines runs shortest first where that keeps them all in
-  time (else earliest deadline first), the rest in the time left; batches form only where they
-  save device time and make no kept request late. On a collaboration
-  group it also picks each batch's degree of parallelism (DoP): the smallest that keeps the
-  deadlines of the batch, spare ranks to the most urgent batch while they make it faster;
+  requests that can all make their deadlines runs earliest deadline first, the rest in the
+  time left; batches form only where they save device time and make no kept request late. On
+  a collaboration group it also picks each batch's degree of parallelism (DoP): the smallest
+  that keeps the deadlines of the batch, spare ranks to the most urgent batch while they make
+  it faster;
 - ``edf-best-fit``: GF-DiT's: earliest deadline first, each request alone at the smallest DoP
   whose estimated finish meets its deadline (else its fastest), then spare ranks to the most
   urgent while that makes it faster;
@@ -72,15 +72,13 @@ class Slo(RankedPolicy):
     the largest set that can all make it one after another in deadline order (Moore and
     Hodgson's rule for the fewest late jobs: walk them in deadline order and, whenever the
     running total overshoots a deadline, take out the one with the most work left, the lowest
-    priority first) and run that set shortest first as far as every one of them stays in time
-    (``shortest_feasible_first``: within a feasible set EDF loses none, and shortest first
-    lowers the mean latency). Requests without a deadline come next, then the ones taken out,
-    shortest first: they run in time nobody else needs, and expire where they wait. A request
-    joins a batch only if the batched step saves device time (``GAIN``: on a shape that fills
-    the device alone a batch is processor sharing, which makes every member wait longer than
-    one after the other) and no member that is in the kept set becomes late at the slower
-    batched step. Re-decided at every chunk, so a burst that clears lets a request taken out
-    back in."""
+    priority first) and run that set earliest deadline first: within a feasible set EDF loses
+    none. Requests without a deadline come next, then the ones taken out, shortest first: they
+    run in time nobody else needs, and expire where they wait. A request joins a batch only if
+    the batched step saves device time (``GAIN``: on a shape that fills the device alone a
+    batch is processor sharing, which makes its members later than one after the other would)
+    and no member that is in the kept set becomes late at the slower batched step. Re-decided
+    at every chunk, so a burst that clears lets a request taken out back in."""
 
     name = "slo"
 
@@ -104,8 +102,6 @@ class Slo(RankedPolicy):
                 total -= need[drop.uid]
         untimed = sorted((r for r in view.requests if r.deadline is None), key=lambda r: (-r.priority, r.arrival))
         out.sort(key=lambda r: (-r.priority, view.alone_s(r), r.arrival))
-        if len(view.dops) == 1:  # on a group, going first takes ranks, not time: EDF's order stays
-            kept = shortest_feasible_first(view.now, kept, need)
         return kept + untimed + out
 
     @staticmethod
@@ -129,7 +125,7 @@ class Slo(RankedPolicy):
         now, one = view.costs.step_s(key, len(members)), view.costs.step_s(key, 1)
         if now is not None and one is not None and step > GAIN * (now + one):
             # No device time saved (a shape that fills the device alone): the batch would only
-            # slow its members down, processor sharing where shortest first does better.
+            # slow its members down.
             return False
         for m in (*members, r):
             if m.deadline is not None and view.slack(m, dop) >= 0 and view.now + m.left * step > m.deadline:
@@ -143,26 +139,6 @@ class Slo(RankedPolicy):
 
 
 GAIN = 0.9  # a request joins a batch only if the batch step costs at most this share of running it apart
-
-
-def shortest_feasible_first(now: float, edf: list[Request], need: dict[str, float]) -> list[Request]:
-    """``edf`` (a set that all make their deadlines run one after another in deadline order)
-    reordered for mean latency: at each place the shortest request whose going first leaves
-    every other one in time (in deadline order after it), so no deadline that EDF keeps is
-    lost. Going first delays exactly the requests ahead of it in deadline order, so it fits
-    if its need is within the least slack among them; the head always fits."""
-    rest, out, t = list(edf), [], now
-    while rest:
-        best, least, acc = 0, math.inf, t
-        for i, r in enumerate(rest):
-            if need[r.uid] <= least and (-r.priority, need[r.uid]) < (-rest[best].priority, need[rest[best].uid]):
-                best = i
-            acc += need[r.uid]
-            least = min(least, r.deadline - acc)
-        r = rest.pop(best)
-        out.append(r)
-        t += need[r.uid]
-    return out
 
 
 def best_fit(view: View, r: Request, dops: list[int]) -> int | None:
