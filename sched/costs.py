@@ -32,6 +32,7 @@ import orjson
 from onepiece.sched.keys import variant, volume
 
 WINDOW = 16  # samples per (key, batch size)
+SETTLED = 3  # samples before a batch size's figure is judged (``CostModel.unsettled``)
 MAX_KEYS = 128  # keys kept, least recently observed dropped first
 TABLE_VERSION = 1
 
@@ -44,6 +45,8 @@ class CostModel:
         self._fixed: collections.OrderedDict[str, collections.deque] = collections.OrderedDict()
         self._rows: dict[str, dict[int, float]] = {}  # row() of each key, kept up to date by observe()
         self._fixed_s: dict[str, float] = {}  # fixed_s() of each key, until it is observed again
+        self._ones: dict[str, int] = {}  # batch-1 samples of each key so far
+        self._at_ones: dict[str, dict[int, int]] = {}  # per key and batch size: _ones at its last sample
         # Lookups the scheduler repeats at every decision, valid until a figure changes:
         # (key, batch) -> step_s, (key, cap) -> reached.
         self._step_memo: dict[tuple[str, int], float | None] = {}
@@ -63,7 +66,9 @@ class CostModel:
         if row is None:
             row = self._obs[key] = {}
             if len(self._obs) > MAX_KEYS:  # the least recently observed key falls back to the table
-                self._rows.pop(self._obs.popitem(last=False)[0], None)
+                dropped = self._obs.popitem(last=False)[0]
+                for d in (self._rows, self._ones, self._at_ones):
+                    d.pop(dropped, None)
                 self._changed()
         else:
             self._obs.move_to_end(key)  # most recently observed last
@@ -71,6 +76,8 @@ class CostModel:
         if window is None:
             window = row[batch] = collections.deque(maxlen=self.window)
         window.append(float(seconds))
+        ones = self._ones[key] = self._ones.get(key, 0) + (batch == 1)
+        self._at_ones.setdefault(key, {})[batch] = ones
         cached = self._rows.get(key)
         if cached is None:
             self._changed()  # not looked up since: whatever it was, lookups start afresh
@@ -117,6 +124,17 @@ class CostModel:
                 return 0.0
             out = self._fixed_s[key] = statistics.median(window)
         return out
+
+    def unsettled(self, key: str, batch: int) -> bool:
+        """Whether the figure of ``key`` at ``batch`` (above 1) was measured but cannot be judged
+        yet: on fewer than ``SETTLED`` samples, or on samples older than the last window of
+        batch-1 ones (a batch size runs when the stage is busy, batch 1 often when it is not:
+        against batch 1 it must be measured again now and then, or one busy moment decides
+        for good)."""
+        window = self._obs.get(key, {}).get(batch)
+        if not window:
+            return False
+        return len(window) < SETTLED or self._ones.get(key, 0) - self._at_ones[key][batch] >= self.window
 
     def keys(self) -> set[str]:
         return set(self._seed) | set(self._obs)

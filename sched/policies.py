@@ -123,6 +123,8 @@ class Slo(RankedPolicy):
             # one size beyond the largest measured at a time, so a size that saves nothing is
             # paid for once (going to max_batch at once ran four large requests at 4.4x a step).
             return len(members) == reached
+        if view.costs.unsettled(key, len(members) + 1):
+            return True  # measured too few times, or too long ago, to judge its gain
         step = view.costs.step_s(key, len(members) + 1)
         if step is None:
             return True

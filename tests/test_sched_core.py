@@ -162,6 +162,33 @@ def test_slo_batches_only_where_a_batch_saves_device_time() -> None:
     assert set(cmd.uids) == {"s1", "s2"}
 
 
+def test_slo_judges_a_batch_size_on_three_recent_samples() -> None:
+    """One slow step at batch 2 (it shared the cores) does not end batching for good: slo tries
+    the size until three samples say it saves nothing, and again once a window of batch-1
+    steps has run since (batch 1 may have been measured on a quiet machine, batch 2 on a busy one)."""
+    costs = CostModel({L: {1: 0.04}})
+    c = SchedCore(ScheduleSpec(policy="slo", max_batch=4, chunk_steps=1), costs)
+    c.worker_up("w0")
+    for uid in ("a", "b"):
+        c.add(request(uid, L, steps=50, deadline=100.0))
+
+    def batch() -> int:
+        (cmd,) = c.schedule(0.0).commands
+        c.idle("w0")
+        return len(cmd.uids)
+
+    costs.observe(L, 2, 0.2)
+    assert batch() == 2
+    costs.observe(L, 2, 0.2)
+    costs.observe(L, 2, 0.2)
+    assert batch() == 1
+    for _ in range(costs.window - 1):
+        costs.observe(L, 1, 0.04)
+    assert batch() == 1
+    costs.observe(L, 1, 0.04)
+    assert batch() == 2  # measured again, beside today's batch-1 steps
+
+
 def test_an_aged_request_leads_but_the_policy_still_says_who_joins_it() -> None:
     """Aging serves a starving request first; it does not force others into its batch: under
     slo a batch that saves no device time stays apart (it held a small request back 10 s in a
@@ -340,9 +367,11 @@ def test_batched_steps_are_charged_to_the_cost_model_and_split_among_members() -
     for u in ("a", "b"):
         c.add(request(u, S, steps=3))
     c.schedule(0.0)
+    c.stepped(["a", "b"], 0.05)  # the worker's first step at this shape: a warm-up, not a sample
+    assert c.costs.step_s(S, 2) is None
     c.stepped(["a", "b"], 0.02)
     assert c.costs.step_s(S, 2) == pytest.approx(0.02)
-    assert c.requests["a"].device_s == pytest.approx(0.01) and c.requests["a"].done == 1
+    assert c.requests["a"].device_s == pytest.approx(0.035) and c.requests["a"].done == 2
 
 
 # --- cost model, keys, options --------------------------------------------------------------------

@@ -40,7 +40,8 @@ TWO_SETS = {s: {"text_encode": 1, "denoise_t2v": 2, "vae_decode": 1} for s in ("
 CAPACITY = 4 / (0.6 * 10 * 0.02 + 0.25 * 12 * 0.06 + 0.15 * 10 * 0.2)  # requests/s of 4 denoise workers at batch 1
 
 PINNED = {  # from the code before the simulator's speed-up (issue 12), unchanged by it; slo's (and the
-    # slo-driven monitor and elastic scenarios) since slo batches only where a batch saves device time
+    # slo-driven monitor and elastic scenarios) since slo batches only where a batch saves device
+    # time, and slo's and monitor/slo's since a worker's first step at a shape is not a sample
     'fcfs/deadline': '048a63e6ba3502bc',
     'fcfs/target': 'ada8ef15f2376ff9',
     'fcfs/dop4': '309b4c104f9dd461',
@@ -53,7 +54,7 @@ PINNED = {  # from the code before the simulator's speed-up (issue 12), unchange
     'edf/deadline': 'adc6e98cc0c3a4c4',
     'edf/target': '39d3511fd1ce51d7',
     'edf/dop4': 'a3b9c2e617a68f33',
-    'slo/deadline': '38712e1ee23a8022',
+    'slo/deadline': '8ab85050c472869a',
     'slo/target': 'fedfcb6f5eee02c2',
     'slo/dop4': 'a8fb4fd5768b3b81',
     'edf-best-fit/deadline': '71c6d86f8aef842c',
@@ -63,7 +64,7 @@ PINNED = {  # from the code before the simulator's speed-up (issue 12), unchange
     'ddit/target': 'effa518a41d225f0',
     'ddit/dop4': '4698bd5da107764f',
     'chunk3-nodrop': '5d1cff9bec886807',
-    'monitor/slo': '03a83a4abb900d31',
+    'monitor/slo': '71784f4df49fe4ba',
     'monitor/edf': '61dd5ff5fbc3786f',
     'monitor/fcfs': '70a301f36515841a',
     'elastic': '9c4cb173a71b1924',
