@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 
 from onepiece.sched import options
+from onepiece.sched.costs import CostModel
 from onepiece.sched.keys import at_dop
 from onepiece.sched.policy import Batch, Policy, RankedPolicy, Request, View, build_dop_batches
 from onepiece.sched.ranks import dops
@@ -116,23 +117,22 @@ class Slo(RankedPolicy):
         return view.alone_s(r, dop=d) * d / n
 
     def may_join(self, view: View, members: list[Request], r: Request, dop: int = 1) -> bool:
-        key = at_dop(r.key, dop)
-        reached = view.costs.reached(key, view.max_batch)
-        if len(members) + 1 > reached:
+        key, size, costs = at_dop(r.key, dop), len(members) + 1, view.costs
+        reached = costs.reached(key, view.max_batch)
+        if size > reached:
             # A batch size not measured yet: try it (priced by extrapolation it never would be),
-            # one size beyond the largest measured at a time, so a size that saves nothing is
-            # paid for once (going to max_batch at once ran four large requests at 4.4x a step).
-            return len(members) == reached
-        if view.costs.unsettled(key, len(members) + 1):
+            # one size beyond the largest measured at a time, and only beyond a size that saves
+            # device time, so a size that saves nothing is paid for once (going to max_batch at
+            # once ran four large requests at 4.4x a step).
+            return size == reached + 1 and (size == 2 or not costs.unsettled(key, reached)
+                                            and _saves(costs, key, reached))
+        if costs.unsettled(key, size):
             return True  # measured too few times, or too long ago, to judge its gain
-        step = view.costs.step_s(key, len(members) + 1)
+        if not _saves(costs, key, size):
+            return False
+        step = costs.step_s(key, size)
         if step is None:
             return True
-        now, one = view.costs.step_s(key, len(members)), view.costs.step_s(key, 1)
-        if now is not None and one is not None and step > GAIN * (now + one):
-            # No device time saved (a shape that fills the device alone): the batch would only
-            # slow its members down.
-            return False
         for m in (*members, r):
             if m.deadline is not None and view.slack(m, dop) >= 0 and view.now + m.left * step > m.deadline:
                 return False
@@ -145,6 +145,14 @@ class Slo(RankedPolicy):
 
 
 GAIN = 0.9  # a request joins a batch only if the batch step costs at most this share of running it apart
+
+
+def _saves(costs: CostModel, key: str, size: int) -> bool:
+    """Whether a step at batch ``size`` costs at most ``GAIN`` x a step at ``size - 1`` plus one
+    alone (unknown: assumed so). On a shape that fills the device alone a batch saves nothing
+    and only slows its members down."""
+    step, now, one = costs.step_s(key, size), costs.step_s(key, size - 1), costs.step_s(key, 1)
+    return step is None or now is None or one is None or step <= GAIN * (now + one)
 
 
 def best_fit(view: View, r: Request, dops: list[int]) -> int | None:
