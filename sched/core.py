@@ -183,7 +183,7 @@ class SchedCore:
             key = w.cost_keys.get(first)
             if key is not None:
                 # A worker's first step at a shape is a warm-up, not a sample (new tensor shapes
-                # allocate; on CUDA they may autotune): it made batch 2 look 4.7x batch 1 once.
+                # allocate; on CUDA they may autotune), as its very first chunk is (the shell's).
                 if (key, n) not in w.warm:
                     if len(w.warm) >= MAX_WARM:
                         w.warm.clear()
