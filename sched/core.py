@@ -35,7 +35,6 @@ from onepiece.sched.ranks import Ranks, dops, place
 
 CHUNK_OVERHEAD = 0.03  # decision + IPC per chunk, at most this share of the chunk's compute
 MAX_CHUNK = 64
-MAX_WARM = 4096  # (key, batch size) pairs a worker remembers having stepped
 OVERHEAD_EWMA = 0.2
 UNKNOWN_STANDALONE_S = 1.0  # what aging assumes of a request nothing comparable was measured for
 
@@ -86,7 +85,6 @@ class _Worker(Worker):
     # each of them -> its part's cost key (at the part's DoP): steps are still reported after
     # members finished
     cost_keys: dict[str, str] = field(default_factory=dict)
-    warm: set[tuple[str, int]] = field(default_factory=set)  # (cost key, batch size) it has stepped
 
 
 _arrival = operator.attrgetter("arrival")
@@ -182,13 +180,6 @@ class SchedCore:
         for w in self.workers.values():
             key = w.cost_keys.get(first)
             if key is not None:
-                # A worker's first step at a shape is a warm-up, not a sample (new tensor shapes
-                # allocate; on CUDA they may autotune), as its very first chunk is (the shell's).
-                if (key, n) not in w.warm:
-                    if len(w.warm) >= MAX_WARM:
-                        w.warm.clear()
-                    w.warm.add((key, n))
-                    measure = False
                 break
         if key is not None and measure:
             self.costs.observe(key, n, seconds)

@@ -41,7 +41,7 @@ CAPACITY = 4 / (0.6 * 10 * 0.02 + 0.25 * 12 * 0.06 + 0.15 * 10 * 0.2)  # request
 
 PINNED = {  # from the code before the simulator's speed-up (issue 12), unchanged by it; slo's (and the
     # slo-driven monitor and elastic scenarios) since slo batches only where a batch saves device
-    # time, and slo's and monitor/slo's since a worker's first step at a shape is not a sample
+    # time and judges a batch size on settled samples
     'fcfs/deadline': '048a63e6ba3502bc',
     'fcfs/target': 'ada8ef15f2376ff9',
     'fcfs/dop4': '309b4c104f9dd461',
@@ -64,7 +64,7 @@ PINNED = {  # from the code before the simulator's speed-up (issue 12), unchange
     'ddit/target': 'effa518a41d225f0',
     'ddit/dop4': '4698bd5da107764f',
     'chunk3-nodrop': '5d1cff9bec886807',
-    'monitor/slo': '71784f4df49fe4ba',
+    'monitor/slo': 'b12a6856538c5d39',
     'monitor/edf': '61dd5ff5fbc3786f',
     'monitor/fcfs': '70a301f36515841a',
     'elastic': '9c4cb173a71b1924',

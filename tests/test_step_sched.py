@@ -191,8 +191,9 @@ def test_the_simulator_predicts_a_real_run(up):
 
 def test_a_killed_worker_fails_every_request_it_held_and_comes_back(up, tmp_path):
     c = Client(up.url)
-    vids = [c.submit(f"held {i}", model="t2v", seed=i, **SLOW) for i in range(3)]
-    wait_for(lambda: denoise(up)["stats"]["resident"] == 3, 60, "all three resident")
+    # Two: slo tries a batch size one beyond the largest measured at a time (none at this shape yet).
+    vids = [c.submit(f"held {i}", model="t2v", seed=i, **SLOW) for i in range(2)]
+    wait_for(lambda: denoise(up)["stats"]["resident"] == 2, 60, "both resident")
     stage = psutil.Process(denoise(up)["pid"])
     (worker,) = [p for p in stage.children() if "onepiece.stage.worker" in " ".join(p.cmdline())]
     worker.kill()
