@@ -4,7 +4,8 @@
 
 - a stage with fewer instances than its minimum (its last one died and the NM dropped it, or
   was moved away) gets one from the idle pool at once, before any window, even during a
-  cooldown;
+  cooldown; so does a stage of minimum 0 that had an instance and lost it (at 0 it fails every
+  request of its application, and a stage with no instance reports no queue to judge by);
 - the busiest stage at or above ``threshold`` gets an instance from the idle pool, or else
   from the least busy stage that has more than its minimum and would stay below the
   threshold without it (so the move cannot simply shift the saturation);
@@ -57,7 +58,7 @@ class StageLoad:
     # Of those, the ones serving it now (ready, heartbeating): the only ones that count when a
     # move is judged, and the only donors (default: all assigned).
     live: list[str] | None = None
-    had_min: bool = True  # it has had its minimum since this NM started: it can fall below it
+    had_min: bool = True  # it has had its floor since this NM started: it can fall below it
     needs: int = 1  # devices one instance of it holds
 
     def __post_init__(self) -> None:
@@ -71,13 +72,18 @@ class StageLoad:
 
     def can_spare(self) -> bool:
         """One of its live instances may leave: more than its minimum stay, never the last one."""
-        return len(self.live) > max(self.min, 1)
+        return len(self.live) > self.floor
+
+    @property
+    def floor(self) -> int:
+        """Its minimum, and never below one once it has had one."""
+        return max(self.min, 1)
 
     def below_floor(self) -> bool:
-        """Fewer instances than its minimum, counting every one the NM still holds (serving,
+        """Fewer instances than its floor, counting every one the NM still holds (serving,
         loading, or silent but not dropped yet): a late heartbeat under load is no reason to
         move an instance in, the NM dropping a dead one is."""
-        return self.had_min and len(self.assigned) < self.min
+        return self.had_min and len(self.assigned) < self.floor
 
 
 @dataclass
@@ -101,8 +107,9 @@ def decide(spec: ElasticSpec, loads: dict[str, StageLoad], idle: list[str],
     short = [l for l in loads.values() if l.below_floor() and fitting(idle, l)]
     if short:
         dst = min(short, key=lambda l: (len(l.assigned), l.stage))
-        return Move(fitting(idle, dst)[0], None, dst.stage,
-                    f"{dst.stage} has {len(dst.assigned)} instance(s), below its minimum {dst.min}; from the idle pool")
+        short_of = (f"has {len(dst.assigned)} instance(s), below its minimum {dst.min}" if dst.min
+                    else "lost its last instance (min 0)")
+        return Move(fitting(idle, dst)[0], None, dst.stage, f"{dst.stage} {short_of}; from the idle pool")
     if floors_only:
         return None
     known = [l for l in loads.values() if l.util is not None]
@@ -147,8 +154,9 @@ class Elastic:
         self.util = Utilization(spec.window_s)
         self.last_move: dict[str, float] = {}  # set -> when its last move was decided
         self.moving: dict[str, float] = {}  # instance -> when it was moved (until it settled)
-        # (set, stage) that had their minimum once: only those can fall below it (a deployment
-        # that is still starting has empty stages that nothing needs to fill)
+        # (set, stage) that had their floor once: only those can fall below it (a deployment
+        # that is still starting, or a set that runs no instance of a stage, has empty stages
+        # that nothing needs to fill)
         self.had_min: set[tuple[str, str]] = set()
         self.decisions: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
         self._next_turn = 0.0
@@ -171,7 +179,7 @@ class Elastic:
             mine = sorted((i for i in state.stage_instances(set_name) if i.stage == stage), key=lambda i: i.id)
             live = [i.id for i in mine if i.heard and now - i.last_seen <= fresh_s and i.ready and i.serving == stage]
             known = [u for i in mine if (u := self.util.of(i.id, now)) is not None]
-            if len(mine) >= spec.min_of(stage):
+            if len(mine) >= max(spec.min_of(stage), 1):
                 self.had_min.add((set_name, stage))
             out[stage] = StageLoad(stage, [i.id for i in mine], sum(known) / len(known) if known else None,
                                    spec.min_of(stage), live, (set_name, stage) in self.had_min,

@@ -90,6 +90,7 @@ class Limits(_Strict):
 PARALLEL_FUNCTIONS = frozenset({"denoise"})
 
 MAX_GUIDANCE = 100.0
+MAX_IMAGE_PIXELS = 4096 * 4096  # an input image's decoded size (48 MiB as RGB), at the proxy and at every stage
 MAX_SEED = 2**32 - 1  # what numpy and torch generators both accept
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 URL_ENV = "ONEPIECE_URL"  # proxy URL(s), comma-separated, when --url is not given
@@ -66,6 +67,22 @@ def _urls(values: list[str] | None) -> list[str]:
     return urls or [DEFAULT_URL]
 
 
+def _check_output(path: str) -> None:
+    """Raise OSError now if the MP4 cannot be written at ``path``, not after the video is made."""
+    target = Path(path)
+    if target.is_dir():
+        raise IsADirectoryError(f"-o {path}: is a directory; name the MP4 file")
+    probe = target.with_name(f".{target.name}.part")  # the name the download writes before renaming
+    try:
+        with open(probe, "xb"):
+            pass
+    except FileExistsError:  # an earlier download's leftover; writable if it can be reopened
+        open(probe, "ab").close()
+    except OSError as e:
+        raise OSError(f"-o {path}: cannot write there ({e.strerror})") from e
+    probe.unlink(missing_ok=True)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `onepiece generate`; the process exit code (0 ok, 1 failed, 2 refused, 3 timeout)."""
     from tqdm import tqdm
@@ -94,8 +111,9 @@ def run(args: argparse.Namespace) -> int:
 
     rounds = max(1, args.rounds)
     try:
+        _check_output(args.output)
         key = client_key(args.api_key_file)
-    except SecretFileError as e:
+    except (OSError, SecretFileError) as e:
         bar.close()
         print(f"error: {e}", file=sys.stderr)
         return 1

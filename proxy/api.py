@@ -556,7 +556,8 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None, keys: ApiKeys
 
     def served_schema() -> dict[str, Any]:
         if app.openapi_schema is None:  # built once, on the first request for it
-            app.openapi_schema = oa.finish(get_openapi(title=app.title, version=app.version, routes=app.routes))
+            app.openapi_schema = oa.finish(get_openapi(title=app.title, version=app.version, routes=app.routes),
+                                           bearer=keys is not None)
         return app.openapi_schema
 
     app.openapi = served_schema  # type: ignore[method-assign]

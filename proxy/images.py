@@ -20,9 +20,9 @@ import warnings
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from onepiece.config import MAX_IMAGE_PIXELS
 from onepiece.proxy.errors import ApiError, bad_request
 
-MAX_IMAGE_PIXELS = 4096 * 4096  # decoded size bound (48 MiB as RGB)
 _B64_WS = re.compile(rb"\s+")
 _EXIF_ORIENTATION = 0x0112
 _TRANSPOSED = (5, 6, 7, 8)  # EXIF orientations that swap width and height

@@ -156,18 +156,26 @@ def responses(ok_response: Schema, *errors: int) -> dict[int | str, Any]:
 _GUARD = (400, 413, 503)
 
 
-def finish(schema: Schema) -> Schema:
+def finish(schema: Schema, bearer: bool = False) -> Schema:
     """The generated schema, corrected: no 422 anywhere (the proxy answers 400), the guard's
-    statuses on every operation, and a 401 on every ``/v1`` operation (proxy/auth.py)."""
+    statuses on every operation, and a 401 on every ``/v1`` operation (proxy/auth.py).
+    ``bearer``: the proxy asks for API keys, so every ``/v1`` operation declares the scheme."""
     guard = responses(ok(), *_GUARD, 401)
     for path, item in schema.get("paths", {}).items():
+        v1 = path == "/v1" or path.startswith("/v1/")
         for op in item.values():
             if not isinstance(op, dict) or "responses" not in op:
                 continue
             rs = op["responses"]
             rs.pop("422", None)
-            for status in _GUARD + ((401,) if path == "/v1" or path.startswith("/v1/") else ()):
+            for status in _GUARD + ((401,) if v1 else ()):
                 rs.setdefault(str(status), guard[status])
+            if bearer and v1:
+                op["security"] = [{"apiKey": []}]
+    if bearer:
+        schema.setdefault("components", {})["securitySchemes"] = {
+            "apiKey": {"type": "http", "scheme": "bearer",
+                       "description": "one of the proxy's API keys (`onepiece keys new`)"}}
     comps = schema.get("components", {}).get("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         comps.pop(name, None)

@@ -220,7 +220,9 @@ def build_job(workflow: Workflow, raw: dict[str, Any], image_bytes: bytes | None
         if not 0 < fields.seconds <= MAX_SECONDS:
             raise bad_request(f"'seconds' must be in (0, {MAX_SECONDS:g}]; got {fields.seconds:g}", param="seconds")
         num_frames = 4 * math.floor(fields.seconds * d.fps / 4 + 0.5) + 1
-        num_frames = min(max(num_frames, 1), max_frames)
+        if num_frames > max_frames:  # refused like an explicit frame count: a clip silently cut short surprises
+            raise bad_request(f"'seconds' {fields.seconds:g} is {num_frames} frames at {d.fps} fps, beyond the limit "
+                              f"{max_frames} of model {app!r} (at most {(max_frames - 1) / d.fps:g} s)", param="seconds")
     else:
         num_frames = min(_largest_4k1(d.num_frames), max_frames)
 

@@ -9,12 +9,17 @@ workers the groups are few: the aligned blocks of 2, 4, ... ranks (``blocks``), 
 Rank 0 talks to the instance's scheduler; ``share`` hands what it received to the others, as
 bytes (nothing is pickled). A rank that dies makes every collective of the others fail at the
 world's timeout: the group is then torn down and restarted as a unit by its instance.
+
+Nothing of a world listens beyond this host: the ranks meet through a file in a private folder
+(stage/rendezvous.py), and gloo's and NCCL's own sockets are kept on loopback (all ranks of a
+world are on one host).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -28,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from onepiece.sched.ranks import Ranks, blocks
+from onepiece.stage.rendezvous import rendezvous
 
 def pack(frames: list[bytes]) -> bytes:
     """Frames as one buffer (a count, then each frame's length and bytes), for ``share``."""
@@ -53,10 +59,15 @@ class Collective:
     """This process's rank in the instance's world, with the world's sub-groups and meshes."""
 
     def __init__(self, rank: int, size: int, address: str, device: str, timeout_s: float = 60.0) -> None:
+        """``address``: the world's ``rendezvous``."""
         from torch.distributed.device_mesh import DeviceMesh
 
+        if not address.startswith("file://"):
+            raise ValueError(f"a world meets through a file (stage/rendezvous.py), not {address!r}")
         self.rank, self.size, self.device = rank, size, torch.device(device)
-        dist.init_process_group(backend(device), init_method=f"tcp://{address}", rank=rank, world_size=size,
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(var, "lo")
+        dist.init_process_group(backend(device), init_method=address, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         # Commands travel as CPU tensors whatever the compute backend (NCCL moves device memory only).
         self.cpu = dist.new_group(backend="gloo") if backend(device) == "nccl" else dist.group.WORLD
@@ -122,10 +133,8 @@ def local_world(module: str, config: dict[str, Any], size: int, timeout_s: float
     """Run ``python -m module '<config>'`` as the ``size`` ranks of a world on this host (each
     config gets ``rank``, ``size``, ``address`` and an ``out`` folder) and return the JSON rank 0
     wrote to ``out/report.json``: how tools (profile, benchmarks) time a group's steps."""
-    from onepiece.ports import free_port
-
     with tempfile.TemporaryDirectory() as tmp:
-        address = f"127.0.0.1:{free_port()}"
+        address = rendezvous(tmp)
         procs = [subprocess.Popen([sys.executable, "-m", module, orjson.dumps(
             {**config, "rank": r, "size": size, "address": address, "out": tmp}).decode()]) for r in range(size)]
         try:

@@ -18,8 +18,8 @@ from pathlib import Path
 import orjson
 
 from onepiece.config import Workflow
-from onepiece.ports import free_port
 from onepiece.stage.gpu import GpuUtilization, cuda_indices, worker_device
+from onepiece.stage.rendezvous import rendezvous
 from onepiece.stage.scheduler import RequestScheduler
 from onepiece.supervise import Backoff, child_preexec
 
@@ -70,7 +70,8 @@ class TaskManager:
             self._start(slot)
 
     def _start_group(self) -> None:
-        address = f"127.0.0.1:{free_port()}"
+        # Beside the workers' socket, in the instance's private folder.
+        address = rendezvous(Path(self.scheduler.worker_address.removeprefix("ipc://")).parent)
         for rank, slot in enumerate(self.slots):
             self._start(slot, {"rank": rank, "size": len(self.slots), "address": address})
 

@@ -45,6 +45,12 @@ def main(cfg: dict) -> None:
     if c.rank == 0 or cfg.get("all_save"):
         for i, t in enumerate(tasks):
             np.save(Path(cfg["out"]) / f"latents-{c.rank}-{i}.npy", t.latents.numpy())
+    # What this rank listens on while the world is up (the test checks it is loopback only).
+    import psutil
+
+    listening = [f"{a.laddr.ip}:{a.laddr.port}" for a in psutil.Process().net_connections("inet")
+                 if a.status == psutil.CONN_LISTEN]
+    (Path(cfg["out"]) / f"listening-{c.rank}.json").write_bytes(orjson.dumps(listening))
     c.close()
     leave()
 

@@ -149,6 +149,12 @@ def test_missing_or_wrong_keys_get_an_openai_shaped_401(h):
             assert r.headers["www-authenticate"] == "Bearer"
             assert EVE not in r.text and ALICE not in r.text
     assert h.http.get("/healthz").status_code == 200 and h.http.get("/metrics").status_code == 200
+    # The served schema says so: a bearer scheme on every /v1 operation, none on the probes.
+    schema = h.http.get("/openapi.json").json()
+    assert schema["components"]["securitySchemes"]["apiKey"] == {**schema["components"]["securitySchemes"]["apiKey"],
+                                                                 "type": "http", "scheme": "bearer"}
+    ops = [(path, op) for path, item in schema["paths"].items() for op in item.values()]
+    assert all((op.get("security") == [{"apiKey": []}]) == path.startswith("/v1") for path, op in ops), ops
 
 
 def test_a_video_is_only_its_creators(h):

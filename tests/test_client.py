@@ -400,3 +400,15 @@ def test_the_client_remembers_a_bounded_number_of_videos(monkeypatch):
     for i in range(5):
         m[f"v{i}"] = "http://a"
     assert list(m) == ["v2", "v3", "v4"]
+
+
+def test_generate_refuses_an_unwritable_output_before_submitting(tmp_path, capsys):
+    from onepiece import generate
+
+    # No proxy listens on port 1: had the request been sent first, the error would be the connection's.
+    nowhere = ["--prompt", "x", "--url", "http://127.0.0.1:1", "--rounds", "1", "--quiet"]
+    assert generate.main(nowhere + ["-o", str(tmp_path / "missing" / "v.mp4")]) == 1
+    assert "cannot write there" in capsys.readouterr().err
+    assert generate.main(nowhere + ["-o", str(tmp_path)]) == 1
+    assert "is a directory" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # the probe left nothing behind

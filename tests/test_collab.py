@@ -17,7 +17,7 @@ from waiting import wait_for
 from onepiece.client import Client, RequestFailed
 from onepiece.launcher import free_tcp_address
 from onepiece.nm.client import NmClient
-from onepiece.ports import free_port
+from onepiece.stage.rendezvous import rendezvous
 from onepiece.sched.ranks import blocks, dops, place
 from onepiece.stage.collective import pack, unpack
 from onepiece.stage.registry import StageContext
@@ -47,7 +47,7 @@ def collaborate(tmp_path: Path, model_dir: Path, msgs: list[Message], plan: list
                 all_save: bool = False) -> list[np.ndarray]:
     """Run ``plan`` on ``size`` rank processes; rank 0's latents per request."""
     write_messages(tmp_path / "msgs.bin", msgs)
-    address = f"127.0.0.1:{free_port()}"
+    address = rendezvous(tmp_path)
     procs = [subprocess.Popen([sys.executable, str(HERE / "collab_rank.py"), orjson.dumps({
         "rank": r, "size": size, "address": address, "model_dir": str(model_dir), "messages": str(tmp_path / "msgs.bin"),
         "plan": plan, "out": str(tmp_path), "all_save": all_save}).decode()]) for r in range(size)]
@@ -96,6 +96,11 @@ def test_two_requests_at_dop_1_on_two_ranks_at_once(tiny_models, comps, image, t
     lats = collaborate(tmp_path, tiny_models["t2v"], msgs, plan)
     for m, lat, ref in zip(msgs, lats, refs):
         assert float(np.abs(frames_of(comps, m, lat) - ref).max()) <= 1e-4
+    # The world listened on loopback only: its ranks met through a file in a private folder
+    # (torch's TCP store would have listened on every interface).
+    for rank in (0, 1):
+        listening = orjson.loads((tmp_path / f"listening-{rank}.json").read_bytes())
+        assert all(a.startswith("127.") for a in listening), listening
 
 
 def test_four_ranks_combine_cfg_and_sequence_parallel_and_split_into_smaller_groups(tiny_models, comps, image,

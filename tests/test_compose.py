@@ -144,7 +144,7 @@ def copies(dockerfile: str) -> list[tuple[str, str]]:
 def test_the_image_steps_give_a_package_that_serves(tmp_path, tiny_models, make_topology):
     """What deploy/Dockerfile does, done without a container engine: a build context of exactly
     the files its COPY lines take, a wheel built from it (the ring's C module compiled), that
-    wheel installed in a clean venv, and a deployment started from that venv serves a video.
+    wheel installed in a new venv, and a deployment started from that venv serves a video.
     The venv borrows the test venv's third-party packages (a fresh install of torch and the rest
     would take minutes), never its editable onepiece: the wheel is what runs."""
     context = tmp_path / "context"

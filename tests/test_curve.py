@@ -382,6 +382,22 @@ def test_a_deployment_open_to_other_hosts_serves_with_api_keys_and_curve(tiny_mo
         key = api_keys.read_text().strip()
         assert not any(key in (tmp_path / "logs" / f).read_text() for f in ("set0-proxy0.log", "nm.log"))
         assert _rpc(_outsider(zmq.DEALER, nm, "no key", keys, ctx), "status") is None
+        # Data straight to a stage: an outsider's task never arrives; the same from a member
+        # does (the stage fails it for its malformed params and logs its uid).
+        curve.use(keys)
+        try:
+            stage = dep.routes()["stages"]["text_encode"][0]
+            theirs, ours = new_uid(), new_uid()
+            task = {"app": "t2v", "stage": "text_encode", "kind": "task", "params": [1], "trace": []}
+            for who in OUTSIDERS:
+                _send(_outsider(zmq.PUSH, stage, who, keys, ctx), encode(Message({"uid": theirs, **task})))
+            sender = connect(stage)
+            sender.send(Message({"uid": ours, **task, "params": {"prompt": 1}}), timeout=5)
+            sender.close()
+        finally:
+            curve.use(None)
+        wait_for(lambda: ours in dep.log("set0-text_encode0"), timeout=10, what="the member's task at the stage")
+        assert theirs not in dep.log("set0-text_encode0")
     finally:
         dep.stop()
 

@@ -135,6 +135,28 @@ def test_loads_count_serving_instances_of_a_real_state():
     assert not el.loads(state, "set0", now)["vae_encode"].had_min
 
 
+def test_a_stage_of_minimum_zero_that_lost_its_last_instance_is_refilled():
+    # min 0: its instance may not leave (the last one never does), but it can die. At 0 the
+    # stage fails every request of its application, so it gets one back from the idle pool.
+    lost = {"denoise": StageLoad("denoise", ["d-0"], 0.5, 1), "decode": StageLoad("decode", [], None, 0)}
+    move = decide(SPEC, lost, ["idle-1"], {}, floors_only=True)
+    assert (move.instance, move.dst) == ("idle-1", "decode") and "lost its last instance (min 0)" in move.reason
+    # a set that never ran an instance of it (min 0, none configured) is left as it is
+    never = {**lost, "decode": StageLoad("decode", [], None, 0, had_min=False)}
+    assert decide(SPEC, never, ["idle-1"], {}, floors_only=True) is None
+
+    from onepiece.nm.state import ClusterState
+
+    topo, wf, _ = load_topology(deploy_dir() / "local.yaml")
+    topo.sets[0].min["vae_decode"] = 0
+    state, el = ClusterState(topo, wf), Elastic(SPEC)
+    now = 1000.0
+    assert not el.loads(state, "set0", now)["vae_decode"].had_min  # none yet: min 0 is no floor to hold
+    inst = state.register("stage", "set0", {"data": "tcp://a:1"}, stage="vae_decode")
+    inst.ready, inst.serving, inst.last_seen = True, "vae_decode", now
+    assert el.loads(state, "set0", now)["vae_decode"].had_min  # it had one: from now on its floor is 1
+
+
 def test_config_rejects_a_low_watermark_above_the_threshold_and_unknown_min_stages(tmp_path, tiny_models):
     with pytest.raises(ValueError, match="must be below elastic.threshold"):
         NmSpec(elastic={"threshold": 0.5, "low": 0.6})

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from onepiece.proxy.errors import ApiError
 from onepiece.proxy.validation import build_job
 
 
@@ -130,7 +131,10 @@ def test_seconds_to_frames_rule():
         return build_job(WORKFLOW, {"prompt": "p", **kw}, None).num_frames
 
     assert frames(seconds=1) == 17 and frames(seconds="2") == 33 and frames(seconds=0.01) == 1
-    assert frames(seconds=60) == 81  # clipped to the app's limit
+    assert frames(seconds=5) == 81  # the app's limit
+    with pytest.raises(ApiError) as e:  # beyond it: refused as an explicit frame count is, not cut short
+        frames(seconds=60)
+    assert e.value.param == "seconds" and "beyond the limit 81" in str(e.value) and "at most 5 s" in str(e.value)
     assert frames(seconds=1, num_frames=5) == 5  # an explicit frame count wins
 
 
@@ -436,6 +440,7 @@ def test_openapi_schema_is_served(h):
     assert body["application/json"]["schema"]["required"] == ["prompt"]
     assert {"prompt", "size", "seconds", "input_reference"} <= set(body["application/json"]["schema"]["properties"])
     assert body["multipart/form-data"]["schema"]["properties"]["input_reference"]["format"] == "binary"
+    assert "securitySchemes" not in schema.get("components", {})  # a loopback proxy without keys asks for none
 
 
 @pytest.mark.parametrize("method, path, allow", [

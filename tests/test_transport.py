@@ -72,6 +72,24 @@ def test_malformed_messages_are_dropped_and_counted(caplog):
     rx.close()
 
 
+def test_a_frame_over_the_bound_costs_its_sender_the_connection_not_the_receiver(monkeypatch):
+    from onepiece.transport import message
+
+    monkeypatch.setattr(message, "MAX_PART_BYTES", 1 << 20)  # read when the receiver's socket is made
+    rx = registry.listen("tcp://127.0.0.1:0")
+    big = zmq.Context.instance().socket(zmq.PUSH)
+    big.connect(rx.address)
+    big.send_multipart(encode(Message({"uid": "big"}, {"a": b"x" * (2 << 20)})))
+    assert rx.recv(timeout=1) is None  # libzmq drops the frame and that connection
+    tx = registry.connect(rx.address)
+    tx.send(Message({"uid": "ok"}, {"a": b"x" * (512 << 10)}), timeout=2)
+    got = rx.recv(timeout=2)
+    assert got is not None and got.uid == "ok"
+    big.close(0)
+    tx.close()
+    rx.close()
+
+
 def _serve(server, stop):
     poller = zmq.Poller()
     poller.register(server.sock, zmq.POLLIN)

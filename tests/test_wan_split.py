@@ -296,6 +296,8 @@ def test_bad_input_raises_clear_error(comps, image) -> None:
         lookup("image_encode", "i2v")(enc, wire(Message(header)))
     with pytest.raises(ValueError, match="uint8 HxWx3"):
         lookup("image_encode", "i2v")(enc, wire(Message(header, {"image": image.astype(np.float32)})))
+    with pytest.raises(ValueError, match="more than 16777216"):  # the proxy's pixel bound holds at the stage too
+        lookup("image_encode", "i2v")(enc, wire(Message(header, {"image": np.zeros((1, 4096 * 4096 + 1, 3), np.uint8)})))
     with pytest.raises(ValueError, match="missing parameter 'prompt'|'prompt' must be a string"):
         lookup("text_encode", "t2v")(
             StageContext(comps("t2v", ["text_encoder", "tokenizer"])),

@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 MAGIC = b"OP1"
 MAX_HEADER_BYTES = 1 << 20
 MAX_PARTS = 64
+# Per frame on a receiving socket: above any part a request within the workflow's limits makes
+# (81 raw float32 frames at 1280x720 are 0.9 GB; latents and embeddings are tens of MB), so a
+# peer cannot make a receiver allocate without end; a bigger frame costs its sender the connection.
+MAX_PART_BYTES = 1 << 30
 
 # Wire dtype names. Parts decode to numpy arrays (so the proxy and the DB never import torch),
 # except bfloat16, which numpy lacks and only stage processes (which have torch) receive.

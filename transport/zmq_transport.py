@@ -13,7 +13,7 @@ import time
 import zmq
 
 from onepiece.droplog import log_dropped
-from onepiece.transport import curve, registry
+from onepiece.transport import curve, message, registry
 from onepiece.transport.base import Full, Receiver, Sender
 from onepiece.transport.handshake import HandshakeWatch
 from onepiece.transport.message import Message, MessageError, decode, encode
@@ -72,6 +72,7 @@ class ZmqReceiver(Receiver):
     def __init__(self, address: str) -> None:
         self.sock = zmq.Context.instance().socket(zmq.PULL)
         self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, message.MAX_PART_BYTES)
         self.sock.setsockopt(zmq.LINGER, 0)
         curve.server(self.sock).bind(bind_address(address))
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
