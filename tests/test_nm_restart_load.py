@@ -4,8 +4,8 @@ other's ids and assignments, and routes were partial for 1-2 s (503 and 429 alth
 instance was alive). A real `onepiece up` serves a closed-loop stream of requests over HTTP
 while its NM is killed; the launcher restarts the NM, every instance registers again, and:
 every request completes (none failed, none refused but by the monitor's rate limit), no two
-instances share an id, every instance serves the stage it served before, and the new routes
-are versioned above the old."""
+instances share an id, every instance serves the stage it served before, the new routes are
+versioned above the old, and both DB copies end with every request completed."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from onepiece.client import Client, RequestRejected
+from onepiece.db.client import DbClient
 from onepiece.launcher import free_tcp_address
 from onepiece.nm.client import NmClient
 
@@ -73,6 +74,7 @@ def test_the_nm_killed_under_load_leaves_every_request_served_and_every_instance
         old_version = up.routes()["version"]
 
         done: list[str] = []
+        videos: list[str] = []
         lock = threading.Lock()
         stop = threading.Event()
 
@@ -94,6 +96,7 @@ def test_the_nm_killed_under_load_leaves_every_request_served_and_every_instance
                     status = c.wait(v["id"], timeout=120)["status"]  # raises on a failure
                     with lock:
                         done.append(status)
+                        videos.append(v["id"])
 
         with ThreadPoolExecutor(STREAMS) as pool:
             streams = [pool.submit(stream, k) for k in range(STREAMS)]
@@ -123,5 +126,19 @@ def test_the_nm_killed_under_load_leaves_every_request_served_and_every_instance
         assert {n: s for n, (_, s) in after.items()} == {n: s for n, (_, s) in before.items()}
         assert up.routes()["version"] > old_version
         assert _nm_process(up).pid != killed.pid
+
+        # Every DB copy of the set ends with the same status for every request (failures and
+        # results replicate; copies that missed a change get it again).
+        copies = [DbClient([d["control"]]) for d in up.routes()["dbs"]]
+        try:
+            assert len(copies) == 2
+            uids = [v.removeprefix("video_") for v in videos]
+
+            def agreed() -> bool:
+                return all((c.get(u) or {}).get("status") == "completed" for u in uids for c in copies)
+            wait_for(agreed, timeout=15, what="every DB copy holding every request as completed", interval=0.5)
+        finally:
+            for c in copies:
+                c.close()
     finally:
         up.stop()
