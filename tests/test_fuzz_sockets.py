@@ -1,9 +1,9 @@
-"""Malformed input on every socket of a running deployment (`onepiece up`: NM, a DB, one
-instance of each t2v stage, a proxy) must not stop any process or loop: RPC requests to the NM
-and the DB, data messages to the DB and to a stage, and DB events to the proxy and the stages
-(from a DB the test registers with the NM, as any member could). Hypothesis draws the
-variants: fields of the declared schemas with values of every JSON type, huge values, non-JSON,
-truncated frames, wrong frame counts. Then every process is the one that started (none died
+"""Malformed input on every socket of a running deployment (`onepiece up` over tcp: NM, a DB,
+one instance of each stage of both applications, a proxy) must not stop any process or loop:
+RPC requests to the NM and the DB, data messages to the DB and to every stage, and DB events to
+the proxy and the stages (from a DB the test registers with the NM, as any member could).
+Hypothesis draws the variants: fields of the declared schemas with values of every JSON type,
+huge values, non-JSON, truncated frames, wrong frame counts. Then every process is the one that started (none died
 and came back), each server answers, and a real request completes through HTTP."""
 
 from __future__ import annotations
@@ -39,18 +39,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarn
 
 FUZZ = settings(max_examples=40, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
-T2V = {"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1}
+STAGES = {"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1, "image_encode": 1, "vae_encode": 1, "denoise_i2v": 1}
 
 
 @pytest.fixture(scope="module")
 def up(tiny_models, tmp_path_factory, make_topology):
     folder = tmp_path_factory.mktemp("fuzz")
     nm = free_tcp_address()
-    dep = Up(make_topology(folder, tiny_models, nm, dbs=1, stages=T2V), folder / "logs", nm)
+    # Over tcp, as a multi-host deployment runs (its sockets reachable, not in a private folder).
+    dep = Up(make_topology(folder, tiny_models, nm, dbs=1, stages=STAGES, transport="tcp", threads=1),
+             folder / "logs", nm)
     try:
         dep.url = dep.wait_for(r"serves the API at (http://\S+)", timeout=240).group(1)
         routes = dep.routes()
-        assert all(routes["stages"][s] for s in T2V) and routes["dbs"], routes
+        assert all(routes["stages"][s][0].startswith("tcp://") for s in STAGES) and routes["dbs"], routes
         dep.pids = _pids(dep)
         nm_client = RpcClient(nm, timeout=5)
         try:
@@ -231,7 +233,7 @@ def test_db_data_survives_malformed_messages(up):
                {"uid": new_uid(), "kind": "status", "status": "in_progress", "progress": "x"})
 
 
-@pytest.mark.parametrize("stage", list(T2V))
+@pytest.mark.parametrize("stage", list(STAGES))
 def test_stage_data_survives_malformed_messages(up, stage):
     wf: Workflow = up.workflow
 
@@ -239,7 +241,7 @@ def test_stage_data_survives_malformed_messages(up, stage):
     def headers(draw) -> list[bytes]:
         params = draw(_fields(_names(JobParams)), label="params")
         extra = {"app": draw(st.sampled_from(["t2v", "i2v"]) | JSON, label="app"),
-                 "stage": draw(st.sampled_from(list(T2V)) | JSON, label="stage"),
+                 "stage": draw(st.sampled_from(list(STAGES)) | JSON, label="stage"),
                  "params": draw(st.just(params) | VALUE, label="params value")}
         return draw(data_frames(["task"], _names(TaskHeader), extra))
 
@@ -282,11 +284,11 @@ def test_event_subscribers_survive_malformed_events(up):
     try:
         subs: list[bytes] = []
         deadline = time.monotonic() + 30
-        while (subs.count(b"\x01" + DONE) < 1 or subs.count(b"\x01" + CANCEL) < len(T2V)) \
+        while (subs.count(b"\x01" + DONE) < 1 or subs.count(b"\x01" + CANCEL) < len(STAGES)) \
                 and time.monotonic() < deadline:
             if pub.poll(200):
                 subs.append(pub.recv())
-        assert subs.count(b"\x01" + DONE) >= 1 and subs.count(b"\x01" + CANCEL) >= len(T2V), subs
+        assert subs.count(b"\x01" + DONE) >= 1 and subs.count(b"\x01" + CANCEL) >= len(STAGES), subs
 
         @st.composite
         def events(draw) -> list[bytes]:
@@ -327,7 +329,7 @@ def test_the_deployment_still_serves(up, tmp_path):
     assert any("refused a request from" in t for t in logs.values())  # the RPC checks answered
     assert any("dropped a malformed" in t for t in logs.values())  # the DB's data checks
     assert "'status' message from" in logs["set0-db0"]  # (its known example) the DB's data checks
-    for stage in T2V:  # its data checks and its events checks
+    for stage in STAGES:  # its data checks and its events checks
         assert "malformed request at stage " + stage in logs[f"set0-{stage}0"]
         assert "ignored a cancel event from 127.0.0.1" in logs[f"set0-{stage}0"]
     assert "ignored a DB event from 127.0.0.1: event.uid" in logs["set0-proxy0"]
