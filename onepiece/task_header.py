@@ -39,3 +39,11 @@ class TaskHeader(Routed):
                                                                                               max_length=64)
     # Each stage adds its points; the DB keeps at most 1024 (db.protocol.RecordSchema).
     trace: list[dict[str, Any]] = Field(default_factory=list, max_length=512)
+
+    def held_to(self, now_ns: int, timeout_s: float) -> int:
+        """The deadline a stage holds the request to: its own, but never later than the
+        application's timeout from now, so that no request (one without a deadline, or one that
+        reached the stage past the proxy with a far one) can hold a worker forever; the proxy's
+        deadline is never later than that."""
+        longest = now_ns + int(timeout_s * 1e9)
+        return longest if self.deadline is None or self.deadline > longest else self.deadline

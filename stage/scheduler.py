@@ -198,12 +198,8 @@ class RequestScheduler:
             self.cancelled_on_arrival += 1
             log.info("uid=%s dropped on arrival: cancelled", h.uid)
             return
-        # Every request ends by the application's deadline at the latest, so none can hold a
-        # worker forever (the proxy's deadline is never later than that).
-        longest = now_ns() + int(limits.timeout_s * 1e9)
-        if h.deadline is None or h.deadline > longest:
-            msg.header["deadline"] = h.deadline = longest
         t_ns = now_ns()
+        msg.header["deadline"] = h.deadline = h.held_to(t_ns, limits.timeout_s)
         key = compat_key(h.params) if stepped else call_key(h.params)
         r = stage_request(h.uid, h.app, key, steps, now, now + (h.deadline - t_ns) / 1e9,
                           None if h.target is None else now + (h.target - t_ns) / 1e9,

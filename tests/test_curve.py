@@ -20,7 +20,8 @@ import zmq
 
 from onepiece.cli import build_parser
 from onepiece.curve_policy import AuthPolicyError, beyond_host, curve_on
-from onepiece.db.client import DbClient
+from onepiece.db.client import DbClient, NotReady
+from onepiece.db.protocol import CONTENT
 from onepiece.launcher import free_tcp_address
 from onepiece.transport import curve
 from onepiece.transport.message import Message, encode, new_uid
@@ -295,6 +296,9 @@ def test_db_refuses_outsiders_reads_deletes_data_and_events(servers, keys, who, 
         data = _outsider(zmq.PUSH, db["data"], who, keys, ctx)
         forged = {"uid": uid, "kind": "status", "status": "in_progress", "stage": "forged", "progress": 99}
         _send(data, encode(Message(forged)))
+        # A forged result (the attacker's bytes as the user's video) is refused the same way.
+        _send(data, encode(Message({"uid": uid, "kind": "result", "content_type": "video/mp4"},
+                                   {CONTENT: b"the attacker's bytes"})))
         events = _outsider(zmq.SUB, db["events"], who, keys, ctx)
         events.setsockopt(zmq.SUBSCRIBE, b"")
         mine = curve.client(zmq.Context.instance().socket(zmq.SUB))
@@ -316,6 +320,8 @@ def test_db_refuses_outsiders_reads_deletes_data_and_events(servers, keys, who, 
             mine.close(linger=0)
         rec = members.get(uid)
         assert rec["status"] == "queued" and rec.get("stage") != "forged", rec
+        with pytest.raises(NotReady):  # nothing a client could download
+            members.content(uid)
         # The same message from a member goes through: what stopped the outsider was CURVE.
         sender = curve.client(zmq.Context.instance().socket(zmq.PUSH))
         sender.connect(db["data"])

@@ -38,3 +38,18 @@ def test_a_malformed_forward_fails_its_request_with_the_field_named(header, fiel
         deliver.close()
         rpc.close()
         db.close()
+
+
+def test_a_stage_holds_every_request_to_the_applications_timeout_at_most():
+    """The deadline a stage schedules and expires a request by (stage/scheduler.py): its own
+    when it has one within the application's timeout, else that timeout from now. A message
+    sent straight to a stage without a deadline once pinned a worker indefinitely."""
+    from onepiece.task_header import TaskHeader
+
+    now, timeout_s = 10**18, 600.0
+    head = {"uid": new_uid(), "app": "t2v", "stage": "denoise_t2v", "params": {}}
+    longest = now + int(timeout_s * 1e9)
+    assert TaskHeader(**head).held_to(now, timeout_s) == longest  # none: the application's
+    assert TaskHeader(**head, deadline=now + 5 * 10**9).held_to(now, timeout_s) == now + 5 * 10**9  # its own
+    assert TaskHeader(**head, deadline=longest + 1).held_to(now, timeout_s) == longest  # too far: cut
+    assert TaskHeader(**head, deadline=1 << 63).held_to(now, timeout_s) == longest
