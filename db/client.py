@@ -104,11 +104,11 @@ class _Failover:
                 errors.append(f"{address}: {e}")
         raise _create_error(uid, errors)
 
-    def _get(self, uid: str, owner: str | None = None) -> Plan:
+    def _get(self, uid: str, owner: str | None = None, op: str = "get") -> Plan:
         answered, errors = False, []
         for address in self._order(uid):
             try:
-                reply, _ = yield address, "get", _args(uid, owner)
+                reply, _ = yield address, op, _args(uid, owner)
                 return reply["record"]
             except RpcTimeout as e:
                 errors.append(str(e))
@@ -116,7 +116,7 @@ class _Failover:
                 answered = True
         if answered:
             return None
-        raise DbUnavailable(f"get {uid}: no DB answered: {'; '.join(errors)}")
+        raise DbUnavailable(f"{op} {uid}: no DB answered: {'; '.join(errors)}")
 
     def _content(self, uid: str, owner: str | None = None) -> Plan:
         answered, not_ready, errors = False, False, []
@@ -239,6 +239,11 @@ class DbClient(_Failover):
         it (or holds it for an owner other than a given ``owner``). Raises DbUnavailable when
         no DB answered at all."""
         return self._run(self._get(uid, owner))
+
+    def state(self, uid: str) -> dict[str, Any] | None:
+        """As ``get``, but only where the request is (uid, app, status, stage): what a member
+        that is not a proxy may read (db/protocol.py ACCESS)."""
+        return self._run(self._get(uid, op="state"))
 
     def content(self, uid: str, owner: str | None = None) -> tuple[dict[str, Any], bytes] | None:
         """(record, artefact) from the first DB that has it completed (it may purge it there

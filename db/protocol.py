@@ -126,8 +126,12 @@ class NoArgs(_Args):
 
 RPC_SCHEMAS: dict[str, type[BaseModel]] = {
     "create": CreateArgs, "get": UidArgs, "content": UidArgs, "delete": DeleteArgs, "list": ListArgs,
-    "stats": NoArgs, "ping": NoArgs,
+    "state": UidArgs, "stats": NoArgs, "ping": NoArgs,
 }
+# What only the proxies may do (with CURVE, by the key pair a client proved; transport/rpc.py):
+# users' records hold their prompts and results. Other members see where a request is
+# (``state``: its app, status and stage, what the NM's reaper needs) and the DB's figures.
+ACCESS: dict[str, str] = {op: "proxy" for op in ("create", "get", "content", "delete", "list")}
 
 
 class _Report(BaseModel):

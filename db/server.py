@@ -75,8 +75,9 @@ import zmq
 from prometheus_client import Counter, Gauge
 
 from onepiece.db.placement import order_dbs
-from onepiece.db.protocol import (CONTENT, DATA_SCHEMAS, RPC_SCHEMAS, TERMINAL, CreateArgs, DeleteArgs, FailedReport,
-                                  ListArgs, PurgeMessage, ReplicaMessage, ResultReport, StatusReport, UidArgs)
+from onepiece.db.protocol import (ACCESS, CONTENT, DATA_SCHEMAS, RPC_SCHEMAS, TERMINAL, CreateArgs, DeleteArgs,
+                                  FailedReport, ListArgs, PurgeMessage, ReplicaMessage, ResultReport, StatusReport,
+                                  UidArgs)
 from onepiece.db.store import Change, Gone, InvalidUpdate, NotFound, ResultStore, StoreFull
 from onepiece.droplog import log_dropped
 from onepiece.events import CANCEL, DONE, event_frames
@@ -167,8 +168,9 @@ class DbServer:
             self.data_address = self.receiver.address
             self.rpc = RpcServer(control_address, {
                 "create": self._op_create, "get": self._op_get, "content": self._op_content,
-                "delete": self._op_delete, "list": self._op_list, "stats": self._op_stats, "ping": self._op_ping,
-            }, RPC_SCHEMAS)
+                "delete": self._op_delete, "list": self._op_list, "state": self._op_state, "stats": self._op_stats,
+                "ping": self._op_ping,
+            }, RPC_SCHEMAS, ACCESS)
             self.control_address = self.rpc.address
             self.pub = zmq.Context.instance().socket(zmq.PUB)
             self.pub.setsockopt(zmq.LINGER, 0)
@@ -417,6 +419,14 @@ class DbServer:
         if rec is None:
             raise NotFound(f"not found: {uid}")
         return {"record": rec}
+
+    def _op_state(self, req: UidArgs, blobs: list) -> dict:
+        """Where a request is, without what it holds (any member may ask: protocol.ACCESS)."""
+        rec = self.store.get(req.uid)
+        READS.labels(self.name, "state").inc()
+        if rec is None:
+            raise NotFound(f"not found: {req.uid}")
+        return {"record": {k: rec.get(k) for k in ("uid", "app", "status", "stage")}}
 
     def _op_content(self, req: UidArgs, blobs: list) -> tuple[dict, list]:
         uid, rec = self._owned(req)

@@ -58,7 +58,8 @@ def _deployment(args: argparse.Namespace) -> str:
         raise ConfigError(str(e)) from None
 
 
-def _curve(args: argparse.Namespace, addresses: list[str], mode: str | None = None, folder: str | None = None) -> None:
+def _curve(args: argparse.Namespace, addresses: list[str], mode: str | None = None, folder: str | None = None,
+           pair: str | None = None) -> None:
     """This process's CURVE keys, as --auth (else ``mode``, else auto) decides for the addresses it
     binds and connects to: the keys folder from --curve-dir, else ONEPIECE_CURVE_DIR, else ``folder``."""
     import os
@@ -73,7 +74,7 @@ def _curve(args: argparse.Namespace, addresses: list[str], mode: str | None = No
             raise ConfigError(f"CURVE is on for {', '.join(addresses)} (beyond loopback, or --auth curve) and no keys "
                               f"folder was given: make one with `onepiece keys curve DIR` and pass --curve-dir DIR "
                               f"(or set {curve.ENV})")
-        curve.use(curve.load(folder) if on else None)
+        curve.use(curve.load(folder, pair or curve.NAME) if on else None)
     except (AuthPolicyError, curve.CurveKeysError) as e:
         raise ConfigError(str(e)) from None
 
@@ -139,7 +140,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     except SecretFileError as e:
         raise ConfigError(str(e)) from None
     setup_logging("proxy", args.log_level)
-    _curve(args, args.nm.split(","))  # its HTTP side has API keys; its ZeroMQ sockets are all clients
+    # Its HTTP side has API keys; its ZeroMQ sockets are all clients, proving the proxies' pair.
+    _curve(args, args.nm.split(","), pair="proxy")
     serve(args.nm, args.set, args.host, args.port, args.max_inflight, args.max_body_bytes, monitor=args.monitor,
           deadline_factor=args.deadline_factor, advertise=args.advertise, zk=_zk(args), keys=keys,
           deployment_id=_deployment(args))
@@ -175,15 +177,17 @@ def _curve_keys(folder: str | None) -> int:
     from onepiece.transport import curve
 
     if not folder:
-        print("onepiece keys curve: name the folder to make the deployment's key pair in", file=sys.stderr)
+        print("onepiece keys curve: name the folder to make the deployment's key pairs in", file=sys.stderr)
         return 2
     try:
         curve.make(folder)
     except (curve.CurveKeysError, OSError) as e:
         print(f"onepiece keys curve: {e}", file=sys.stderr)
         return 1
-    print(f"made the deployment's CURVE key pair in {folder} ({curve.PUBLIC}, and {curve.SECRET} of mode 0600): "
-          f"give every member the folder (--curve-dir {folder} or {curve.ENV})", file=sys.stderr)
+    print(f"made the deployment's CURVE key pairs in {folder}: the members' ({curve.PUBLIC}, {curve.SECRET}) and the "
+          f"proxies' ({curve.PROXY_PUBLIC}, {curve.PROXY}.key_secret), secret halves of mode 0600. Give every role "
+          f"the folder (--curve-dir {folder} or {curve.ENV}); across hosts, a proxy's host needs only the *.key files "
+          f"and {curve.PROXY}.key_secret, a member's all but {curve.PROXY}.key_secret", file=sys.stderr)
     return 0
 
 
@@ -355,7 +359,8 @@ def _curve_flags(sp: argparse.ArgumentParser, auth: bool = True) -> None:
 
     g = sp.add_argument_group("CURVE between roles (see onepiece keys curve)")
     g.add_argument("--curve-dir", metavar="DIR",
-                   help=f"folder with the deployment's CURVE key pair (default: {ENV}); its secret file has mode 0600")
+                   help=f"folder with the deployment's CURVE keys (default: {ENV}; see onepiece keys curve); "
+                        f"secret files of mode 0600")
     if auth:
         g.add_argument("--auth", choices=MODES,
                        help="curve: always; off: without CURVE, refused for an address beyond loopback; auto (the "
@@ -452,9 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_status)
 
     sp = sub.add_parser("keys", help="make a client API key for the proxies (new), or the deployment's CURVE key "
-                                     "pair (curve DIR)")
+                                     "pairs (curve DIR)")
     sp.add_argument("action", choices=["new", "curve"])
-    sp.add_argument("folder", nargs="?", help="curve: the folder to make the key pair in (mode 0700)")
+    sp.add_argument("folder", nargs="?", help="curve: the folder to make the key pairs in (mode 0700)")
     sp.add_argument("--file", metavar="PATH",
                     help="append it to this keys file (created with mode 0600) instead of printing it")
     sp.set_defaults(fn=cmd_keys)

@@ -92,9 +92,10 @@ class Deployment:
             raise ConfigError(f"{self.topology_path}: {e}") from None
         folder = Path(given) if given else default_curve_dir()
         try:
-            if given is None and not (folder / curve.SECRET).exists():
+            if given is None and not all((folder / f"{n}.key_secret").exists() for n in (curve.NAME, curve.PROXY)):
                 curve.make(folder)
-            return curve.load(folder)  # refuse a bad folder here, not in every child
+            curve.load(folder, curve.PROXY)  # refuse a bad folder here, not in every child
+            return curve.load(folder)
         except curve.CurveKeysError as e:
             raise ConfigError(str(e)) from None
 

@@ -89,11 +89,13 @@ def test_a_proxy_on_all_interfaces_gets_its_keys_as_a_private_secret():
         assert mount["uid"] == "0" and int(str(mount["mode"]).replace("0o", ""), 8) & 0o077 == 0
 
 
-def test_every_role_gets_the_curve_key_pair_as_private_secrets():
-    """Bound to 0.0.0.0, a role turns CURVE on (onepiece/curve_policy.py) and needs the pair:
-    both halves copied from the environment into the --curve-dir folder, the secret one 0400."""
+def test_every_role_gets_its_curve_keys_as_private_secrets():
+    """Bound to 0.0.0.0, a role turns CURVE on (onepiece/curve_policy.py) and needs its keys in
+    the --curve-dir folder, copied from the environment, the secret half 0400: a member the
+    members' pair and the proxies' public key; the proxy its own pair and the members' public
+    key, and never the members' secret (what it holds is what a DB lets read users' records)."""
     from onepiece.curve_policy import curve_on
-    from onepiece.transport.curve import PUBLIC, SECRET
+    from onepiece.transport.curve import PROXY, PROXY_PUBLIC, PUBLIC, SECRET
 
     for role in ("nm", "stage", "db", "proxy"):
         for name, a in by_role(role).items():
@@ -101,10 +103,12 @@ def test_every_role_gets_the_curve_key_pair_as_private_secrets():
             assert curve_on(a.auth or "auto", addresses, keys_given=True), name
             assert a.curve_dir == "/run/secrets", f"{name}: no CURVE keys folder"
             mounts = {m["target"]: m for m in SERVICES[name].get("secrets", [])}
-            assert {PUBLIC, SECRET} <= set(mounts), f"{name} lacks the CURVE key pair"
-            secret = mounts[SECRET]
-            assert COMPOSE["secrets"][secret["source"]] == {"environment": "ONEPIECE_CURVE_SECRET"}
-            assert secret["uid"] == "0" and int(str(secret["mode"]).replace("0o", ""), 8) & 0o077 == 0, name
+            own = f"{PROXY}.key_secret" if role == "proxy" else SECRET
+            assert {PUBLIC, PROXY_PUBLIC, own} <= set(mounts), f"{name} lacks its CURVE keys"
+            assert (SECRET in mounts) == (role != "proxy") and (f"{PROXY}.key_secret" in mounts) == (role == "proxy")
+            env = "ONEPIECE_CURVE_PROXY_SECRET" if role == "proxy" else "ONEPIECE_CURVE_SECRET"
+            assert COMPOSE["secrets"][mounts[own]["source"]] == {"environment": env}
+            assert mounts[own]["uid"] == "0" and int(str(mounts[own]["mode"]).replace("0o", ""), 8) & 0o077 == 0, name
 
 
 def test_dependencies_exist_and_stages_wait_for_models():

@@ -75,11 +75,23 @@ def test_off_beyond_loopback_and_unknown_modes_are_refused():
 def test_keys_are_made_private_and_never_replaced(tmp_path):
     folder = curve.make(tmp_path / "k")
     assert (folder.stat().st_mode & 0o777, (folder / curve.SECRET).stat().st_mode & 0o777) == (0o700, 0o600)
-    keys = curve.load(folder)
-    assert keys.members == {keys.public} and keys.secret.decode() not in repr(keys)
+    keys, proxy = curve.load(folder), curve.load(folder, curve.PROXY)
+    assert keys.members == proxy.members == {keys.public, proxy.public} and keys.secret.decode() not in repr(keys)
+    assert keys.serves and not proxy.serves and keys.server == proxy.server == keys.public
+    assert keys.proxies == proxy.proxies == {proxy.public}
     with pytest.raises(curve.CurveKeysError, match="already holds"):
         curve.make(folder)
     assert curve.load(folder) == keys
+    # A folder that lacks a pair gets it, and keeps the other; half a pair is refused.
+    (folder / "proxy.key").unlink()
+    (folder / "proxy.key_secret").unlink()
+    curve.make(folder)
+    assert curve.load(folder).public == keys.public and curve.load(folder, curve.PROXY).public != proxy.public
+    (folder / "proxy.key_secret").unlink()
+    with pytest.raises(curve.CurveKeysError, match="already holds proxy.key; remove it"):
+        curve.make(folder)
+    with pytest.raises(curve.CurveKeysError, match="proxy.key_secret"):
+        curve.load(folder, curve.PROXY)
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o755)
     with pytest.raises(curve.CurveKeysError, match="chmod 700"):
@@ -112,9 +124,19 @@ def test_a_role_beyond_loopback_without_keys_does_not_start(tmp_path):
     assert out.returncode == 2 and "auth: off with tcp://0.0.0.0:0" in out.stderr, out.stderr
 
 
-def test_keys_command_makes_a_pair(tmp_path):
+def test_keys_command_makes_both_pairs(tmp_path):
     args = build_parser().parse_args(["keys", "curve", str(tmp_path / "k")])
-    assert args.fn(args) == 0 and curve.load(tmp_path / "k").public
+    assert args.fn(args) == 0 and curve.load(tmp_path / "k").public and curve.load(tmp_path / "k", curve.PROXY).public
+
+
+def test_a_proxy_s_pair_serves_nothing(tmp_path):
+    """A proxy only connects; members would not take its key as their server's."""
+    curve.use(curve.load(curve.make(tmp_path / "k"), curve.PROXY))
+    try:
+        with pytest.raises(curve.CurveKeysError, match="only connects"):
+            curve.server(zmq.Context.instance().socket(zmq.ROUTER))
+    finally:
+        curve.use(None)
 
 
 # ---- outsiders against real processes ----------------------------------------------------------------
@@ -129,6 +151,14 @@ def member(keys):
     """This test process as a member of the deployment (its client sockets prove the keys)."""
     curve.use(keys)
     yield keys
+    curve.use(None)
+
+
+@pytest.fixture
+def proxy(keys):
+    """This test process as a proxy of the deployment (its client sockets prove the proxies' pair)."""
+    curve.use(curve.load(keys.folder, curve.PROXY))
+    yield curve.active()
     curve.use(None)
 
 
@@ -285,7 +315,7 @@ def test_a_member_without_the_deployment_s_keys_is_told_why_nothing_answers(serv
 
 
 @pytest.mark.parametrize("who", OUTSIDERS)
-def test_db_refuses_outsiders_reads_deletes_data_and_events(servers, keys, who, ctx, member):
+def test_db_refuses_outsiders_reads_deletes_data_and_events(servers, keys, who, ctx, proxy):
     db = servers["db"]
     members = DbClient([db["control"]])
     uid = new_uid()
@@ -322,7 +352,8 @@ def test_db_refuses_outsiders_reads_deletes_data_and_events(servers, keys, who, 
         assert rec["status"] == "queued" and rec.get("stage") != "forged", rec
         with pytest.raises(NotReady):  # nothing a client could download
             members.content(uid)
-        # The same message from a member goes through: what stopped the outsider was CURVE.
+        # The same message from a holder of the deployment's keys goes through: what stopped the
+        # outsider was CURVE.
         sender = curve.client(zmq.Context.instance().socket(zmq.PUSH))
         sender.connect(db["data"])
         try:
@@ -334,6 +365,36 @@ def test_db_refuses_outsiders_reads_deletes_data_and_events(servers, keys, who, 
         members.close()
     assert all(p.poll() is None for p in servers["procs"].values())
     assert "refused a connection from a client key" in (servers["logs"] / "db.log").read_text() or who == "no key"
+
+
+def test_only_proxies_read_and_delete_users_records(servers, keys):
+    """Records hold users' prompts: a member's key (any stage, the NM) may ask where a request
+    is, not read, list, download or delete it; the proxies' key may."""
+    db = servers["db"]["control"]
+    uid = new_uid()
+    curve.use(curve.load(keys.folder, curve.PROXY))
+    proxies = DbClient([db])
+    try:
+        proxies.create({"uid": uid, "app": "t2v", "set": "set0", "prompt": "my secret idea"})
+        assert proxies.get(uid)["prompt"] == "my secret idea"
+        curve.use(keys)
+        member = RpcClient(db, timeout=2.0)
+        try:
+            for op, args in (("get", {"uid": uid}), ("content", {"uid": uid}), ("list", {}),
+                             ("delete", {"uid": uid}), ("create", {"record": {"uid": new_uid()}})):
+                with pytest.raises(RpcError, match=f"op '{op}' is served to the proxy role only, not to a member"):
+                    member.call(op, **args)
+            state, _ = member.call("state", uid=uid)
+            assert state["record"] == {"uid": uid, "app": "t2v", "status": "queued", "stage": ""}  # no prompt
+            assert member.call("stats")[0]["stats"]
+        finally:
+            member.close()
+        assert DbClient([db]).state(uid)["status"] == "queued"  # what the NM's reaper reads
+        assert proxies.delete(uid)  # its sockets still prove the proxies' pair
+    finally:
+        proxies.close()
+        curve.use(None)
+    assert "is served to the proxy role only" in (servers["logs"] / "db.log").read_text()
 
 
 @pytest.mark.parametrize("who", OUTSIDERS)

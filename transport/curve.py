@@ -1,13 +1,17 @@
 """ZeroMQ CURVE between the roles of a deployment: who may connect to a member's sockets.
 
-A deployment has one key pair (``onepiece keys curve DIR``: ``deployment.key`` public,
-``deployment.key_secret`` secret, mode 0600, in a folder of mode 0700). Every member holds both:
-its server sockets present the pair as their server key and admit a client only if the client's
-public key is one of the folder's ``*.key`` files (libzmq's ZAP, served by pyzmq's
-ThreadAuthenticator); its client sockets prove the same pair. Without the secret nothing
-completes a handshake, so no message from an outsider reaches a handler: a socket without CURVE,
-or with another key, is dropped by libzmq before its first frame. More public keys in the folder
-admit more clients (e.g. an operator's own pair) without sharing the deployment's secret.
+A deployment has two key pairs (``onepiece keys curve DIR``, in a folder of mode 0700; each
+secret half of mode 0600): the members' (``deployment.key``, ``deployment.key_secret``) and the
+proxies' (``proxy.key``, ``proxy.key_secret``). A member (NM, DB, stage) holds its pair: its
+server sockets present it as their server key and admit a client only if the client's public
+key is one of the folder's ``*.key`` files (libzmq's ZAP, served by pyzmq's
+ThreadAuthenticator); its client sockets prove the same pair. A proxy only connects: it proves
+the proxies' pair and needs no member's secret. Without a secret nothing completes a handshake,
+so no message from an outsider reaches a handler: a socket without CURVE, or with another key,
+is dropped by libzmq before its first frame. The pair a client proved is its role on the server
+(``caller``): what only proxies may do, like reading a user's record with its prompt, a member's
+key cannot (db/protocol.py ``ACCESS``). More public keys in the folder admit more clients (e.g.
+an operator's own pair, with a member's rights) without sharing a secret.
 
 This process's keys are set once at start (``use``), like ``zmq.Context.instance()``, so that
 every socket of the process, wherever it is made, is secured by the same two calls: ``server``
@@ -35,6 +39,9 @@ ENV = "ONEPIECE_CURVE_DIR"  # a folder's path (not a secret): where a process fi
 NAME = "deployment"
 PUBLIC = f"{NAME}.key"
 SECRET = f"{NAME}.key_secret"
+PROXY = "proxy"  # the proxies' pair, and their role
+PROXY_PUBLIC = f"{PROXY}.key"
+MEMBER = "member"  # the role of any other admitted key
 _MAX_LOGGED = 256  # refused client keys named in the log (each once): a reconnecting client would flood it
 
 
@@ -44,48 +51,66 @@ class CurveKeysError(SecretFileError):
 
 @dataclass(frozen=True)
 class CurveKeys:
-    public: bytes  # z85, 40 bytes
+    public: bytes  # this process's pair, z85, 40 bytes
     secret: bytes = field(repr=False)  # never in a log line or a traceback's locals
     members: frozenset[bytes]  # z85 public keys admitted as clients
     folder: Path
+    server: bytes  # the members' public key: every server presents it, every client expects it
+    proxies: frozenset[bytes]  # of ``members``, the proxies' key
+
+    @property
+    def serves(self) -> bool:
+        """A member's pair: this process may bind server sockets."""
+        return self.public == self.server
 
 
 def make(folder: str | Path) -> Path:
-    """A new deployment key pair in ``folder`` (made with mode 0700 if missing; an existing one
-    must be closed to other users already, since the secret is written before its chmod). Refuses
-    to replace an existing pair, which would lock out every member that holds it."""
+    """The deployment's key pairs (the members' and the proxies') in ``folder``, those it lacks
+    (made with mode 0700 if missing; an existing one must be closed to other users already,
+    since the secrets are written before their chmod). Never replaces a pair, which would lock
+    out every process that holds it: refuses when both are there, or half of one."""
     folder = Path(folder)
-    if (folder / SECRET).exists() or (folder / PUBLIC).exists():
-        raise CurveKeysError(f"CURVE keys folder {folder}: already holds a key pair ({PUBLIC}); remove it first "
-                             f"to make a new one")
+    files = {name: [n for n in (f"{name}.key", f"{name}.key_secret") if (folder / n).exists()]
+             for name in (NAME, PROXY)}
+    half = [n for held in files.values() if len(held) == 1 for n in held]
+    if half or all(files.values()):
+        raise CurveKeysError(f"CURVE keys folder {folder}: already holds {', '.join(half or sum(files.values(), []))}; "
+                             f"remove {'it' if len(half) == 1 else 'them'} first to make new pairs")
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     if folder.stat().st_mode & 0o077:
         raise CurveKeysError(f"CURVE keys folder {folder}: other users may open it (mode "
                              f"{folder.stat().st_mode & 0o777:04o}); name a new folder, or run: chmod 700 {folder}")
-    zmq.auth.create_certificates(folder, NAME)
-    os.chmod(folder / SECRET, 0o600)
-    os.chmod(folder / PUBLIC, 0o644)
+    for name in (n for n, held in files.items() if not held):
+        zmq.auth.create_certificates(folder, name)
+        os.chmod(folder / f"{name}.key_secret", 0o600)
+        os.chmod(folder / f"{name}.key", 0o644)
     return folder
 
 
-def load(folder: str | Path) -> CurveKeys:
-    """The key pair and admitted keys of ``folder``; CurveKeysError naming what is wrong."""
+def load(folder: str | Path, pair: str = NAME) -> CurveKeys:
+    """The keys of ``folder`` for a process that proves ``pair`` (``NAME``, a member, or
+    ``PROXY``); CurveKeysError naming what is wrong. Only that pair's secret half is read, so a
+    proxy's host needs no member's secret."""
     folder = Path(folder)
-    secret_path = folder / SECRET
+    secret_path = folder / f"{pair}.key_secret"
     try:
         read_secret_file(secret_path, "CURVE secret key")  # mode 0600, owner, not a link
     except SecretFileError as e:
-        raise CurveKeysError(f"{e} (make a pair with: onepiece keys curve {folder})") from None
+        raise CurveKeysError(f"{e} (make the pairs with: onepiece keys curve NEW_DIR)") from None
     try:
         public, secret = zmq.auth.load_certificate(secret_path)
         members = frozenset(zmq.auth.load_certificates(folder))
+        server, _ = zmq.auth.load_certificate(folder / PUBLIC)
+        proxy, _ = zmq.auth.load_certificate(folder / PROXY_PUBLIC)
     except (OSError, ValueError) as e:
-        raise CurveKeysError(f"CURVE keys folder {folder}: {e}") from None
+        raise CurveKeysError(f"CURVE keys folder {folder}: {e} (it needs {PUBLIC} and {PROXY_PUBLIC}; make the "
+                             f"pairs with: onepiece keys curve NEW_DIR)") from None
     if secret is None or len(public) != 40 or len(secret) != 40:
         raise CurveKeysError(f"CURVE secret key file {secret_path}: no valid key pair in it")
     if public not in members:
-        raise CurveKeysError(f"CURVE keys folder {folder}: {PUBLIC} is missing or not the public half of {SECRET}")
-    return CurveKeys(public, secret, members, folder)
+        raise CurveKeysError(f"CURVE keys folder {folder}: {pair}.key is missing or not the public half of "
+                             f"{pair}.key_secret")
+    return CurveKeys(public, secret, members, folder, server, frozenset({proxy}))
 
 
 class _Members:
@@ -135,6 +160,9 @@ def server(sock: zmq.Socket) -> zmq.Socket:
     """``sock`` (not yet bound) as a CURVE server of this process's keys, if it has any."""
     keys = _keys
     if keys is not None:
+        if not keys.serves:  # a proxy's pair: members would not recognise it as their server
+            raise CurveKeysError(f"this process holds the {PROXY} pair, which only connects; a server needs "
+                                 f"{SECRET}")
         sock.curve_secretkey = keys.secret
         sock.curve_publickey = keys.public
         sock.curve_server = True
@@ -148,5 +176,19 @@ def client(sock: zmq.Socket) -> zmq.Socket:
     if keys is not None:
         sock.curve_secretkey = keys.secret
         sock.curve_publickey = keys.public
-        sock.curve_serverkey = keys.public
+        sock.curve_serverkey = keys.server
     return sock
+
+
+def caller(frame: zmq.Frame) -> str | None:
+    """The role of the client that sent ``frame`` to one of this process's server sockets:
+    ``PROXY`` or ``MEMBER`` by the key it proved; None without CURVE (a deployment on loopback
+    or ipc, where every process is the deployment's)."""
+    keys = _keys
+    if keys is None:
+        return None
+    try:
+        user = frame.get("User-Id")  # the z85 public key, as pyzmq's ZAP handler names a CURVE client
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return MEMBER
+    return PROXY if isinstance(user, str) and user.encode() in keys.proxies else MEMBER

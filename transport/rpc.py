@@ -55,12 +55,16 @@ class RpcServer:
     so one thread can serve control and data sockets without locks.
 
     An op named in ``schemas`` has its arguments (the request less ``id`` and ``op``) checked
-    against its model first, and its handler gets the model instance, not the raw request."""
+    against its model first, and its handler gets the model instance, not the raw request. An op
+    named in ``access`` is served only to a client of that role (``curve.caller``: the key pair
+    it proved), when the process runs with CURVE."""
 
     def __init__(self, address: str, handlers: Mapping[str, Handler],
-                 schemas: Mapping[str, type[BaseModel]] | None = None) -> None:
+                 schemas: Mapping[str, type[BaseModel]] | None = None,
+                 access: Mapping[str, str] | None = None) -> None:
         self.handlers = handlers
         self.schemas = dict(schemas or {})
+        self.access = dict(access or {})
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
@@ -105,6 +109,8 @@ class RpcServer:
         refused = None
         if handler is None:
             refused = f"unknown op {str(op)[:80]!r}"
+        elif op in self.access and (who := curve.caller(frames[2])) not in (None, self.access[op]):
+            refused = f"op {op!r} is served to the {self.access[op]} role only, not to a {who}"
         elif op in self.schemas:
             try:
                 req = checked(self.schemas[op], {k: v for k, v in req.items() if k not in RESERVED}, op)
