@@ -242,7 +242,7 @@ class DbClient(_Failover):
 
     def state(self, uid: str) -> dict[str, Any] | None:
         """As ``get``, but only where the request is (uid, app, status, stage): what a member
-        that is not a proxy may read (db/protocol.py ACCESS)."""
+        that is not a proxy may read (db/protocol.py PROXY_OPS)."""
         return self._run(self._get(uid, op="state"))
 
     def content(self, uid: str, owner: str | None = None) -> tuple[dict[str, Any], bytes] | None:

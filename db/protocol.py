@@ -128,10 +128,10 @@ RPC_SCHEMAS: dict[str, type[BaseModel]] = {
     "create": CreateArgs, "get": UidArgs, "content": UidArgs, "delete": DeleteArgs, "list": ListArgs,
     "state": UidArgs, "stats": NoArgs, "ping": NoArgs,
 }
-# What only the proxies may do (with CURVE, by the key pair a client proved; transport/rpc.py):
-# users' records hold their prompts and results. Other members see where a request is
-# (``state``: its app, status and stage, what the NM's reaper needs) and the DB's figures.
-ACCESS: dict[str, str] = {op: "proxy" for op in ("create", "get", "content", "delete", "list")}
+# What only the proxies of the DB's set may do (with CURVE, by the key a client proved;
+# transport/rpc.py): users' records hold their prompts and results. Other members see where a
+# request is (``state``: its app, status and stage, what the NM's reaper needs) and the figures.
+PROXY_OPS = ("create", "get", "content", "delete", "list")
 
 
 class _Report(BaseModel):

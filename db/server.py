@@ -75,7 +75,7 @@ import zmq
 from prometheus_client import Counter, Gauge
 
 from onepiece.db.placement import order_dbs
-from onepiece.db.protocol import (ACCESS, CONTENT, DATA_SCHEMAS, RPC_SCHEMAS, TERMINAL, CreateArgs, DeleteArgs,
+from onepiece.db.protocol import (CONTENT, DATA_SCHEMAS, PROXY_OPS, RPC_SCHEMAS, TERMINAL, CreateArgs, DeleteArgs,
                                   FailedReport, ListArgs, PurgeMessage, ReplicaMessage, ResultReport, StatusReport,
                                   UidArgs)
 from onepiece.db.store import Change, Gone, InvalidUpdate, NotFound, ResultStore, StoreFull
@@ -134,9 +134,16 @@ class DbServer:
         replication_timeout_s: float = 0.25,
         peer_backoff_s: float = 1.0,
         clock: Callable[[], float] = time.time,
+        set_name: str = "set0",
     ) -> None:
         if not isinstance(replication, int) or replication < 1:
             raise ValueError(f"replication must be a positive int (got {replication!r})")
+        readers = curve.proxy_pair(set_name)  # with CURVE, the only key that reads users' records here
+        keys = curve.active()
+        if keys is not None and readers not in keys.names.values():
+            raise curve.CurveKeysError(f"CURVE keys folder {keys.folder}: no {readers}.key, so no proxy of set "
+                                       f"{set_name} could read its records (make it: onepiece keys curve "
+                                       f"{keys.folder} --sets {set_name})")
         self.name = name
         self.replication = replication  # holders per result, this DB included
         self.store = ResultStore(ttl_s, max_bytes, purge_after_fetch_s, clock=clock,
@@ -170,7 +177,7 @@ class DbServer:
                 "create": self._op_create, "get": self._op_get, "content": self._op_content,
                 "delete": self._op_delete, "list": self._op_list, "state": self._op_state, "stats": self._op_stats,
                 "ping": self._op_ping,
-            }, RPC_SCHEMAS, ACCESS)
+            }, RPC_SCHEMAS, {op: readers for op in PROXY_OPS})
             self.control_address = self.rpc.address
             self.pub = zmq.Context.instance().socket(zmq.PUB)
             self.pub.setsockopt(zmq.LINGER, 0)
@@ -421,7 +428,7 @@ class DbServer:
         return {"record": rec}
 
     def _op_state(self, req: UidArgs, blobs: list) -> dict:
-        """Where a request is, without what it holds (any member may ask: protocol.ACCESS)."""
+        """Where a request is, without what it holds (any member may ask: protocol.PROXY_OPS)."""
         rec = self.store.get(req.uid)
         READS.labels(self.name, "state").inc()
         if rec is None:

@@ -47,7 +47,7 @@ def serve(nm_address: str, set_name: str, data: str, control: str, events: str, 
 
     try:
         serve_db(data, control, events, ttl_s, max_bytes, purge_after_fetch_s, name=f"db@{set_name}", on_ready=on_ready,
-                 replication=replication)
+                 replication=replication, set_name=set_name)
     finally:
         if member is not None:
             member.stop()

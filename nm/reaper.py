@@ -94,7 +94,7 @@ class Reaper:
 
         for attempt in range(READ_TRIES):
             try:
-                return reader.state(uid)  # status and stage: the NM is no proxy (db/protocol.py ACCESS)
+                return reader.state(uid)  # status and stage: the NM is no proxy (db/protocol.py PROXY_OPS)
             except DbError as e:
                 log.warning("uid=%s: no DB answered while reaping %s (try %d of %d): %s",
                             uid, instance, attempt + 1, READ_TRIES, e)

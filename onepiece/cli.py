@@ -133,6 +133,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     from onepiece.proxy.service import serve
     from onepiece.secret_file import SecretFileError
     from onepiece.supervise import setup_logging
+    from onepiece.transport.curve import proxy_pair
 
     try:
         keys = load_keys(args.api_keys_file)
@@ -140,8 +141,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     except SecretFileError as e:
         raise ConfigError(str(e)) from None
     setup_logging("proxy", args.log_level)
-    # Its HTTP side has API keys; its ZeroMQ sockets are all clients, proving the proxies' pair.
-    _curve(args, args.nm.split(","), pair="proxy")
+    # Its HTTP side has API keys; its ZeroMQ sockets are all clients, proving its set's proxies' pair.
+    _curve(args, args.nm.split(","), pair=proxy_pair(args.set))
     serve(args.nm, args.set, args.host, args.port, args.max_inflight, args.max_body_bytes, monitor=args.monitor,
           deadline_factor=args.deadline_factor, advertise=args.advertise, zk=_zk(args), keys=keys,
           deployment_id=_deployment(args))
@@ -153,7 +154,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
     from onepiece.secret_file import SecretFileError, write_secret_file
 
     if args.action == "curve":
-        return _curve_keys(args.folder)
+        return _curve_keys(args.folder, args.sets)
     if args.folder:
         print("onepiece keys new: takes no folder (a client key goes to --file, or is printed)", file=sys.stderr)
         return 2
@@ -173,21 +174,23 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def _curve_keys(folder: str | None) -> int:
+def _curve_keys(folder: str | None, sets: str) -> int:
     from onepiece.transport import curve
 
     if not folder:
         print("onepiece keys curve: name the folder to make the deployment's key pairs in", file=sys.stderr)
         return 2
     try:
-        curve.make(folder)
+        names = [s.strip() for s in sets.split(",") if s.strip()]
+        curve.make(folder, names)
     except (curve.CurveKeysError, OSError) as e:
         print(f"onepiece keys curve: {e}", file=sys.stderr)
         return 1
-    print(f"made the deployment's CURVE key pairs in {folder}: the members' ({curve.PUBLIC}, {curve.SECRET}) and the "
-          f"proxies' ({curve.PROXY_PUBLIC}, {curve.PROXY}.key_secret), secret halves of mode 0600. Give every role "
-          f"the folder (--curve-dir {folder} or {curve.ENV}); across hosts, a proxy's host needs only the *.key files "
-          f"and {curve.PROXY}.key_secret, a member's all but {curve.PROXY}.key_secret", file=sys.stderr)
+    proxies = ", ".join(curve.proxy_pair(s) for s in names)
+    print(f"made the deployment's CURVE key pairs in {folder} (what it lacked of {curve.NAME}, {proxies}; secret "
+          f"halves of mode 0600). Give every role the folder (--curve-dir {folder} or {curve.ENV}); across hosts, a "
+          f"proxy's host needs the *.key files and its set's proxy-SET.key_secret, a member's the *.key files and "
+          f"{curve.SECRET}", file=sys.stderr)
     return 0
 
 
@@ -460,6 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "pairs (curve DIR)")
     sp.add_argument("action", choices=["new", "curve"])
     sp.add_argument("folder", nargs="?", help="curve: the folder to make the key pairs in (mode 0700)")
+    sp.add_argument("--sets", default="set0", metavar="A,B",
+                    help="curve: the sets whose proxies get a pair of their own (default set0)")
     sp.add_argument("--file", metavar="PATH",
                     help="append it to this keys file (created with mode 0600) instead of printing it")
     sp.set_defaults(fn=cmd_keys)

@@ -92,9 +92,12 @@ class Deployment:
             raise ConfigError(f"{self.topology_path}: {e}") from None
         folder = Path(given) if given else default_curve_dir()
         try:
-            if given is None and not all((folder / f"{n}.key_secret").exists() for n in (curve.NAME, curve.PROXY)):
-                curve.make(folder)
-            curve.load(folder, curve.PROXY)  # refuse a bad folder here, not in every child
+            sets = [s.name for s in self.topo.sets]
+            pairs = [curve.NAME, *map(curve.proxy_pair, sets)]
+            if given is None and not all((folder / f"{n}.key_secret").exists() for n in pairs):
+                curve.make(folder, sets)
+            for pair in pairs[1:]:  # refuse a bad folder here, not in every child
+                curve.load(folder, pair)
             return curve.load(folder)
         except curve.CurveKeysError as e:
             raise ConfigError(str(e)) from None

@@ -92,10 +92,10 @@ def test_a_proxy_on_all_interfaces_gets_its_keys_as_a_private_secret():
 def test_every_role_gets_its_curve_keys_as_private_secrets():
     """Bound to 0.0.0.0, a role turns CURVE on (onepiece/curve_policy.py) and needs its keys in
     the --curve-dir folder, copied from the environment, the secret half 0400: a member the
-    members' pair and the proxies' public key; the proxy its own pair and the members' public
-    key, and never the members' secret (what it holds is what a DB lets read users' records)."""
+    members' pair and the set's proxies' public key; the proxy its set's pair and the members'
+    public key, and never the members' secret (its key is what a DB lets read users' records)."""
     from onepiece.curve_policy import curve_on
-    from onepiece.transport.curve import PROXY, PROXY_PUBLIC, PUBLIC, SECRET
+    from onepiece.transport.curve import PUBLIC, SECRET, proxy_pair
 
     for role in ("nm", "stage", "db", "proxy"):
         for name, a in by_role(role).items():
@@ -103,9 +103,10 @@ def test_every_role_gets_its_curve_keys_as_private_secrets():
             assert curve_on(a.auth or "auto", addresses, keys_given=True), name
             assert a.curve_dir == "/run/secrets", f"{name}: no CURVE keys folder"
             mounts = {m["target"]: m for m in SERVICES[name].get("secrets", [])}
-            own = f"{PROXY}.key_secret" if role == "proxy" else SECRET
-            assert {PUBLIC, PROXY_PUBLIC, own} <= set(mounts), f"{name} lacks its CURVE keys"
-            assert (SECRET in mounts) == (role != "proxy") and (f"{PROXY}.key_secret" in mounts) == (role == "proxy")
+            proxies = proxy_pair(a.set if role == "proxy" else SET.name)
+            own = f"{proxies}.key_secret" if role == "proxy" else SECRET
+            assert {PUBLIC, f"{proxies}.key", own} <= set(mounts), f"{name} lacks its CURVE keys"
+            assert (SECRET in mounts) == (role != "proxy") and (f"{proxies}.key_secret" in mounts) == (role == "proxy")
             env = "ONEPIECE_CURVE_PROXY_SECRET" if role == "proxy" else "ONEPIECE_CURVE_SECRET"
             assert COMPOSE["secrets"][mounts[own]["source"]] == {"environment": env}
             assert mounts[own]["uid"] == "0" and int(str(mounts[own]["mode"]).replace("0o", ""), 8) & 0o077 == 0, name

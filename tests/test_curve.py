@@ -75,23 +75,22 @@ def test_off_beyond_loopback_and_unknown_modes_are_refused():
 def test_keys_are_made_private_and_never_replaced(tmp_path):
     folder = curve.make(tmp_path / "k")
     assert (folder.stat().st_mode & 0o777, (folder / curve.SECRET).stat().st_mode & 0o777) == (0o700, 0o600)
-    keys, proxy = curve.load(folder), curve.load(folder, curve.PROXY)
+    keys, proxy = curve.load(folder), curve.load(folder, "proxy-set0")
     assert keys.members == proxy.members == {keys.public, proxy.public} and keys.secret.decode() not in repr(keys)
     assert keys.serves and not proxy.serves and keys.server == proxy.server == keys.public
-    assert keys.proxies == proxy.proxies == {proxy.public}
+    assert keys.names == {keys.public: "deployment", proxy.public: "proxy-set0"}
     with pytest.raises(curve.CurveKeysError, match="already holds"):
         curve.make(folder)
     assert curve.load(folder) == keys
-    # A folder that lacks a pair gets it, and keeps the other; half a pair is refused.
-    (folder / "proxy.key").unlink()
-    (folder / "proxy.key_secret").unlink()
-    curve.make(folder)
-    assert curve.load(folder).public == keys.public and curve.load(folder, curve.PROXY).public != proxy.public
-    (folder / "proxy.key_secret").unlink()
-    with pytest.raises(curve.CurveKeysError, match="already holds proxy.key; remove it"):
-        curve.make(folder)
-    with pytest.raises(curve.CurveKeysError, match="proxy.key_secret"):
-        curve.load(folder, curve.PROXY)
+    # Another set's pair is added beside them; half a pair is refused.
+    curve.make(folder, ["set0", "set1"])
+    assert curve.load(folder).public == keys.public and curve.load(folder, "proxy-set0").public == proxy.public
+    assert set(curve.load(folder).names.values()) == {"deployment", "proxy-set0", "proxy-set1"}
+    (folder / "proxy-set1.key_secret").unlink()
+    with pytest.raises(curve.CurveKeysError, match="already holds proxy-set1.key; remove it"):
+        curve.make(folder, ["set1"])
+    with pytest.raises(curve.CurveKeysError, match="proxy-set1.key_secret"):
+        curve.load(folder, "proxy-set1")
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o755)
     with pytest.raises(curve.CurveKeysError, match="chmod 700"):
@@ -124,14 +123,15 @@ def test_a_role_beyond_loopback_without_keys_does_not_start(tmp_path):
     assert out.returncode == 2 and "auth: off with tcp://0.0.0.0:0" in out.stderr, out.stderr
 
 
-def test_keys_command_makes_both_pairs(tmp_path):
-    args = build_parser().parse_args(["keys", "curve", str(tmp_path / "k")])
-    assert args.fn(args) == 0 and curve.load(tmp_path / "k").public and curve.load(tmp_path / "k", curve.PROXY).public
+def test_keys_command_makes_the_members_pair_and_one_per_set(tmp_path):
+    args = build_parser().parse_args(["keys", "curve", str(tmp_path / "k"), "--sets", "a,b"])
+    assert args.fn(args) == 0 and curve.load(tmp_path / "k").public
+    assert curve.load(tmp_path / "k", "proxy-a").public != curve.load(tmp_path / "k", "proxy-b").public
 
 
 def test_a_proxy_s_pair_serves_nothing(tmp_path):
     """A proxy only connects; members would not take its key as their server's."""
-    curve.use(curve.load(curve.make(tmp_path / "k"), curve.PROXY))
+    curve.use(curve.load(curve.make(tmp_path / "k"), curve.proxy_pair("set0")))
     try:
         with pytest.raises(curve.CurveKeysError, match="only connects"):
             curve.server(zmq.Context.instance().socket(zmq.ROUTER))
@@ -143,7 +143,8 @@ def test_a_proxy_s_pair_serves_nothing(tmp_path):
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory) -> curve.CurveKeys:
-    return curve.load(curve.make(tmp_path_factory.mktemp("curve") / "keys"))
+    # set0's proxies, and another set's (whose key every member admits, as in a deployment of two sets)
+    return curve.load(curve.make(tmp_path_factory.mktemp("curve") / "keys", ["set0", "other"]))
 
 
 @pytest.fixture
@@ -157,7 +158,7 @@ def member(keys):
 @pytest.fixture
 def proxy(keys):
     """This test process as a proxy of the deployment (its client sockets prove the proxies' pair)."""
-    curve.use(curve.load(keys.folder, curve.PROXY))
+    curve.use(curve.load(keys.folder, curve.proxy_pair("set0")))
     yield curve.active()
     curve.use(None)
 
@@ -369,10 +370,11 @@ def test_db_refuses_outsiders_reads_deletes_data_and_events(servers, keys, who, 
 
 def test_only_proxies_read_and_delete_users_records(servers, keys):
     """Records hold users' prompts: a member's key (any stage, the NM) may ask where a request
-    is, not read, list, download or delete it; the proxies' key may."""
+    is, not read, list, download or delete it; the key of the set's proxies may, and no other
+    set's proxies."""
     db = servers["db"]["control"]
     uid = new_uid()
-    curve.use(curve.load(keys.folder, curve.PROXY))
+    curve.use(curve.load(keys.folder, curve.proxy_pair("set0")))
     proxies = DbClient([db])
     try:
         proxies.create({"uid": uid, "app": "t2v", "set": "set0", "prompt": "my secret idea"})
@@ -382,7 +384,8 @@ def test_only_proxies_read_and_delete_users_records(servers, keys):
         try:
             for op, args in (("get", {"uid": uid}), ("content", {"uid": uid}), ("list", {}),
                              ("delete", {"uid": uid}), ("create", {"record": {"uid": new_uid()}})):
-                with pytest.raises(RpcError, match=f"op '{op}' is served to the proxy role only, not to a member"):
+                with pytest.raises(RpcError, match=f"op '{op}' is served to the proxy-set0 key only, not to the "
+                                                   f"deployment key"):
                     member.call(op, **args)
             state, _ = member.call("state", uid=uid)
             assert state["record"] == {"uid": uid, "app": "t2v", "status": "queued", "stage": ""}  # no prompt
@@ -390,11 +393,18 @@ def test_only_proxies_read_and_delete_users_records(servers, keys):
         finally:
             member.close()
         assert DbClient([db]).state(uid)["status"] == "queued"  # what the NM's reaper reads
-        assert proxies.delete(uid)  # its sockets still prove the proxies' pair
+        curve.use(curve.load(keys.folder, "proxy-other"))
+        other = RpcClient(db, timeout=2.0)
+        try:
+            with pytest.raises(RpcError, match="served to the proxy-set0 key only, not to the proxy-other key"):
+                other.call("get", uid=uid)
+        finally:
+            other.close()
+        assert proxies.delete(uid)  # its sockets still prove set0's proxies' pair
     finally:
         proxies.close()
         curve.use(None)
-    assert "is served to the proxy role only" in (servers["logs"] / "db.log").read_text()
+    assert "is served to the proxy-set0 key only" in (servers["logs"] / "db.log").read_text()
 
 
 @pytest.mark.parametrize("who", OUTSIDERS)

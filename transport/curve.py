@@ -1,17 +1,18 @@
 """ZeroMQ CURVE between the roles of a deployment: who may connect to a member's sockets.
 
-A deployment has two key pairs (``onepiece keys curve DIR``, in a folder of mode 0700; each
-secret half of mode 0600): the members' (``deployment.key``, ``deployment.key_secret``) and the
-proxies' (``proxy.key``, ``proxy.key_secret``). A member (NM, DB, stage) holds its pair: its
-server sockets present it as their server key and admit a client only if the client's public
-key is one of the folder's ``*.key`` files (libzmq's ZAP, served by pyzmq's
-ThreadAuthenticator); its client sockets prove the same pair. A proxy only connects: it proves
-the proxies' pair and needs no member's secret. Without a secret nothing completes a handshake,
-so no message from an outsider reaches a handler: a socket without CURVE, or with another key,
-is dropped by libzmq before its first frame. The pair a client proved is its role on the server
-(``caller``): what only proxies may do, like reading a user's record with its prompt, a member's
-key cannot (db/protocol.py ``ACCESS``). More public keys in the folder admit more clients (e.g.
-an operator's own pair, with a member's rights) without sharing a secret.
+A deployment has a key pair for its members and one for the proxies of each set (``onepiece
+keys curve DIR``, in a folder of mode 0700; each secret half of mode 0600): ``deployment.key``
+and ``deployment.key_secret``, ``proxy-SET.key`` and ``proxy-SET.key_secret``. A member (NM,
+DB, stage) holds its pair: its server sockets present it as their server key and admit a client
+only if the client's public key is one of the folder's ``*.key`` files (libzmq's ZAP, served by
+pyzmq's ThreadAuthenticator); its client sockets prove the same pair. A proxy only connects: it
+proves its set's pair and needs no member's secret. Without a secret nothing completes a
+handshake, so no message from an outsider reaches a handler: a socket without CURVE, or with
+another key, is dropped by libzmq before its first frame. The key a client proved names it on
+the server (``caller``: the stem of its key file): what only the proxies of a set may do, like
+reading a user's record with its prompt, no other key can (db/protocol.py ``PROXY_OPS``). More
+public keys in the folder admit more clients (e.g. an operator's own pair) without sharing a
+secret.
 
 This process's keys are set once at start (``use``), like ``zmq.Context.instance()``, so that
 every socket of the process, wherever it is made, is secured by the same two calls: ``server``
@@ -26,6 +27,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 import zmq
 import zmq.auth
@@ -39,9 +41,7 @@ ENV = "ONEPIECE_CURVE_DIR"  # a folder's path (not a secret): where a process fi
 NAME = "deployment"
 PUBLIC = f"{NAME}.key"
 SECRET = f"{NAME}.key_secret"
-PROXY = "proxy"  # the proxies' pair, and their role
-PROXY_PUBLIC = f"{PROXY}.key"
-MEMBER = "member"  # the role of any other admitted key
+DEFAULT_SETS = ("set0",)  # the set a deployment has when its topology names none
 _MAX_LOGGED = 256  # refused client keys named in the log (each once): a reconnecting client would flood it
 
 
@@ -56,7 +56,7 @@ class CurveKeys:
     members: frozenset[bytes]  # z85 public keys admitted as clients
     folder: Path
     server: bytes  # the members' public key: every server presents it, every client expects it
-    proxies: frozenset[bytes]  # of ``members``, the proxies' key
+    names: dict[bytes, str] = field(default_factory=dict, compare=False)  # public key -> its file's stem
 
     @property
     def serves(self) -> bool:
@@ -64,14 +64,20 @@ class CurveKeys:
         return self.public == self.server
 
 
-def make(folder: str | Path) -> Path:
-    """The deployment's key pairs (the members' and the proxies') in ``folder``, those it lacks
-    (made with mode 0700 if missing; an existing one must be closed to other users already,
-    since the secrets are written before their chmod). Never replaces a pair, which would lock
-    out every process that holds it: refuses when both are there, or half of one."""
+def proxy_pair(set_name: str) -> str:
+    """The name of the key pair the proxies of ``set_name`` prove."""
+    return f"proxy-{set_name}"
+
+
+def make(folder: str | Path, sets: Iterable[str] = DEFAULT_SETS) -> Path:
+    """The deployment's key pairs (the members' and one for the proxies of each of ``sets``) in
+    ``folder``, those it lacks (made with mode 0700 if missing; an existing one must be closed
+    to other users already, since the secrets are written before their chmod). Never replaces a
+    pair, which would lock out every process that holds it: refuses when all are there, or half
+    of one."""
     folder = Path(folder)
     files = {name: [n for n in (f"{name}.key", f"{name}.key_secret") if (folder / n).exists()]
-             for name in (NAME, PROXY)}
+             for name in (NAME, *map(proxy_pair, sets))}
     half = [n for held in files.values() if len(held) == 1 for n in held]
     if half or all(files.values()):
         raise CurveKeysError(f"CURVE keys folder {folder}: already holds {', '.join(half or sum(files.values(), []))}; "
@@ -88,29 +94,28 @@ def make(folder: str | Path) -> Path:
 
 
 def load(folder: str | Path, pair: str = NAME) -> CurveKeys:
-    """The keys of ``folder`` for a process that proves ``pair`` (``NAME``, a member, or
-    ``PROXY``); CurveKeysError naming what is wrong. Only that pair's secret half is read, so a
-    proxy's host needs no member's secret."""
+    """The keys of ``folder`` for a process that proves ``pair`` (``NAME``, a member's, or a
+    ``proxy_pair``); CurveKeysError naming what is wrong. Only that pair's secret half is read,
+    so a proxy's host needs no member's secret."""
     folder = Path(folder)
     secret_path = folder / f"{pair}.key_secret"
     try:
         read_secret_file(secret_path, "CURVE secret key")  # mode 0600, owner, not a link
     except SecretFileError as e:
-        raise CurveKeysError(f"{e} (make the pairs with: onepiece keys curve NEW_DIR)") from None
+        raise CurveKeysError(f"{e} (make the pairs with: onepiece keys curve {folder})") from None
     try:
         public, secret = zmq.auth.load_certificate(secret_path)
-        members = frozenset(zmq.auth.load_certificates(folder))
         server, _ = zmq.auth.load_certificate(folder / PUBLIC)
-        proxy, _ = zmq.auth.load_certificate(folder / PROXY_PUBLIC)
+        names = {zmq.auth.load_certificate(f)[0]: f.stem for f in sorted(folder.glob("*.key"))}
     except (OSError, ValueError) as e:
-        raise CurveKeysError(f"CURVE keys folder {folder}: {e} (it needs {PUBLIC} and {PROXY_PUBLIC}; make the "
-                             f"pairs with: onepiece keys curve NEW_DIR)") from None
+        raise CurveKeysError(f"CURVE keys folder {folder}: {e} (make the pairs with: onepiece keys curve "
+                             f"{folder})") from None
     if secret is None or len(public) != 40 or len(secret) != 40:
         raise CurveKeysError(f"CURVE secret key file {secret_path}: no valid key pair in it")
-    if public not in members:
+    if names.get(public) != pair:
         raise CurveKeysError(f"CURVE keys folder {folder}: {pair}.key is missing or not the public half of "
                              f"{pair}.key_secret")
-    return CurveKeys(public, secret, members, folder, server, frozenset({proxy}))
+    return CurveKeys(public, secret, frozenset(names), folder, server, names)
 
 
 class _Members:
@@ -161,8 +166,7 @@ def server(sock: zmq.Socket) -> zmq.Socket:
     keys = _keys
     if keys is not None:
         if not keys.serves:  # a proxy's pair: members would not recognise it as their server
-            raise CurveKeysError(f"this process holds the {PROXY} pair, which only connects; a server needs "
-                                 f"{SECRET}")
+            raise CurveKeysError(f"this process holds a proxies' pair, which only connects; a server needs {SECRET}")
         sock.curve_secretkey = keys.secret
         sock.curve_publickey = keys.public
         sock.curve_server = True
@@ -181,14 +185,14 @@ def client(sock: zmq.Socket) -> zmq.Socket:
 
 
 def caller(frame: zmq.Frame) -> str | None:
-    """The role of the client that sent ``frame`` to one of this process's server sockets:
-    ``PROXY`` or ``MEMBER`` by the key it proved; None without CURVE (a deployment on loopback
-    or ipc, where every process is the deployment's)."""
+    """Who sent ``frame`` to one of this process's server sockets: the stem of the key file it
+    proved (``NAME`` for a member, ``proxy_pair(set)`` for a set's proxies); None without CURVE
+    (a deployment on loopback or ipc, where every process is the deployment's)."""
     keys = _keys
     if keys is None:
         return None
     try:
         user = frame.get("User-Id")  # the z85 public key, as pyzmq's ZAP handler names a CURVE client
     except (zmq.ZMQError, AttributeError, TypeError, ValueError):
-        return MEMBER
-    return PROXY if isinstance(user, str) and user.encode() in keys.proxies else MEMBER
+        return "?"
+    return keys.names.get(user.encode(), "?") if isinstance(user, str) else "?"

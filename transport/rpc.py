@@ -56,8 +56,8 @@ class RpcServer:
 
     An op named in ``schemas`` has its arguments (the request less ``id`` and ``op``) checked
     against its model first, and its handler gets the model instance, not the raw request. An op
-    named in ``access`` is served only to a client of that role (``curve.caller``: the key pair
-    it proved), when the process runs with CURVE."""
+    named in ``access`` is served only to the client that proved that key (``curve.caller``: the
+    name of its key file), when the process runs with CURVE."""
 
     def __init__(self, address: str, handlers: Mapping[str, Handler],
                  schemas: Mapping[str, type[BaseModel]] | None = None,
@@ -110,7 +110,7 @@ class RpcServer:
         if handler is None:
             refused = f"unknown op {str(op)[:80]!r}"
         elif op in self.access and (who := curve.caller(frames[2])) not in (None, self.access[op]):
-            refused = f"op {op!r} is served to the {self.access[op]} role only, not to a {who}"
+            refused = f"op {op!r} is served to the {self.access[op]} key only, not to the {who} key"
         elif op in self.schemas:
             try:
                 req = checked(self.schemas[op], {k: v for k, v in req.items() if k not in RESERVED}, op)
