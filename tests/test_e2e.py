@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from onepiece.transport import registry
 from onepiece.transport.message import Message, new_uid
 
 from deployment import Up, decode_mp4, png
+from waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -36,12 +38,44 @@ def up(tiny_models, tmp_path_factory, make_topology):
     topology = make_topology(folder, tiny_models, nm)
     dep = Up(topology, folder / "logs", nm)
     dep.topology = topology
+    # What /readyz answers while the deployment starts: polled from the moment the proxy
+    # listens (its log says where) until `onepiece up` says it is up.
+    dep.readiness, started = [], threading.Event()
+
+    def watch_readiness() -> None:
+        url = None
+        while not started.wait(0.05):
+            log = folder / "logs" / "set0-proxy0.log"
+            if url is None:
+                m = re.search(r"proxy listening on (http://\S+)", log.read_text() if log.exists() else "")
+                url = m and m.group(1)
+                continue
+            try:
+                dep.readiness.append(httpx.get(f"{url}/readyz", timeout=1.0).status_code)
+            except httpx.HTTPError:
+                pass
+
+    watch = threading.Thread(target=watch_readiness, daemon=True)
+    watch.start()
     try:
         m = dep.wait_for(r"serves the API at (http://\S+)", timeout=240)
+        started.set()
+        watch.join(5)
         dep.url = m.group(1)
         yield dep
     finally:
+        started.set()
         dep.stop()
+
+
+def test_readyz_is_ready_only_once_every_application_can_be_served(up):
+    """While the stages load, the proxy is alive and /readyz says 503 with what is missing; by
+    the time `onepiece up` says it is up (every stage has a ready worker), it says 200."""
+    first_ok = up.readiness.index(200) if 200 in up.readiness else len(up.readiness)
+    assert 503 in up.readiness[:first_ok], up.readiness  # not ready before it was
+    ready = wait_for(lambda: (r := httpx.get(f"{up.url}/readyz")).status_code == 200 and r, timeout=10,
+                     what="/readyz answering 200 after `onepiece up` said it is up")
+    assert ready.json()["missing"] == []
 
 
 def test_text_to_video_through_http(up, tmp_path):
