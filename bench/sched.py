@@ -395,7 +395,8 @@ def run(args: argparse.Namespace) -> int:
     plot({p: r for p, r in rows.items() if "monitor" not in p}, outdir / "sched.png", title)
     md = [f"`onepiece bench sched` — {result['when']}, {cpu_name()}, {os.cpu_count()} cores, device {args.device}, "
           f"{args.profile} models, "
-          f"{args.requests} requests per trace, {elapsed:.0f} s in all.", ""]
+          f"{'/'.join(sorted({str(len(t.requests)) for t in traces.values()}))} requests per trace, "
+          f"{elapsed:.0f} s in all.", ""]
     if cal:
         md += ["Calibration (fcfs): " + "; ".join(
             f"{c} {classes[c]['size']}x{classes[c]['num_frames']}:{classes[c]['steps']} standalone "
