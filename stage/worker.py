@@ -8,7 +8,8 @@ resident and does what the scheduler (sched/core.py, through stage/scheduler.py)
   listed requests ``steps`` steps, compatible states together in one forward pass; a state
   whose last step is done is finished and its result sent at once;
 - ``drop``: free these states (cancelled or expired), applied at the next step boundary even
-  in the middle of a chunk.
+  in the middle of a chunk (in a collaboration group, in a part on the whole group; a part on
+  fewer ranks, at the next run's start).
 
 It talks to the scheduler over a ZMQ DEALER socket:
 
@@ -197,7 +198,9 @@ class Executor:
 
     def _run_group(self, parts: list, timings: list[list[Any]]) -> None:
         """A collaboration group's run: its parts side by side, each on its ranks for its steps
-        (stage function's parallel run), drops taken at the run's start on every rank alike."""
+        (stage function's parallel run). Drops are taken at the run's start and, in a part on
+        the whole group, before every step, on every rank alike (``pending_drops`` is a
+        collective there)."""
         import torch
 
         self.drop(self.pending_drops())
@@ -205,8 +208,15 @@ class Executor:
                    if (group := [u for u in part if u in self.states and not self.states[u].task.done])]
         if not batches:
             return
+
+        def leave_out(i: int) -> set[int]:
+            gone = self.pending_drops()
+            self.drop(gone)
+            return {j for j, u in enumerate(batches[i][1]) if u in gone}
+
         with torch.inference_mode():
-            out = self.group_run([(ranks, [self.states[u].task for u in group], n) for ranks, group, n in batches])
+            out = self.group_run([(ranks, [self.states[u].task for u in group], n) for ranks, group, n in batches],
+                                 leave_out)
         for (_, group, _), (live_at, seconds) in zip(batches, out):
             for live in live_at:
                 timings.append([[group[j] for j in live], seconds / len(live_at)])
@@ -309,8 +319,8 @@ def main(config: dict[str, Any]) -> None:
         return [zmq.Frame(f) for f in unpack(data)] if data else None
 
     def pending_drops() -> list[str]:
-        """Drops that arrived since the last look (between two steps; in a group, at the start
-        of a run, the same on every rank); anything else waits."""
+        """Drops that arrived since the last look (between two steps; in a group, the same on
+        every rank: every rank calls it at the same point); anything else waits."""
         out: list[str] = []
         while leader and sock.poll(0, zmq.POLLIN):
             frames = sock.recv_multipart(copy=False)
@@ -318,8 +328,9 @@ def main(config: dict[str, Any]) -> None:
                 out += _uids(frames)
             else:
                 stash.append(frames)
-        if coll is not None:
-            out = orjson.loads(coll.share(orjson.dumps(out) if leader else None))
+        if coll is not None:  # none (the usual case) costs one 8-byte broadcast
+            shared = coll.share((orjson.dumps(out) if out else b"") if leader else None)
+            out = orjson.loads(shared) if shared else []
         return out
 
     def send(frames: list) -> None:

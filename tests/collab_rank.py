@@ -39,9 +39,19 @@ def main(cfg: dict) -> None:
     msgs = read_messages(Path(cfg["messages"]))
     tasks = [lookup("denoise", m.header["app"])(ctx, m) for m in msgs]
     p = ParallelDenoiser(c)
-    # plan: one entry per run, a list of [ranks, [request indices], steps] parts
-    for parts in cfg["plan"]:
-        p.run([(tuple(r), [tasks[i] for i in idx], n) for r, idx, n in parts])
+    # plan: one entry per run, a list of [ranks, [request indices], steps] parts; cancel: per
+    # run, {"step": k, "leave": [task index in part 0]}: what leave_out says before step k
+    # (the same on every rank, as the worker's shared drops are)
+    for r, parts in enumerate(cfg["plan"]):
+        cancel = (cfg.get("cancel") or {}).get(str(r))
+        asked = [0]
+
+        def leave_out(i: int, cancel=cancel, asked=asked) -> set[int]:
+            asked[0] += 1
+            return set(cancel["leave"]) if cancel and asked[0] > cancel["step"] else set()
+
+        p.run([(tuple(r), [tasks[i] for i in idx], n) for r, idx, n in parts], leave_out)
+    (Path(cfg["out"]) / f"steps-{c.rank}.json").write_bytes(orjson.dumps([t.i for t in tasks]))
     if c.rank == 0 or cfg.get("all_save"):
         for i, t in enumerate(tasks):
             np.save(Path(cfg["out"]) / f"latents-{c.rank}-{i}.npy", t.latents.numpy())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -44,13 +45,13 @@ def alone(app: str, comps, msg: Message) -> np.ndarray:
 
 
 def collaborate(tmp_path: Path, model_dir: Path, msgs: list[Message], plan: list, size: int = 2,
-                all_save: bool = False) -> list[np.ndarray]:
+                all_save: bool = False, cancel: dict | None = None) -> list[np.ndarray]:
     """Run ``plan`` on ``size`` rank processes; rank 0's latents per request."""
     write_messages(tmp_path / "msgs.bin", msgs)
     address = rendezvous(tmp_path)
     procs = [subprocess.Popen([sys.executable, str(HERE / "collab_rank.py"), orjson.dumps({
         "rank": r, "size": size, "address": address, "model_dir": str(model_dir), "messages": str(tmp_path / "msgs.bin"),
-        "plan": plan, "out": str(tmp_path), "all_save": all_save}).decode()]) for r in range(size)]
+        "plan": plan, "out": str(tmp_path), "all_save": all_save, "cancel": cancel}).decode()]) for r in range(size)]
     for p in procs:
         assert p.wait(timeout=240) == 0
     return [np.load(tmp_path / f"latents-0-{i}.npy") for i in range(len(msgs))]
@@ -101,6 +102,19 @@ def test_two_requests_at_dop_1_on_two_ranks_at_once(tiny_models, comps, image, t
     for rank in (0, 1):
         listening = orjson.loads((tmp_path / f"listening-{rank}.json").read_bytes())
         assert all(a.startswith("127.") for a in listening), listening
+
+
+def test_a_request_cancelled_mid_run_steps_no_more_on_the_whole_group(tiny_models, comps, image, tmp_path) -> None:
+    """Two requests in one run of 4 steps on both ranks; before its third step the second is
+    cancelled (what the worker's shared drops say): it stops after 2 steps on every rank,
+    and the first goes on to its end, equal to one worker's frames."""
+    msgs = [denoise_input("t2v", comps, image, seed=s, steps=4) for s in (1, 2)]
+    ref = alone("t2v", comps, msgs[0])
+    lat, _ = collaborate(tmp_path, tiny_models["t2v"], msgs, [[[[0, 1], [0, 1], 4]]], cancel={"0": {"step": 2,
+                                                                                                 "leave": [1]}})
+    assert float(np.abs(frames_of(comps, msgs[0], lat) - ref).max()) <= 1e-4
+    for rank in (0, 1):
+        assert orjson.loads((tmp_path / f"steps-{rank}.json").read_bytes()) == [4, 2]
 
 
 def test_four_ranks_combine_cfg_and_sequence_parallel_and_split_into_smaller_groups(tiny_models, comps, image,
@@ -203,6 +217,18 @@ def test_a_collaboration_instance_serves_and_a_dead_rank_restarts_its_group(tiny
                  not {p.pid for p in ranks()} & {p.pid for p in old}, 90, "the group back, both ranks new",
                  interval=0.2)
         c.generate("after the restart", tmp_path / "b.mp4", size="64x64", num_frames=5, steps=4)
+        # A request cancelled while the group steps it stops there and frees its state on every
+        # rank (test_a_request_cancelled_mid_run_steps_no_more_on_the_whole_group: mid-chunk).
+        v = c.submit("a long one", model="t2v", **SLOW)
+        wait_for(lambda: denoise()["stats"]["busy"] >= 1 and denoise()["stats"]["resident"] == 1, 60,
+                 "the long one stepping in the group", interval=0.1)
+        before = denoise()["stats"]
+        t0 = time.monotonic()
+        c.delete(v["id"])
+        after = wait_for(lambda: (st := denoise()["stats"]) and st["resident"] == 0 and st["busy"] == 0 and st, 10,
+                         "its state freed and the group idle", interval=0.05)
+        assert after["cancelled"] == before["cancelled"] + 1 and after["completed"] == before["completed"]
+        assert time.monotonic() - t0 < 2.0
         c.close()
     finally:
         dep.stop()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -135,11 +135,17 @@ class ParallelDenoiser:
 
         return run
 
-    def run(self, parts: list[tuple[Ranks, list[Any], int]]) -> list[tuple[list[list[int]], float]]:
+    def run(self, parts: list[tuple[Ranks, list[Any], int]],
+            leave_out: Callable[[int], set[int]] | None = None) -> list[tuple[list[list[int]], float]]:
         """Each part (ranks, tasks, steps) advances its tasks up to ``steps`` steps on its ranks,
         the parts independently of each other (disjoint ranks); then every part's noise of every
         step is handed to the ranks that did not compute it, which apply the same scheduler
         steps, so all replicas stay equal. Every rank calls this with the same ``parts``.
+
+        ``leave_out(i)``: called on every rank before each step of a part that spans the whole
+        world (a collective may run in it), the indices of part ``i``'s tasks that step no more
+        (cancelled meanwhile). A part on fewer ranks is not asked: its ranks step apart from the
+        others, and the replay must repeat its steps exactly.
 
         Returns per part: the indices of its tasks that stepped at each step, and the seconds
         its ranks took (the slowest of them)."""
@@ -152,8 +158,11 @@ class ParallelDenoiser:
                     continue
                 t0 = time.perf_counter()
                 forward = self.forward(ranks)
+                gone: set[int] = set()
                 for _ in range(steps):
-                    live = [j for j, t in enumerate(tasks) if not t.done]
+                    if leave_out is not None and len(ranks) == self.c.size:
+                        gone |= leave_out(i)
+                    live = [j for j, t in enumerate(tasks) if not t.done and j not in gone]
                     if not live:
                         break
                     batch = [tasks[j] for j in live]
