@@ -32,17 +32,22 @@ TARGETS = {"attainment_points": 5.0, "mean_rel": 0.10}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", default="bench/results", help="folder of a bench sched run (sched.json, traces, costs)")
     p.add_argument("--out", default="bench/results", help="folder for simval.json and simval.md")
+    p.add_argument("--costs-of", metavar="POLICY",
+                   help="price every policy with the costs this policy's run measured (default: each its own). "
+                        "Each table is its stages' last window, as the run drained: one taken quiet prices "
+                        "every step low; another run's table tells which")
 
 
-def validate(results: Path) -> dict[str, Any]:
-    """Predicted and measured figures for every (policy, load) of the run in ``results``."""
+def validate(results: Path, costs_of: str | None = None) -> dict[str, Any]:
+    """Predicted and measured figures for every (policy, load) of the run in ``results``, each
+    policy priced by its own run's costs, or every one by ``costs_of``'s."""
     run = json.loads((results / "sched.json").read_text())
     settings = run["settings"]
     wf = load_workflow(deploy_dir() / PROFILE_WORKFLOWS[settings.get("profile", "scale")])
     rows: dict[str, dict[str, Any]] = {}
     for row, by_load in run["rows"].items():
         policy, monitor = row.removesuffix(" (monitor on)"), row.endswith("(monitor on)")
-        costs_path = results / f"sched-costs-{policy}.json"
+        costs_path = results / f"sched-costs-{costs_of or policy}.json"
         if not costs_path.exists():
             continue  # a run from before the benchmark saved its costs
         costs = CostTable.load(costs_path)
@@ -62,7 +67,8 @@ def validate(results: Path) -> dict[str, Any]:
             rows.setdefault(row, {})[load] = {"measured": measured, "predicted": result["summary"],
                                                  "wall_s": result["wall_s"]}
     return {"bench": "simval", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
-            "run": {"when": run.get("when"), "results": str(results)}, "rows": rows, "targets": _targets(rows)}
+            "run": {"when": run.get("when"), "results": str(results)}, "costs_of": costs_of, "rows": rows,
+            "targets": _targets(rows)}
 
 
 def _sent(trace: Trace, max_duration: float) -> Trace:
@@ -83,7 +89,9 @@ def _targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def markdown(doc: dict[str, Any]) -> str:
     lines = [f"`onepiece bench simval` — {doc['when']}: the simulator against the `bench sched` run of "
-             f"{doc['run']['when']} ({doc['run']['results']}), each policy priced by the costs its own run measured.",
+             f"{doc['run']['when']} ({doc['run']['results']}), "
+             + (f"every policy priced by the costs {doc['costs_of']}'s run measured." if doc.get("costs_of")
+                else "each policy priced by the costs its own run measured."),
              "", "| policy | load | class | n | refused measured / predicted | attainment measured | predicted "
                  "| Δ points | mean ms measured | predicted | Δ |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for policy, by_load in doc["rows"].items():
@@ -107,7 +115,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    doc = validate(Path(args.results))
+    doc = validate(Path(args.results), args.costs_of)
     if not doc["rows"]:
         raise SystemExit(f"{args.results}: no policy with a sched-costs-<policy>.json beside sched.json "
                          f"(rerun `onepiece bench sched`, which saves them)")
