@@ -42,8 +42,8 @@ def main(cfg: dict) -> None:
     # plan: one entry per run, a list of [ranks, [request indices], steps] parts; cancel: per
     # run, {"step": k, "leave": [task index in part 0]}: what leave_out says before step k
     # (the same on every rank, as the worker's shared drops are)
-    for r, parts in enumerate(cfg["plan"]):
-        cancel = (cfg.get("cancel") or {}).get(str(r))
+    for run_index, parts in enumerate(cfg["plan"]):
+        cancel = (cfg.get("cancel") or {}).get(str(run_index))
         asked = [0]
 
         def leave_out(i: int, cancel=cancel, asked=asked) -> set[int]:
