@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
-import string
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,16 +80,6 @@ class Instance:
         return cls(**{k: rec[k] for k in cls.PERSISTENT if k in rec})
 
 
-def _base36(n: int) -> str:
-    digits = string.digits + string.ascii_lowercase
-    out = ""
-    while True:
-        n, d = divmod(n, 36)
-        out = digits[d] + out
-        if not n:
-            return out
-
-
 def fresh_version() -> int:
     """A first route version for a starting NM: milliseconds since the epoch, so that a
     restarted NM starts above every version its predecessor handed out. Counting from 1 again,
@@ -109,9 +98,9 @@ class ClusterState:
         # Ids carry this NM's incarnation: a restarted NM never hands out an id that an
         # instance of the one before still holds (it would heartbeat as another instance and
         # take over its assignment); such an instance is unknown here and registers again. The
-        # start time in milliseconds (base 36) differs between incarnations where a random tag
-        # would collide now and then; the random letter tells apart NMs started in the same ms.
-        self._incarnation = _base36(time.time_ns() // 1_000_000) + secrets.choice(string.ascii_lowercase)
+        # start time in milliseconds differs between incarnations where a random tag would
+        # collide now and then; the random byte tells apart NMs started in the same ms.
+        self._incarnation = f"{time.time_ns() // 1_000_000:x}{secrets.token_hex(1)}"
         self.events: list[str] = []  # recent decisions, shown by `onepiece status`
         self.dirty: set[str] = set()  # sets whose instance records changed since last saved
         # Per set, named stage instances that were moved: name -> the stage (None: idle pool) they

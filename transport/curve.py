@@ -53,10 +53,14 @@ class CurveKeysError(SecretFileError):
 class CurveKeys:
     public: bytes  # this process's pair, z85, 40 bytes
     secret: bytes = field(repr=False)  # never in a log line or a traceback's locals
-    members: frozenset[bytes]  # z85 public keys admitted as clients
     folder: Path
     server: bytes  # the members' public key: every server presents it, every client expects it
-    names: dict[bytes, str] = field(default_factory=dict, compare=False)  # public key -> its file's stem
+    names: dict[bytes, str] = field(hash=False)  # every admitted client's public key -> its file's stem
+
+    @property
+    def members(self) -> frozenset[bytes]:
+        """The z85 public keys admitted as clients."""
+        return frozenset(self.names)
 
     @property
     def serves(self) -> bool:
@@ -115,7 +119,7 @@ def load(folder: str | Path, pair: str = NAME) -> CurveKeys:
     if names.get(public) != pair:
         raise CurveKeysError(f"CURVE keys folder {folder}: {pair}.key is missing or not the public half of "
                              f"{pair}.key_secret")
-    return CurveKeys(public, secret, frozenset(names), folder, server, names)
+    return CurveKeys(public, secret, folder, server, names)
 
 
 class _Members:
