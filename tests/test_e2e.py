@@ -104,10 +104,8 @@ def test_openai_package_works_unchanged(up, tmp_path):
     client = OpenAI(base_url=f"{up.url}/v1", api_key="unused")
     video = client.videos.create(prompt="a lighthouse", model="t2v", size="64x64", seconds="1",
                                  extra_body={"steps": 2, "num_frames": 5})
-    deadline = time.monotonic() + 120
-    while video.status not in ("completed", "failed") and time.monotonic() < deadline:
-        time.sleep(0.2)
-        video = client.videos.retrieve(video.id)
+    video = wait_for(lambda: (v := client.videos.retrieve(video.id)).status in ("completed", "failed") and v, 120,
+                     "the video to end", interval=0.2)
     assert video.status == "completed", video
     content = client.videos.download_content(video.id)
     assert decode_mp4(content.read()).shape == (5, 64, 64, 3)
@@ -127,10 +125,11 @@ def test_status_command_shows_every_stage(up):
     # two t2v requests ran above, so every t2v stage has a sample (each worker's first request
     # is left out), which reaches the NM with a heartbeat or two; the i2v-only stages have
     # served one request, so i2v is not measured yet
-    deadline = time.monotonic() + 10
-    while not re.search(r"capacity t2v: [0-9.]+/s, bottleneck \w+", text) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    def measured() -> str | None:
         text = status()
+        return text if re.search(r"capacity t2v: [0-9.]+/s, bottleneck \w+", text) else None
+
+    text = wait_for(measured, 10, "a t2v capacity in onepiece status", interval=0.5)
     assert re.search(r"capacity t2v: [0-9.]+/s, bottleneck \w+", text), text
     assert "capacity i2v: not measured yet" in text, text
     assert "falling behind" not in text, text  # an idle set raises no alarm
@@ -180,12 +179,8 @@ def test_what_a_stage_cannot_use_fails_only_that_request(up):
         tx.send(Message({"uid": uid, "app": "t2v", "stage": "denoise_t2v", "kind": "task", "ts": time.time_ns(),
                          **header}), timeout=5)
     tx.close()
-    deadline = time.monotonic() + 30
     for uid, (_, why) in zip(uids, cases):
-        rec = db.get(uid)
-        while rec["status"] != "failed" and time.monotonic() < deadline:
-            time.sleep(0.1)
-            rec = db.get(uid)
+        rec = wait_for(lambda: (r := db.get(uid))["status"] == "failed" and r, 30, f"{uid} failed", interval=0.1)
         assert rec["status"] == "failed" and why in rec["error"], (why, rec)
     with Client(up.url) as c:  # the same stage still serves
         v = c.submit("still alive", model="t2v", size="32x32", num_frames=5, steps=2)
@@ -201,9 +196,8 @@ def test_malformed_frames_into_a_stage_are_dropped_with_a_log_line(up):
     # a header that parses but describes a part no frame can match
     raw.send_multipart([b"OP1", b'{"uid":"x","parts":[{"name":"a","dtype":"float32","shape":[true,0],"nbytes":0}]}', b""])
     raw.close(linger=2000)
-    deadline = time.monotonic() + 10
-    while up.log("set0-text_encode0").count("dropped malformed message") < 3 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_for(lambda: up.log("set0-text_encode0").count("dropped malformed message") >= 3, 10,
+             "three malformed messages logged", interval=0.1)
     assert up.log("set0-text_encode0").count("dropped malformed message") == 3
     with Client(up.url) as c:
         v = c.submit("after garbage", model="t2v", size="32x32", num_frames=5, steps=2)
@@ -234,35 +228,31 @@ def test_killed_worker_fails_its_request_and_comes_back(up):
     with Client(up.url) as c:
         # long enough to be caught mid-denoise
         v = c.submit("a slow one", model="t2v", size="256x256", num_frames=17, steps=100)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            s = c.status(v["id"])
-            if s["status"] == "in_progress" and s["progress"] >= 35:  # inside denoise (stage 2 of 3)
-                break
-            time.sleep(0.05)
+        wait_for(lambda: (s := c.status(v["id"]))["status"] == "in_progress" and s["progress"] >= 35, 60,
+                 "the request inside denoise (stage 2 of 3)", interval=0.05)
         os.kill(before, signal.SIGKILL)
         with pytest.raises(RequestFailed, match="died"):
             c.wait(v["id"], timeout=30)
         # the worker is restarted and the stage serves again
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        def restarted() -> bool:
             try:
-                if _worker_pid(up, "denoise_t2v") != before:
-                    break
+                return _worker_pid(up, "denoise_t2v") != before
             except (AssertionError, psutil.NoSuchProcess):
-                pass
-            time.sleep(0.2)
+                return False
+
+        wait_for(restarted, 60, "a new denoise_t2v worker", interval=0.2)
+
         # Until the new worker has loaded its model the stage has no worker, and the request
         # monitor refuses t2v at once (429 no_capacity) instead of queueing it.
-        deadline = time.monotonic() + 60
-        while True:
+        def submitted() -> dict | None:
             try:
-                v2 = c.submit("after the crash", model="t2v", size="32x32", num_frames=5, steps=2)
-                break
+                return c.submit("after the crash", model="t2v", size="32x32", num_frames=5, steps=2)
             except RequestRejected as e:
-                if e.code != "no_capacity" or time.monotonic() > deadline:
+                if e.code != "no_capacity":
                     raise
-                time.sleep(0.2)
+                return None
+
+        v2 = wait_for(submitted, 60, "t2v admitted again", interval=0.2)
         assert c.wait(v2["id"], timeout=90)["status"] == "completed"
 
 
