@@ -240,6 +240,11 @@ class DbClient(_Failover):
         no DB answered at all."""
         return self._run(self._get(uid, owner))
 
+    def handed(self, uid: str, owner: str | None = None) -> dict[str, Any] | None:
+        """Mark the record: its proxy handed it over (proxy/idempotency.py); the record, None
+        where no DB has it."""
+        return self._run(self._get(uid, owner, op="handed"))
+
     def state(self, uid: str) -> dict[str, Any] | None:
         """As ``get``, but only where the request is (uid, app, status, stage): what a member
         that is not a proxy may read (db/protocol.py PROXY_OPS)."""
@@ -326,6 +331,9 @@ class AsyncDbClient(_Failover):
 
     async def get(self, uid: str, owner: str | None = None) -> dict[str, Any] | None:
         return await self._run(self._get(uid, owner))
+
+    async def handed(self, uid: str, owner: str | None = None) -> dict[str, Any] | None:
+        return await self._run(self._get(uid, owner, op="handed"))
 
     async def content(self, uid: str, owner: str | None = None) -> tuple[dict[str, Any], bytes] | None:
         return await self._run(self._content(uid, owner))

@@ -68,6 +68,7 @@ class RecordSchema(BaseModel):
     trace: list[dict[str, Any]] | None = Field(None, max_length=1024)
     owner: StrictStr | None = Field(None, max_length=64)  # the creator's key tag (proxy/keys.py)
     request_hash: StrictStr | None = Field(None, max_length=128)  # an idempotent create's body digest
+    handed: StrictBool | None = None  # its proxy handed an idempotent create over (proxy/idempotency.py)
 
 
 MAX_PAGE = 100  # records per list page, as the OpenAI API bounds its pages
@@ -126,12 +127,12 @@ class NoArgs(_Args):
 
 RPC_SCHEMAS: dict[str, type[BaseModel]] = {
     "create": CreateArgs, "get": UidArgs, "content": UidArgs, "delete": DeleteArgs, "list": ListArgs,
-    "state": UidArgs, "stats": NoArgs, "ping": NoArgs,
+    "state": UidArgs, "stats": NoArgs, "ping": NoArgs, "handed": UidArgs,
 }
 # What only the proxies of the DB's set may do (with CURVE, by the key a client proved;
 # transport/rpc.py): users' records hold their prompts and results. Other members see where a
 # request is (``state``: its app, status and stage, what the NM's reaper needs) and the figures.
-PROXY_OPS = ("create", "get", "content", "delete", "list")
+PROXY_OPS = ("create", "get", "content", "delete", "list", "handed")
 
 
 class _Report(BaseModel):

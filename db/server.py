@@ -174,7 +174,7 @@ class DbServer:
             self.receiver = registry.listen(data_address)
             self.data_address = self.receiver.address
             self.rpc = RpcServer(control_address, {
-                "create": self._op_create, "get": self._op_get, "content": self._op_content,
+                "create": self._op_create, "get": self._op_get, "content": self._op_content, "handed": self._op_handed,
                 "delete": self._op_delete, "list": self._op_list, "state": self._op_state, "stats": self._op_stats,
                 "ping": self._op_ping,
             }, RPC_SCHEMAS, {op: readers for op in PROXY_OPS})
@@ -426,6 +426,18 @@ class DbServer:
         if rec is None:
             raise NotFound(f"not found: {uid}")
         return {"record": rec}
+
+    def _op_handed(self, req: UidArgs, blobs: list) -> dict:
+        """The proxy handed the request over (proxy/idempotency.py): the record says so, here
+        and on its copies."""
+        uid, rec = self._owned(req)
+        if rec is None:
+            raise NotFound(f"not found: {uid}")
+        change = self.store.note(uid, handed=True)
+        WRITES.labels(self.name, "handed").inc()
+        if change is not None:
+            self._on_change(change, replicate=True)
+        return {"record": self.store.get(uid)}
 
     def _op_state(self, req: UidArgs, blobs: list) -> dict:
         """Where a request is, without what it holds (any member may ask: protocol.PROXY_OPS)."""

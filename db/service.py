@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 def serve(nm_address: str, set_name: str, data: str, control: str, events: str, ttl_s: float, max_bytes: int,
           purge_after_fetch_s: float | None, replication: int = 2, advertise: str | None = None,
-          zk: "ZkSettings | None" = None, deployment_id: str = "") -> None:
+          zk: "ZkSettings | None" = None, deployment_id: str = "", name: str = "") -> None:
     metrics = metrics_endpoint.start(0, host_of(data))
     member: Membership | None = None
 
@@ -41,6 +41,7 @@ def serve(nm_address: str, set_name: str, data: str, control: str, events: str, 
             # it sends the snapshot the loop takes every sweep.
             on_routes=on_routes, stats=lambda: server.snapshot,
             zk=zk, capacity={"max_bytes": max_bytes, "replication": replication}, deployment=deployment_id,
+            name=name,
         )
         member.register()
         member.start()

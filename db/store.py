@@ -225,6 +225,16 @@ class ResultStore:
         self._check(upd)
         return self._apply(upd, local=True)
 
+    def note(self, uid: str, **fields: Any) -> Change | None:
+        """Fields a held, unfinished record gains, its status and progress unchanged (None: not
+        held, or finished: its times stay as they are)."""
+        rec = self.get(uid)
+        if rec is None or rec["status"] in TERMINAL:
+            return None
+        upd = {**fields, "uid": uid, "status": rec["status"], "stage": rec.get("stage") or "",
+               "progress": rec.get("progress") or 0}
+        return self._apply(upd, local=True)
+
     def put_result(self, uid: str, content: bytes, content_type: str | None = None,
                    trace: list | None = None, stage: str | None = None, **extra: Any) -> Change | None:
         """The final artefact (``result`` message): the record becomes ``completed``."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import secrets
 import socket
 import threading
 import time
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 
 from onepiece import deployment as deployments
 from onepiece.heartbeat import DELIVERED
+from onepiece.nm.identity import NAME_HELD
 from onepiece.nm.protocol import Routes
 from onepiece.schema import problem
 from onepiece.transport.registry import scheme_of, with_host
@@ -210,7 +212,9 @@ class Membership:
         self.serving = serving or (lambda: self.stage if self.ready() else None)
         self.on_assign = on_assign
         self.idle = idle  # a stage instance without a pin that asks for the idle pool
-        self.name = name  # a name that outlives this process (a restart keeps where it was moved)
+        self.name = name  # its id, which outlives this process (a restart keeps where it was moved)
+        # Which process holds the name (nm/identity.py): drawn once, so that re-registering keeps our place.
+        self.process = secrets.token_hex(8)
         # Sent with every registration and heartbeat: an NM of another deployment refuses us.
         self.deployment = deployments.resolve(deployment)
         self.deliveries = deliveries  # what this member handed to which instance lately, for the NM
@@ -323,7 +327,7 @@ class Membership:
             try:
                 args: dict[str, Any] = {"role": self.role, "set": self.set, "addresses": self._advertised(),
                                         "pid": os.getpid(), "host": socket.gethostname(), "stage": self.stage,
-                                        deployments.FIELD: self.deployment}
+                                        deployments.FIELD: self.deployment, "process": self.process}
                 if self.zk_settings is not None:
                     args["instance"] = self.id
                 if self.idle:
@@ -339,6 +343,12 @@ class Membership:
                     raise
                 time.sleep(0.2)
             except RpcError as e:
+                if NAME_HELD in str(e) and time.monotonic() < deadline:
+                    # Our predecessor under this name (a process just killed) is not silent long
+                    # enough yet; a live second process keeps us out until ``timeout``.
+                    log.info("%s; retrying", e)
+                    time.sleep(0.5)
+                    continue
                 if deployments.REFUSED not in str(e):
                     raise
                 log.error("not joining %s: %s", self.nm.address, e)
@@ -400,7 +410,7 @@ class Membership:
                 if self.deliveries is not None and (sent := self.deliveries.report(window_s)):
                     extra[DELIVERED] = sent
                 reply, _ = self.nm.call("heartbeat", instance=self.id, ready=self.ready(), stats=stats,
-                                        version=self.routes["version"],
+                                        version=self.routes["version"], process=self.process,
                                         **{deployments.FIELD: self.deployment}, **extra)
                 if self.role == "stage" and "stage" in reply:
                     self._assign(reply["stage"])

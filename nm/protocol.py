@@ -19,6 +19,9 @@ Address = Annotated[StrictStr, Field(max_length=512)]
 Uid = Name
 # onepiece.deployment.FIELD; its format is checked where it is compared (deployment.refusal).
 DeploymentId = Annotated[StrictStr, Field(max_length=64)]
+# A member's name becomes its id (nm/identity.py): shown, typed into `onepiece move`, kept in ZooKeeper.
+NAME_PATTERN = r"^([A-Za-z0-9][A-Za-z0-9_.-]*)?$"
+ProcessToken = Annotated[StrictStr, Field(max_length=64)]  # drawn by each member process once
 
 
 class _Args(BaseModel):
@@ -34,9 +37,10 @@ class RegisterArgs(_Args):
     stage: Name | None = None
     instance: Name | None = None  # on ZooKeeper: the member node it joined with
     idle: StrictBool = False
-    name: Annotated[StrictStr, Field(max_length=128)] = ""
+    name: Annotated[StrictStr, Field(max_length=128, pattern=NAME_PATTERN)] = ""  # its id, when given
     deployment: DeploymentId = ""
     serving: Name | None = None  # registering again: the stage it serves already
+    process: ProcessToken = ""
 
 
 class HeartbeatArgs(_Args):
@@ -48,6 +52,7 @@ class HeartbeatArgs(_Args):
     version: Annotated[StrictInt, Field(ge=0, le=1 << 62)] = 0
     serving: Name | None = None
     deployment: DeploymentId = ""
+    process: ProcessToken = ""
     # What it handed to which instance lately (onepiece.heartbeat.DELIVERED): checked by the
     # handler, which drops a malformed report and still counts the heartbeat.
     delivered: Any = None

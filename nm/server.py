@@ -30,6 +30,7 @@ from onepiece.config import Topology, Workflow
 from onepiece.droplog import log_dropped
 from onepiece.heartbeat import DELIVERED, delivered_of, stage_stats_problem
 from onepiece.nm.deliveries import DeliveryLedger, Grave
+from onepiece.nm import identity
 from onepiece.nm.elastic import Elastic, Move
 from onepiece.nm.liveness import Liveness, LivenessSpec
 from onepiece.nm.protocol import SCHEMAS, HeartbeatArgs, Holdings, InstanceArgs, MoveArgs, RegisterArgs, SetArgs
@@ -104,8 +105,9 @@ class NodeManager:
     # ---- hooks for the NM on ZooKeeper -------------------------------------------------------
 
     def _instance_id(self, req: RegisterArgs) -> str | None:
-        """The id a registering instance brings (None: this NM names it)."""
-        return None
+        """The id a registering instance brings: its name (nm/identity.py; None: this NM makes
+        one up)."""
+        return req.name or None
 
     def _saved(self) -> None:
         """Called after the state changed, before the reply: the HA NM writes it to ZooKeeper."""
@@ -174,8 +176,12 @@ class NodeManager:
 
     def _register(self, req: RegisterArgs, _: Any) -> dict:
         self._check_deployment(req.deployment)
+        iid = self._instance_id(req)
+        if iid is not None and (holder := self.state.instances.get(iid)) is not None:
+            self._claim(holder, req)
         inst = self.state.register(req.role, req.set, dict(req.addresses), req.pid, req.host, req.stage,
-                                   inst_id=self._instance_id(req), idle=req.idle, name=req.name, serving=req.serving)
+                                   inst_id=iid, idle=req.idle, name=req.name, serving=req.serving,
+                                   process=req.process)
         if inst.role == "stage":
             self.deliveries.revive(inst.addresses["data"], time.monotonic())
         self._saved()
@@ -191,6 +197,20 @@ class NodeManager:
             "routes": self.state.routes(inst.set),
         }
 
+    def _claim(self, holder: Instance, req: RegisterArgs) -> None:
+        """A registration under an id that ``holder`` has: refused while the holder is alive,
+        else the holder is dropped as dead first (nm/identity.py)."""
+        silent = time.monotonic() - holder.last_seen
+        verdict = identity.claim(holder.process, silent, req.process, identity.held_s(self.topology.nm.heartbeat_s))
+        if verdict == "held":
+            raise ValueError(f"instance {holder.id} {identity.NAME_HELD} (pid {holder.pid} on {holder.host or '?'}, "
+                             f"heard {silent:.1f}s ago): a second process under one name is refused")
+        if verdict == "replace":
+            why = (f"its process was replaced (a new one, pid {req.pid} on {req.host or '?'}, registered under its "
+                   f"name after {silent:.1f}s of silence)")
+            self.state.deregister(holder.id, why)
+            self._dropped(holder, why)
+
     def _heartbeat(self, req: HeartbeatArgs, _: Any) -> dict:
         self._check_deployment(req.deployment)  # before the lookup: a foreign member is not told to register again
         stats = dict(req.stats)
@@ -205,7 +225,8 @@ class NodeManager:
             log_dropped(log, f"nm at {self.rpc.address}", f"stats {problem}", "heartbeat of %s: stats dropped: %s",
                         known.id, problem)
             stats = known.stats
-        inst = self.state.heartbeat(req.instance, req.ready, stats, req.version, holding, req.serving)
+        inst = self.state.heartbeat(req.instance, req.ready, stats, req.version, holding, req.serving,
+                                    process=req.process)
         if inst.role == "stage":
             self.elastic.observe(inst, time.monotonic())
         if req.delivered:

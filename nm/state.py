@@ -26,6 +26,7 @@ from typing import Any
 
 from onepiece.config import Topology, Workflow
 from onepiece.nm.capacity import estimate
+from onepiece.nm.identity import NAME_HELD
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +56,13 @@ class Instance:
     holding: list[str] = field(default_factory=list)
     heard: bool = False  # heartbeated to this NM (a new primary has no stats until then)
     serving: str | None = None  # the stage the instance last said it serves (stage role)
-    name: str = ""  # the name it was launched under (`onepiece stage --name`), which outlives its process
+    name: str = ""  # the name it was launched under (`--name`), which outlives its process
+    process: str = ""  # the token its process drew at start (nm/identity.py): which process holds the id
     # What it proves itself with when it leaves (handed out with its registration, never shown).
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
 
     PERSISTENT = ("id", "role", "set", "addresses", "pid", "host", "stage", "ready", "registered_at", "name",
-                  "token")
+                  "process", "token")
 
     def view(self, now: float) -> dict[str, Any]:
         return {
@@ -95,11 +97,12 @@ class ClusterState:
         self.instances: dict[str, Instance] = {}
         self.version = first_version  # bumped whenever any route table changes
         self._ids = itertools.count(1)
-        # Ids carry this NM's incarnation: a restarted NM never hands out an id that an
-        # instance of the one before still holds (it would heartbeat as another instance and
-        # take over its assignment); such an instance is unknown here and registers again. The
-        # start time in milliseconds differs between incarnations where a random tag would
-        # collide now and then; the random byte tells apart NMs started in the same ms.
+        # A member without a name (nm/identity.py) gets an id with this NM's incarnation: a
+        # restarted NM never hands out an id that an instance of the one before still holds
+        # (it would heartbeat as another instance and take over its assignment); such an
+        # instance is unknown here and registers again. The start time in milliseconds differs
+        # between incarnations where a random tag would collide now and then; the random byte
+        # tells apart NMs started in the same ms.
         self._incarnation = f"{time.time_ns() // 1_000_000:x}{secrets.token_hex(1)}"
         self.events: list[str] = []  # recent decisions, shown by `onepiece status`
         self.dirty: set[str] = set()  # sets whose instance records changed since last saved
@@ -136,13 +139,14 @@ class ClusterState:
 
     def register(self, role: str, set_name: str, addresses: dict[str, str], pid: int = 0, host: str = "",
                  stage: str | None = None, inst_id: str | None = None, idle: bool = False,
-                 name: str = "", serving: str | None = None) -> Instance:
+                 name: str = "", serving: str | None = None, process: str = "") -> Instance:
         """A new instance, with the stage it serves (where an instance of its ``name`` was last
         moved, else its pin, else the idle pool if it asks for it, else the set's biggest deficit,
-        else the idle pool). ``inst_id``: the id it already has (its ZooKeeper member node); the
-        same id registering again (a retried request) keeps its assignment. ``serving``: the
-        stage it serves already (it registers again, to a restarted NM): routed at once if that
-        is the stage it is given."""
+        else the idle pool). ``inst_id``: its id (its name, or its ZooKeeper member node; none:
+        one is made up); the same process registering again under it (a retried request, or
+        one the NM forgot) keeps its assignment, and another process may not (the NM drops the
+        holder first, nm/identity.py). ``serving``: the stage it serves already (it registers
+        again, to a restarted NM): routed at once if that is the stage it is given."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r} (expected one of {sorted(ROLES)})")
         missing = [k for k in ROLES[role] if not addresses.get(k)]
@@ -157,6 +161,8 @@ class ClusterState:
         if old is not None:
             if (old.role, old.set) != (role, set_name):
                 raise ValueError(f"instance {inst_id} is already a {old.role} of set {old.set}")
+            if old.process != process:
+                raise ValueError(f"instance {inst_id} {NAME_HELD} (pid {old.pid} on {old.host or '?'})")
             if (old.addresses, old.pid, old.host) != (addresses, pid, host):
                 old.addresses, old.pid, old.host = addresses, pid, host
                 self._changed(set_name)
@@ -168,7 +174,7 @@ class ClusterState:
         if role == "stage" and not idle:
             stage = stage or self._stage_with_deficit(set_name)
         inst = Instance(inst_id or f"{role}-{self._incarnation}-{next(self._ids)}", role, set_name, addresses, pid,
-                        host, stage, name=name)
+                        host, stage, name=name, process=process)
         # DBs and proxies serve as soon as they registered; stages once their workers loaded
         # (which one that registers again has done already).
         inst.ready = role != "stage" or (serving is not None and serving == stage)
@@ -215,10 +221,16 @@ class ClusterState:
         return inst
 
     def heartbeat(self, inst_id: str, ready: bool, stats: dict[str, Any], routes_version: int = 0,
-                  holding: list[str] | None = None, serving: str | None = None, now: float | None = None) -> Instance:
+                  holding: list[str] | None = None, serving: str | None = None, now: float | None = None,
+                  process: str = "") -> Instance:
+        """A sign of life from ``inst_id``'s process (``process``: its token; another process's
+        heartbeat under the id is refused as unknown, so that it registers again)."""
         inst = self.instances.get(inst_id)
         if inst is None:
             raise LookupError(f"unknown instance {inst_id}")
+        if process and inst.process and process != inst.process:
+            raise LookupError(f"unknown instance {inst_id} for this process: its name was taken over by "
+                              f"pid {inst.pid} on {inst.host or '?'}")
         if inst.role == "stage":
             inst.serving = serving
             ready = ready and serving is not None and serving == inst.stage

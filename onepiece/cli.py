@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -124,7 +125,7 @@ def cmd_db(args: argparse.Namespace) -> int:
     _curve(args, [args.listen, args.control, args.events, *args.nm.split(",")])
     serve(args.nm, args.set, args.listen, args.control, args.events, args.ttl, args.max_bytes,
           None if args.keep_after_fetch else args.purge_after_fetch, replication=args.replication,
-          advertise=args.advertise, zk=_zk(args), deployment_id=_deployment(args))
+          advertise=args.advertise, zk=_zk(args), deployment_id=_deployment(args), name=args.name)
     return 0
 
 
@@ -145,7 +146,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     _curve(args, args.nm.split(","), pair=proxy_pair(args.set))
     serve(args.nm, args.set, args.host, args.port, args.max_inflight, args.max_body_bytes, monitor=args.monitor,
           deadline_factor=args.deadline_factor, advertise=args.advertise, zk=_zk(args), keys=keys,
-          deployment_id=_deployment(args))
+          deployment_id=_deployment(args), name=args.name)
     return 0
 
 
@@ -310,6 +311,15 @@ def _checked(parse, what: str):
     return check
 
 
+def _member_name(value: str) -> str:
+    from onepiece.nm.protocol import NAME_PATTERN
+
+    if not re.fullmatch(NAME_PATTERN, value) or len(value) > 128:
+        raise argparse.ArgumentTypeError(f"{value[:140]!r}: up to 128 letters, digits, '_', '.' or '-', "
+                                         f"starting with a letter or digit")
+    return value
+
+
 def _refused(why: str):
     """An argparse type for a flag that is gone: any value is a usage error saying ``why`` (and not
     echoing the value)."""
@@ -417,13 +427,14 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--advertise", metavar="HOST",
                         help="host that peers reach this instance at (default: the bound one), e.g. a "
                              "container's service name when binding 0.0.0.0")
+        sp.add_argument("--name", default="", type=_member_name,
+                        help="its id in the deployment, which outlives this process (onepiece up names every "
+                             "member): started again under it, it takes its dead predecessor's place (a stage "
+                             "returns to where the NM last moved it); a second live process under it is refused")
         if name == "stage":
             sp.add_argument("--stage", help="serve this stage first (default: whatever the NM assigns); the NM "
                                             "may move the instance later")
             sp.add_argument("--idle", action="store_true", help="start in the idle pool, for the NM to assign")
-            sp.add_argument("--name", default="",
-                            help="a name that outlives this process (onepiece up gives its own): started again "
-                                 "under it, the instance returns to the stage the NM last moved it to")
             sp.add_argument("--listen", default="tcp://127.0.0.1:0", help="data address to receive on")
             sp.add_argument("--runtime-dir", help="folder for worker sockets")
             sp.set_defaults(fn=cmd_stage)

@@ -148,7 +148,8 @@ class Deployment:
         out = []
         for i in range(s.db.count):
             name = f"{s.name}-db{i}"
-            argv = _cli("db", "--nm", nm, "--set", s.name, "--listen", self._data_address(name, self.workflow.db.data),
+            argv = _cli("db", "--nm", nm, "--set", s.name, "--name", name,
+                        "--listen", self._data_address(name, self.workflow.db.data),
                         "--control", self._address(name + "-ctl"), "--events", self._address(name + "-ev"),
                         "--ttl", str(s.db.ttl_s), "--max-bytes", str(s.db.max_bytes),
                         "--replication", str(min(s.db.replication, s.db.count)))
@@ -170,7 +171,8 @@ class Deployment:
         for i in range(s.proxy.count):
             name = f"{s.name}-proxy{i}"
             port = s.proxy.port + i if s.proxy.port else 0
-            argv = _cli("proxy", "--nm", nm, "--set", s.name, "--host", s.proxy.host, "--port", str(port),
+            argv = _cli("proxy", "--nm", nm, "--set", s.name, "--name", name, "--host", s.proxy.host,
+                        "--port", str(port),
                         "--max-inflight", str(s.proxy.max_inflight), "--max-body-bytes", str(s.proxy.max_body_bytes),
                         "--deadline-factor", str(s.proxy.deadline_factor))
             if not s.proxy.monitor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -38,8 +39,8 @@ from onepiece.proxy.cluster import Cluster
 from onepiece.proxy.dbs import DbAccess
 from onepiece.proxy.dispatch import Dispatcher, NoEntrance, SendFailed
 from onepiece.proxy.errors import ApiError, JsonResponse, bad_request
-from onepiece.proxy.idempotency import HEADER as IDEM_HEADER, check_same, gone, idempotency_key, idempotent_uid, \
-    request_hash
+from onepiece.proxy.idempotency import HEADER as IDEM_HEADER, check_same, gone, handing, \
+    idempotency_key, idempotent_uid, request_hash
 from onepiece.proxy.images import decode_base64_image, decode_image
 from onepiece.proxy.keys import ANYONE, ApiKeys, Caller
 from onepiece.proxy.listing import list_object, parse_query
@@ -214,16 +215,24 @@ class ProxyState:
         first_stage = wf.applications[job.app].stages[0]
         params = job.params()
         uid = new_uid()
+        resend = False  # a retry handing over what a dead proxy stored (proxy/idempotency.py)
         if idem is not None:
             uid = idempotent_uid(caller, idem[0])
             held = await _db(self.dbs.get(uid, caller.owner))  # a retry of an accepted create
             if held is not None:
                 check_same(held, idem[1])
-                return video_object(held), True
-            if uid in self.tracker:  # its first create is still being stored or handed over here
-                raise ApiError(409, f"a request with this '{IDEM_HEADER}' is in progress; retry in a moment",
-                               code="idempotency_key_in_use", param=IDEM_HEADER,
-                               headers={"Retry-After": "1"})
+                # (one this proxy is handing over now is replayed)
+                what, left = ("replay", 0.0) if uid in self.tracker else \
+                    handing(held, time.time(), self.opts.send_total_timeout)
+                if what == "replay":
+                    return video_object(held), True
+                if what == "wait":
+                    raise _in_use(max(1, math.ceil(left)))
+                resend = True
+                log.warning("uid=%s: stored %.0fs ago and never marked handed over (its proxy died before "
+                            "handing it over): handing it over now", uid, time.time() - held["created_at"])
+            elif uid in self.tracker:  # its first create is still being stored or handed over here
+                raise _in_use(1)
         self.follow_dbs()  # cheap (set compares): a DB that just joined is used at once
         if not self.cluster.entrances(job.app):
             raise ApiError(503, f"no instance of stage {first_stage!r} (entrance of model {job.app!r}) is up; "
@@ -239,6 +248,8 @@ class ProxyState:
         if refusal is not None:
             raise self._refuse(refusal)
         deadline = ts + int(job.timeout_s * 1e9)  # where it fails
+        if resend and isinstance(held.get("deadline"), int):
+            deadline = min(deadline, held["deadline"])  # where its record fails it
         target = ts + int(job.target_s * 1e9)  # what the stages order it by
         self.metrics.inflight.set(len(self.tracker))
         try:
@@ -256,7 +267,9 @@ class ProxyState:
                 "owner": caller.owner, "request_hash": idem[1] if idem is not None else None,
             }
             try:
-                if idem is None:
+                if resend:
+                    pass  # stored already, by the proxy that died
+                elif idem is None:
                     await self.dbs.create(record)
                 else:
                     held, created = await self.dbs.create_once(record)
@@ -297,9 +310,16 @@ class ProxyState:
             self.metrics.inflight.set(len(self.tracker))
             raise
         self.cluster.delivered(addr, uid)
+        if idem is not None:  # before the answer: a retry then knows it was handed over
+            try:
+                await self.dbs.handed(uid, caller.owner)
+            except DbError as e:  # a retry after the hand-over's bound then hands it over again
+                log.warning("uid=%s: the mark that it was handed over was not stored: %s", uid, e)
         log.info("uid=%s accepted app=%s size=%s frames=%d steps=%d -> %s", uid, job.app, job.size, job.num_frames,
                  job.steps, addr)
         self.metrics.accepted.labels(job.app).inc()
+        if resend:
+            return video_object(held), True  # the video its first create made
         return video_object({**record, "progress": 0}), False
 
 
@@ -748,6 +768,11 @@ def _admission_health(st: ProxyState) -> dict[str, Any]:
         app: {"capacity": (apps.get(app) or {}).get("capacity"), "rate": rate,
               "bottleneck": (apps.get(app) or {}).get("bottleneck")}
         for app, rate in snap["rates"].items()}}
+
+
+def _in_use(retry_s: int) -> ApiError:
+    return ApiError(409, f"a request with this '{IDEM_HEADER}' is in progress; retry in {retry_s}s",
+                    code="idempotency_key_in_use", param=IDEM_HEADER, headers={"Retry-After": str(retry_s)})
 
 
 async def _db(coro: Any) -> Any:

@@ -69,6 +69,9 @@ class DbAccess:
     async def get(self, uid: str, owner: str | None = None) -> dict | None:
         return await self._require().get(uid, owner)
 
+    async def handed(self, uid: str, owner: str | None = None) -> dict | None:
+        return await self._require().handed(uid, owner)
+
     async def content(self, uid: str, owner: str | None = None) -> tuple[dict, bytes] | None:
         """(record, artefact), None when unknown; raises NotReady (with the record) when it
         exists but is not completed."""

@@ -9,6 +9,15 @@ placement order, whose one loop thread lets only one of them create (``create`` 
 ``if_absent``, db/server.py). The window is the record's life (its TTL, or the purge after its
 download) and then its tombstone's (a TTL, bounded in number): a retry then gets a 409 saying
 the video is gone, not a second video.
+
+A proxy killed between storing a record and handing the request to the pipeline leaves a
+``queued`` record that no stage will ever touch, and a retry that replayed it would wait for it
+until its deadline. So a proxy marks the record ``handed`` once it handed an idempotent create
+over (before it answers), and ``handing`` tells a retry what to do with a held record: handed,
+or moved on, it gets the video; not handed and younger than a hand-over and its mark may take
+(its proxy may be sending it now), it is asked to come back; not handed and older, its proxy
+died before the mark, and the retry's proxy hands it over. (A proxy that died between the
+hand-over and the mark makes it go twice; an entrance instance that holds it drops the copy.)
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from starlette.requests import Request
@@ -65,3 +74,23 @@ def check_same(record: dict[str, Any], digest: str) -> None:
 def gone() -> ApiError:
     return ApiError(409, f"the video created with this '{HEADER}' is gone (downloaded, deleted or expired); "
                          f"send a new key for a new request", code="idempotency_key_reused", param=HEADER)
+
+
+MARK_S = 3.0  # beyond the hand-over's own bound: the mark's own DB call
+
+
+Handing = Literal["replay", "wait", "resend"]
+
+
+def handing(record: dict[str, Any], now_s: float, handover_s: float) -> tuple[Handing, float]:
+    """What a retried create does with the record its key made: ``replay`` it, ask the client
+    to ``wait`` (its first proxy may still be handing it over), or ``resend`` it (that proxy
+    died before it handed it over); and for ``wait``, the seconds until a retry would resend.
+    ``handover_s``: the longest a proxy takes to hand a request over."""
+    if record.get("handed") or record.get("status") != "queued" or record.get("progress"):
+        return "replay", 0.0
+    created = record.get("created_at")
+    if not isinstance(created, (int, float)):
+        return "replay", 0.0
+    left = created + handover_s + MARK_S - now_s
+    return ("wait", left) if left > 0 else ("resend", 0.0)

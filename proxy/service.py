@@ -54,7 +54,8 @@ class NmCluster:
 
 def serve(nm_address: str, set_name: str, host: str, port: int, max_inflight: int, max_body_bytes: int,
           monitor: bool = True, deadline_factor: float = 2.0, advertise: str | None = None,
-          zk: "ZkSettings | None" = None, keys: ApiKeys | None = None, deployment_id: str = "") -> None:
+          zk: "ZkSettings | None" = None, keys: ApiKeys | None = None, deployment_id: str = "",
+          name: str = "") -> None:
     """Run a proxy of ``set_name`` until SIGTERM; ``monitor=False`` admits by the in-flight cap
     only (no capacity or deadline refusals). ``zk``: the NMs run on ZooKeeper. ``keys``: the
     client API keys (required when ``host`` is beyond loopback)."""
@@ -67,7 +68,8 @@ def serve(nm_address: str, set_name: str, host: str, port: int, max_inflight: in
         return server.app.state.proxy.stats()
 
     member = Membership(nm_address, "proxy", set_name, {}, stats=stats, advertise=advertise, zk=zk,
-                        capacity={"max_inflight": max_inflight}, deployment=deployment_id, deliveries=Deliveries())
+                        capacity={"max_inflight": max_inflight}, deployment=deployment_id, deliveries=Deliveries(),
+                        name=name)
     workflow = member.workflow()
     server = ProxyServer(NmCluster(workflow, member), host, port, max_inflight, max_body_bytes, log_level="info",
                          monitor=monitor, deadline_factor=deadline_factor, keys=keys)

@@ -383,7 +383,8 @@ def test_only_proxies_read_and_delete_users_records(servers, keys):
         member = RpcClient(db, timeout=2.0)
         try:
             for op, args in (("get", {"uid": uid}), ("content", {"uid": uid}), ("list", {}),
-                             ("delete", {"uid": uid}), ("create", {"record": {"uid": new_uid()}})):
+                             ("delete", {"uid": uid}), ("create", {"record": {"uid": new_uid()}}),
+                             ("handed", {"uid": uid})):
                 with pytest.raises(RpcError, match=f"op '{op}' is served to the proxy-set0 key only, not to the "
                                                    f"deployment key"):
                     member.call(op, **args)

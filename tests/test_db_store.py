@@ -47,6 +47,22 @@ def test_create_fills_defaults_and_get_returns_copy() -> None:
     assert s.get("nope") is None
 
 
+def test_a_note_adds_fields_to_an_unfinished_record_only() -> None:
+    s, clock = make()
+    s.create({"uid": "u", "stage": "text_encode"})
+    clock.t += 1
+    assert s.note("u", handed=True) is not None
+    rec = s.get("u")
+    assert (rec["handed"], rec["status"], rec["stage"], rec["progress"]) == (True, "queued", "text_encode", 0)
+    s.set_status("u", "in_progress", "denoise", 40)
+    s.note("u", handed=True)
+    assert (s.get("u")["status"], s.get("u")["progress"]) == ("in_progress", 40)
+    s.fail("u", "denoise", "boom")
+    finished = s.get("u")
+    assert s.note("u", other=1) is None and s.get("u") == finished  # its times stay as they were
+    assert s.note("nope", handed=True) is None and s.get("nope") is None
+
+
 def test_progress_is_monotonic_and_terminal_is_final() -> None:
     s, clock = make()
     s.create({"uid": "u"})

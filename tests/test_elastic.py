@@ -9,7 +9,8 @@ stage worker on one torch thread.
    instance while it holds requests: they complete, nothing fails. Then an instance an
    operator moved dies, and its restarted process serves where it had been moved.
 2. One instance of each stage plus one in the idle pool: the idle instance goes to denoise
-   under load, and returns to the pool once the load is gone (low watermark).
+   under load, and returns to the pool once the load is gone (low watermark); when the only
+   vae_decode instance is killed, the idle instance refills it (its floor) at once.
 """
 
 from __future__ import annotations
@@ -126,8 +127,8 @@ def test_an_operator_moves_an_instance_while_it_holds_requests_and_none_is_lost(
 
 def test_a_moved_instance_that_dies_comes_back_at_the_stage_it_was_moved_to(donor_set):
     """`onepiece up`'s supervisor restarts a dead stage process with its own --stage pin and
-    --name; the NM puts the new process where the old one had been moved (here by an operator),
-    not back at the pin. (On the first test's deployment, idle by now: no load, no moves.)"""
+    --name; the NM puts the new process, under the same id, where the old one had been moved
+    (here by an operator), not back at the pin. (On the first test's deployment, idle by now: no load, no moves.)"""
     dep, nm, url = donor_set
     stop = threading.Event()
     supervisor = threading.Thread(target=dep.supervise, args=(stop,), daemon=True)
@@ -143,10 +144,11 @@ def test_a_moved_instance_that_dies_comes_back_at_the_stage_it_was_moved_to(dono
         def named(stage: str) -> list[dict]:
             return [i for i in nm.status()["sets"]["set0"]["stages"][stage]["instances"] if i["name"] == st["name"]]
 
-        again = wait_for(lambda: next((i for i in named("denoise_t2v") if i["id"] != st["id"] and i["ready"]
+        again = wait_for(lambda: next((i for i in named("denoise_t2v") if i["pid"] != st["pid"] and i["ready"]
                                        and i["serving"] == "denoise_t2v"), None),
                          120, "the restarted process to serve denoise_t2v")
-        assert again["pid"] != st["pid"] and named("vae_decode") == []
+        # The same id (its name, nm/identity.py), one instance of the name, the new process.
+        assert again["id"] == st["id"] == st["name"] and len(named("denoise_t2v")) == 1 and named("vae_decode") == []
         assert any("where it was moved before it restarted" in e for e in nm.status()["events"])
     finally:
         stop.set()
@@ -177,6 +179,18 @@ def test_the_idle_pool_serves_under_load_and_takes_the_instance_back_when_load_i
         st = nm.status()["sets"]["set0"]
         assert [i["id"] for i in st["idle"]] == [back["instance"]]
         assert len(st["stages"]["denoise_t2v"]["instances"]) == 1
+
+        # The only vae_decode instance is SIGKILLed (nothing restarts it here): once the NM finds
+        # it dead the stage is below its minimum, and the idle instance refills it at once, with
+        # no load and before any utilization window.
+        (decoder,) = st["stages"]["vae_decode"]["instances"]
+        os.kill(decoder["pid"], signal.SIGKILL)
+        refill = wait_for(lambda: next((d for d in decisions(nm) if d["to"] == "vae_decode"), None), 60,
+                          "the NM to refill vae_decode from the idle pool")
+        assert (refill["instance"], refill["from"]) == (back["instance"], None), refill
+        assert "below its minimum 1" in refill["reason"], refill["reason"]
+        wait_for(lambda: (i := instance(nm.status(), back["instance"])) and i["ready"] and i["serving"] == "vae_decode",
+                 60, "the refilled vae_decode serving")
     finally:
         nm.close()
         dep.stop()

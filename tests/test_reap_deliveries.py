@@ -1,16 +1,23 @@
-"""A request that reached an instance after its last heartbeat, before a SIGKILL, is reported
-`failed` with "instance died" within the NM's dead limit plus a heartbeat, not at its deadline
-(issue 15, item 4): its sender reported the delivery with its own heartbeat (nm/holdings.py
-``Deliveries``), and the NM reaps it with what the instance held (nm/deliveries.py). The ledger
-directly, then a real `onepiece up` whose denoiser is stopped (SIGSTOP: it heartbeats no more
-and reads nothing), handed a request, and killed."""
+"""What a SIGKILL in the middle of a hand-over leaves behind still ends (issue 15, item 4).
+
+- A request that reached an instance after its last heartbeat is reported `failed` with
+  "instance died" within the NM's dead limit plus a heartbeat, not at its deadline: its sender
+  reported the delivery with its own heartbeat (nm/holdings.py ``Deliveries``), and the NM reaps
+  it with what the instance held (nm/deliveries.py). The ledger directly, then a real `onepiece
+  up` whose denoiser is stopped (SIGSTOP: it heartbeats no more and reads nothing), handed a
+  request, and killed; its restart takes its place under its name.
+- A proxy killed after it stored a create and before it handed it over: the client's retry with
+  the same Idempotency-Key, at the restarted proxy, gets the same video, handed over by that
+  proxy (proxy/idempotency.py), and it completes."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
+import httpx
 import psutil
 import pytest
 
@@ -22,6 +29,8 @@ from onepiece.nm.deliveries import DeliveryLedger, Grave
 from onepiece.nm.holdings import Deliveries
 from onepiece.nm.liveness import LivenessSpec
 from onepiece.proxy.api import uid_of
+from onepiece.proxy.idempotency import handing, idempotent_uid
+from onepiece.proxy.keys import ANYONE
 from deployment import Up
 from waiting import wait_for
 
@@ -126,8 +135,93 @@ def test_a_request_delivered_after_the_last_heartbeat_fails_as_instance_died_wit
         limit = LivenessSpec(HEARTBEAT_S, DEAD_AFTER_S).limit_s
         # Within the dead limit and a heartbeat (plus the client's polling and a loaded machine).
         assert took < limit + HEARTBEAT_S + 3.0, (took, error)
+
+        # The launcher restarts it; the new process takes the dead one's place under the same id
+        # (its name, nm/identity.py): one instance of the stage, the new process, ready.
+        def restarted() -> bool:
+            insts = nm.status()["sets"]["set0"]["stages"]["denoise_t2v"]["instances"]
+            seen = [(i["id"], i["ready"], i["pid"] != denoiser.pid) for i in insts]
+            return seen == [("set0-denoise_t2v0", True, True)]
+        wait_for(restarted, timeout=120, what="the restarted denoiser ready under its name")
     finally:
         nm.close()
         db.close()
         if denoiser.is_running():
             denoiser.kill()
+
+
+def _proxy_process(up: Up) -> psutil.Process:
+    (proc,) = [p for p in psutil.Process(up.proc.pid).children() if " proxy " in " ".join(p.cmdline())]
+    return proc
+
+
+def test_the_handing_rule():
+    queued = {"status": "queued", "progress": 0, "created_at": 100.0}
+    assert handing({**queued, "handed": True}, now_s=100.5, handover_s=3.0) == ("replay", 0.0)
+    assert handing({**queued, "status": "in_progress", "progress": 10}, now_s=100.5, handover_s=3.0)[0] == "replay"
+    assert handing({**queued, "status": "completed"}, now_s=200.0, handover_s=3.0)[0] == "replay"
+    what, left = handing(queued, now_s=101.0, handover_s=3.0)
+    assert what == "wait" and 0 < left < 6  # its first proxy may still be handing it over
+    assert handing(queued, now_s=110.0, handover_s=3.0) == ("resend", 0.0)
+
+
+def test_a_create_stored_by_a_proxy_killed_before_the_hand_over_is_handed_over_by_the_retry(up):
+    key = "proxy-killed-mid-post"
+    uid = idempotent_uid(ANYONE, key)  # no API keys here: every caller is one
+    db = DbClient([d["control"] for d in up.routes()["dbs"]])
+    entrance, proxy = _stage_process(up, "text_encode"), _proxy_process(up)
+    old_url = up.routes()["proxies"][0]
+    body = {"prompt": "stored, never handed over", "model": "t2v", "size": "32x32", "num_frames": 5, "steps": 2}
+    first: list = []
+    try:
+        # t2v can be served (the denoiser the test before killed is back, in the proxy's view too).
+        wait_for(lambda: _ready(old_url), timeout=120, interval=0.2, what="t2v ready")
+        # With its only entrance gone (killed, still routed until the NM notices), the proxy's
+        # hand-over waits for a receiver: the create is stored and not handed over yet.
+        entrance.kill()
+        post = threading.Thread(target=lambda: first.append(_post(old_url, body, key)), daemon=True)
+        post.start()
+        wait_for(lambda: db.get(uid), timeout=10, interval=0.01, what="the create stored")
+        proxy.suspend()  # at once, mid-hand-over
+        proxy.kill()
+        post.join(15)
+        assert first and isinstance(first[0], httpx.HTTPError), first  # the client got no answer
+        assert (db.get(uid)["status"], db.get(uid).get("handed")) == ("queued", None)
+
+        # The launcher restarts both; the client retries with the same key at the new proxy.
+        url = wait_for(lambda: next((u for u in up.routes()["proxies"] if u != old_url), None), timeout=60,
+                       what="the restarted proxy routed")
+
+        def accepted() -> httpx.Response | None:
+            r = _post(url, body, key)
+            if isinstance(r, httpx.Response) and r.status_code == 200:
+                return r
+            # 409 (its first proxy might still be handing it over) or 503 (no entrance yet): as told
+            assert isinstance(r, httpx.HTTPError) or r.status_code in (409, 503), r.text
+            return None
+        r = wait_for(accepted, timeout=60, interval=1.0, what="the retry accepted")
+        assert r.json()["id"] == f"video_{uid}" and r.headers["idempotent-replayed"] == "true"
+        with Client(url) as c:
+            assert c.wait(r.json()["id"], timeout=60)["status"] == "completed"
+        assert db.get(uid)["handed"] is True
+    finally:
+        db.close()
+        for p in (entrance, proxy):
+            if p.is_running():
+                p.kill()
+
+
+def _post(url: str, body: dict, key: str) -> "httpx.Response | httpx.HTTPError":
+    try:
+        return httpx.post(f"{url}/v1/videos", json=body, headers={"Idempotency-Key": key}, timeout=10)
+    except httpx.HTTPError as e:
+        return e
+
+
+def _ready(url: str) -> bool:
+    """Whether t2v can be served (this set has no i2v stages, so /readyz as a whole never is)."""
+    try:
+        missing = httpx.get(f"{url}/readyz", timeout=5).json()["missing"]
+    except httpx.HTTPError:
+        return False
+    return not [m for m in missing if not m.startswith("i2v:")]

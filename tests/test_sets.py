@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -148,8 +149,10 @@ def test_status_shows_both_sets(sets):
     for stage in ("text_encode", "denoise_t2v", "vae_decode"):
         assert f"stage {stage}: 1/1 ready" in a and f"stage {stage}: 1/1 ready" in b
     assert "stage denoise_i2v: 0/0 ready" in a
-    assert a.count("db-") == 1 and b.count("db-") == 3  # instance ids of the DBs
-    assert a.count("proxy-") == 1 and b.count("proxy-") == 1
+    # Instance ids (each line's first word): the names `onepiece up` gives (nm/identity.py).
+    ids = [re.findall(r"^ {4}(\S+) ", part, re.M) for part in (a, b)]
+    assert [i for i in ids[0] if "-db" in i or "-proxy" in i] == ["a-db0", "a-proxy0"], ids
+    assert [i for i in ids[1] if "-db" in i or "-proxy" in i] == ["b-db0", "b-db1", "b-db2", "b-proxy0"], ids
 
 
 def test_a_result_is_on_the_first_two_dbs_of_its_order_and_purged_from_both(sets, tmp_path):
