@@ -4,14 +4,19 @@ instance advertises the name its peers resolve, and the image installs what the 
 
 from __future__ import annotations
 
+import email
+import importlib.metadata
 import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from onepiece.cli import build_parser
 from onepiece.client import Client
@@ -150,8 +155,10 @@ def test_the_image_steps_give_a_package_that_serves(tmp_path, tiny_models, make_
     """What deploy/Dockerfile does, done without a container engine: a build context of exactly
     the files its COPY lines take, a wheel built from it (the ring's C module compiled), that
     wheel installed in a new venv, and a deployment started from that venv serves a video.
-    The venv borrows the test venv's third-party packages (a fresh install of torch and the rest
-    would take minutes), never its editable onepiece: the wheel is what runs."""
+    The venv holds what the wheel declares and nothing else: the distributions its
+    Requires-Dist names, and theirs, linked from the test venv (a fresh install of torch and the
+    rest takes a minute), so an import the wheel does not declare fails here as in the image;
+    never the editable onepiece: the wheel is what runs."""
     context = tmp_path / "context"
     for src, dest in copies((deploy_dir() / "Dockerfile").read_text()):
         target = context / dest
@@ -170,10 +177,16 @@ def test_the_image_steps_give_a_package_that_serves(tmp_path, tiny_models, make_
     python = str(venv / "bin" / "python")
     run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", str(wheel)])
     # Run from outside the checkout: from its root, `import onepiece` would find the source folder.
-    site = run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=tmp_path).strip()
-    borrowed = [p for p in map(str, sys.path) if p.endswith("site-packages")]
-    # A plain path line: the borrowed folder's own .pth files (the editable install's) stay unread.
-    Path(site, "borrowed.pth").write_text("\n".join(borrowed) + "\n")
+    site = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=tmp_path).strip())
+    with zipfile.ZipFile(wheel) as z:
+        (meta,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        declared = email.message_from_bytes(z.read(meta)).get_all("Requires-Dist")
+    for name in dependency_closure(declared):
+        dist = importlib.metadata.distribution(name)
+        for top in {f.parts[0] for f in dist.files or [] if f.parts[0] != ".."}:
+            source = Path(dist.locate_file(top))
+            if source.exists() and not (site / top).exists():
+                (site / top).symlink_to(source)
     where = run([python, "-c", "import onepiece, onepiece.transport.ring._atomics as a; print(onepiece.__file__)"],
                 cwd=tmp_path)
     assert where.startswith(str(venv)), where
@@ -190,6 +203,23 @@ def test_the_image_steps_give_a_package_that_serves(tmp_path, tiny_models, make_
             assert c.wait(video["id"], timeout=120)["status"] == "completed"
     finally:
         dep.stop()
+
+
+def dependency_closure(requires: list[str]) -> set[str]:
+    """The distributions ``requires`` (Requires-Dist lines, no extras asked) names, and theirs,
+    as installed in this venv."""
+    seen: set[tuple[str, frozenset[str]]] = set()
+    todo = [(Requirement(r), frozenset()) for r in requires]
+    while todo:
+        req, extras = todo.pop()  # extras: those its dependent asked of the distribution it came from
+        if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in (*extras, "")):
+            continue
+        key = (canonicalize_name(req.name), frozenset(req.extras))
+        if key in seen:
+            continue
+        seen.add(key)
+        todo += [(Requirement(r), key[1]) for r in importlib.metadata.distribution(key[0]).requires or []]
+    return {name for name, _ in seen}
 
 
 def run(cmd: list[str], cwd: Path | None = None) -> str:
