@@ -191,6 +191,9 @@ async def run_traces(t: Target, classes: dict[str, dict], traces: dict[str, Trac
             log(f"[{name}] trace at {load}: {len(trace.requests)} requests over {trace.requests[-1].at:.0f} s ...")
             recs = await replay(t, trace, PROMPT, cfg.max_duration)
             out[load] = recs
+            # What the stages measured under this load (their last window, before the drain):
+            # the table a simulator replays this very trace with.
+            out.setdefault("costs_by_load", {})[load] = cost_table((await t.status())["sets"][SET]["stages"])
             counts: dict[str, int] = {}
             for r in recs:
                 counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
@@ -203,6 +206,14 @@ async def run_traces(t: Target, classes: dict[str, dict], traces: dict[str, Trac
                                                "overhead_ms", "costs")}
         out["costs"] = cost_table(stages)
         return out
+
+
+def costs_name(policy: str, load: str | None = None) -> str:
+    """The file of a policy's measured costs: at the end of its run, or under one load's trace
+    (``1x``, ``monitor on 1.2x``), as `onepiece bench simval` finds them."""
+    if load is None:
+        return f"sched-costs-{policy}.json"
+    return f"sched-costs-{policy}-{load.replace('monitor on ', 'monitor-')}.json"
 
 
 def cost_table(stages: dict[str, Any]) -> dict[str, Any]:
@@ -362,7 +373,9 @@ def run(args: argparse.Namespace) -> int:
         slo = {c: classes[c]["slo_s"] for c in names}
         stage = {p: by.pop("stage", None) for p, by in results.items()}  # the denoise stage's own counts
         for p, by in results.items():  # each policy's measured costs, for a simulator to replay its traces with
-            (outdir / f"sched-costs-{p}.json").write_text(json.dumps(by.pop("costs"), indent=1))
+            (outdir / costs_name(p)).write_text(json.dumps(by.pop("costs"), indent=1))
+            for load, at_load in by.pop("costs_by_load").items():
+                (outdir / costs_name(p, load)).write_text(json.dumps(at_load, indent=1))
         rows = {p: {load: summarize(recs, slo) for load, recs in by.items()} for p, by in results.items()}
         top = list(traces)[-1]
         targets = check_targets(rows, top, names)
@@ -379,7 +392,9 @@ def run(args: argparse.Namespace) -> int:
                 tr, key = given, f"monitor on {top}"
             log(f"[{best}] with the request monitor on: {key} ...")
             with Session(f"{best}-monitor", models, Path(tmp) / "monitor", args, schedule[best], monitor=True) as s:
-                recs = _run_async(run_traces(s.target(), classes, {key: tr}, args, f"{best}, monitor on"))[key]
+                out = _run_async(run_traces(s.target(), classes, {key: tr}, args, f"{best}, monitor on"))
+                recs = out[key]
+                (outdir / costs_name(best, key)).write_text(json.dumps(out["costs_by_load"][key], indent=1))
                 # (its stage counts are not kept: they mix the warm-up and one trace)
             rows.setdefault(f"{best} (monitor on)", {})[key] = summarize(recs, slo)
             results.setdefault(f"{best} (monitor on)", {})[key] = recs

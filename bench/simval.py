@@ -2,8 +2,9 @@
 
 It replays the exact traces a `onepiece bench sched` run saved (``sched-trace-<load>.json``),
 for every policy that run measured, through `onepiece sim`'s engine with the cost table that
-policy's own run measured (``sched-costs-<policy>.json``: every stage's heartbeat figures at
-the end of its traces), on the topology the benchmark ran (one set: text_encode, denoise_t2v
+policy's own run measured under that trace (``sched-costs-<policy>-<load>.json``: every stage's
+heartbeat figures as the trace ended; a run from before those were saved: ``sched-costs-<policy>.json``,
+as its last trace drained), on the topology the benchmark ran (one set: text_encode, denoise_t2v
 and vae_decode, one instance each, denoise_t2v on the policy with the run's max batch), and
 puts predicted beside measured: SLO attainment and mean latency, per class and overall; the run
 with the request monitor on is replayed with the simulator's monitor on (the proxy's own rule).
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from onepiece.bench.common import T2V_STAGES, cpu_name
+from onepiece.bench.sched import costs_name
 from onepiece.bench.trace import Trace, load_trace, summarize
 from onepiece.cli import PROFILE_WORKFLOWS
 from onepiece.config import ProxySpec, deploy_dir, load_workflow
@@ -33,9 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", default="bench/results", help="folder of a bench sched run (sched.json, traces, costs)")
     p.add_argument("--out", default="bench/results", help="folder for simval.json and simval.md")
     p.add_argument("--costs-of", metavar="POLICY",
-                   help="price every policy with the costs this policy's run measured (default: each its own). "
-                        "Each table is its stages' last window, as the run drained: one taken quiet prices "
-                        "every step low; another run's table tells which")
+                   help="price every policy with the costs this policy's run measured under each trace "
+                        "(default: each its own)")
 
 
 def validate(results: Path, costs_of: str | None = None) -> dict[str, Any]:
@@ -47,10 +48,9 @@ def validate(results: Path, costs_of: str | None = None) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     for row, by_load in run["rows"].items():
         policy, monitor = row.removesuffix(" (monitor on)"), row.endswith("(monitor on)")
-        costs_path = results / f"sched-costs-{costs_of or policy}.json"
-        if not costs_path.exists():
+        priced_by = costs_of or policy
+        if not (results / costs_name(priced_by)).exists():
             continue  # a run from before the benchmark saved its costs
-        costs = CostTable.load(costs_path)
         opts = [f"denoise_t2v.policy={policy}"] + ([] if policy == "fcfs" else
                                                    [f"denoise_t2v.max_batch={settings['max_batch']}"])
         pwf = apply_schedule(wf, opts)
@@ -61,6 +61,9 @@ def validate(results: Path, costs_of: str | None = None) -> dict[str, Any]:
             if not path.exists():
                 continue  # a replayed --trace: its file is not beside the results
             trace = _sent(load_trace(path), settings["max_duration"])
+            # the table measured under this very trace, where the run saved one; else its run's last
+            at_load = results / costs_name(priced_by, load)
+            costs = CostTable.load(at_load if at_load.exists() else results / costs_name(priced_by))
             result, _ = simulate(pwf, {"set0": dict(T2V_STAGES)}, costs, trace, chunks=False, proxies=proxy)
             # both sides summarized by the same function, from the run's own records
             measured = summarize(run["requests"][row][load], {c: v["slo_s"] for c, v in run["classes"].items()})
