@@ -196,8 +196,9 @@ def test_a_create_stored_by_a_proxy_killed_before_the_hand_over_is_handed_over_b
             r = _post(url, body, key)
             if isinstance(r, httpx.Response) and r.status_code == 200:
                 return r
-            # 409 (its first proxy might still be handing it over) or 503 (no entrance yet): as told
-            assert isinstance(r, httpx.HTTPError) or r.status_code in (409, 503), r.text
+            # 409 (its first proxy might still be handing it over), 429 or 503 (the restarted
+            # entrance not serving yet): a retry later, as told
+            assert isinstance(r, httpx.HTTPError) or r.status_code in (409, 429, 503), r.text
             return None
         r = wait_for(accepted, timeout=60, interval=1.0, what="the retry accepted")
         assert r.json()["id"] == f"video_{uid}" and r.headers["idempotent-replayed"] == "true"

@@ -151,8 +151,8 @@ def test_status_shows_both_sets(sets):
     assert "stage denoise_i2v: 0/0 ready" in a
     # Instance ids (each line's first word): the names `onepiece up` gives (nm/identity.py).
     ids = [re.findall(r"^ {4}(\S+) ", part, re.M) for part in (a, b)]
-    assert [i for i in ids[0] if "-db" in i or "-proxy" in i] == ["a-db0", "a-proxy0"], ids
-    assert [i for i in ids[1] if "-db" in i or "-proxy" in i] == ["b-db0", "b-db1", "b-db2", "b-proxy0"], ids
+    assert sorted(i for i in ids[0] if "-db" in i or "-proxy" in i) == ["a-db0", "a-proxy0"], ids
+    assert sorted(i for i in ids[1] if "-db" in i or "-proxy" in i) == ["b-db0", "b-db1", "b-db2", "b-proxy0"], ids
 
 
 def test_a_result_is_on_the_first_two_dbs_of_its_order_and_purged_from_both(sets, tmp_path):
