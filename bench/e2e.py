@@ -76,19 +76,28 @@ class Monolithic:
         return t1 - t0, time.perf_counter() - t0
 
 
-def _breakdown(trace: list[dict]) -> dict[str, float]:
-    """Seconds per stage (recv → end: queue wait + compute) and per hop between them."""
+def _breakdown(trace: list[dict], sent: float, stored: float) -> dict[str, float]:
+    """Seconds per stage (recv → end: queue wait + compute; and of that, until its worker
+    started: queue wait, decision and the hand-over) and per hop between them, and at
+    the ends: from the client's POST (``sent``) until the proxy sent the request on, and from the
+    last stage's end until the DB held the result (``stored``)."""
     out: dict[str, float] = {}
     last = None
     for ev in trace:
         t = ev["t"] / 1e9
+        if ev["stage"] == "proxy" and ev["event"] == "leave":
+            out["client→proxy sent"] = t - sent
         if ev["event"] == "recv" and last is not None:
             out[f"hop→{ev['stage']}"] = out.get(f"hop→{ev['stage']}", 0.0) + t - last
             out.setdefault(f"_recv_{ev['stage']}", t)
+        if ev["event"] == "start" and f"_recv_{ev['stage']}" in out:
+            out.setdefault(f"{ev['stage']} until its worker starts", t - out[f"_recv_{ev['stage']}"])
         if ev["event"] == "end":
             out[ev["stage"]] = t - out.pop(f"_recv_{ev['stage']}", t)
         if ev["event"] in ("leave", "end"):
             last = t
+    if last is not None:
+        out["last stage→DB stored"] = stored - last
     return {k: v for k, v in out.items() if not k.startswith("_")}
 
 
@@ -141,7 +150,7 @@ def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder
                         frames_t.append(a)
                         mp4_t.append(b)
                         lat.append(rec["completed_at"] - t0)
-                        stages.append(_breakdown(rec.get("trace") or []))
+                        stages.append(_breakdown(rec.get("trace") or [], t0, rec["completed_at"]))
                 keys = sorted({k for s in stages for k in s})
                 out[f"{w}x{h}x{f}:{steps}"] = {
                     "monolithic_frames": _stats(frames_t),

@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, window_s: float,
                    cooldown_s: float, low: float = 0.0, threshold: float = 0.85, heartbeat_s: float = 0.25,
-                   stages: dict[str, int] | None = None, idle: int = 0) -> Path:
+                   stages: dict[str, int] | None = None, idle: int = 0, cold_windows: int = 10) -> Path:
     """The elastic deployment (tests use it too): monitor off, one torch thread per worker
     (processes, not torch threads, share the cores), denoise scheduled fcfs (each request alone:
     what a move adds is then a second worker's rate, not a change in how batches fill)."""
@@ -65,7 +65,8 @@ def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, wi
     return base(folder, models, nm_address, dbs=1, stages=stages or dict(STAGES), heartbeat_s=heartbeat_s,
                 proxy={"monitor": False, "port": 0}, idle=idle, threads=1,
                 schedule={"denoise_t2v": {"policy": "fcfs"}},
-                nm={"elastic": {"window_s": window_s, "cooldown_s": cooldown_s, "low": low, "threshold": threshold}})
+                nm={"elastic": {"window_s": window_s, "cooldown_s": cooldown_s, "low": low, "threshold": threshold,
+                                "cold_windows": cold_windows}})
 
 
 def request_body(shape: str) -> dict[str, Any]:

@@ -1,16 +1,26 @@
 """Elastic assignment (DESIGN §9; the paper's section 8): move instances to the busiest stage.
 
-``decide`` is the policy, a pure function of per-stage utilization over a window:
+``decide`` is the policy, a pure function of per-stage utilization and SLO risk over a window:
 
 - a stage with fewer instances than its minimum (its last one died and the NM dropped it, or
   was moved away) gets one from the idle pool at once, before any window, even during a
   cooldown; so does a stage of minimum 0 that had an instance and lost it (at 0 it fails every
   request of its application, and a stage with no instance reports no queue to judge by);
-- the busiest stage at or above ``threshold`` gets an instance from the idle pool, or else
-  from the least busy stage that has more than its minimum and would stay below the
-  threshold without it (so the move cannot simply shift the saturation);
-- with no stage saturated, the least busy stage below ``low`` that has more than its minimum
-  gives one instance back to the idle pool.
+- the busiest saturated stage gets an instance from the idle pool, or else, if it is busy at or
+  above ``threshold``, from the least busy stage that has more than its minimum, would stay
+  below the threshold without it (so the move cannot simply shift the saturation) and is not
+  late itself. Saturated: busy at or above ``threshold``, or late: more than ``late`` of the
+  requests that left it over the window left past the deadline they could have made there
+  (sched/core.py counts them). At a tight SLO a stage must run well below any busy threshold
+  or its tail misses, so waiting for ``threshold`` moves only after the misses; the late share
+  sees them as they begin. But a late stage may be paying for the slack its requests lost
+  upstream, so lateness alone takes only from the idle pool (taking from a donor moved a
+  denoiser to the VAE decoder, and the denoisers left fell late in turn: bench moves);
+- with no stage saturated, the least busy stage below ``low`` over ``cold_windows`` windows
+  that has more than its minimum and none of its requests late gives one instance back to the
+  idle pool. Over one window of a few long requests a Poisson lull looks cold: returning on it
+  sent a denoiser back and forth between its stage and the pool 31 times in 3,000 requests,
+  each return a move's load time of one instance fewer (bench moves).
 
 Only instances serving their stage now (ready, heard within three heartbeats) count: a dead one
 not yet dropped, or a replacement still loading, never lets a healthy one leave, and the last
@@ -60,6 +70,8 @@ class StageLoad:
     live: list[str] | None = None
     had_min: bool = True  # it has had its floor since this NM started: it can fall below it
     needs: int = 1  # devices one instance of it holds
+    late: float | None = None  # the share of its requests that left late over the window (None: none left)
+    cold: float | None = None  # its utilization over cold_windows windows (None: not covered yet)
 
     def __post_init__(self) -> None:
         if self.live is None:
@@ -113,29 +125,37 @@ def decide(spec: ElasticSpec, loads: dict[str, StageLoad], idle: list[str],
     if floors_only:
         return None
     known = [l for l in loads.values() if l.util is not None]
-    hot = [l for l in known if l.util >= spec.threshold]
+
+    def late(l: StageLoad) -> bool:
+        return l.late is not None and l.late > spec.late
+
+    hot = [l for l in known if l.util >= spec.threshold or late(l)]
 
     def least_busy(ids: list[str]) -> str:
         return min(ids, key=lambda i: (inst_util.get(i) if inst_util.get(i) is not None else 2.0, i))
 
     if hot:
         dst = max(hot, key=lambda l: l.util)
-        why = f"{dst.stage} busy {dst.util:.0%} >= {spec.threshold:.0%} with {len(dst.assigned)} instance(s)"
+        why = (f"{dst.stage} {dst.late:.0%} of its requests late > {spec.late:.0%}, busy {dst.util:.0%}" if late(dst)
+               else f"{dst.stage} busy {dst.util:.0%} >= {spec.threshold:.0%}") + f" with {len(dst.assigned)} instance(s)"
         if fitting(idle, dst):
             return Move(fitting(idle, dst)[0], None, dst.stage, f"{why}; from the idle pool")
+        if dst.util < spec.threshold:
+            return None  # lateness alone takes from the idle pool only: a donor's own requests would pay
         donors = [l for l in known if l is not dst and l.can_spare() and l.without_one() < spec.threshold
-                  and fitting(l.live, dst)]
+                  and not late(l) and fitting(l.live, dst)]
         if not donors:
             return None
         src = min(donors, key=lambda l: l.util)
         return Move(least_busy(fitting(src.live, dst)), src.stage, dst.stage,
                     f"{why}; {src.stage} busy {src.util:.0%} with {len(src.live)} (min {src.min}) can spare one")
-    cold = [l for l in known if l.util < spec.low and l.can_spare() and l.without_one() < spec.threshold]
+    cold = [l for l in known if l.cold is not None and l.cold < spec.low and not l.late and l.can_spare()
+            and l.without_one() < spec.threshold]
     if cold:
-        src = min(cold, key=lambda l: l.util)
+        src = min(cold, key=lambda l: l.cold)
         return Move(least_busy(src.live), src.stage, None,
-                    f"{src.stage} busy {src.util:.0%} < {spec.low:.0%} for a window with {len(src.live)} "
-                    f"instance(s) (min {src.min}); one returns to the idle pool")
+                    f"{src.stage} busy {src.cold:.0%} < {spec.low:.0%} over {spec.cold_windows * spec.window_s:g}s "
+                    f"with {len(src.live)} instance(s) (min {src.min}); one returns to the idle pool")
     return None
 
 
@@ -152,6 +172,9 @@ class Elastic:
         self.spec, self.needs = spec, needs or {}
         self.holds: dict[str, int] = {}  # instance -> devices, from the stage it was first seen at
         self.util = Utilization(spec.window_s)
+        self.late = Utilization(spec.window_s, "late", "left")  # the share of requests that left late
+        self.cold = Utilization(spec.window_s * spec.cold_windows)
+        self._windows = (self.util, self.late, self.cold)
         self.last_move: dict[str, float] = {}  # set -> when its last move was decided
         self.moving: dict[str, float] = {}  # instance -> when it was moved (until it settled)
         # (set, stage) that had their floor once: only those can fall below it (a deployment
@@ -165,7 +188,8 @@ class Elastic:
         """A stage instance's heartbeat: its counters count for the stage it serves, if that is
         the one it is assigned."""
         serving = inst.serving if inst.serving == inst.stage else None
-        self.util.observe(inst.id, serving, inst.stats, now)
+        for w in self._windows:
+            w.observe(inst.id, serving, inst.stats, now)
         if self.needs:
             self.holds.setdefault(inst.id, self.needs.get(inst.stage, 1) if inst.stage else 1)
 
@@ -179,11 +203,14 @@ class Elastic:
             mine = sorted((i for i in state.stage_instances(set_name) if i.stage == stage), key=lambda i: i.id)
             live = [i.id for i in mine if i.heard and now - i.last_seen <= fresh_s and i.ready and i.serving == stage]
             known = [u for i in mine if (u := self.util.of(i.id, now)) is not None]
+            late = [x for i in mine if (x := self.late.of(i.id, now)) is not None]
+            cold = [x for i in mine if (x := self.cold.of(i.id, now)) is not None]
             if len(mine) >= max(spec.min_of(stage), 1):
                 self.had_min.add((set_name, stage))
             out[stage] = StageLoad(stage, [i.id for i in mine], sum(known) / len(known) if known else None,
                                    spec.min_of(stage), live, (set_name, stage) in self.had_min,
-                                   self.needs.get(stage, 1))
+                                   self.needs.get(stage, 1), sum(late) / len(late) if late else None,
+                                   sum(cold) / len(cold) if cold else None)
         return out
 
     def tick(self, state: "ClusterState", now: float | None = None) -> list[Move]:
@@ -215,19 +242,22 @@ class Elastic:
         inst = state.assign(move.instance, move.dst, move.reason)
         self.last_move[inst.set] = now
         self.moving[inst.id] = now
-        self.util.forget(inst.id)
+        for w in self._windows:
+            w.forget(inst.id)
         inputs = loads or self.loads(state, inst.set, now)
         self.decisions.append({
             "at": time.time(), "set": inst.set, "instance": inst.id, "from": move.src, "to": move.dst,
             "reason": move.reason, "holding": len(inst.holding),
-            "inputs": {s: {"util": None if l.util is None else round(l.util, 3), "instances": len(l.assigned),
+            "inputs": {s: {"util": None if l.util is None else round(l.util, 3),
+                           "late": None if l.late is None else round(l.late, 3), "instances": len(l.assigned),
                            "min": l.min} for s, l in inputs.items()},
         })
 
     def _settle(self, state: "ClusterState", now: float) -> None:
         """A moved instance has settled once it served a whole window at its new stage (or
         drained into the idle pool); one that takes too long is reported and let go."""
-        self.util.keep(state.instances)  # however an instance left, its samples go with it
+        for w in self._windows:  # however an instance left, its samples go with it
+            w.keep(state.instances)
         for iid in [i for i in self.holds if i not in state.instances]:
             del self.holds[iid]
         limit = self.spec.drain_s + self.spec.window_s + MOVE_GRACE_S
@@ -246,10 +276,12 @@ class Elastic:
         """What `onepiece status` shows: the policy, per-stage utilization, moves under way and
         the recent decisions with their inputs."""
         now = time.monotonic() if now is None else now
+        loads = {s: self.loads(state, s, now) for s in state.sets}
         return {
             "policy": self.spec.model_dump(),
-            "utilization": {s: {st: (None if l.util is None else round(l.util, 3))
-                                for st, l in self.loads(state, s, now).items()} for s in state.sets},
+            "utilization": {s: {st: (None if l.util is None else round(l.util, 3)) for st, l in ls.items()}
+                            for s, ls in loads.items()},
+            "late": {s: {st: round(l.late, 3) for st, l in ls.items() if l.late is not None} for s, ls in loads.items()},
             "moving": sorted(self.moving),
             "decisions": list(self.decisions)[-10:],
         }

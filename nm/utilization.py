@@ -1,10 +1,13 @@
-"""How busy each stage instance's workers were over a window (DESIGN §9).
+"""How busy each stage instance's workers were over a window, and how many of its requests left
+late (DESIGN §9).
 
-Instances report two cumulative counters with every heartbeat (stage/scheduler.py): the
-seconds their workers held a request (``busy_s``, summed over workers) and worker slots times
-wall seconds (``slot_s``). Utilization over a window is the ratio of their increases, so a
-missed heartbeat costs precision, not correctness. A window counts only once samples cover
-most of it; an instance that changed stage, or restarted its counters, starts a new window.
+Instances report cumulative counters with every heartbeat (stage/scheduler.py): the seconds
+their workers held a request (``busy_s``, summed over workers) and worker slots times wall
+seconds (``slot_s``); the requests that left and, of those, the late ones (``left``, ``late``).
+Over a window a ratio of two counters' increases (utilization: busy over slots; the late
+share: late over left), so a missed heartbeat costs precision, not correctness. A window
+counts only once samples cover most of it; an instance that changed stage, or restarted its
+counters, starts a new window.
 """
 
 from __future__ import annotations
@@ -18,14 +21,16 @@ MAX_SAMPLES = 1024  # per instance: bounded whatever the heartbeat rate
 
 
 class Utilization:
-    def __init__(self, window_s: float) -> None:
-        self.window_s = window_s
+    """Per instance, ``part`` over ``whole`` (two of its counters) over the last window."""
+
+    def __init__(self, window_s: float, part: str = "busy_s", whole: str = "slot_s") -> None:
+        self.window_s, self.part, self.whole = window_s, part, whole
         self._samples: dict[str, tuple[str | None, collections.deque]] = {}
 
     def observe(self, inst_id: str, stage: str | None, stats: dict[str, Any], now: float) -> None:
         """Record a heartbeat's counters for the stage the instance serves (None: not serving,
         which ends its window)."""
-        busy, slot = stats.get("busy_s"), stats.get("slot_s")
+        busy, slot = stats.get(self.part), stats.get(self.whole)
         if stage is None or not all(_number(v) for v in (busy, slot)):
             self._samples.pop(inst_id, None)
             return
@@ -33,13 +38,17 @@ class Utilization:
         if have is None or have[0] != stage or (have[1] and (busy < have[1][-1][1] or slot < have[1][-1][2])):
             have = self._samples[inst_id] = (stage, collections.deque(maxlen=MAX_SAMPLES))
         samples = have[1]
-        samples.append((now, float(busy), float(slot)))
+        if len(samples) >= 2 and now - samples[-2][0] < self.window_s / (MAX_SAMPLES // 2):
+            samples[-1] = (now, float(busy), float(slot))  # heartbeats denser than needed: the newest stands in
+        else:
+            samples.append((now, float(busy), float(slot)))
         # Keep one sample at or before the window's start: the base of the window's increase.
         while len(samples) > 2 and samples[1][0] <= now - self.window_s:
             samples.popleft()
 
     def of(self, inst_id: str, now: float) -> float | None:
-        """The instance's utilization over the last window, or None if not covered yet."""
+        """The instance's ratio over the last window, or None if not covered yet (or nothing
+        was added to ``whole`` in it)."""
         have = self._samples.get(inst_id)
         if have is None or len(have[1]) < 2:
             return None

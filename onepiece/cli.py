@@ -523,17 +523,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("bench", help="benchmarks (see bench/)")
     benches = sp.add_subparsers(dest="which", required=True, metavar="BENCHMARK")
-    from onepiece.bench import (batching, curve, dop, e2e, elastic, failover, overload, parallel, sched, simspeed,
-                                 simval, transport, validation)
+    from onepiece.bench import (batching, curve, dop, e2e, elastic, failover, moves, mp4, overload, parallel,
+                                 sched, simspeed, simval, transport, validation)
 
     for module, help_text in (
         (e2e, "end-to-end latency against the monolithic pipeline"),
+        (mp4, "the MP4 encoder's CPU time, size and quality: the shipped x264 settings against others"),
         (batching, "denoise throughput and latency at max batch 1, 2, 4, 8 (scale models)"),
         (dop, "elastic DoP against static DoP 1, 2, 4 on simulated GPU fleets (published cost table)"),
         (parallel, "one denoising step at DoP 1, 2 (4): CFG- and sequence-parallel, and what a switch costs"),
         (sched, "the stage scheduling policies on a seeded trace of mixed requests (scale models)"),
         (simspeed, "simulated requests per second for a fleet (target: 10^6 requests over 1,000 devices in 60 s)"),
         (simval, "the simulator against a bench sched run: predicted vs measured, every policy and load"),
+        (moves, "the NM's elastic policy, its defaults against its earlier rules, in the simulator (real-size costs)"),
         (overload, "open-loop load at multiples of capacity, request monitor on and off"),
         (transport, "transport throughput and one-way latency against memcpy"),
         (validation, "the receivers' schema checks per message, against sending it over zmq"),

@@ -203,15 +203,23 @@ class Workflow(_Strict):
 
 class ElasticSpec(_Strict):
     """Elastic assignment (DESIGN §9, nm/elastic.py): when a stage's workers were busier than
-    ``threshold`` over ``window_s``, an instance moves there from the idle pool, or else from the
-    least busy stage above its minimum; a stage below ``low`` for a whole window gives one
-    instance back to the idle pool. After a move nothing else moves for ``cooldown_s``."""
+    ``threshold`` over ``window_s``, or more than ``late`` of its requests left it past the
+    deadline they could have made, an instance moves there from the idle pool, or else from the
+    least busy stage above its minimum; a stage below ``low`` over ``cold_windows`` windows gives
+    one instance back to the idle pool. After a move nothing else moves for ``cooldown_s``."""
 
     enabled: bool = True
     threshold: float = Field(0.85, gt=0, le=1, description="busy time over wall time that counts as saturated")
-    low: float = Field(0.2, ge=0, lt=1, description="below this for a whole window a stage returns an instance "
-                                                    "to the idle pool (0: never)")
+    late: float = Field(0.01, ge=0, le=1, description="the share of a stage's requests leaving it late (past the "
+                                                      "deadline of their SLO they could have made there) over a "
+                                                      "window that counts as saturated too (1: never)")
+    low: float = Field(0.2, ge=0, lt=1, description="below this over cold_windows windows a stage returns an "
+                                                    "instance to the idle pool (0: never)")
     window_s: float = Field(30.0, gt=0, le=3600, description="utilization is averaged over this window")
+    cold_windows: int = Field(10, ge=1, le=1000, description="a stage returns an instance to the idle pool only "
+                                                             "when below low over this many windows (one window of "
+                                                             "a few requests is noise, and a returned instance takes "
+                                                             "a move to come back)")
     cooldown_s: float = Field(60.0, ge=0, le=3600, description="no move for this long after the last one")
     drain_s: float = Field(120.0, gt=0, le=3600, description="bound on a moving instance finishing what it holds")
 

@@ -52,6 +52,9 @@ class StageStats(BaseModel):
     # Cumulative seconds workers ran and worker slots existed: the NM's utilization (nm/utilization.py).
     busy_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     slot_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    # Cumulative requests that left and, of those, late ones: the elastic policy's SLO risk.
+    left: Count = 0
+    late: Count = 0
     service: Annotated[dict[str, AppService], Field(max_length=256)] = Field(default_factory=dict)
 
 

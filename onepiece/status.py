@@ -77,8 +77,10 @@ def _elastic(el: dict[str, Any]) -> list[str]:
     if not el:
         return []
     p = el["policy"]
-    lines = [f"elastic assignment: {'on' if p['enabled'] else 'off'}, move at >= {p['threshold']:.0%}, "
-             f"return below {p['low']:.0%}, window {p['window_s']:g}s, cooldown {p['cooldown_s']:g}s"
+    late = f" or > {p['late']:.0%} late" if p.get("late", 1) < 1 else ""
+    lines = [f"elastic assignment: {'on' if p['enabled'] else 'off'}, move at >= {p['threshold']:.0%} busy{late}, "
+             f"return below {p['low']:.0%} over {p.get('cold_windows', 1)} window(s), window {p['window_s']:g}s, "
+             f"cooldown {p['cooldown_s']:g}s"
              + (f"; moving: {', '.join(el['moving'])}" if el.get("moving") else "")]
     for d in el.get("decisions", []):
         seen = ", ".join(f"{s} {_pct(v['util'])}x{v['instances']}" for s, v in d["inputs"].items() if v["instances"])
@@ -95,12 +97,15 @@ def render(status: dict[str, Any]) -> str:
     if (status.get("nm") or {}).get(FIELD):
         lines.append(f"deployment {status['nm'][FIELD]}")
     util = (status.get("elastic") or {}).get("utilization", {})
+    late = (status.get("elastic") or {}).get("late", {})
     for name, st in status["sets"].items():
         lines.append(f"set {name}")
         for stage, info in st["stages"].items():
             insts = info["instances"]
             ready = sum(1 for i in insts if i["ready"])
-            lines.append(f"  stage {stage}: {ready}/{info['want']} ready, busy {_pct(util.get(name, {}).get(stage))}")
+            missed = late.get(name, {}).get(stage)
+            lines.append(f"  stage {stage}: {ready}/{info['want']} ready, busy {_pct(util.get(name, {}).get(stage))}"
+                         + ("" if missed is None else f", {missed:.0%} of its requests late"))
             lines += [_instance(i) for i in insts]
         for label, key in (("idle pool", "idle"), ("dbs", "dbs"), ("proxies", "proxies")):
             if st[key]:

@@ -77,6 +77,12 @@ class CoreStats:
     expired: int = 0
     aged: int = 0  # requests served ahead of the policy because they waited too long
     rejected: int = 0  # batches a policy returned that the core refused
+    # Requests that left (finished or expired; with the time given, ``finished(uid, now)``),
+    # and of those the late ones: past their deadline here although they could have made it
+    # alone when they arrived (one that came too late to make it is not this stage's miss).
+    # The NM's elastic policy reads the share over a window as this stage's SLO risk.
+    left: int = 0
+    late: int = 0
 
 
 @dataclass
@@ -193,9 +199,18 @@ class SchedCore:
                 r.device_s += share
         self.stats.steps += n
 
-    def finished(self, uid: str) -> Request | None:
-        """``uid`` is done (its result left the worker)."""
-        return self._remove(uid)
+    def finished(self, uid: str, now: float | None = None) -> Request | None:
+        """``uid`` is done (its result left the worker), at ``now`` if known: then it counts as
+        one that left, on time or late (``CoreStats``)."""
+        r = self._remove(uid)
+        if r is not None and now is not None:
+            self._left(r, now)
+        return r
+
+    def _left(self, r: Request, now: float) -> None:
+        self.stats.left += 1
+        if r.deadline is not None and now > r.deadline and r.arrival + (self.standalone_s(r) or 0.0) <= r.deadline:
+            self.stats.late += 1
 
     def failed(self, uid: str) -> Request | None:
         return self._remove(uid)
@@ -292,6 +307,7 @@ class SchedCore:
                       if (e := r.deadline if r.expires is None else r.expires) is not None and e < now]:
                 self._remove(r.uid)
                 self.stats.expired += 1
+                self._left(r, now)
                 out.expired.append(r)
                 if r.worker is not None:
                     out.commands.append(Drop(r.worker, (r.uid,)))

@@ -150,7 +150,7 @@ class VirtualInstance:
             for u in live:
                 r = reqs[u]
                 if r.steps == r.done:
-                    core.finished(u)
+                    core.finished(u, self.loop.now)
                     self.on_end(u, "completed", r, first.get(u))
         core.idle(run.worker)
         if self.overhead_s:

@@ -60,7 +60,9 @@ class SimElastic:
         for m in self.members.values():
             stats: dict[str, Any] = {}
             if m.vi is not None:
-                stats = {"busy_s": m.vi.busy_s, "slot_s": len(m.vi.core.workers) * (now - m.born)}
+                c = m.vi.core.stats
+                stats = {"busy_s": m.vi.busy_s, "slot_s": len(m.vi.core.workers) * (now - m.born),
+                         "left": c.left, "late": c.late}
             inst = self.state.heartbeat(m.id, ready=m.vi is not None and m.draining is None, stats=stats,
                                         serving=m.serving, now=now)
             self.policy.observe(inst, now)

@@ -81,10 +81,14 @@ class StageMetrics:
         g.add_metric(labels, s.resident)
         yield g
         c = CounterMetricFamily("onepiece_stage_scheduling_events", "step scheduling: requests preempted (passed over "
-                                "at a chunk boundary), cancelled, expired (deadline passed), aged (served first)",
-                                labels=["stage", "event"])
-        for event in ("preempted", "cancelled", "expired", "aged"):
+                                "at a chunk boundary), cancelled, expired (deadline passed), aged (served first), "
+                                "late (left past the deadline they could have made here)", labels=["stage", "event"])
+        for event in ("preempted", "cancelled", "expired", "aged", "late"):
             c.add_metric([rt.stage, event], getattr(s, event))
+        yield c
+        c = CounterMetricFamily("onepiece_stage_left_requests", "requests that left the stage, finished or expired "
+                                "(late / left over a window is the SLO risk the elastic policy reads)", labels=["stage"])
+        c.add_metric(labels, s.left)
         yield c
         for name, doc, h in (("queue_wait_seconds", "arrival at the stage to its first step", s.queue_wait),
                              ("step_seconds", "one forward pass of a batch (or one call)", s.step_time),

@@ -321,7 +321,7 @@ class RequestScheduler:
         except MessageError as e:  # a worker bug, not a client's: nothing to attribute it to
             log.error("worker %s of %s returned a malformed result: %s", wid, self.stage, e)
             return
-        r = self.core.finished(msg.uid)
+        r = self.core.finished(msg.uid, time.monotonic())
         if r is None:  # cancelled or expired while it ran: nobody wants it
             return
         self.stats.completed += 1
@@ -432,7 +432,7 @@ class RequestScheduler:
         s.queue, s.ready, s.busy = self.core.waiting(), len(self.known), len(self.running)
         s.resident = len(self.core.requests) - s.queue
         c = self.core.stats
-        s.preempted, s.expired, s.aged = c.preempted, c.expired, c.aged
+        s.preempted, s.expired, s.aged, s.left, s.late = c.preempted, c.expired, c.aged, c.left, c.late
         s.cancelled = c.cancelled + self.cancelled_on_arrival
         s.batches, s.batched = c.batches, c.batched
         s.overhead_ms = self.core.overhead_s * 1000

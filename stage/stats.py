@@ -64,6 +64,8 @@ class SchedulerStats:
     cancelled: int = 0
     expired: int = 0
     aged: int = 0
+    left: int = 0  # requests that left (finished or expired) and, of those, late ones (sched.core.CoreStats)
+    late: int = 0
     batches: int = 0
     batched: int = 0  # requests over all batches: batched / batches is the mean batch size
     overhead_ms: float = 0.0  # decision + IPC per chunk (measured)

@@ -53,8 +53,9 @@ def test_a_window_counts_only_once_covered_and_restarts_on_a_new_stage_or_counte
 
 
 def loads(**stages: tuple[float | None, int, int]) -> dict[str, StageLoad]:
-    """stage=(util, instances, min); instance ids are <stage>-<k>."""
-    return {s: StageLoad(s, [f"{s}-{k}" for k in range(n)], u, m) for s, (u, n, m) in stages.items()}
+    """stage=(util, instances, min), as busy over the longer cold span as over the window;
+    instance ids are <stage>-<k>."""
+    return {s: StageLoad(s, [f"{s}-{k}" for k in range(n)], u, m, cold=u) for s, (u, n, m) in stages.items()}
 
 
 def test_the_busiest_saturated_stage_takes_from_the_idle_pool_first():
@@ -88,6 +89,67 @@ def test_a_cold_stage_returns_an_instance_to_the_idle_pool_and_low_zero_never_do
     assert decide(SPEC, loads(denoise=(0.5, 1, 1), decode=(0.05, 1, 1)), [], {}) is None  # at its minimum
 
 
+def test_the_late_share_is_a_window_over_the_late_and_left_counters():
+    u = Utilization(window_s=10, part="late", whole="left")
+    for t in range(0, 11):  # 4 requests a second, none late
+        u.observe("a", "denoise", {"late": 0, "left": 4 * t}, now=float(t))
+    assert u.of("a", now=10.0) == 0.0
+    for t in range(11, 21):  # then one in ten late
+        u.observe("a", "denoise", {"late": 0.4 * (t - 10), "left": 4 * t}, now=float(t))
+    assert u.of("a", now=20.0) == pytest.approx(0.1)
+    for t in range(21, 32):  # nothing left the stage for a window: no share to judge
+        u.observe("a", "denoise", {"late": 4, "left": 80}, now=float(t))
+    assert u.of("a", now=31.0) is None
+
+
+def late_loads(**stages: tuple[float, float | None, int, int]) -> dict[str, StageLoad]:
+    """stage=(util, late share, instances, min)."""
+    return {s: StageLoad(s, [f"{s}-{k}" for k in range(n)], u, m, late=x, cold=u) for s, (u, x, n, m) in stages.items()}
+
+
+def test_a_stage_whose_requests_leave_late_is_saturated_below_the_busy_threshold():
+    # denoise at 60% meets the busy threshold nowhere, but 5% of its requests missed their SLO there
+    move = decide(SPEC, late_loads(denoise=(0.6, 0.05, 1, 1), decode=(0.3, 0.0, 1, 1)), ["idle-1"], {})
+    assert (move.instance, move.dst) == ("idle-1", "denoise")
+    assert "denoise 5% of its requests late > 1%, busy 60%" in move.reason
+    # at or under the share it is not (1% of 100 requests is the SLO's allowance, not a risk)
+    assert decide(SPEC, late_loads(denoise=(0.6, 0.01, 1, 1), decode=(0.3, 0.0, 1, 1)), ["idle-1"], {}) is None
+    assert decide(SPEC, late_loads(denoise=(0.6, None, 1, 1), decode=(0.3, None, 1, 1)), ["idle-1"], {}) is None
+    # late = 1 turns the rule off
+    off = ElasticSpec(threshold=0.85, low=0.2, late=1.0)
+    assert decide(off, late_loads(denoise=(0.6, 0.9, 1, 1), decode=(0.3, 0.0, 1, 1)), ["idle-1"], {}) is None
+
+
+def test_lateness_alone_takes_only_from_the_idle_pool_and_late_stages_neither_give_nor_return():
+    ls = late_loads(encode=(0.95, 0.0, 1, 1), denoise=(0.7, 0.2, 1, 1), decode=(0.8, 0.03, 1, 1))
+    assert decide(SPEC, ls, ["idle-1"], {}).dst == "encode"  # the busiest saturated stage first
+    assert decide(SPEC, late_loads(denoise=(0.7, 0.2, 1, 1), decode=(0.8, 0.03, 1, 1)), ["idle-1"], {}).dst == "decode"
+    # with nobody idle, a stage late below the busy threshold takes nobody else's instance
+    assert decide(SPEC, late_loads(denoise=(0.6, 0.2, 1, 1), vae=(0.1, 0.0, 3, 1)), [], {}) is None
+    # a busy one does, but not from decode, the least busy stage that could spare one: its own requests are late
+    ls = late_loads(denoise=(0.9, 0.2, 1, 1), decode=(0.3, 0.05, 3, 1), vae=(0.35, 0.0, 3, 1))
+    assert decide(SPEC, ls, [], {}).src == "vae"
+    # a cold stage with a late request keeps its instances
+    assert decide(SPEC, late_loads(denoise=(0.5, 0.0, 1, 1), decode=(0.05, 0.005, 3, 1)), [], {}) is None
+    assert decide(SPEC, late_loads(denoise=(0.5, 0.0, 1, 1), decode=(0.05, 0.0, 3, 1)), [], {}).src == "decode"
+
+
+def test_a_stage_returns_an_instance_only_when_cold_over_the_longer_span():
+    quiet_lull = {"denoise": StageLoad("denoise", ["d-0", "d-1", "d-2"], 0.1, 1, cold=0.45)}
+    assert decide(SPEC, quiet_lull, [], {}) is None  # a lull of one window: busy 45% over the longer span
+    assert decide(SPEC, {"denoise": StageLoad("denoise", ["d-0", "d-1", "d-2"], 0.1, 1)}, [], {}) is None  # unknown yet
+    move = decide(SPEC, {"denoise": StageLoad("denoise", ["d-0", "d-1", "d-2"], 0.1, 1, cold=0.15)}, [], {})
+    assert (move.src, move.dst) == ("denoise", None) and "busy 15% < 20% over 100s" in move.reason
+
+
+def test_dense_heartbeats_are_thinned_so_a_long_span_stays_covered():
+    u = Utilization(window_s=300)
+    for k in range(3001):  # every 0.1 s for 300 s: more heartbeats than the samples kept
+        t = 0.1 * k
+        u.observe("a", "denoise", {"busy_s": 0.5 * t, "slot_s": t}, now=t)
+    assert len(u._samples["a"][1]) <= 1024 and u.of("a", now=300.0) == pytest.approx(0.5)
+
+
 def test_a_stage_below_its_minimum_is_refilled_from_the_idle_pool_at_once():
     # decode's only instance died and the NM dropped it; nothing is measured yet, and a cooldown
     # runs: it is refilled all the same
@@ -106,14 +168,14 @@ def test_a_stage_below_its_minimum_is_refilled_from_the_idle_pool_at_once():
 def test_only_live_instances_count_and_the_last_one_never_leaves():
     # decode has a dead instance and a replacement loading besides its one healthy instance:
     # three assigned, one serving. It is cold, and denoise is hot, but the healthy one stays.
-    decode = StageLoad("decode", ["x-dead", "x-new", "x-ok"], 0.05, 1, live=["x-ok"])
+    decode = StageLoad("decode", ["x-dead", "x-new", "x-ok"], 0.05, 1, live=["x-ok"], cold=0.05)
     assert decide(SPEC, {"decode": decode, "denoise": StageLoad("denoise", ["d-0"], 0.99, 1)}, [], {}) is None
     assert decide(SPEC, {"decode": decode}, [], {}) is None  # no return to the idle pool either
     # min 0 does not make the last one movable
-    lone = StageLoad("decode", ["x-ok"], 0.0, 0)
+    lone = StageLoad("decode", ["x-ok"], 0.0, 0, cold=0.0)
     assert decide(SPEC, {"decode": lone, "denoise": StageLoad("denoise", ["d-0"], 0.99, 1)}, [], {}) is None
     # two serving: one may go, and it is a serving one that goes
-    two = StageLoad("decode", ["x-dead", "x-a", "x-b"], 0.05, 1, live=["x-a", "x-b"])
+    two = StageLoad("decode", ["x-dead", "x-a", "x-b"], 0.05, 1, live=["x-a", "x-b"], cold=0.05)
     move = decide(SPEC, {"decode": two}, [], {"x-dead": 0.0})
     assert move.src == "decode" and move.instance in ("x-a", "x-b")
 

@@ -284,6 +284,27 @@ def test_a_request_is_scheduled_for_its_stage_deadline_and_dropped_at_its_own() 
     assert [x.uid for x in c.schedule(3.5).expired] == ["r"]
 
 
+def test_requests_leaving_past_a_deadline_they_could_have_made_count_as_late() -> None:
+    """What the NM's elastic policy reads as this stage's SLO risk (nm/elastic.py)."""
+    st = stage("fcfs", drop_expired=False)  # S alone is 10 steps x 0.01 s = 0.1 s
+    st.submit(0.0, request("first", S, steps=10, deadline=0.15))  # on time: done at 0.1
+    st.submit(0.0, request("second", S, steps=10, deadline=0.15))  # could have made it alone; waits, done at 0.2
+    st.submit(0.0, request("hopeless", S, steps=10, deadline=0.05))  # came too late to make it anywhere
+    st.submit(0.0, request("untimed", S, steps=10))
+    out = st.run()
+    assert all(o.status == "completed" for o in out.values())
+    assert (st.core.stats.left, st.core.stats.late) == (4, 1)
+    # an expired request that could have made it counts as late too; leaving without a time does not count
+    c = core("edf", max_batch=1)
+    c.worker_up("w0")
+    r = request("dropped", S, steps=2, deadline=1.0)
+    c.add(r)
+    c.add(request("finished", S, steps=2))
+    c.schedule(5.0)
+    c.finished("finished")
+    assert (c.stats.expired, c.stats.left, c.stats.late) == (1, 1, 1)
+
+
 def test_drop_expired_off_keeps_late_requests() -> None:
     c = core("edf", drop_expired=False)
     c.worker_up("w0")

@@ -126,8 +126,10 @@ def test_vae_decode_mp4(comps, image) -> None:
     assert wire(Message(msg.header, out)).blob("content") == out["content"]
 
 
-def test_vae_decode_streams_frames_to_the_encoder_as_it_decodes(comps, image) -> None:
-    from onepiece.stage.wan.functions import encode_mp4, frame_chunks
+def test_frames_streamed_to_the_encoder_as_they_decode_make_the_same_video(comps, image) -> None:
+    """On a GPU vae_decode streams (frame_chunks into stream_mp4); on the CPU it decodes, then
+    encodes: both give every frame, in order."""
+    from onepiece.stage.wan.functions import encode_mp4, frame_chunks, stream_mp4
 
     _, msg = split_frames("t2v", comps, image, steps=2, num_frames=9)
     ctx = StageContext(comps(DECODE[1], DECODE[2]))
@@ -136,15 +138,26 @@ def test_vae_decode_streams_frames_to_the_encoder_as_it_decodes(comps, image) ->
 
     chunks = np.concatenate(list(frame_chunks(ctx, msg)))
     assert float(np.abs(chunks - decode_frames(ctx, msg)).max()) <= 1e-5  # the frames decoding it all gives
-    video = iio.imread(lookup("vae_decode", "t2v")(ctx, msg)["content"], extension=".mp4").astype(float)
     source = np.rint(chunks * 255.0)
-    # every frame, in order, as lossy H.264 keeps them (a frame out of place would be far off)
-    assert video.shape == (9, SIZE, SIZE, 3)
-    assert all(np.abs(video[i] - source[i]).mean() < np.abs(video[i] - source[j]).mean()
-               for i in range(9) for j in range(9) if j != i and np.abs(source[i] - source[j]).mean() > 8)
-    assert np.abs(video - source).mean() < 4
+    for mp4 in (stream_mp4(frame_chunks(ctx, msg), 8), lookup("vae_decode", "t2v")(ctx, msg)["content"]):
+        video = iio.imread(mp4, extension=".mp4").astype(float)
+        # every frame, in order, as lossy H.264 keeps them (a frame out of place would be far off)
+        assert video.shape == (9, SIZE, SIZE, 3)
+        assert all(np.abs(video[i] - source[i]).mean() < np.abs(video[i] - source[j]).mean()
+                   for i in range(9) for j in range(9) if j != i and np.abs(source[i] - source[j]).mean() > 8)
+        assert np.abs(video - source).mean() < 4
     with pytest.raises(ValueError, match="even height and width"):
         encode_mp4(np.zeros((2, 5, 4, 3), np.uint8), 8)
+    # a decode that fails, or gives nothing, ends the encoder's thread too (nothing waits on it)
+    with pytest.raises(ValueError, match="no frames"):
+        stream_mp4(iter(()), 8)
+
+    def failing():
+        yield np.zeros((1, 8, 8, 3), np.uint8)
+        raise RuntimeError("the VAE failed")
+
+    with pytest.raises(RuntimeError, match="the VAE failed"):
+        stream_mp4(failing(), 8)
 
 
 def test_interleaved_requests_keep_their_own_scheduler_state(comps, image) -> None:

@@ -29,7 +29,7 @@ import copy
 import io
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -518,11 +518,13 @@ def _rgb24(frames: np.ndarray) -> np.ndarray:
     return frames
 
 
-# A serving encoder's settings: x264's default (medium, with lookahead and B-frames that hold
-# frames back until the end) took 16 ms for 9 frames at 64x64 and 338 ms for 17 at 256x256
-# here; veryfast + zerolatency takes 7 ms and 49 ms, emits each frame as it comes (what
-# streaming from the VAE needs), and its files were no larger at the default quality (CRF 23).
-X264_OPTIONS = {"preset": "veryfast", "tune": "zerolatency"}
+# A serving encoder's settings (`onepiece bench mp4` compares them): x264's default (medium, with
+# lookahead and B-frames that hold frames back until the end) cannot stream; zerolatency emits
+# each frame as it comes. One thread: the encoder runs beside the VAE decode, which has the
+# cores, so the CPU it takes from them is what it costs, and x264's own threads spent as much or
+# more of it for the same file; superfast saved CPU only on small frames, and its files were up
+# to 1.5x larger.
+X264_OPTIONS = {"preset": "veryfast", "tune": "zerolatency", "threads": "1"}
 
 
 class Mp4Writer:
@@ -531,11 +533,12 @@ class Mp4Writer:
     decodes them, through a bounded queue, and the encoder (which leaves the GIL) works
     meanwhile. ``content`` is the file once closed."""
 
-    def __init__(self, fps: int, queued: int = 4) -> None:
+    def __init__(self, fps: int, queued: int = 4, options: dict[str, str] | None = None) -> None:
         import queue
         import threading
 
         self.fps, self.content = int(fps), b""
+        self.options = X264_OPTIONS if options is None else options
         self._q: queue.Queue = queue.Queue(maxsize=queued)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._encode, name="mp4-encoder", daemon=True)
@@ -557,33 +560,45 @@ class Mp4Writer:
     def _encode(self) -> None:
         import av
 
-        out, container, stream = io.BytesIO(), None, None
+        out, container, stream, ended = io.BytesIO(), None, None, False
         try:
             while (frames := self._q.get()) is not None:
                 if container is None:
                     container = av.open(out, mode="w", format="mp4")
-                    stream = container.add_stream("libx264", rate=self.fps, options=X264_OPTIONS)
+                    stream = container.add_stream("libx264", rate=self.fps, options=self.options)
                     stream.height, stream.width = frames.shape[1:3]
                     stream.pix_fmt = "yuv420p"
                 for frame in frames:
                     container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame),
                                                                            format="rgb24")))
+            ended = True
             if container is None:
                 raise ValueError("no frames to encode")
             container.mux(stream.encode(None))  # flush the encoder's delayed frames
             container.close()
             self.content = out.getvalue()
-        except BaseException as e:  # handed to the caller; the queue is drained so it never blocks
+        except BaseException as e:  # handed to the caller; the queue is drained (to its end) so it never blocks
             self._error = e
-            while self._q.get() is not None:
+            while not ended and self._q.get() is not None:
                 pass
 
 
-def encode_mp4(frames: np.ndarray, fps: int) -> bytes:
-    """H.264 MP4 of ``frames`` ((frames, H, W, 3) floats in [0, 1], or uint8)."""
+def stream_mp4(chunks: Iterable[np.ndarray], fps: int) -> bytes:
+    """H.264 MP4 of the frames of ``chunks`` ((frames, H, W, 3) floats in [0, 1], or uint8),
+    each encoded as it comes (while the next one is made)."""
     mp4 = Mp4Writer(fps)
-    mp4.add(frames)
+    try:
+        for frames in chunks:
+            mp4.add(frames)
+    except BaseException:
+        mp4.close(discard=True)
+        raise
     return mp4.close()
+
+
+def encode_mp4(frames: np.ndarray, fps: int) -> bytes:
+    """H.264 MP4 of ``frames``."""
+    return stream_mp4([frames], fps)
 
 
 @stage_function("vae_decode", "t2v")
@@ -592,11 +607,8 @@ def vae_decode(ctx: StageContext, msg: Message) -> Parts:
     fps = _param(_params(msg), "fps", int)
     if fps <= 0:
         raise ValueError(f"parameter 'fps' must be positive, got {fps}")
-    mp4 = Mp4Writer(fps)
-    try:
-        for frames in frame_chunks(ctx, msg):
-            mp4.add(frames)
-    except BaseException:
-        mp4.close(discard=True)
-        raise
-    return {"content": mp4.close()}
+    # Streaming hides the encoding behind a device's decode. On the CPU the two share the cores:
+    # the encoder's thread stalls torch's, which cost more than encoding afterwards (bench e2e's
+    # vae_decode at 64x64x9: 54.5 ms p50 streaming, 47.0 ms after).
+    on_cpu = _module_device(_component(ctx, "vae")).type == "cpu"
+    return {"content": stream_mp4([decode_frames(ctx, msg)] if on_cpu else frame_chunks(ctx, msg), fps)}
