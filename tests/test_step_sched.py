@@ -153,9 +153,13 @@ def test_a_request_that_misses_its_slo_still_completes(up):
     (timeout_s is where it would fail)."""
     with Client(up.url) as c:
         t0 = time.monotonic()
+        left = denoise(up)["stats"]["left"]
         v = c.submit("aims high", model="t2v", slo_s=0.2, timeout_s=60, size="256x256", num_frames=17, steps=20)
         done = c.wait(v["id"], timeout=60)
     assert done["status"] == "completed" and time.monotonic() - t0 > 0.2
+    # It left the stage: counted in the heartbeat the NM's elastic policy reads (late or not)
+    stats = wait_for(lambda: (st := denoise(up)["stats"])["left"] > left and st, 10, "the heartbeat counting it")
+    assert stats["late"] <= stats["left"]
 
 
 def test_the_simulator_predicts_a_real_run(up):
