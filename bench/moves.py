@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from onepiece.bench.trace import parse_classes, poisson_trace
-from onepiece.config import ElasticSpec, Topology, deploy_dir, load_workflow
+from onepiece.bench.trace import Trace, parse_classes, poisson_trace
+from onepiece.config import ElasticSpec, Topology, Workflow, deploy_dir, load_workflow
 from onepiece.sim.costs import CostTable
 
 SHAPE = "832x480x25:50"
@@ -60,19 +60,10 @@ def _floats(spec: str, flag: str) -> list[float]:
     return out
 
 
-def one(load: float, alpha: float, elastic: ElasticSpec, args: argparse.Namespace) -> dict[str, Any]:
+def one(wf: Workflow, costs: CostTable, trace: Trace, elastic: ElasticSpec, args: argparse.Namespace) -> dict[str, Any]:
     """One simulation: SLO attainment, misses and moves."""
     from onepiece.sim.cli import simulate
-    from onepiece.sim.plan import priced
 
-    wf = load_workflow(deploy_dir() / "wan21-real.yaml")
-    costs = CostTable.load(deploy_dir() / "wan21-h100.costs.json")
-    classes = parse_classes(f"T={SHAPE}")
-    (j,) = priced(wf, costs, poisson_trace(classes, {"T": 1.0}, 1.0, 1, seed=0))
-    standalone = sum(j.alone.values())
-    classes["T"]["slo_s"] = alpha * standalone
-    rate = load * args.denoise / j.alone["denoise_t2v"]
-    trace = poisson_trace(classes, {"T": 1.0}, rate, args.requests, seed=11, timeout_s=20 * standalone)
     sets = {"set0": {"text_encode": 1, "denoise_t2v": args.denoise, "vae_decode": 1}}
     topo = Topology.model_validate({"workflow": "wan21-real.yaml", "nm": {"elastic": elastic.model_dump()},
                                     "sets": [{"name": "set0", "stages": sets["set0"], "idle": args.idle,
@@ -87,11 +78,21 @@ def run(args: argparse.Namespace) -> int:
     loads, alphas = _floats(args.loads, "--loads"), _floats(args.alphas, "--alphas")
     if args.denoise < 1 or args.idle < 0 or args.requests < 1 or args.move_s < 0:
         raise SystemExit("--denoise and --requests must be at least 1, --idle and --move-s at least 0")
+    from onepiece.sim.plan import priced
+
+    wf = load_workflow(deploy_dir() / "wan21-real.yaml")
+    costs = CostTable.load(deploy_dir() / "wan21-h100.costs.json")
+    classes = parse_classes(f"T={SHAPE}")
+    (j,) = priced(wf, costs, poisson_trace(classes, {"T": 1.0}, 1.0, 1, seed=0))
+    standalone = sum(j.alone.values())
     rows = []
     for alpha in alphas:
+        classes["T"]["slo_s"] = alpha * standalone
         for load in loads:
-            row = {"alpha": alpha, "load": load,
-                   "variants": {name: one(load, alpha, ElasticSpec(**over), args) for name, over in VARIANTS.items()}}
+            rate = load * args.denoise / j.alone["denoise_t2v"]
+            trace = poisson_trace(classes, {"T": 1.0}, rate, args.requests, seed=11, timeout_s=20 * standalone)
+            row = {"alpha": alpha, "load": load, "variants": {
+                name: one(wf, costs, trace, ElasticSpec(**over), args) for name, over in VARIANTS.items()}}
             rows.append(row)
             print(f"alpha {alpha:g} load {load:g}: " + ", ".join(
                 f"{n} {v['missed']} missed ({v['moves']} moves)" for n, v in row["variants"].items()), flush=True)

@@ -583,10 +583,10 @@ class Mp4Writer:
                 pass
 
 
-def stream_mp4(chunks: Iterable[np.ndarray], fps: int) -> bytes:
+def stream_mp4(chunks: Iterable[np.ndarray], fps: int, options: dict[str, str] | None = None) -> bytes:
     """H.264 MP4 of the frames of ``chunks`` ((frames, H, W, 3) floats in [0, 1], or uint8),
-    each encoded as it comes (while the next one is made)."""
-    mp4 = Mp4Writer(fps)
+    each encoded as it comes (while the next one is made); x264 ``options`` (default: X264_OPTIONS)."""
+    mp4 = Mp4Writer(fps, options=options)
     try:
         for frames in chunks:
             mp4.add(frames)
