@@ -159,9 +159,10 @@ def _png() -> bytes:
 def test_load_above_capacity_gets_a_steady_share_of_429s_and_accepted_requests_complete(deployment):
     url = deployment.url
     capacity = t2v_admission(url)["capacity"]
-    # Open loop at ~3x the capacity, bounded: at most 40 requests and about 8 s.
-    rate = min(3.0 * capacity, 40 / 4.0)
-    n = max(12, min(40, int(rate * 8)))
+    # Open loop at 3x the capacity, bounded: 12 to 40 requests, over at most 4 s. (A cap on the
+    # rate made it 1.2x the capacity once the machine ran fast enough: nothing had to be refused.)
+    rate = 3.0 * capacity
+    n = max(12, min(40, int(rate * 4)))
     results = open_loop(url, n, rate, SHAPE)
     accepted = [r for r in results if r["status"] == 200]
     refused = [r for r in results if r["status"] != 200]
@@ -215,7 +216,7 @@ def test_behind_a_deadline_first_stage_admission_keeps_each_admitted_deadline(ti
                 alone.append(time.monotonic() - t0)
         alone_s = sorted(alone[1:])[1]
         capacity = wait_for(lambda: t2v_admission(url)["capacity"], 10, "a capacity estimate at the proxy")
-        rate = min(3.0 * capacity, 10.0)
+        rate = 3.0 * capacity  # uncapped: a fast machine's capacity makes a capped rate no burst at all
         timeout_s = round(3 * alone_s, 2)
         results = open_loop(url, 24, rate, {**SHAPE, "timeout_s": timeout_s})
     finally:
