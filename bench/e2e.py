@@ -12,6 +12,10 @@ seed:
   steals no CPU from the stages while they run (on 2 cores, polling every 20 ms raised the
   small case's ratio from 1.10 to 1.19 in one run here).
 
+The ratio it reports is the median of each request's ratio to the monolithic call next to
+it: the machine's speed drifts by tens of percent within a run, and a pair taken a second apart
+sees the same machine (a ratio of the two medians mixes requests from different minutes).
+
 It prints a table and saves JSON (and a Markdown table) under ``--out``.
 """
 
@@ -36,7 +40,7 @@ DEFAULT_CASES = "64x64x9:10,256x256x17:10"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", default=DEFAULT_CASES, help="comma-separated WxHxFRAMES:STEPS")
-    p.add_argument("--requests", type=int, default=10, help="measured requests per case (after 1 warm-up)")
+    p.add_argument("--requests", type=int, default=20, help="measured requests per case (after 1 warm-up)")
     p.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
     p.add_argument("--device", default="cpu", help="torch device of every stage and of the monolithic pipeline (cpu, cuda)")
     p.add_argument("--models", help="folder for the tiny models (default: a temporary one)")
@@ -156,6 +160,8 @@ def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder
                     "monolithic_frames": _stats(frames_t),
                     "monolithic_mp4": _stats(mp4_t),
                     "onepiece": _stats(lat),
+                    "paired_ratio_vs_mp4": _stats([x / y for x, y in zip(lat, mp4_t)]),
+                    "paired_ratio_vs_frames": _stats([x / y for x, y in zip(lat, frames_t)]),
                     "onepiece_stages_p50": {k: statistics.median([s.get(k, 0.0) for s in stages]) for k in keys},
                 }
         db.close()
@@ -188,18 +194,22 @@ def run(args: argparse.Namespace) -> int:
             "monolithic_frames_p50_s": r["monolithic_frames"]["p50"],
             "monolithic_mp4_p50_s": r["monolithic_mp4"]["p50"],
             "onepiece_e2e_p50_s": r["onepiece"]["p50"],
-            "ratio_vs_mp4": r["onepiece"]["p50"] / r["monolithic_mp4"]["p50"],
-            "ratio_vs_frames": r["onepiece"]["p50"] / r["monolithic_frames"]["p50"],
+            "ratio_vs_mp4": r["paired_ratio_vs_mp4"]["p50"],
+            "ratio_vs_frames": r["paired_ratio_vs_frames"]["p50"],
             "stages_p50_s": r["onepiece_stages_p50"],
         })
+    from onepiece.stage.task_manager import worker_env
+
+    spin = worker_env()["GOMP_SPINCOUNT"]
     result = {"bench": "e2e", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu_count": os.cpu_count(),
-              "requests": args.requests, "transport": args.transport, "device": args.device, "cases": res, "rows": rows}
+              "workers_gomp_spincount": spin, "requests": args.requests, "transport": args.transport, "device": args.device, "cases": res, "rows": rows}
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / "e2e.json").write_text(json.dumps(result, indent=2))
     lines = [f"Device: {args.device} ({_device_name(args.device)}); {os.cpu_count()} CPUs; {args.requests} requests per case; "
-             f"transport {args.transport}.", "",
-             "| case (WxHxF:steps) | monolithic frames p50 | monolithic + MP4 p50 | onepiece e2e p50 | ratio vs +MP4 | ratio vs frames |",
+             f"transport {args.transport}; the stage workers' GOMP_SPINCOUNT {spin}.", "",
+             "| case (WxHxF:steps) | monolithic frames p50 | monolithic + MP4 p50 | onepiece e2e p50 "
+             "| ratio vs +MP4 (paired p50) | ratio vs frames (paired p50) |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['monolithic_frames_p50_s']*1000:.1f} ms | {r['monolithic_mp4_p50_s']*1000:.1f} ms "

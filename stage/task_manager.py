@@ -7,6 +7,7 @@ that cannot start does not spin.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import subprocess
 import sys
@@ -25,6 +26,16 @@ from onepiece.supervise import Backoff, child_preexec
 
 log = logging.getLogger(__name__)
 
+# libgomp's threads (torch's CPU pool) spin this many turns after a parallel region before they
+# sleep. Its default (300,000, milliseconds of spinning) suits one process that owns the cores;
+# here every stage's worker has its own pool, and a stage that just finished kept spinning
+# while the next stage computed on the same cores. A short spin still bridges the regions of one
+# forward pass. `onepiece bench e2e` measured both (README); a user's own setting wins.
+GOMP_SPINCOUNT = "30000"
+
+
+def worker_env() -> dict[str, str]:
+    return {"GOMP_SPINCOUNT": GOMP_SPINCOUNT, **os.environ}
 
 
 @dataclass
@@ -58,7 +69,7 @@ class TaskManager:
         slot.backoff.started_now()
         slot.proc = subprocess.Popen(
             [sys.executable, "-m", "onepiece.stage.worker", orjson.dumps(config).decode()],
-            preexec_fn=child_preexec,
+            preexec_fn=child_preexec, env=worker_env(),
         )
         log.info("started worker %s (pid %d) for stage %s", slot.identity, slot.proc.pid, self.stage)
 

@@ -22,6 +22,7 @@ import zmq
 from onepiece.client import Client, RequestFailed, RequestRejected
 from onepiece.db.client import DbClient
 from onepiece.launcher import free_tcp_address
+from onepiece.stage.task_manager import GOMP_SPINCOUNT
 from onepiece.transport import registry
 from onepiece.transport.message import Message, new_uid
 
@@ -221,6 +222,9 @@ def test_cpu_workers_yield_to_the_control_plane(up):
     assert psutil.Process(worker).nice() == 10
     stage = psutil.Process(worker).parent()
     assert os.sched_getscheduler(stage.pid) == os.SCHED_OTHER and stage.nice() == 0
+    # Its torch threads spin briefly after their work (not libgomp's default of milliseconds),
+    # so a stage that just finished leaves the cores to the next one.
+    assert psutil.Process(worker).environ().get("GOMP_SPINCOUNT") == os.environ.get("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
 
 
 def test_killed_worker_fails_its_request_and_comes_back(up):
