@@ -5,6 +5,8 @@ seed:
 
 - monolithic: ``WanPipeline(...)`` in this process, frames only, and frames + the same MP4
   encoding the deployment does (the like-for-like baseline: both end with an MP4);
+- the deployment's own stage functions one after another in this process (what the stages
+  compute with no process boundary, per stage);
 - onepiece: a local deployment (`onepiece up`'s Deployment, every stage its own process),
   from just before the HTTP POST until the DB stored the result (the record's completed_at,
   same clock), with the per-stage breakdown from each result's own trace. Completion is
@@ -36,6 +38,7 @@ from onepiece.bench.common import PROMPT, T2V_STAGES, cpu_name, parse_shape, tin
 from onepiece.transport import curve
 
 DEFAULT_CASES = "64x64x9:10,256x256x17:10"
+SETTLE_S = 0.05
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,6 +81,45 @@ class Monolithic:
         t1 = time.perf_counter()
         encode_mp4(frames, 16)
         return t1 - t0, time.perf_counter() - t0
+
+
+class SplitInProcess:
+    """The deployment's own stage functions one after another in this process, each message
+    encoded and decoded between them as between processes: what the stages compute with no
+    process boundary (components loaded as a worker loads them, by ``onepiece profile``'s
+    Profiler)."""
+
+    def __init__(self, folder: Path, device: str) -> None:
+        from onepiece.config import load_workflow
+        from onepiece.profile import Profiler
+
+        self.wf = load_workflow(folder / "workflow.yaml")
+        self.prof = Profiler(self.wf, folder, device, None)
+        self.stages = list(self.wf.applications["t2v"].stages)
+        for stage in self.stages:
+            self.prof.context(stage)
+
+    def __call__(self, w: int, h: int, f: int, steps: int) -> dict[str, float]:
+        """Seconds per stage for one request."""
+        import torch
+
+        from onepiece.proxy.validation import build_job
+        from onepiece.stage.registry import lookup
+        from onepiece.stage.worker import run_task
+        from onepiece.transport.message import Message, decode, encode, new_uid
+
+        job = build_job(self.wf, {"prompt": PROMPT, "model": "t2v", "size": f"{w}x{h}", "num_frames": f,
+                                  "steps": steps, "seed": 0, "guidance": 5.0}, None)
+        msg = Message({"uid": new_uid(), "app": "t2v", "params": job.params()})
+        out = {}
+        for stage in self.stages:
+            fn = lookup(self.wf.function_of(stage), "t2v")
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                parts = run_task(fn, self.prof.context(stage), msg)
+            out[stage] = time.perf_counter() - t0
+            msg = decode(encode(Message(msg.header, parts)))
+        return out
 
 
 def _breakdown(trace: list[dict], sent: float, stored: float) -> dict[str, float]:
@@ -138,11 +180,16 @@ def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder
         for d in dbs:
             events.connect(d["events"])
         mono = Monolithic(models["t2v"], device)
+        split = SplitInProcess(folder, device)
         with Client(url) as c:
             for w, h, f, steps in cases:
-                frames_t, mp4_t, lat, stages = [], [], [], []
+                frames_t, mp4_t, lat, stages, alone = [], [], [], [], []
                 for i in range(n + 1):  # the first round warms both up
                     a, b = mono(w, h, f, steps)
+                    one = split(w, h, f, steps)
+                    # This process's torch threads spin for milliseconds after their last work (at
+                    # libgomp's default), on the cores the stages are about to use: let them stop.
+                    time.sleep(SETTLE_S)
                     t0 = time.time()
                     v = c.submit(PROMPT, model="t2v", size=f"{w}x{h}", num_frames=f, steps=steps, seed=0, guidance=5.0)
                     uid = v["id"].removeprefix("video_")
@@ -155,6 +202,7 @@ def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder
                         mp4_t.append(b)
                         lat.append(rec["completed_at"] - t0)
                         stages.append(_breakdown(rec.get("trace") or [], t0, rec["completed_at"]))
+                        alone.append(one)
                 keys = sorted({k for s in stages for k in s})
                 out[f"{w}x{h}x{f}:{steps}"] = {
                     "monolithic_frames": _stats(frames_t),
@@ -163,6 +211,7 @@ def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder
                     "paired_ratio_vs_mp4": _stats([x / y for x, y in zip(lat, mp4_t)]),
                     "paired_ratio_vs_frames": _stats([x / y for x, y in zip(lat, frames_t)]),
                     "onepiece_stages_p50": {k: statistics.median([s.get(k, 0.0) for s in stages]) for k in keys},
+                    "in_process_stages_p50": {k: statistics.median([s[k] for s in alone]) for k in split.stages},
                 }
         db.close()
         events.close(0)
@@ -197,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
             "ratio_vs_mp4": r["paired_ratio_vs_mp4"]["p50"],
             "ratio_vs_frames": r["paired_ratio_vs_frames"]["p50"],
             "stages_p50_s": r["onepiece_stages_p50"],
+            "in_process_stages_p50_s": r["in_process_stages_p50"],
         })
     from onepiece.stage.task_manager import worker_env
 
@@ -218,6 +268,10 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         parts = ", ".join(f"{k} {v*1000:.1f} ms" for k, v in r["stages_p50_s"].items())
         lines.append(f"- {r['case']} per-stage p50: {parts}")
+        alone = r["in_process_stages_p50_s"]
+        lines.append(f"- {r['case']} the same stage functions in one process, p50: "
+                     + ", ".join(f"{k} {v*1000:.1f} ms" for k, v in alone.items())
+                     + f" (sum {sum(alone.values())*1000:.1f} ms)")
     table = "\n".join(lines)
     (outdir / "e2e.md").write_text(table + "\n")
     print(table)

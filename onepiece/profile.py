@@ -127,7 +127,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
     stage, shape, batch, repeat, warm = cfg["stage"], tuple(cfg["shape"]), cfg["batch"], cfg["repeat"], 2
     device = cfg["device"] or wf.stages[stage].device
     c = Collective(cfg["rank"], cfg["size"], cfg["address"], device)
-    ctx = prof._ctx(stage)
+    ctx = prof.context(stage)
     msgs = [prof.message(stage, shape, seed, warm + repeat) for seed in range(batch)]
     with torch.inference_mode():
         tasks = [fn(ctx, m) for m, fn in msgs]
@@ -153,7 +153,7 @@ class Profiler:
         self.wf, self.base, self.device, self.threads = wf, base, device, threads
         self._loaded: dict[str, Any] = {}
 
-    def _ctx(self, stage: str):
+    def context(self, stage: str):
         import torch
 
         from onepiece.stage.loader import load_components
@@ -188,7 +188,7 @@ class Profiler:
         msg = Message({"uid": new_uid(), "app": app, "params": params}, {"image": image} if spec.kind == "i2v" else {})
         for before in spec.stages[:spec.stages.index(stage)]:
             fn = lookup(self.wf.function_of(before), spec.kind)
-            msg = decode([bytes(x) for x in encode(Message(msg.header, run_task(fn, self._ctx(before), msg)))])
+            msg = decode([bytes(x) for x in encode(Message(msg.header, run_task(fn, self.context(before), msg)))])
         return msg, lookup(self.wf.function_of(stage), spec.kind)
 
     def stage(self, stage: str, shapes: list[tuple[int, int, int]], batches: list[int], repeat: int) -> list[dict]:
@@ -199,7 +199,7 @@ class Profiler:
 
         kind = self.wf.applications[self._app(stage)].kind
         stepped = is_stepped(self.wf.function_of(stage), kind)
-        ctx = self._ctx(stage)
+        ctx = self.context(stage)
         rows = []
         for shape in shapes:
             warm = 2

@@ -237,7 +237,6 @@ class RequestScheduler:
             f = encode(msg)
             frames += f
             sizes.append(len(f))
-            self._emit(("progress", uid, r.app, 0.0))
         for p in cmd.parts:
             self.stats.batch_size.observe(len(p.uids))
         rs = [self.core.requests[u] for u in cmd.uids]
@@ -249,6 +248,8 @@ class RequestScheduler:
         parts = [[list(p.ranks), list(p.uids), p.steps] for p in cmd.parts]
         self._send(cmd.worker, [b"run", orjson.dumps({"uids": list(cmd.uids), "steps": cmd.steps, "admit": sizes,
                                                       "parts": parts}), *frames])
+        for uid in cmd.admit:  # after the hand-over: the DB's update must not hold the worker's start up
+            self._emit(("progress", uid, self.core.requests[uid].app, 0.0))
 
     def _send(self, worker: str, frames: list) -> None:
         try:

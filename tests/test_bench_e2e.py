@@ -1,0 +1,19 @@
+"""`onepiece bench e2e`'s in-process column: the deployment's own stage functions one after
+another in one process, on the workflow a deployment is written with (no processes started)."""
+
+from __future__ import annotations
+
+from onepiece.bench.common import T2V_STAGES
+from onepiece.bench.e2e import SplitInProcess
+from onepiece.launcher import write_topology
+
+
+def test_the_stage_functions_run_one_after_another_in_this_process(tiny_models, tmp_path):
+    write_topology(tmp_path, tiny_models, "tcp://127.0.0.1:1", dbs=1, stages=dict(T2V_STAGES))
+    split = SplitInProcess(tmp_path, "cpu")
+    assert split.stages == ["text_encode", "denoise_t2v", "vae_decode"]
+    split(32, 32, 5, 1)  # the first forward passes warm up
+    seconds = split(32, 32, 5, 2)
+    assert list(seconds) == split.stages and all(0 < s < 60 for s in seconds.values()), seconds
+    more = split(32, 32, 5, 16)  # more steps cost the stepped stage more
+    assert more["denoise_t2v"] > seconds["denoise_t2v"], (seconds, more)
