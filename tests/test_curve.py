@@ -10,6 +10,7 @@ through `onepiece up` with CURVE on."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import zmq
 
 from onepiece.cli import build_parser
 from onepiece.curve_policy import AuthPolicyError, beyond_host, curve_on
-from onepiece.db.client import DbClient, NotReady
+from onepiece.db.client import AsyncDbClient, DbClient, DbUnavailable, NotReady
 from onepiece.db.protocol import CONTENT
 from onepiece.launcher import free_tcp_address
 from onepiece.transport import curve
@@ -308,6 +309,16 @@ def test_a_member_without_the_deployment_s_keys_is_told_why_nothing_answers(serv
     finally:
         client.close()
         curve.use(None)
+    # The proxy's asyncio client says so too, in the error its 503 carries.
+    async def get() -> None:
+        dbs = AsyncDbClient([servers["db"]["control"]], timeout=0.5)
+        try:
+            await dbs.get(new_uid())
+        finally:
+            dbs.close()
+
+    with pytest.raises(DbUnavailable, match="asks for CURVE and this process has no keys"):
+        asyncio.run(get())
     env = {k: v for k, v in os.environ.items() if k != curve.ENV}
     out = subprocess.run([sys.executable, "-m", "onepiece", "status", "--nm", servers["nm"]], env=env,
                          capture_output=True, text=True, timeout=60)

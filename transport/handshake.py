@@ -24,11 +24,17 @@ _names = itertools.count()
 
 
 class HandshakeWatch:
-    """The handshake failures of one client socket (only those: nothing else is reported)."""
+    """The handshake failures of one client socket (only those: nothing else is reported), a
+    blocking socket or an asyncio one alike (its monitor is read without waiting either way)."""
 
     def __init__(self, sock: zmq.Socket) -> None:
         self.sock = sock
-        self.monitor = sock.get_monitor_socket(FAILED, addr=f"inproc://onepiece-handshake-{next(_names)}")
+        addr = f"inproc://onepiece-handshake-{next(_names)}"
+        sock.monitor(addr, FAILED)
+        # A blocking view of the socket's own context (an inproc name lives in one context), so
+        # that an asyncio socket's monitor is read here as a blocking one's is.
+        self.monitor = zmq.Context.shadow(sock.context.underlying).socket(zmq.PAIR)
+        self.monitor.connect(addr)
         self.failed: int | None = None  # the last failure's event
 
     def reason(self) -> str | None:

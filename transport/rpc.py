@@ -213,6 +213,7 @@ class AsyncRpcClient:
         self.address, self.timeout, self.retries = address, timeout, retries
         self._ids = itertools.count(1)
         self.sock = _dealer(zmq.asyncio.Context.instance())
+        self._watch = HandshakeWatch(self.sock)  # before the connect: a handshake can fail at once
         self.sock.connect(address)
         self._pending: dict[int, Any] = {}
         self._reader = None
@@ -237,7 +238,9 @@ class AsyncRpcClient:
                 continue
             finally:
                 self._pending.pop(rid, None)
-        raise RpcTimeout(f"{op}: no answer from {self.address} after {self.retries + 1} tries of {timeout:.1f}s")
+        why = self._watch.reason()
+        raise RpcTimeout(f"{op}: no answer from {self.address} after {self.retries + 1} tries of {timeout:.1f}s"
+                         + (f"; {why}" if why else ""))
 
     async def _read_loop(self) -> None:
         while True:
@@ -256,4 +259,5 @@ class AsyncRpcClient:
     def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
+        self._watch.close()
         self.sock.close(linger=0)
