@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from onepiece.argtypes import count
 from onepiece.bench.common import cpu_name
 from onepiece.bench.transport import size_label
 from onepiece.transport import curve
@@ -37,8 +38,8 @@ LATENCY_SAMPLES = 200  # per mode and round, of the smallest size
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes in bytes, comma-separated")
-    p.add_argument("--rounds", type=int, default=7, help="rounds; each measures both modes at every size")
-    p.add_argument("--bytes-per-batch", type=int, default=256 * MB,
+    p.add_argument("--rounds", type=count(), default=7, help="rounds; each measures both modes at every size")
+    p.add_argument("--bytes-per-batch", type=count(), default=256 * MB,
                    help="bytes sent per measurement (at least 16 messages, at most 20,000)")
     p.add_argument("--out", default="bench/results", help="folder for curve.json and curve.md")
 

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from onepiece.argtypes import SEED, count
 from onepiece.bench.common import cpu_name
 from onepiece.bench.trace import parse_classes, parse_floats, poisson_trace
 from onepiece.config import ProxySpec, deploy_dir, load_workflow
@@ -52,12 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", default="2.0,2.5,3.5", help="SLO = alpha x fastest standalone, per class")
     p.add_argument("--gpus", default="8,64", help="fleet sizes, multiples of 4 (default %(default)s)")
     p.add_argument("--loads", default="0.5,0.8,1.0", help="multiples of the fleet's capacity (default %(default)s)")
-    p.add_argument("--requests", type=int, default=0, help="requests per trace (default 25 per GPU)")
+    p.add_argument("--requests", type=count(0), default=0, help="requests per trace (default 25 per GPU)")
     p.add_argument("--policies", default="slo,edf-best-fit,ddit", help="DoP-aware policies on elastic groups")
     p.add_argument("--groups", default="2,4", help="GPUs per elastic group, each size a configuration (default %(default)s)")
     p.add_argument("--static-policies", default="edf,srtf",
                    help="DoP-blind policies for static DoP, each a baseline (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--out", default="bench/results", help="folder for dop.json and dop.md")
 
 

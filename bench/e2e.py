@@ -34,6 +34,7 @@ from typing import Any
 
 import zmq
 
+from onepiece.argtypes import count
 from onepiece.bench.common import PROMPT, T2V_STAGES, cpu_name, parse_shape, tiny_models
 from onepiece.transport import curve
 
@@ -43,7 +44,7 @@ SETTLE_S = 0.05
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", default=DEFAULT_CASES, help="comma-separated WxHxFRAMES:STEPS")
-    p.add_argument("--requests", type=int, default=20, help="measured requests per case (after 1 warm-up)")
+    p.add_argument("--requests", type=count(), default=20, help="measured requests per case (after 1 warm-up)")
     p.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
     p.add_argument("--device", default="cpu", help="torch device of every stage and of the monolithic pipeline (cpu, cuda)")
     p.add_argument("--models", help="folder for the tiny models (default: a temporary one)")

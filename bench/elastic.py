@@ -36,19 +36,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from onepiece.argtypes import SHARE, count, positive
 from onepiece.bench.common import PROMPT, parse_shape, percentile, tiny_models
 
 STAGES = {"text_encode": 1, "denoise_t2v": 1, "vae_decode": 2}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rounds", type=int, default=3, help="saturate / move / move back rounds")
-    p.add_argument("--window", type=float, default=5.0, help="the NM's utilization window, seconds")
-    p.add_argument("--threshold", type=float, default=0.85, help="utilization that counts as saturated")
-    p.add_argument("--heartbeat", type=float, default=0.25, help="instances' heartbeat period, seconds")
-    p.add_argument("--clients", type=int, default=4, help="closed-loop clients")
+    p.add_argument("--rounds", type=count(), default=3, help="saturate / move / move back rounds")
+    p.add_argument("--window", type=positive(" seconds"), default=5.0, help="the NM's utilization window, seconds")
+    p.add_argument("--threshold", type=SHARE, default=0.85, help="utilization that counts as saturated")
+    p.add_argument("--heartbeat", type=positive(" seconds"), default=0.25, help="instances' heartbeat period, seconds")
+    p.add_argument("--clients", type=count(), default=4, help="closed-loop clients")
     p.add_argument("--shape", default="32x32x5:100", help="the load's requests, WxHxFRAMES:STEPS")
-    p.add_argument("--round-timeout", type=float, default=120.0, help="bound on one round, seconds")
+    p.add_argument("--round-timeout", type=positive(" seconds"), default=120.0, help="bound on one round, seconds")
     p.add_argument("--models", help="folder for the tiny models (default: a temporary one)")
     p.add_argument("--logs", help="keep the deployment's logs in this folder (default: dropped with the run)")
     p.add_argument("--out", default="bench/results", help="folder for elastic.json and elastic.md")
@@ -177,8 +178,6 @@ def run(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     body = request_body(args.shape)
-    if args.rounds < 1 or args.clients < 1 or args.window <= 0:
-        raise SystemExit("--rounds and --clients must be at least 1 and --window positive")
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="onepiece-bench-") as tmp:
         models = tiny_models(Path(args.models) if args.models else Path(tmp) / "models")

@@ -41,17 +41,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from onepiece.argtypes import between, count, positive
 from onepiece.bench.common import T2V_STAGES, parse_shape, percentile, tiny_models
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kills", type=int, default=10, help="SIGKILLs of the primary NM")
-    p.add_argument("--graceful", type=int, default=10, help="SIGTERMs of the primary NM")
-    p.add_argument("--session", type=float, default=2.0, help="ZooKeeper session timeout, seconds")
-    p.add_argument("--heartbeat", type=float, default=0.25, help="instances' heartbeat period, seconds")
-    p.add_argument("--load", type=int, default=2, help="clients sending requests back to back (0: no load)")
+    p.add_argument("--kills", type=count(0), default=10, help="SIGKILLs of the primary NM")
+    p.add_argument("--graceful", type=count(0), default=10, help="SIGTERMs of the primary NM")
+    p.add_argument("--session", type=between(1, 600, " seconds"), default=2.0, help="ZooKeeper session timeout, seconds")
+    p.add_argument("--heartbeat", type=positive(" seconds"), default=0.25, help="instances' heartbeat period, seconds")
+    p.add_argument("--load", type=count(0), default=2, help="clients sending requests back to back (0: no load)")
     p.add_argument("--shape", default="32x32x5:2", help="the load's requests, WxHxFRAMES:STEPS")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=count(), default=1,
                    help="torch threads of every stage worker (0: the workflow's own, all cores)")
     p.add_argument("--zk", help="use this ZooKeeper (host:port,...) instead of starting three servers")
     p.add_argument("--models", help="folder for the tiny models (default: a temporary one)")
@@ -286,10 +287,8 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parse_shape(args.shape)  # a bad shape stops here, before anything starts
-    if args.kills < 0 or args.graceful < 0 or args.load < 0 or args.kills + args.graceful == 0:
-        raise SystemExit("--kills, --graceful and --load must not be negative, and some round must be asked for")
-    if not 1.0 <= args.session <= 600:
-        raise SystemExit(f"--session {args.session}: must be between 1 and 600 seconds")
+    if args.kills + args.graceful == 0:
+        raise SystemExit("--kills and --graceful: some round must be asked for")
     zh = _zk_harness()
     ensemble = None
     with tempfile.TemporaryDirectory(prefix="onepiece-bench-") as tmp:

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from onepiece.argtypes import count
 from onepiece.bench.common import cpu_name
 from onepiece.stage.wan.functions import X264_OPTIONS, stream_mp4
 
@@ -36,7 +37,7 @@ SHAPES = "256x256x17,832x480x81"  # bench e2e's larger case; Wan2.1 480p, 5 s at
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default=SHAPES, help="WxHxFRAMES, comma-separated (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per shape and setting, the median kept (default 3)")
+    p.add_argument("--repeats", type=count(), default=3, help="runs per shape and setting, the median kept (default 3)")
     p.add_argument("--out", default="bench/results", help="folder for mp4.json and mp4.md")
 
 
@@ -88,8 +89,6 @@ def measure(frames: np.ndarray, options: dict[str, str], repeats: int) -> dict[s
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.repeats < 1:
-        raise SystemExit("--repeats must be at least 1")
     shapes = _shapes(args.shapes)
     stream_mp4([synthetic(16, 16, 1)], 16)  # loads PyAV and x264 once, outside every timing
     rows = []

@@ -66,6 +66,7 @@ from typing import Any
 
 import orjson
 
+from onepiece.argtypes import SEED, count, non_negative, positive
 from onepiece.bench.common import PROMPT, T2V_STAGES, parse_shape, percentile, tiny_models
 from onepiece.transport import curve
 
@@ -85,33 +86,33 @@ TARGETS = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--levels", default=DEFAULT_LEVELS, help="load levels, multiples of the capacity (default %(default)s)")
-    p.add_argument("--requests", type=int, default=48,
+    p.add_argument("--requests", type=count(), default=48,
                    help="requests at the 1x level; level x sends round(x*N), at least 1 (default %(default)s)")
-    p.add_argument("--max-duration", type=float, default=20.0,
+    p.add_argument("--max-duration", type=positive(" seconds"), default=20.0,
                    help="bound on a level's arrival window in seconds; later arrivals are not sent (default %(default)s)")
     p.add_argument("--shape", default=DEFAULT_SHAPE, help="request WxHxFRAMES:STEPS (default %(default)s)")
     p.add_argument("--runs", default="on,off", help="monitor on, off, or both in that order (default %(default)s)")
-    p.add_argument("--capacity", type=float, help="base rate C of the 1x level in requests/s (default: measured)")
+    p.add_argument("--capacity", type=positive(" requests/s"), help="base rate C of the 1x level in requests/s (default: measured)")
     p.add_argument("--capacity-source", choices=["nm", "closed-loop"], default="nm",
                    help="what C is: the NM's estimate after the warm-up (what the proxies admit at) or the "
                         "warm-up's closed-loop throughput (default %(default)s)")
-    p.add_argument("--warmup", type=int, default=40,
+    p.add_argument("--warmup", type=count(0), default=40,
                    help="closed-loop warm-up requests per deployment; more than the stages' 32-request window of "
                         "service times, so the NM's estimate holds no cold start (default %(default)s)")
-    p.add_argument("--warmup-concurrency", type=int, default=4)
-    p.add_argument("--slo", type=float, help="SLO in seconds (default: --slo-factor x accepted p50 at 1x, monitor on)")
-    p.add_argument("--slo-factor", type=float, default=2.0)
-    p.add_argument("--request-timeout", type=float, default=30.0,
+    p.add_argument("--warmup-concurrency", type=count(), default=4)
+    p.add_argument("--slo", type=positive(" seconds"), help="SLO in seconds (default: --slo-factor x accepted p50 at 1x, monitor on)")
+    p.add_argument("--slo-factor", type=positive(), default=2.0)
+    p.add_argument("--request-timeout", type=positive(" seconds"), default=30.0,
                    help="seconds an accepted request is waited for (default %(default)s)")
-    p.add_argument("--pause", type=float, default=2.0, help="rest between levels, after the set drained (s)")
-    p.add_argument("--max-inflight", type=int, default=1000,
+    p.add_argument("--pause", type=non_negative(" seconds"), default=2.0, help="rest between levels, after the set drained (s)")
+    p.add_argument("--max-inflight", type=count(), default=1000,
                    help="the proxy's in-flight bound, high so that only the monitor admits (default %(default)s)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=count(), default=1,
                    help="torch threads of every stage worker (0: the workflow's own, i.e. all cores). 1 keeps the "
                         "three stage workers from oversubscribing a small machine's cores (default %(default)s)")
-    p.add_argument("--heartbeat", type=float, default=0.5, help="NM heartbeat (s)")
+    p.add_argument("--heartbeat", type=positive(" seconds"), default=0.5, help="NM heartbeat (s)")
     p.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
-    p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    p.add_argument("--seed", type=SEED, default=0, help="seed of the arrival times")
     p.add_argument("--models", help="folder for the tiny models (default: a temporary one)")
     p.add_argument("--logs", help="keep the deployments' logs here (default: a temporary folder)")
     p.add_argument("--out", default="bench/results", help="folder for overload.json, .md and .png")
@@ -663,8 +664,6 @@ def run(args: argparse.Namespace) -> int:
     if not modes or any(m not in ("on", "off") for m in modes) or len(set(modes)) != len(modes):
         raise SystemExit(f"bad --runs {args.runs!r}: expected on, off or on,off")
     modes.sort(key=lambda m: m != "on")
-    if args.requests < 1:
-        raise SystemExit("--requests must be at least 1")
     shape = parse_shape(args.shape)
     if "off" in modes and not monitor_switch():
         print("onepiece bench overload: the run without the request monitor needs the topology field "

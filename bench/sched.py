@@ -47,6 +47,7 @@ from typing import Any
 
 import orjson
 
+from onepiece.argtypes import SEED, count, non_negative, positive
 from onepiece.bench.common import PROMPT, T2V_STAGES, cpu_name, model_dirs
 from onepiece.bench.overload import SET, Target, _run_async
 from onepiece.bench.trace import Trace, load_trace, parse_classes, parse_floats, poisson_trace, replay, summarize
@@ -59,22 +60,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default="fcfs,fcfs-batched,srtf,edf,slo",
                    help="stage policies to compare, fcfs first (default %(default)s)")
     p.add_argument("--loads", default="0.5,0.8,1.0", help="multiples of the fcfs capacity (default %(default)s)")
-    p.add_argument("--requests", type=int, default=40, help="requests per trace (default %(default)s)")
+    p.add_argument("--requests", type=count(), default=40, help="requests per trace (default %(default)s)")
     p.add_argument("--classes", default=DEFAULT_CLASSES, help="NAME=WxHxFRAMES:STEPS,... (default %(default)s)")
     p.add_argument("--mix", default="0.6,0.3,0.1", help="share of each class by count, in --classes order")
     p.add_argument("--alpha", default="2.0,2.5,3.5", help="SLO = alpha x standalone, per class in order")
-    p.add_argument("--max-batch", type=int, default=4, help="batch bound of the batching policies")
-    p.add_argument("--timeout", type=float, default=90.0,
+    p.add_argument("--max-batch", type=count(), default=4, help="batch bound of the batching policies")
+    p.add_argument("--timeout", type=non_negative(" seconds"), default=90.0,
                    help="each request's deadline (timeout_s), where it fails; its SLO is its target (slo_s). "
                         "0: the SLO is its deadline (default %(default)s)")
-    p.add_argument("--monitor-load", type=float, default=1.2,
+    p.add_argument("--monitor-load", type=non_negative(), default=1.2,
                    help="load of the run with the monitor on (0: none; with --trace: that trace again, monitor on)")
     p.add_argument("--trace", help="replay this trace (bench/trace.py format) instead of generating them")
-    p.add_argument("--repeat", type=int, default=3, help="standalone runs per class in the calibration")
-    p.add_argument("--calibrate", type=int, default=20,
+    p.add_argument("--repeat", type=count(), default=3, help="standalone runs per class in the calibration")
+    p.add_argument("--calibrate", type=count(), default=20,
                    help="closed-loop requests measuring the fcfs capacity, classes in the mix's shares exactly")
-    p.add_argument("--capacity", type=float, help="C in requests/s (default: measured)")
-    p.add_argument("--denoise-workers", type=int, default=1, help="workers of the denoise stage (default 1)")
+    p.add_argument("--capacity", type=positive(" requests/s"), help="C in requests/s (default: measured)")
+    p.add_argument("--denoise-workers", type=count(), default=1, help="workers of the denoise stage (default 1)")
     p.add_argument("--collaboration", action="store_true",
                    help="the denoise workers form one collaboration group (DoP-aware policies pick each step's DoP)")
     session_arguments(p, request_timeout=120.0, out="sched.json, .md, .png and the traces")
@@ -82,13 +83,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def session_arguments(p: argparse.ArgumentParser, request_timeout: float, out: str) -> None:
     """The flags of a benchmark that replays traces on `Session` deployments."""
-    p.add_argument("--max-duration", type=float, default=180.0, help="bound on a trace's arrival window (s)")
-    p.add_argument("--request-timeout", type=float, default=request_timeout,
+    p.add_argument("--max-duration", type=positive(" seconds"), default=180.0, help="bound on a trace's arrival window (s)")
+    p.add_argument("--request-timeout", type=positive(" seconds"), default=request_timeout,
                    help="seconds a request is awaited at most (default %(default)s)")
     p.add_argument("--profile", choices=["tiny", "scale"], default="scale", help="model profile (default scale)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per stage worker")
+    p.add_argument("--threads", type=count(), default=1, help="torch threads per stage worker")
     p.add_argument("--device", default="cpu", help="torch device of every stage (cpu, cuda)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--models", help="folder for the models (default: ~/.cache/onepiece/models)")
     p.add_argument("--logs", help="keep the deployments' logs here")
     p.add_argument("--out", default="bench/results", help=f"folder for {out}")

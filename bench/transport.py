@@ -84,6 +84,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from onepiece.argtypes import count, positive
 from onepiece.bench.common import cpu_name, percentile
 
 TRANSPORTS = {
@@ -165,18 +166,6 @@ def _senders(value: str) -> list[int]:
     return ns
 
 
-def _positive(kind: type):
-    def conv(value: str):
-        try:
-            x = kind(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {value!r}") from None
-        if x <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive (got {value})")
-        return x
-    return conv
-
-
 def _bytes_flag(value: str) -> int:
     return parse_size(value, 1 << 40)
 
@@ -199,19 +188,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"sender process counts (default {DEFAULT_SENDERS})")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: small sizes, short phases, few messages (figures are not meaningful)")
-    p.add_argument("--seconds", type=_positive(float), help=f"time bound of a throughput cell (default {FULL['seconds']:g}; quick {QUICK['seconds']:g})")
+    p.add_argument("--seconds", type=positive(), help=f"time bound of a throughput cell (default {FULL['seconds']:g}; quick {QUICK['seconds']:g})")
     p.add_argument("--budget", type=_bytes_flag, help="payload bytes per throughput cell, split between senders (default 2G; quick 4M)")
-    p.add_argument("--max-messages", type=_positive(int), help=f"messages per throughput cell (default {FULL['max_messages']}; quick {QUICK['max_messages']})")
-    p.add_argument("--latency-messages", type=_positive(int), help=f"paced messages per sender per cell (default {FULL['latency_messages']}; quick {QUICK['latency_messages']})")
+    p.add_argument("--max-messages", type=count(), help=f"messages per throughput cell (default {FULL['max_messages']}; quick {QUICK['max_messages']})")
+    p.add_argument("--latency-messages", type=count(), help=f"paced messages per sender per cell (default {FULL['latency_messages']}; quick {QUICK['latency_messages']})")
     p.add_argument("--latency-budget", type=_bytes_flag, help="payload bytes per sender in a latency cell (default 1G; quick 16M); at least 10 messages")
-    p.add_argument("--latency-seconds", type=_positive(float), help=f"time bound of a latency cell (default {FULL['latency_seconds']:g}; quick {QUICK['latency_seconds']:g})")
-    p.add_argument("--memcpy-repeats", type=_positive(int), help=f"timed memcpy batches per size (default {FULL['memcpy_repeats']}; quick {QUICK['memcpy_repeats']})")
-    p.add_argument("--rounds", type=_positive(int),
+    p.add_argument("--latency-seconds", type=positive(), help=f"time bound of a latency cell (default {FULL['latency_seconds']:g}; quick {QUICK['latency_seconds']:g})")
+    p.add_argument("--memcpy-repeats", type=count(), help=f"timed memcpy batches per size (default {FULL['memcpy_repeats']}; quick {QUICK['memcpy_repeats']})")
+    p.add_argument("--rounds", type=count(),
                    help="measure memcpy and the whole grid this many times, one round after another; each "
                         "table shows a cell's median round, the targets the median of the rounds' ratios "
                         "(default 1; on a noisy machine, 3 or 5)")
     p.add_argument("--ring-bytes", type=_power_of_two(_bytes_flag), help="ring buffer bytes, a power of two (default: > 2x the largest size, at least 16M)")
-    p.add_argument("--ring-slots", type=_power_of_two(_positive(int)), default=1024, help="ring size slots, a power of two (default %(default)s)")
+    p.add_argument("--ring-slots", type=_power_of_two(count()), default=1024, help="ring size slots, a power of two (default %(default)s)")
     p.add_argument("--out", default="bench/results", help="folder for transport.json and transport.md")
 
 
@@ -274,7 +263,7 @@ def sender_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m onepiece.bench.transport --sender")
     p.add_argument("--sender", action="store_true", required=True)
     p.add_argument("--control", required=True, help="the benchmark's control ROUTER address")
-    p.add_argument("--id", type=int, required=True)
+    p.add_argument("--id", type=count(0), required=True)
     a = p.parse_args(argv)
 
     import numpy as np

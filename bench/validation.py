@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import zmq
 
+from onepiece.argtypes import count
 from onepiece.bench.common import cpu_name
 from onepiece.config import deploy_dir, load_workflow
 from onepiece.db.protocol import DATA_SCHEMAS, RPC_SCHEMAS
@@ -171,14 +172,12 @@ def measure(n: int, repeats: int) -> dict[str, dict[str, float]]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--n", type=int, default=5000, help="messages per timed batch (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=5, help="batches; the best counts (default %(default)s)")
+    p.add_argument("--n", type=count(), default=5000, help="messages per timed batch (default %(default)s)")
+    p.add_argument("--repeats", type=count(), default=5, help="batches; the best counts (default %(default)s)")
     p.add_argument("--out", default="bench/results", help="folder for validation.json and validation.md")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.n < 1 or args.repeats < 1:
-        raise SystemExit("--n and --repeats must be at least 1")
     rows = measure(args.n, args.repeats)
     doc = {"bench": "validation", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(), "n": args.n,
            "repeats": args.repeats, "messages": rows}

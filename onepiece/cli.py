@@ -4,12 +4,12 @@ and `bench`. Bad flags get argparse's usage error; bad files a ConfigError namin
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from onepiece.argtypes import PORT, between, count, positive
 from onepiece.config import ConfigError, deploy_dir
 
 if TYPE_CHECKING:
@@ -277,29 +277,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return args.bench.run(args)
 
 
-def _float_between(low: float, high: float, unit: str = ""):
-    """An argparse type: a finite number in [low, high]."""
-    def parse(value: str) -> float:
-        try:
-            x = float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid number: {value!r}") from None
-        if not (math.isfinite(x) and low <= x <= high):
-            raise argparse.ArgumentTypeError(f"must be between {low:g} and {high:g}{unit} (got {value})")
-        return x
-    return parse
-
-
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 (got {n})")
-    return n
-
-
 def _checked(parse, what: str):
     """An argparse type from a validator that raises ValueError (usage error naming the flag)."""
     def check(value: str) -> str:
@@ -342,7 +319,7 @@ def _zk_flags(sp: argparse.ArgumentParser) -> None:
                    help=f"file of mode 0600 holding user:password (or set {ENV}): the cluster's znodes get digest "
                         f"ACLs for this user only")
     g.add_argument("--zk-auth", help=argparse.SUPPRESS, type=_refused(NO_COMMAND_LINE))
-    g.add_argument("--zk-session", metavar="S", type=_float_between(1, 600, " seconds"),
+    g.add_argument("--zk-session", metavar="S", type=between(1, 600, " seconds"),
                    help="ZooKeeper session timeout in seconds (default 4): how soon a dead process is noticed")
 
 
@@ -405,13 +382,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("up", help="start a whole local deployment from a topology file")
     sp.add_argument("--topology", help=f"topology YAML (default: the shipped {DEFAULT_TOPOLOGY})")
     sp.add_argument("--logs", help="folder for the processes' logs (default: runs/<time>)")
-    sp.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    sp.add_argument("--ready-timeout", type=positive(" seconds"), default=300.0, help="seconds to wait for readiness")
     sp.set_defaults(fn=cmd_up)
 
     sp = role("nm", "run the node manager")
     sp.add_argument("--topology", help="topology YAML")
     sp.add_argument("--address", help="bind address (default: the topology's)")
-    sp.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (default: any free one)")
+    sp.add_argument("--metrics-port", type=PORT, default=0, help="Prometheus port (default: any free one)")
     sp.add_argument("--advertise", metavar="HOST", help="host that clients reach this NM at (default: the bound one)")
     _zk_flags(sp)
     _operator_flag(sp, "the operator key that `move` needs (default: ONEPIECE_OPERATOR_KEY; none: moves refused)")
@@ -442,23 +419,23 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--listen", default="tcp://127.0.0.1:0", help="data address (results, status)")
             sp.add_argument("--control", default="tcp://127.0.0.1:0", help="read/RPC address")
             sp.add_argument("--events", default="tcp://127.0.0.1:0", help="completion events (PUB) address")
-            sp.add_argument("--ttl", type=float, default=3600.0, help="seconds a result is kept")
-            sp.add_argument("--max-bytes", type=int, default=1 << 30, help="memory cap of the store")
-            sp.add_argument("--purge-after-fetch", type=_float_between(0, 86_400, " seconds"), default=60.0,
+            sp.add_argument("--ttl", type=positive(" seconds"), default=3600.0, help="seconds a result is kept")
+            sp.add_argument("--max-bytes", type=count(), default=1 << 30, help="memory cap of the store")
+            sp.add_argument("--purge-after-fetch", type=between(0, 86_400, " seconds"), default=60.0,
                             metavar="SECONDS",
                             help="purge a result this long after its first fetch (0: at once; default 60)")
             sp.add_argument("--keep-after-fetch", action="store_true", help="keep a fetched result until its TTL")
-            sp.add_argument("--replication", type=_positive_int, default=2,
+            sp.add_argument("--replication", type=count(), default=2,
                             help="DBs of the set that hold each result, this one included (default 2)")
             sp.set_defaults(fn=cmd_db)
         else:
             sp.add_argument("--host", default="127.0.0.1")
-            sp.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-            sp.add_argument("--max-inflight", type=int, default=64)
-            sp.add_argument("--max-body-bytes", type=int, default=16 << 20)
+            sp.add_argument("--port", type=PORT, default=8000, help="0 picks a free port")
+            sp.add_argument("--max-inflight", type=count(), default=64)
+            sp.add_argument("--max-body-bytes", type=count(), default=16 << 20)
             sp.add_argument("--no-monitor", dest="monitor", action="store_false",
                             help="admit by the in-flight bound only: no capacity or deadline refusals")
-            sp.add_argument("--deadline-factor", type=_float_between(0, 1000), default=2.0,
+            sp.add_argument("--deadline-factor", type=between(0, 1000), default=2.0,
                             help="refuse a request without timeout_s that is predicted to take more than this many "
                                  "times its standalone time (0: only the app's limit; default %(default)s)")
             _api_keys_flags(sp)

@@ -15,6 +15,8 @@ import os
 import sys
 from pathlib import Path
 
+from onepiece.argtypes import SEED, count, non_negative, positive
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 URL_ENV = "ONEPIECE_URL"  # proxy URL(s), comma-separated, when --url is not given
 
@@ -27,11 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image", help="input image (PNG/JPEG/...) for image-to-video")
     parser.add_argument("--size", default="64x64", help="WIDTHxHEIGHT, multiples of 16 (default 64x64)")
     length = parser.add_mutually_exclusive_group()
-    length.add_argument("--seconds", type=float, help="clip length; frames = 4*round(seconds*fps/4)+1")
-    length.add_argument("--frames", type=int, help="exact frame count, 4k+1 (e.g. 9, 17, 81)")
-    parser.add_argument("--steps", type=int, help="denoising steps")
-    parser.add_argument("--guidance", type=float, help="classifier-free guidance scale")
-    parser.add_argument("--seed", type=int, help="random seed (default: random)")
+    length.add_argument("--seconds", type=positive(" seconds"), help="clip length; frames = 4*round(seconds*fps/4)+1")
+    length.add_argument("--frames", type=count(), help="exact frame count, 4k+1 (e.g. 9, 17, 81)")
+    parser.add_argument("--steps", type=count(), help="denoising steps")
+    parser.add_argument("--guidance", type=non_negative(), help="classifier-free guidance scale")
+    parser.add_argument("--seed", type=SEED, help="random seed (default: random)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--url", action="append",
                        help=f"proxy URL; repeat (or separate by commas) to fall back to other sets "
@@ -48,13 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"a key on a command line is readable by every user of the host (ps); put it in a file of mode 0600 named "
         f"by --api-key-file, or in the environment variable {KEY_ENV}"))
     _curve_flags(parser, auth=False)  # with --nm: the node manager of a deployment on CURVE
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--rounds", type=count(), default=3,
                         help="times to go round all proxies while they refuse, with backoff (default 3)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the video")
-    parser.add_argument("--deadline", type=float, metavar="SECONDS",
+    parser.add_argument("--timeout", type=positive(" seconds"), default=600.0, help="seconds to wait for the video")
+    parser.add_argument("--deadline", type=positive(" seconds"), metavar="SECONDS",
                         help="the request's own deadline (timeout_s): a set admits it only if it is predicted to "
                              "finish within it (default: twice its time through an idle set)")
-    parser.add_argument("--slo", type=float, metavar="SECONDS",
+    parser.add_argument("--slo", type=positive(" seconds"), metavar="SECONDS",
                         help="the latency the request aims for (slo_s, within --deadline): what the stages schedule "
                              "it for; missing it does not fail it")
     parser.add_argument("-o", "--output", required=True, help="where to save the MP4")

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from onepiece.argtypes import count
 from onepiece.config import Workflow, load_workflow
 
 
@@ -56,9 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=_ints, default=[1, 2, 4, 8], help="batch sizes of stepped stages (default 1,2,4,8)")
     p.add_argument("--dops", type=_ints, default=[1], help="degrees of parallelism of stepped stages, each a "
                                                            "collaboration group of local processes (default 1)")
-    p.add_argument("--repeat", type=int, default=5, help="timed runs per cell (median taken)")
+    p.add_argument("--repeat", type=count(), default=5, help="timed runs per cell (median taken)")
     p.add_argument("--device", help="torch device (default: each stage's own)")
-    p.add_argument("--threads", type=int, help="torch threads (default: each stage's own, or all cores)")
+    p.add_argument("--threads", type=count(), help="torch threads (default: each stage's own, or all cores)")
     p.add_argument("-o", "--out", default="costs.json", help="where to write the table (JSON)")
 
 
@@ -76,9 +77,6 @@ def run(args: argparse.Namespace) -> int:
     unknown = [s for s in stages if s not in wf.stages]
     if unknown:
         print(f"onepiece profile: unknown stage(s) {unknown} (known: {sorted(wf.stages)})", file=sys.stderr)
-        return 2
-    if args.repeat < 1:
-        print("onepiece profile: --repeat must be at least 1", file=sys.stderr)
         return 2
     ensure_models(wf, wf_path.parent)
     prof = Profiler(wf, wf_path.parent, args.device, args.threads)

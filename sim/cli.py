@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from onepiece.argtypes import SEED, SHARE, count, non_negative, positive
 from onepiece.bench.trace import Trace, TraceError, load_trace, summarize
 from onepiece.config import ConfigError, ElasticSpec, ProxySpec, Topology, Workflow, load_topology, load_workflow
 from onepiece.sched.costs import TableError
@@ -35,17 +36,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--topology", help="a topology YAML: its sets, their stage counts and its workflow")
     where.add_argument("--workflow", help="a workflow YAML, with --instances")
     p.add_argument("--instances", type=_counts, help="with --workflow: STAGE=N,... instances per set")
-    p.add_argument("--sets", type=int, default=1, help="with --workflow: how many such sets (default 1)")
+    p.add_argument("--sets", type=count(), default=1, help="with --workflow: how many such sets (default 1)")
     p.add_argument("--monitor", action="store_true",
                    help="with --workflow: each set's proxy runs the request monitor (a topology says per set)")
     p.add_argument("--schedule", action="append", default=[], metavar="STAGE.OPTION=VALUE",
                    help="override a stage's schedule option, e.g. denoise_t2v.policy=edf (repeatable, in order; "
                         "a policy resets max_batch to its default)")
-    p.add_argument("--move-s", type=float, default=MOVE_S,
+    p.add_argument("--move-s", type=non_negative(" seconds"), default=MOVE_S,
                    help="with --topology (its NM moves instances: nm.elastic): seconds a moved instance takes to "
                         "load its new stage, after its drain (default %(default)s)")
-    p.add_argument("--hop-ms", type=float, default=HOP_S * 1000, help="time of one message between stages (ms)")
-    p.add_argument("--overhead-ms", type=float, default=OVERHEAD_S * 1000,
+    p.add_argument("--hop-ms", type=non_negative(" ms"), default=HOP_S * 1000, help="time of one message between stages (ms)")
+    p.add_argument("--overhead-ms", type=non_negative(" ms"), default=OVERHEAD_S * 1000,
                    help="decision and IPC per chunk of steps (ms)")
     p.add_argument("--out", default="sim-out", help="folder for sim.json, .md, .png, .perfetto.json")
     p.add_argument("--name", default="sim", help="file name stem of the outputs (default sim)")
@@ -149,7 +150,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--costs", required=True, help="cost table of the hardware planned for (onepiece profile's format)")
     p.add_argument("--trace", help="the load (a trace file); or generate one with --rate, --classes, --mix, --alpha")
     p.add_argument("--app", default="t2v", help="application of generated requests (default t2v)")
-    p.add_argument("--rate", type=float, help="requests per second of a generated trace")
+    p.add_argument("--rate", type=positive(" requests/s"), help="requests per second of a generated trace")
     p.add_argument("--classes", default="S=832x480x25:50",
                    help="NAME=[APP/]WxHxFRAMES:STEPS,... (APP: the class's application, default --app)")
     p.add_argument("--mix", default="0.7,0.3", help="share of each class by count, in --classes order")
@@ -158,14 +159,14 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--elastic", nargs="?", const="", metavar="OPTION=VALUE,...",
                    help="also plan disaggregated stages with the NM's elastic moves: the topology's default policy, "
                         "or these nm.elastic options (e.g. 'threshold=0.7,low=0')")
-    p.add_argument("--move-s", type=float, default=MOVE_S,
+    p.add_argument("--move-s", type=non_negative(" seconds"), default=MOVE_S,
                    help="with --elastic: seconds a moved instance takes to load its new stage (default %(default)s)")
     p.add_argument("--alpha", default="2.0,3.0", help="SLO = alpha x standalone (from the cost table), per class")
-    p.add_argument("--requests", type=int, default=2000, help="requests in a generated trace (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests", type=count(), default=2000, help="requests in a generated trace (default %(default)s)")
+    p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--gpus", type=_counts, default={}, metavar="STAGE=N,...",
                    help="GPUs one device of a stage holds (default 1 each), e.g. denoise_i2v=2")
-    p.add_argument("--target", type=float, default=0.99, help="share of requests within their SLO (default 0.99)")
+    p.add_argument("--target", type=SHARE, default=0.99, help="share of requests within their SLO (default 0.99)")
     p.add_argument("--loads", default="1", help="multiples of the load to plan for, for the curve (default 1)")
     p.add_argument("--out", default="plan-out", help="folder for plan.json, .md, .png")
 

@@ -376,7 +376,7 @@ def test_generate_command(h, tmp_path, capsys):
     assert str(out) in capsys.readouterr().out
     assert generate.main(["--prompt", "patient", "--deadline", "42", "--url", h.url, "-o", str(out), "--quiet"]) == 0
     assert orjson.loads(out.read_bytes()[7:])["deadline_s"] == pytest.approx(42)
-    assert generate.main(["--prompt", "x", "--deadline", "-1", "--url", h.url, "-o", str(out), "--quiet"]) == 1
+    assert generate.main(["--prompt", "x", "--deadline", "1e9", "--url", h.url, "-o", str(out), "--quiet"]) == 1
     assert "timeout_s" in capsys.readouterr().err  # the proxy's 400 names the field
 
     img = tmp_path / "in.png"

@@ -1,0 +1,66 @@
+"""Bounded numbers for command-line flags (argparse types).
+
+Every count, duration, rate and port a command takes is checked as argparse reads it, so a bad
+value stops the command at once with the flag's name: not minutes later (`bench sched
+--requests -5` ran its whole calibration first), not as a traceback (`onepiece db --ttl -5`),
+and not silently (`sim --hop-ms -5` simulated negative hops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+class Bounded:
+    """A finite ``kind`` (int or float) in [low, high]; with ``open_low``, above ``low``."""
+
+    def __init__(self, kind: type, low: float | None = None, high: float | None = None, open_low: bool = False,
+                 unit: str = "") -> None:
+        self.kind, self.low, self.high, self.open_low, self.unit = kind, low, high, open_low, unit
+        self.__name__ = kind.__name__  # argparse names a type by it
+
+    def describe(self) -> str:
+        """What a value must be, e.g. "an integer >= 1", "between 1 and 600 seconds"."""
+        what = "an integer" if self.kind is int else "a number"
+        if self.low is not None and self.high is not None and not self.open_low:
+            return f"{what + ' ' if self.kind is int else ''}between {self.low:g} and {self.high:g}{self.unit}"
+        bounds = [f"{'>' if self.open_low else '>='} {self.low:g}"] if self.low is not None else []
+        bounds += [f"<= {self.high:g}"] if self.high is not None else []
+        return f"{what} {' and '.join(bounds)}{self.unit}" if bounds else what
+
+    def __call__(self, value: str) -> int | float:
+        try:
+            x = self.kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'an integer' if self.kind is int else 'a number'}: {value!r} "
+                                             f"(must be {self.describe()})") from None
+        low_ok = self.low is None or (x > self.low if self.open_low else x >= self.low)
+        if not (math.isfinite(x) and low_ok and (self.high is None or x <= self.high)):
+            raise argparse.ArgumentTypeError(f"must be {self.describe()} (got {value})")
+        return x
+
+
+def count(low: int = 1, high: int | None = None) -> Bounded:
+    """An integer of at least ``low`` (and at most ``high``)."""
+    return Bounded(int, low, high)
+
+
+def between(low: float, high: float, unit: str = "") -> Bounded:
+    """A number in [low, high]."""
+    return Bounded(float, low, high, unit=unit)
+
+
+def positive(unit: str = "") -> Bounded:
+    """A number above 0 (a duration, a rate, a factor)."""
+    return Bounded(float, 0.0, open_low=True, unit=unit)
+
+
+def non_negative(unit: str = "") -> Bounded:
+    """A number of at least 0 (where 0 means none)."""
+    return Bounded(float, 0.0, unit=unit)
+
+
+SHARE = Bounded(float, 0.0, 1.0, open_low=True)  # a share of something: above 0, at most 1
+PORT = count(0, 65535)  # 0: any free one
+SEED = count(0)
