@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from onepiece.argtypes import count
+from onepiece.argtypes import count, numbers
 from onepiece.bench.common import cpu_name
 from onepiece.bench.transport import size_label
 from onepiece.transport import curve
@@ -37,7 +37,7 @@ LATENCY_SAMPLES = 200  # per mode and round, of the smallest size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes in bytes, comma-separated")
+    p.add_argument("--sizes", type=numbers(count()), default=DEFAULT_SIZES, help="message sizes in bytes, comma-separated")
     p.add_argument("--rounds", type=count(), default=7, help="rounds; each measures both modes at every size")
     p.add_argument("--bytes-per-batch", type=count(), default=256 * MB,
                    help="bytes sent per measurement (at least 16 messages, at most 20,000)")
@@ -95,7 +95,7 @@ def _latencies(tx: ZmqSender, conn, size: int, count: int) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = args.sizes
     t_start = time.monotonic()
     spawn = mp.get_context("spawn")
     children, senders, conns = {}, {}, {}
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     result = {
         "bench": "curve", "when": time.strftime("%Y-%m-%d %H:%M"),
         "machine": {"cores": os.cpu_count(), "cpu": cpu_name(), "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
-        "command": f"onepiece bench curve --sizes {args.sizes} --rounds {args.rounds} "
+        "command": f"onepiece bench curve --sizes {','.join(map(str, sizes))} --rounds {args.rounds} "
                    f"--bytes-per-batch {args.bytes_per_batch}",
         "elapsed_s": time.monotonic() - t_start,
         "method": "ZmqSender (this process) -> ZmqReceiver (a child), tcp loopback; time from the first send to "

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from onepiece.argtypes import SEED, count
+from onepiece.argtypes import SEED, count, numbers, positive
 from onepiece.bench.common import cpu_name
 from onepiece.bench.trace import parse_classes, parse_floats, poisson_trace
 from onepiece.config import ProxySpec, deploy_dir, load_workflow
@@ -51,11 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="NAME=WxHxFRAMES:STEPS,... (default %(default)s)")
     p.add_argument("--mix", default="0.6,0.3,0.1", help="share of each class by count (default %(default)s)")
     p.add_argument("--alpha", default="2.0,2.5,3.5", help="SLO = alpha x fastest standalone, per class")
-    p.add_argument("--gpus", default="8,64", help="fleet sizes, multiples of 4 (default %(default)s)")
-    p.add_argument("--loads", default="0.5,0.8,1.0", help="multiples of the fleet's capacity (default %(default)s)")
+    p.add_argument("--gpus", type=numbers(count()), default="8,64", help="fleet sizes, multiples of 4 (default %(default)s)")
+    p.add_argument("--loads", type=numbers(positive()), default="0.5,0.8,1.0", help="multiples of the fleet's capacity (default %(default)s)")
     p.add_argument("--requests", type=count(0), default=0, help="requests per trace (default 25 per GPU)")
     p.add_argument("--policies", default="slo,edf-best-fit,ddit", help="DoP-aware policies on elastic groups")
-    p.add_argument("--groups", default="2,4", help="GPUs per elastic group, each size a configuration (default %(default)s)")
+    p.add_argument("--groups", type=numbers(count()), default="2,4", help="GPUs per elastic group, each size a configuration (default %(default)s)")
     p.add_argument("--static-policies", default="edf,srtf",
                    help="DoP-blind policies for static DoP, each a baseline (default %(default)s)")
     p.add_argument("--seed", type=SEED, default=0)
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     names = list(classes)
     mix = dict(zip(names, parse_floats(args.mix, len(names), "--mix")))
     alpha = dict(zip(names, parse_floats(args.alpha, len(names), "--alpha")))
-    loads = [float(x) for x in args.loads.split(",")]
+    loads = args.loads
     work = 0.0  # GPU-seconds a request takes on average, at the DoP that uses GPUs best
     for c, v in classes.items():
         key = f"{v['size']}x{v['num_frames']}/cfg/L512"
@@ -93,10 +93,10 @@ def run(args: argparse.Namespace) -> int:
         work += mix[c] / sum(mix.values()) * min(t * d for d, t in step.items()) * v["steps"]
     configs = [(f"static DoP {k} {p}", p, k) for p in args.static_policies.split(",") for k in dops(GROUP)] + \
               [(f"elastic {p}" + (f" (groups of {g})" if g != GROUP else ""), p, g)
-               for g in (int(x) for x in args.groups.split(",")) for p in args.policies.split(",")]
+               for g in args.groups for p in args.policies.split(",")]
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
-    for gpus in (int(x) for x in args.gpus.split(",")):
+    for gpus in args.gpus:
         if gpus % GROUP:
             raise SystemExit(f"--gpus {gpus}: must be a multiple of {GROUP}")
         n = args.requests or 25 * gpus

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from onepiece.argtypes import count, non_negative
+from onepiece.argtypes import count, non_negative, numbers, positive
 from onepiece.bench.trace import Trace, parse_classes, poisson_trace
 from onepiece.config import ElasticSpec, Topology, Workflow, deploy_dir, load_workflow
 from onepiece.sim.costs import CostTable
@@ -42,23 +42,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--loads", default="0.6,0.7,0.8", help="shares of the denoise capacity (default %(default)s)")
-    p.add_argument("--alphas", default="1.5,2", help="SLO = alpha x standalone time (default %(default)s)")
+    p.add_argument("--loads", type=numbers(positive()), default="0.6,0.7,0.8", help="shares of the denoise capacity (default %(default)s)")
+    p.add_argument("--alphas", type=numbers(positive()), default="1.5,2", help="SLO = alpha x standalone time (default %(default)s)")
     p.add_argument("--denoise", type=count(), default=4, help="denoise_t2v instances at the start (default 4)")
     p.add_argument("--idle", type=count(0), default=2, help="instances in the idle pool (default 2)")
     p.add_argument("--requests", type=count(), default=3000, help="requests per simulation (default %(default)s)")
     p.add_argument("--move-s", type=non_negative(" seconds"), default=60.0, help="seconds a move takes to load models (default 60)")
     p.add_argument("--out", default="bench/results", help="folder for moves.json and moves.md")
-
-
-def _floats(spec: str, flag: str) -> list[float]:
-    try:
-        out = [float(x) for x in spec.split(",")]
-    except ValueError:
-        raise SystemExit(f"{flag}: expected numbers separated by commas, got {spec!r}") from None
-    if not out or any(not x > 0 for x in out):
-        raise SystemExit(f"{flag}: every value must be positive, got {spec!r}")
-    return out
 
 
 def one(wf: Workflow, costs: CostTable, trace: Trace, elastic: ElasticSpec, args: argparse.Namespace) -> dict[str, Any]:
@@ -76,7 +66,7 @@ def one(wf: Workflow, costs: CostTable, trace: Trace, elastic: ElasticSpec, args
 
 
 def run(args: argparse.Namespace) -> int:
-    loads, alphas = _floats(args.loads, "--loads"), _floats(args.alphas, "--alphas")
+    loads, alphas = args.loads, args.alphas
     from onepiece.sim.plan import priced
 
     wf = load_workflow(deploy_dir() / "wan21-real.yaml")

@@ -66,7 +66,7 @@ from typing import Any
 
 import orjson
 
-from onepiece.argtypes import SEED, count, non_negative, positive
+from onepiece.argtypes import SEED, count, non_negative, numbers, positive
 from onepiece.bench.common import PROMPT, T2V_STAGES, parse_shape, percentile, tiny_models
 from onepiece.transport import curve
 
@@ -85,7 +85,7 @@ TARGETS = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--levels", default=DEFAULT_LEVELS, help="load levels, multiples of the capacity (default %(default)s)")
+    p.add_argument("--levels", type=numbers(positive()), default=DEFAULT_LEVELS, help="load levels, multiples of the capacity (default %(default)s)")
     p.add_argument("--requests", type=count(), default=48,
                    help="requests at the 1x level; level x sends round(x*N), at least 1 (default %(default)s)")
     p.add_argument("--max-duration", type=positive(" seconds"), default=20.0,
@@ -657,10 +657,8 @@ def plot(rows: list[dict[str, Any]], slo: float | None, path: Path, title: str) 
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    levels = sorted({float(x) for x in args.levels.split(",") if x.strip()})
+    levels = sorted(set(args.levels))
     modes = [m.strip() for m in args.runs.split(",") if m.strip()]
-    if not levels or any(x <= 0 for x in levels):
-        raise SystemExit(f"bad --levels {args.levels!r}: expected positive numbers, e.g. 0.5,1,2,5")
     if not modes or any(m not in ("on", "off") for m in modes) or len(set(modes)) != len(modes):
         raise SystemExit(f"bad --runs {args.runs!r}: expected on, off or on,off")
     modes.sort(key=lambda m: m != "on")
@@ -717,7 +715,7 @@ def run(args: argparse.Namespace) -> int:
     plot(rows, slo, outdir / "overload.png", title)
 
     md = [f"`onepiece bench overload` — {result['when']}, {os.cpu_count()} cores, shape {args.shape}, "
-          f"levels {args.levels}, {args.requests} requests at 1× (round(x·{args.requests}) at x×), "
+          f"levels {','.join(f'{x:g}' for x in levels)}, {args.requests} requests at 1× (round(x·{args.requests}) at x×), "
           f"runs: monitor {', '.join(modes)}; {elapsed:.0f} s in all.", "",
           f"- capacity C = {base:.2f} req/s, source: {base_source}; " + "; ".join(
               f"monitor {r['mode']}: NM estimate {_f((r['warmup']['nm'] or {}).get('capacity'))} req/s "

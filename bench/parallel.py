@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from onepiece.argtypes import count
+from onepiece.argtypes import count, numbers
 from onepiece.bench.common import cpu_name, model_dirs
 
 TEXT_LEN = 64  # the workflow's default max_sequence_length
@@ -37,7 +37,7 @@ TEXT_LEN = 64  # the workflow's default max_sequence_length
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default="64x64x9,128x128x17,192x192x17",
                    help="WxHxFRAMES per request, comma-separated (default %(default)s: bench sched's S, M, L)")
-    p.add_argument("--dops", default="", help="degrees of parallelism (default: 1, 2, and 4 where the machine has "
+    p.add_argument("--dops", type=numbers(count()), help="degrees of parallelism (default: 1, 2, and 4 where the machine has "
                                               "4 cores or GPUs)")
     p.add_argument("--steps", type=count(), default=6, help="timed steps per point, after 2 untimed (default 6)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _dops(args: argparse.Namespace) -> list[int]:
     if args.dops:
-        return [int(x) for x in args.dops.split(",")]
+        return args.dops
     if args.device.startswith("cuda"):
         import torch
 

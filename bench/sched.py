@@ -47,7 +47,7 @@ from typing import Any
 
 import orjson
 
-from onepiece.argtypes import SEED, count, non_negative, positive
+from onepiece.argtypes import SEED, count, non_negative, numbers, positive
 from onepiece.bench.common import PROMPT, T2V_STAGES, cpu_name, model_dirs
 from onepiece.bench.overload import SET, Target, _run_async
 from onepiece.bench.trace import Trace, load_trace, parse_classes, parse_floats, poisson_trace, replay, summarize
@@ -59,7 +59,7 @@ TARGETS = {"mean_ratio_max": 0.5, "attainment_min": 0.9, "attainment_ratio_min":
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default="fcfs,fcfs-batched,srtf,edf,slo",
                    help="stage policies to compare, fcfs first (default %(default)s)")
-    p.add_argument("--loads", default="0.5,0.8,1.0", help="multiples of the fcfs capacity (default %(default)s)")
+    p.add_argument("--loads", type=numbers(positive()), default="0.5,0.8,1.0", help="multiples of the fcfs capacity (default %(default)s)")
     p.add_argument("--requests", type=count(), default=40, help="requests per trace (default %(default)s)")
     p.add_argument("--classes", default=DEFAULT_CLASSES, help="NAME=WxHxFRAMES:STEPS,... (default %(default)s)")
     p.add_argument("--mix", default="0.6,0.3,0.1", help="share of each class by count, in --classes order")
@@ -336,7 +336,7 @@ def run(args: argparse.Namespace) -> int:
     if given is not None:
         classes = {k: v.model_dump(exclude_none=True) for k, v in given.classes.items()}
         names = list(classes)
-    loads = sorted(float(x) for x in args.loads.split(","))
+    loads = sorted(args.loads)
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()

@@ -20,6 +20,7 @@ which request is wrong.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import re
 import statistics
@@ -140,13 +141,16 @@ def poisson_trace(classes: dict[str, dict[str, Any]], mix: dict[str, float], rat
 
 
 def parse_floats(spec: str, n: int, what: str) -> list[float]:
-    """``n`` comma-separated positive numbers (a flag's value), or SystemExit naming ``what``."""
+    """``n`` comma-separated positive numbers (a flag's value, one per class), or one for all of
+    them, or SystemExit naming ``what``."""
     try:
         out = [float(x) for x in spec.split(",")]
     except ValueError:
         raise SystemExit(f"bad {what} {spec!r}: expected {n} comma-separated numbers") from None
-    if len(out) != n or min(out) <= 0:
-        raise SystemExit(f"bad {what} {spec!r}: expected {n} positive numbers")
+    if len(out) == 1:
+        out *= n
+    if len(out) != n or not all(math.isfinite(x) and x > 0 for x in out):
+        raise SystemExit(f"bad {what} {spec!r}: expected {n} positive numbers (or one for all)")
     return out
 
 

@@ -61,6 +61,32 @@ def non_negative(unit: str = "") -> Bounded:
     return Bounded(float, 0.0, unit=unit)
 
 
+class Numbers:
+    """Comma-separated numbers, each one ``item`` (a Bounded), e.g. ``0.5,0.8,1``: a list."""
+
+    def __init__(self, item: Bounded) -> None:
+        self.item = item
+        self.__name__ = "list"
+
+    def __call__(self, value: str) -> list[int | float]:
+        items = [x.strip() for x in value.split(",")]
+        if not all(items):
+            raise argparse.ArgumentTypeError(f"expected comma-separated values, each {self.item.describe()} "
+                                             f"(got {value!r})")
+        out = []
+        for x in items:
+            try:
+                out.append(self.item(x))
+            except argparse.ArgumentTypeError as e:
+                raise argparse.ArgumentTypeError(f"{x!r} in {value!r}: {e}") from None
+        return out
+
+
+def numbers(item: Bounded) -> Numbers:
+    """Comma-separated values, each an ``item``."""
+    return Numbers(item)
+
+
 SHARE = Bounded(float, 0.0, 1.0, open_low=True)  # a share of something: above 0, at most 1
 PORT = count(0, 65535)  # 0: any free one
 SEED = count(0)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from onepiece.argtypes import count
+from onepiece.argtypes import count, numbers
 from onepiece.config import Workflow, load_workflow
 
 
@@ -38,24 +38,14 @@ def _shape(item: str) -> tuple[int, int, int]:
     return w, h, f
 
 
-def _ints(value: str) -> list[int]:
-    try:
-        out = [int(x) for x in value.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {value!r}")
-    return out
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workflow", help="workflow YAML (default: the shipped one of --profile)")
     p.add_argument("--profile", choices=["tiny", "scale"], default="tiny", help="without --workflow: which shipped one")
     p.add_argument("--stage", action="append", help="a stage to profile (repeatable; default: every stage)")
     p.add_argument("--shapes", type=lambda v: [_shape(x) for x in v.split(",")], default=[(64, 64, 9)],
                    help="comma-separated WxHxFRAMES (default 64x64x9)")
-    p.add_argument("--batch", type=_ints, default=[1, 2, 4, 8], help="batch sizes of stepped stages (default 1,2,4,8)")
-    p.add_argument("--dops", type=_ints, default=[1], help="degrees of parallelism of stepped stages, each a "
+    p.add_argument("--batch", type=numbers(count()), default=[1, 2, 4, 8], help="batch sizes of stepped stages (default 1,2,4,8)")
+    p.add_argument("--dops", type=numbers(count()), default=[1], help="degrees of parallelism of stepped stages, each a "
                                                            "collaboration group of local processes (default 1)")
     p.add_argument("--repeat", type=count(), default=5, help="timed runs per cell (median taken)")
     p.add_argument("--device", help="torch device (default: each stage's own)")

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from onepiece.argtypes import SEED, SHARE, count, non_negative, positive
+from onepiece.argtypes import SEED, SHARE, count, non_negative, numbers, positive
 from onepiece.bench.trace import Trace, TraceError, load_trace, summarize
 from onepiece.config import ConfigError, ElasticSpec, ProxySpec, Topology, Workflow, load_topology, load_workflow
 from onepiece.sched.costs import TableError
@@ -153,7 +153,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=positive(" requests/s"), help="requests per second of a generated trace")
     p.add_argument("--classes", default="S=832x480x25:50",
                    help="NAME=[APP/]WxHxFRAMES:STEPS,... (APP: the class's application, default --app)")
-    p.add_argument("--mix", default="0.7,0.3", help="share of each class by count, in --classes order")
+    p.add_argument("--mix", default="1", help="share of each class by count, in --classes order (one value: equal "
+                                               "shares; default %(default)s)")
     p.add_argument("--day", metavar="MIX;MIX;...",
                    help="a load whose mix shifts: phases of equal length, each a --mix (e.g. '0.8,0.2;0.2,0.8')")
     p.add_argument("--elastic", nargs="?", const="", metavar="OPTION=VALUE,...",
@@ -161,13 +162,14 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "or these nm.elastic options (e.g. 'threshold=0.7,low=0')")
     p.add_argument("--move-s", type=non_negative(" seconds"), default=MOVE_S,
                    help="with --elastic: seconds a moved instance takes to load its new stage (default %(default)s)")
-    p.add_argument("--alpha", default="2.0,3.0", help="SLO = alpha x standalone (from the cost table), per class")
+    p.add_argument("--alpha", default="2", help="SLO = alpha x standalone (from the cost table), per class (one "
+                                                 "value: every class; default %(default)s)")
     p.add_argument("--requests", type=count(), default=2000, help="requests in a generated trace (default %(default)s)")
     p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--gpus", type=_counts, default={}, metavar="STAGE=N,...",
                    help="GPUs one device of a stage holds (default 1 each), e.g. denoise_i2v=2")
     p.add_argument("--target", type=SHARE, default=0.99, help="share of requests within their SLO (default 0.99)")
-    p.add_argument("--loads", default="1", help="multiples of the load to plan for, for the curve (default 1)")
+    p.add_argument("--loads", type=numbers(positive()), default="1", help="multiples of the load to plan for, for the curve (default 1)")
     p.add_argument("--out", default="plan-out", help="folder for plan.json, .md, .png")
 
 
@@ -237,7 +239,7 @@ def run_plan(args: argparse.Namespace) -> int:
     wf = load_workflow(args.workflow)
     try:
         base = planning_trace(args, wf, costs)
-        loads = sorted(float(x) for x in args.loads.split(","))
+        loads = sorted(args.loads)
     except (TraceError, ValueError) as e:
         raise ConfigError(f"plan: {e}") from None
     if not 0 < args.target <= 1:

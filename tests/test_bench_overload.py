@@ -20,7 +20,7 @@ def test_cli_dispatches_both_benchmarks() -> None:
     a = p.parse_args(["bench", "e2e", "--requests", "3"])
     assert (a.which, a.requests) == ("e2e", 3)
     b = p.parse_args(["bench", "overload", "--levels", "1,5", "--runs", "on"])
-    assert (b.which, b.levels, b.runs) == ("overload", "1,5", "on")
+    assert (b.which, b.levels, b.runs) == ("overload", [1.0, 5.0], "on")
     assert a.fn is b.fn
 
 

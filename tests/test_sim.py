@@ -238,3 +238,21 @@ def test_a_move_never_takes_an_instance_to_a_stage_that_needs_more_gpus_than_it_
         moves[name] = [(m["from"], m["to"]) for m in sim.elastic.moves]
     assert ("vae_decode", "denoise_t2v") not in moves["apart"], moves
     assert ("vae_decode", "denoise_t2v") in moves["alike"], moves
+
+
+def test_plan_with_one_class_runs_on_its_defaults(tmp_path):
+    """`onepiece plan` with only --workflow, --costs, --classes and --rate: --mix and --alpha
+    default to one value for every class (their old defaults named two classes, so a one-class
+    plan was refused for an --alpha it was never given)."""
+    from onepiece.bench.trace import parse_floats
+
+    assert parse_floats("2", 3, "--alpha") == [2.0, 2.0, 2.0]
+    with pytest.raises(SystemExit, match="expected 3 positive numbers"):
+        parse_floats("2,3", 3, "--alpha")
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--workflow", str(deploy_dir() / "wan21-real.yaml"),
+              "--costs", str(deploy_dir() / "wan21-h100.costs.json"), "--classes", "I=i2v/832x480x25:50",
+              "--rate", "0.25", "--requests", "60", "--gpus", "denoise_i2v=2", "--out", str(tmp_path)])
+    assert done.value.code == 0
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert doc["rows"][0]["disaggregated"] >= 5
