@@ -34,6 +34,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from onepiece.bench.common import percentile
 
 VERSION = 1
+# The latest arrival a trace may hold, seconds: about three years, longer than any replayed day or
+# month, and short enough that every time stays an integer of nanoseconds (1e300 overflowed).
+MAX_AT_S = 1e8
 
 
 class TraceClass(BaseModel):
@@ -48,7 +51,7 @@ class TraceClass(BaseModel):
 class TraceRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    at: float = Field(ge=0)
+    at: float = Field(ge=0, le=MAX_AT_S)
     app: str = "t2v"
     cls: str = Field(alias="class")
     size: str = Field(pattern=r"^\d+x\d+$")

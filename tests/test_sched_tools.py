@@ -100,7 +100,8 @@ def test_traces_round_trip_and_bad_ones_name_the_field(tmp_path):
     doc = json.loads(path.read_text())
     for mutate, where in ((lambda d: d["requests"][3].update({"class": "XL"}), "requests[3].class"),
                           (lambda d: d["requests"][2].update({"at": -1}), "requests.2.at"),
-                          (lambda d: d["requests"][1].update({"at": 1e9}), "requests[2].at"),
+                          (lambda d: d["requests"][1].update({"at": 1e7}), "requests[2].at"),
+                          (lambda d: d["requests"][19].update({"at": 1e300}), "requests.19.at"),  # past MAX_AT_S
                           (lambda d: d.update(version=9), "version"),
                           (lambda d: d["requests"][0].update({"steps": "many"}), "requests.0.steps"),
                           (lambda d: d["requests"][4].update({"slo_s": 1e6}), "requests.4: slo_s")):
