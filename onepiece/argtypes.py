@@ -24,7 +24,7 @@ class Bounded:
         """What a value must be, e.g. "an integer >= 1", "between 1 and 600 seconds"."""
         what = "an integer" if self.kind is int else "a number"
         if self.low is not None and self.high is not None and not self.open_low:
-            return f"{what + ' ' if self.kind is int else ''}between {self.low:g} and {self.high:g}{self.unit}"
+            return f"{'an integer ' if self.kind is int else ''}between {self.low:g} and {self.high:g}{self.unit}"
         bounds = [f"{'>' if self.open_low else '>='} {self.low:g}"] if self.low is not None else []
         bounds += [f"<= {self.high:g}"] if self.high is not None else []
         return f"{what} {' and '.join(bounds)}{self.unit}" if bounds else what
