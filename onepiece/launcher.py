@@ -67,7 +67,10 @@ class Deployment:
         self.topo, self.workflow, self.base_dir = load_topology(self.topology_path)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.log_dir = Path(log_dir or Path("runs") / stamp).resolve()
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"the log folder {self.log_dir}: cannot be made: {e.strerror}") from None
         # ipc socket paths must stay short (108 bytes), so the runtime folder lives in /tmp.
         self.runtime = Path(tempfile.mkdtemp(prefix="onepiece-", dir=runtime_dir))
         self.children: list[Child] = []

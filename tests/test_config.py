@@ -96,6 +96,11 @@ def test_cli_reports_config_errors_and_bad_flags(tmp_path):
     out = subprocess.run([sys.executable, "-m", "onepiece", "up", "--ready-timeout", "soon"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "argument --ready-timeout: not a number: 'soon'" in out.stderr
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    out = subprocess.run([sys.executable, "-m", "onepiece", "up", "--logs", str(blocked / "logs")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cannot be made" in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize(
