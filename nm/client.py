@@ -46,7 +46,7 @@ from onepiece.heartbeat import DELIVERED
 from onepiece.nm.identity import NAME_HELD
 from onepiece.nm.protocol import Routes
 from onepiece.schema import problem
-from onepiece.transport.registry import scheme_of, with_host
+from onepiece.transport.registry import ZMQ_SCHEMES, checked, with_host
 from onepiece.transport.rpc import RpcClient, RpcError, RpcTimeout
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,25 @@ NOT_PRIMARY = "not primary"  # how a backup NM's refusal starts (nm/ha.py)
 _REDIRECT = re.compile(r"primary at (\S+)")
 MAX_REDIRECTS = 3
 DOWN_S = 3.0  # an NM that did not answer is tried last for this long
+
+
+class Patience:
+    """A bounded wait for a node manager that does not answer yet (it may be starting): says
+    once that it waits, and for how long, so a role started before its NM is not silent."""
+
+    def __init__(self, address: str, timeout: float) -> None:
+        self.address, self.timeout, self.deadline, self.said = address, timeout, time.monotonic() + timeout, False
+
+    def again(self, pause: float) -> bool:
+        """After a try without an answer: False once the time is up, else a pause, then True."""
+        if time.monotonic() > self.deadline:
+            return False
+        if not self.said:
+            log.warning("no answer from the node manager at %s yet; trying again for up to %.0f s", self.address,
+                        self.timeout)
+            self.said = True
+        time.sleep(pause)
+        return True
 
 
 class Refused(RpcError):
@@ -72,7 +91,7 @@ def split_addresses(value: str | Sequence[str] | None, allow_empty: bool = False
     if not out and not allow_empty:
         raise ValueError("no node manager address given (expected e.g. tcp://127.0.0.1:7700[,tcp://...])")
     for a in out:
-        scheme_of(a)  # ValueError naming the address when it has no scheme
+        checked(a, ZMQ_SCHEMES)  # ValueError naming the address: no scheme, not ZeroMQ's, a bad port
     return out
 
 
@@ -167,14 +186,13 @@ class NmClient:
         """The NM's workflow, waiting (bounded) for the NM to come up."""
         from onepiece.config import Workflow
 
-        deadline = time.monotonic() + timeout
+        patience = Patience(self.address, timeout)
         while True:
             try:
                 return Workflow.model_validate(self.call("workflow")[0]["workflow"])
             except RpcTimeout:
-                if time.monotonic() > deadline:
+                if not patience.again(0.1):
                     raise
-                time.sleep(0.1)
 
     def close(self) -> None:
         for c in self._clients.values():
@@ -320,7 +338,8 @@ class Membership:
     def register(self, timeout: float = 30.0) -> dict[str, Any]:
         """Register, retrying until the NM answers or ``timeout`` passes; the reply carries the
         workflow, this instance's stage and the set's routes."""
-        deadline = time.monotonic() + timeout
+        patience = Patience(self.nm.address, timeout)
+        deadline = patience.deadline
         if self.zk_settings is not None:
             self._join_zk(max(1.0, deadline - time.monotonic()))
         while True:
@@ -339,9 +358,8 @@ class Membership:
                 reply, _ = self.nm.call("register", **args)
                 break
             except RpcTimeout:  # the NM is not up yet (or no primary yet); a refusal (RpcError) is final
-                if time.monotonic() > deadline:
+                if not patience.again(0.2):
                     raise
-                time.sleep(0.2)
             except RpcError as e:
                 if NAME_HELD in str(e) and time.monotonic() < deadline:
                     # Our predecessor under this name (a process just killed) is not silent long

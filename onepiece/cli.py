@@ -222,16 +222,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_move(args: argparse.Namespace) -> int:
     from onepiece.nm.client import NmClient
-    from onepiece.transport.rpc import RpcError
 
     key = _operator_key(args.operator_key_file, fallback=True)
     _curve(args, args.nm.split(","))
     client = NmClient(args.nm, timeout=2.0, retries=0)
-    try:
+    try:  # an NM's refusal or silence: one line from main
         reply = client.move(args.instance, None if args.stage == "idle" else args.stage, key=key or "")
-    except RpcError as e:
-        print(f"onepiece move: {e}", file=sys.stderr)
-        return 1
     finally:
         client.close()
     print(f"moving {reply['instance']} from {reply['from'] or 'the idle pool'} to {reply['to'] or 'the idle pool'}")
@@ -334,6 +330,16 @@ def _api_keys_flags(sp: argparse.ArgumentParser) -> None:
         f"named by --api-keys-file, or in the environment variable {ENV}"))
 
 
+def _address(zmq: bool = False):
+    """An argparse type: an address this process can bind (a scheme it has a transport for, only
+    ZeroMQ's with ``zmq``; a port from 0 to 65535)."""
+    def parse(value: str) -> str:
+        from onepiece.transport.registry import ZMQ_SCHEMES, checked  # (numpy: not for every command)
+
+        return checked(value, ZMQ_SCHEMES if zmq else None)
+    return _checked(parse, "bind address")
+
+
 def _nm_addresses(value: str) -> str:
     from onepiece.nm.client import split_addresses
 
@@ -387,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = role("nm", "run the node manager")
     sp.add_argument("--topology", help="topology YAML")
-    sp.add_argument("--address", help="bind address (default: the topology's)")
+    sp.add_argument("--address", type=_address(zmq=True), help="bind address (default: the topology's)")
     sp.add_argument("--metrics-port", type=PORT, default=0, help="Prometheus port (default: any free one)")
     sp.add_argument("--advertise", metavar="HOST", help="host that clients reach this NM at (default: the bound one)")
     _zk_flags(sp)
@@ -412,13 +418,16 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--stage", help="serve this stage first (default: whatever the NM assigns); the NM "
                                             "may move the instance later")
             sp.add_argument("--idle", action="store_true", help="start in the idle pool, for the NM to assign")
-            sp.add_argument("--listen", default="tcp://127.0.0.1:0", help="data address to receive on")
+            sp.add_argument("--listen", type=_address(), default="tcp://127.0.0.1:0",
+                            help="data address to receive on")
             sp.add_argument("--runtime-dir", help="folder for worker sockets")
             sp.set_defaults(fn=cmd_stage)
         elif name == "db":
-            sp.add_argument("--listen", default="tcp://127.0.0.1:0", help="data address (results, status)")
-            sp.add_argument("--control", default="tcp://127.0.0.1:0", help="read/RPC address")
-            sp.add_argument("--events", default="tcp://127.0.0.1:0", help="completion events (PUB) address")
+            sp.add_argument("--listen", type=_address(), default="tcp://127.0.0.1:0",
+                            help="data address (results, status)")
+            sp.add_argument("--control", type=_address(zmq=True), default="tcp://127.0.0.1:0", help="read/RPC address")
+            sp.add_argument("--events", type=_address(zmq=True), default="tcp://127.0.0.1:0",
+                            help="completion events (PUB) address")
             sp.add_argument("--ttl", type=positive(" seconds"), default=3600.0, help="seconds a result is kept")
             sp.add_argument("--max-bytes", type=count(), default=1 << 30, help="memory cap of the store")
             sp.add_argument("--purge-after-fetch", type=between(0, 86_400, " seconds"), default=60.0,
@@ -527,8 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from onepiece.nm.client import Refused
     from onepiece.nm.zk import ZkUnavailable
+    from onepiece.transport.rpc import RpcError
 
     args = build_parser().parse_args(argv)
     try:
@@ -536,7 +545,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"configuration error:\n{e}", file=sys.stderr)
         code = 2
-    except (ZkUnavailable, Refused) as e:  # say what is unreachable, or who refused us, without a traceback
+    except (ZkUnavailable, RpcError) as e:  # what is unreachable, or who refused us, without a traceback
         print(f"onepiece {args.command}: {e}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:

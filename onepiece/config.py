@@ -249,6 +249,13 @@ class NmSpec(_Strict):
     count: int = Field(1, ge=1, le=9, description="NM processes `onepiece up` starts: one primary, the rest backups")
     elastic: ElasticSpec = ElasticSpec()
 
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        from onepiece.transport.registry import ZMQ_SCHEMES, checked
+
+        return checked(v, ZMQ_SCHEMES)
+
     @field_validator("zk")
     @classmethod
     def _zk(cls, v: str | None) -> str | None:

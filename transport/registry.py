@@ -22,6 +22,26 @@ def scheme_of(address: str) -> str:
     return scheme
 
 
+ZMQ_SCHEMES = ("tcp", "ipc")  # what RPC, events and a node manager use: always ZeroMQ
+
+
+def checked(address: str, schemes: tuple[str, ...] | None = None) -> str:
+    """``address`` if it can be bound or reached: a scheme this process has a transport for (or
+    one of ``schemes``) and, where it names a host, a port from 0 to 65535 (0: any free one);
+    else ValueError saying what is wrong. (ZeroMQ binds tcp://host:99999 at port 34463.)"""
+    scheme = scheme_of(address)
+    _load_builtin()
+    known = tuple(schemes or sorted(_receivers))
+    if scheme not in known:
+        raise ValueError(f"address {address!r}: scheme {scheme!r} is not one of {', '.join(known)}")
+    parts = _split_host(address)
+    if scheme in ("tcp", "ring+tcp"):
+        port = parts[2].split("?")[0] if parts else ""
+        if not (port == "*" or port.isdigit() and int(port) <= 65535):
+            raise ValueError(f"address {address!r}: expected {scheme}://host:port with a port from 0 to 65535")
+    return address
+
+
 def _split_host(address: str) -> tuple[str, str, str] | None:
     """(scheme, host, port) of a host:port address (tcp://, http://...), else None (ipc://...)."""
     scheme, _, rest = address.partition("://")

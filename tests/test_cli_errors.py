@@ -1,0 +1,77 @@
+"""What a command says when an address is wrong or its node manager does not answer: one line
+naming the flag, the key or the address, and an exit code, never a traceback. Before: `onepiece
+nm --address tcp://127.0.0.1:99999` served at port 34463 (ZeroMQ keeps the low 16 bits), `onepiece
+stage --listen notanaddress` and `onepiece db --control foo://x` raised, and a role started
+before its NM waited 30 s in silence and then raised."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+
+import pytest
+
+from onepiece.launcher import free_tcp_address
+from onepiece.nm.client import NmClient
+from onepiece.transport.registry import checked
+from onepiece.transport.rpc import RpcTimeout
+
+
+def onepiece(*argv: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "onepiece", *argv], capture_output=True, text=True, timeout=60,
+                          cwd=cwd)
+
+
+@pytest.mark.parametrize("address,why", [
+    ("tcp://127.0.0.1:99999", "a port from 0 to 65535"),
+    ("tcp://127.0.0.1", "a port from 0 to 65535"),
+    ("notanaddress", "has no scheme"),
+    ("foo://x", "scheme 'foo' is not one of"),
+])
+def test_an_address_that_cannot_be_bound_is_refused_saying_why(address, why):
+    with pytest.raises(ValueError, match=why):
+        checked(address)
+    for ok in ("tcp://127.0.0.1:0", "tcp://0.0.0.0:7700", "ipc:///tmp/x.sock", "shm://ring", "tcp://[::1]:5"):
+        assert checked(ok) == ok
+    with pytest.raises(ValueError, match="not one of tcp, ipc"):
+        checked("shm://ring", ("tcp", "ipc"))
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["nm", "--address", "tcp://127.0.0.1:99999"], "--address"),
+    (["stage", "--listen", "notanaddress"], "--listen"),
+    (["db", "--control", "foo://x"], "--control"),
+    (["db", "--events", "shm://x"], "--events"),  # events are ZeroMQ's only
+    (["status", "--nm", "tcp://127.0.0.1:70000"], "--nm"),
+])
+def test_a_role_refuses_a_bad_address_before_it_starts(argv, flag):
+    out = onepiece(*argv)
+    assert out.returncode == 2 and f"argument {flag}: " in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_topology_with_a_port_out_of_range_names_the_key(tmp_path):
+    (tmp_path / "topo.yaml").write_text("workflow: wan21.yaml\nnm: {address: 'tcp://127.0.0.1:99999'}\n"
+                                        "sets:\n  - {name: s, stages: {}}\n")
+    out = onepiece("nm", "--topology", str(tmp_path / "topo.yaml"))
+    assert out.returncode == 2 and "nm.address: " in out.stderr and "65535" in out.stderr, out.stderr
+
+
+def test_a_node_manager_that_does_not_answer_is_one_line_not_a_traceback():
+    out = onepiece("move", "some-instance", "idle", "--nm", free_tcp_address())  # nothing listens there
+    assert out.returncode == 1 and out.stderr.startswith("onepiece move: move: no answer from"), out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_client_waiting_for_its_node_manager_says_so_once_and_gives_up_in_time(caplog):
+    client = NmClient(free_tcp_address(), timeout=0.2, retries=0)
+    t0 = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING, logger="onepiece.nm.client"), pytest.raises(RpcTimeout):
+            client.workflow(timeout=1.0)
+    finally:
+        client.close()
+    assert 1.0 <= time.monotonic() - t0 < 5.0
+    said = [r.getMessage() for r in caplog.records if "yet; trying again" in r.getMessage()]
+    assert len(said) == 1 and "for up to 1 s" in said[0], said
