@@ -79,3 +79,12 @@ def test_a_bad_number_stops_the_real_command_at_once(argv, flag, tmp_path):
     assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
     assert f"argument {flag}: " in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert time.monotonic() - t0 < 30  # refused while reading its flags, before any work
+
+
+def test_building_the_commands_loads_no_model_library():
+    """Every `onepiece` command builds the whole parser (every benchmark's flags too): a module
+    that loaded torch for it made `onepiece status` or `keys new` take 2 s instead of 0.5 s."""
+    out = subprocess.run([sys.executable, "-c", "import sys; from onepiece.cli import build_parser; build_parser(); "
+                          "print(sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
