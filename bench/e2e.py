@@ -36,17 +36,23 @@ import zmq
 
 from onepiece.argtypes import count
 from onepiece.bench.common import PROMPT, T2V_STAGES, cpu_name, parse_shape, tiny_models
+from onepiece.stage.threads import TRIALS
 from onepiece.transport import curve
 
 DEFAULT_CASES = "64x64x9:10,256x256x17:10"
 SETTLE_S = 0.05
+# Rounds before the measured ones: a worker's first call of a shape, then its tries of 1 thread
+# and all cores on it (stage/threads.py; tried again every KEEP_FOR uses, not here).
+WARMUP = 1 + 2 * TRIALS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", default=DEFAULT_CASES, help="comma-separated WxHxFRAMES:STEPS")
-    p.add_argument("--requests", type=count(), default=20, help="measured requests per case (after 1 warm-up)")
+    p.add_argument("--requests", type=count(), default=20, help="measured requests per case (after the warm-up rounds)")
     p.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
     p.add_argument("--device", default="cpu", help="torch device of every stage and of the monolithic pipeline (cpu, cuda)")
+    p.add_argument("--threads", type=count(0), default=0,
+                   help="torch threads of every stage worker (default 0: the workflow's own, 1 or all cores per shape)")
     p.add_argument("--models", help="folder for the tiny models (default: a temporary one)")
     p.add_argument("--out", default="bench/results", help="folder for e2e.json and e2e.md")
 
@@ -156,7 +162,8 @@ def _wait_done(events: "zmq.Socket", uid: str, timeout: float) -> None:
     raise TimeoutError(f"{uid} not done in {timeout:.0f}s")
 
 
-def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder: Path, device: str) -> dict[str, Any]:
+def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder: Path, device: str,
+            threads: int = 0) -> dict[str, Any]:
     """Monolithic and onepiece runs alternate, request by request, so that drift in the
     machine's speed (a shared VM) hits both alike."""
     from onepiece.client import Client
@@ -165,7 +172,7 @@ def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder
     from onepiece.nm.client import NmClient
 
     dep = Deployment(write_topology(folder, models, free_tcp_address(), dbs=1, transport=transport, heartbeat_s=1.0,
-                                    stages=dict(T2V_STAGES), device=device),
+                                    stages=dict(T2V_STAGES), device=device, threads=threads),
                      folder / "logs")
     out: dict[str, Any] = {}
     try:
@@ -185,7 +192,7 @@ def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder
         with Client(url) as c:
             for w, h, f, steps in cases:
                 frames_t, mp4_t, lat, stages, alone = [], [], [], [], []
-                for i in range(n + 1):  # the first round warms both up
+                for i in range(WARMUP + n):
                     a, b = mono(w, h, f, steps)
                     one = split(w, h, f, steps)
                     # This process's torch threads spin for milliseconds after their last work (at
@@ -198,7 +205,7 @@ def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder
                     rec = db.get(uid)
                     assert rec["status"] == "completed", rec
                     c.download(v["id"], folder / "out.mp4")
-                    if i:
+                    if i >= WARMUP:
                         frames_t.append(a)
                         mp4_t.append(b)
                         lat.append(rec["completed_at"] - t0)
@@ -236,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         models = tiny_models(Path(args.models) if args.models else Path(tmp) / "models")
         print(f"measuring {len(cases)} cases x {args.requests} requests (monolithic and onepiece alternate) ...",
               flush=True)
-        res = measure(models, cases, args.requests, args.transport, Path(tmp), args.device)
+        res = measure(models, cases, args.requests, args.transport, Path(tmp), args.device, args.threads)
     rows = []
     for key, r in res.items():
         rows.append({
@@ -253,12 +260,14 @@ def run(args: argparse.Namespace) -> int:
 
     spin = worker_env()["GOMP_SPINCOUNT"]
     result = {"bench": "e2e", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu_count": os.cpu_count(),
-              "workers_gomp_spincount": spin, "requests": args.requests, "transport": args.transport, "device": args.device, "cases": res, "rows": rows}
+              "workers_gomp_spincount": spin, "requests": args.requests, "warmup": WARMUP, "threads": args.threads,
+              "transport": args.transport, "device": args.device, "cases": res, "rows": rows}
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / "e2e.json").write_text(json.dumps(result, indent=2))
     lines = [f"Device: {args.device} ({_device_name(args.device)}); {os.cpu_count()} CPUs; {args.requests} requests per case; "
-             f"transport {args.transport}; the stage workers' GOMP_SPINCOUNT {spin}.", "",
+             f"transport {args.transport}; the stage workers' GOMP_SPINCOUNT {spin}, torch threads "
+             f"{args.threads or '1 or all cores per shape'}; {WARMUP} warm-up rounds.", "",
              "| case (WxHxF:steps) | monolithic frames p50 | monolithic + MP4 p50 | onepiece e2e p50 "
              "| ratio vs +MP4 (paired p50) | ratio vs frames (paired p50) |",
              "|---|---|---|---|---|---|"]

@@ -52,8 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat", type=positive(" seconds"), default=0.25, help="instances' heartbeat period, seconds")
     p.add_argument("--load", type=count(0), default=2, help="clients sending requests back to back (0: no load)")
     p.add_argument("--shape", default="32x32x5:2", help="the load's requests, WxHxFRAMES:STEPS")
-    p.add_argument("--threads", type=count(), default=1,
-                   help="torch threads of every stage worker (0: the workflow's own, all cores)")
+    p.add_argument("--threads", type=count(0), default=1,
+                   help="torch threads of every stage worker (0: the workflow's own, 1 or all cores per shape)")
     p.add_argument("--zk", help="use this ZooKeeper (host:port,...) instead of starting three servers")
     p.add_argument("--models", help="folder for the tiny models (default: a temporary one)")
     p.add_argument("--logs", help="keep the deployment's logs in this folder (default: dropped with the run)")

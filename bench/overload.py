@@ -107,8 +107,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pause", type=non_negative(" seconds"), default=2.0, help="rest between levels, after the set drained (s)")
     p.add_argument("--max-inflight", type=count(), default=1000,
                    help="the proxy's in-flight bound, high so that only the monitor admits (default %(default)s)")
-    p.add_argument("--threads", type=count(), default=1,
-                   help="torch threads of every stage worker (0: the workflow's own, i.e. all cores). 1 keeps the "
+    p.add_argument("--threads", type=count(0), default=1,
+                   help="torch threads of every stage worker (0: the workflow's own, 1 or all cores per shape). 1 keeps the "
                         "three stage workers from oversubscribing a small machine's cores (default %(default)s)")
     p.add_argument("--heartbeat", type=positive(" seconds"), default=0.5, help="NM heartbeat (s)")
     p.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")

@@ -58,7 +58,8 @@ class StageSpec(_Strict):
         "individual", description="individual: each worker serves its own requests; collaboration: the workers form "
                                   "one torch.distributed group and compute each step together (denoise only)")
     queue: int = Field(64, gt=0, le=100_000, description="bounded queue of the instance's scheduler")
-    threads: int = Field(0, ge=0, le=256, description="torch threads per worker (0: all cores)")
+    threads: int = Field(0, ge=0, le=256, description="torch threads per worker (0: on CPU, 1 or all cores for each "
+                                                       "shape, whichever runs it faster; elsewhere, all cores)")
     data: Literal["zmq", "ring"] = Field("zmq", description="how the stage receives its data: ZeroMQ, or the "
                                                              "one-sided ring buffer (shm on one host, TCP agent across)")
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec, description="step scheduling: policy, batching, "

@@ -39,7 +39,9 @@ from typing import Any
 import orjson
 import zmq
 
+from onepiece.sched.keys import call_key, compat_key
 from onepiece.stage.registry import SteppedTask
+from onepiece.stage.threads import ThreadChoice
 from onepiece.transport.message import Message, MessageError, decode, encode
 
 log = logging.getLogger("onepiece.stage.worker")
@@ -78,7 +80,7 @@ class Executor:
     them. Socket-free except ``send``, so the rules can be read in one place."""
 
     def __init__(self, stage: str, name: str, ctx: Any, functions: dict[str, Any], send: Any,
-                 pending_drops: Any, group_run: Any = None) -> None:
+                 pending_drops: Any, group_run: Any = None, threads: ThreadChoice | None = None) -> None:
         self.stage, self.name, self.ctx, self.functions = stage, name, ctx, functions
         self.send = send  # frames -> None
         self.pending_drops = pending_drops  # () -> uids the scheduler dropped since (read between steps)
@@ -88,6 +90,21 @@ class Executor:
         self.group_run = group_run
         self.states: dict[str, Resident] = {}
         self.fixed: dict[str, float] = {}  # this run's prepare and finish seconds per stepped request
+        self.threads = threads  # torch threads per call or step, by key (None: as configured)
+
+    def _set_threads(self, key: tuple) -> int | None:
+        if self.threads is None:
+            return None
+        import torch
+
+        n = self.threads.pick(key)
+        torch.set_num_threads(n)
+        return n
+
+    def _took(self, key: tuple, threads: int | None, seconds: float) -> None:
+        if threads is not None and (chosen := self.threads.observe(key, threads, seconds)) is not None:
+            log.info("torch threads for %s: %d (median %s)", "/".join(map(str, key)), chosen,
+                     ", ".join(f"{t * 1000:.1f} ms at {n}" for n, t in self.threads.medians(key).items()))
 
     def fail(self, uid: Any, error: str) -> None:
         self.send([b"failed", orjson.dumps({"uid": uid, "error": error})])
@@ -104,6 +121,8 @@ class Executor:
         uid = msg.uid
         t0 = time.perf_counter()
         msg.mark(self.stage, "start", self.name)
+        key = ("call", msg.header.get("app"), _params_key(msg, call_key))
+        threads = self._set_threads(key)
         try:
             fn = self.functions.get(msg.header.get("app"))
             if fn is None:
@@ -114,6 +133,7 @@ class Executor:
             log.exception("uid=%s failed in stage %s", uid, self.stage)
             self.fail(uid, f"{type(e).__name__}: {e}")
             return True
+        self._took(key, threads, time.perf_counter() - t0)
         if isinstance(out, SteppedTask):
             self.fixed[uid] = self.fixed.get(uid, 0.0) + time.perf_counter() - t0
             self.states[uid] = Resident(out, msg)
@@ -185,10 +205,13 @@ class Executor:
                 break
             shared = (time.perf_counter() - t_iter) / len(batches)
             for _, cls, group in batches:
+                key = ("step", _params_key(self.states[group[0]].msg, compat_key), len(group))
+                threads = self._set_threads(key)
                 t0 = time.perf_counter()
                 try:
                     with torch.inference_mode():
                         cls.step_batch([self.states[u].task for u in group])
+                    self._took(key, threads, time.perf_counter() - t0)
                 except Exception:
                     log.exception("batched step of %s failed; stepping each alone", group)
                     group = self._step_alone(group)
@@ -266,8 +289,14 @@ def main(config: dict[str, Any]) -> None:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except OSError as e:
         log.warning("could not lower this worker's CPU priority: %s", e)
+    # Threads as configured, else on CPU 1 or all cores per call and step, whichever is faster
+    # there (stage/threads.py); a collaboration group's ranks keep one setting, so that their
+    # replicas of every state compute alike.
+    threads = None
     if config.get("threads"):
         torch.set_num_threads(int(config["threads"]))
+    elif str(config["device"]).startswith("cpu") and not config.get("group") and torch.get_num_threads() > 1:
+        threads = ThreadChoice(torch.get_num_threads())
     stage, function, kinds = config["stage"], config["function"], config["kinds"]
 
     # A collaboration group (config "group": rank, size, address): every rank loads the models
@@ -289,8 +318,8 @@ def main(config: dict[str, Any]) -> None:
     t0 = time.monotonic()
     components = load_components(Path(config["model_dir"]), config["components"], config["device"])
     ctx = StageContext(components, config["device"])
-    log.info("loaded %s for stage %s in %.1fs (%d torch threads)", config["components"], stage,
-             time.monotonic() - t0, torch.get_num_threads())
+    log.info("loaded %s for stage %s in %.1fs (%s torch threads)", config["components"], stage,
+             time.monotonic() - t0, torch.get_num_threads() if threads is None else f"1 or {torch.get_num_threads()}")
     functions = {app: lookup(function, kind) for app, kind in kinds.items()}
     group_run = None
     if coll is not None:
@@ -337,7 +366,7 @@ def main(config: dict[str, Any]) -> None:
         if leader:  # the group's other ranks hold the same states and say nothing
             sock.send_multipart(frames, copy=False)
 
-    ex = Executor(stage, name, ctx, functions, send, pending_drops, group_run)
+    ex = Executor(stage, name, ctx, functions, send, pending_drops, group_run, threads)
     send([b"ready", orjson.dumps({"stepped": {app: is_stepped(function, kind) for app, kind in kinds.items()},
                                   "ranks": coll.size if coll is not None else 1})])
     parent = os.getppid()
@@ -369,6 +398,12 @@ def main(config: dict[str, Any]) -> None:
                 continue
             timings, fixed = ex.run(uids, steps, new, parts)
             send([b"idle", orjson.dumps({"steps": timings, "fixed": fixed, "exec_s": time.perf_counter() - t0})])
+
+
+def _params_key(msg: Message, key: Any) -> str:
+    """``key`` (a sched.keys function) of the request's params: what its cost depends on."""
+    params = msg.header.get("params")
+    return key(params if isinstance(params, dict) else {})
 
 
 def _uids(frames: list) -> list[str]:

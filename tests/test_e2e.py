@@ -23,6 +23,7 @@ from onepiece.client import Client, RequestFailed, RequestRejected
 from onepiece.db.client import DbClient
 from onepiece.launcher import free_tcp_address
 from onepiece.stage.task_manager import GOMP_SPINCOUNT
+from onepiece.stage.threads import TRIALS
 from onepiece.transport import registry
 from onepiece.transport.message import Message, new_uid
 
@@ -225,6 +226,21 @@ def test_cpu_workers_yield_to_the_control_plane(up):
     # Its torch threads spin briefly after their work (not libgomp's default of milliseconds),
     # so a stage that just finished leaves the cores to the next one.
     assert psutil.Process(worker).environ().get("GOMP_SPINCOUNT") == os.environ.get("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
+
+
+def test_cpu_workers_choose_their_threads_per_shape(up):
+    """Each CPU worker tries 1 thread and all cores on a shape's calls and steps and keeps the
+    faster (stage/threads.py): after a warm-up and its tries of each, its log says which."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: nothing to choose")
+    with Client(up.url) as c:
+        for i in range(1 + 2 * TRIALS):
+            v = c.submit(f"threads {i}", model="t2v", size="48x48", num_frames=5, steps=2)
+            assert c.wait(v["id"], timeout=60)["status"] == "completed"
+    choice = r"torch threads for {}: [12] \(median [\d.]+ ms at \d, [\d.]+ ms at \d\)"
+    for stage, key in (("text_encode", "call/t2v/48x48x5"), ("denoise_t2v", r"step/48x48x5/cfg/L\d+/1"),
+                       ("vae_decode", "call/t2v/48x48x5")):
+        assert re.search(choice.format(key), up.log(f"set0-{stage}0")), stage
 
 
 def test_killed_worker_fails_its_request_and_comes_back(up):
