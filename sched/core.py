@@ -287,7 +287,7 @@ class SchedCore:
         best = None
         for d in self._offered:
             key = at_dop(r.key, d)
-            b = self.costs.reached(key, self.max_batch if r.batchable else 1)
+            b = self.costs.reached(key, self.max_batch if r.batchable else 1, sustained=True)
             t = self.costs.step_s(key, b)
             if t is not None:
                 chunks = math.ceil(r.steps / self._chunk_of(r, b))

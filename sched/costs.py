@@ -48,9 +48,9 @@ class CostModel:
         self._ones: dict[str, int] = {}  # batch-1 samples of each key so far
         self._at_ones: dict[str, dict[int, int]] = {}  # per key and batch size: _ones at its last sample
         # Lookups the scheduler repeats at every decision, valid until a figure changes:
-        # (key, batch) -> step_s, (key, cap) -> reached.
+        # (key, batch) -> step_s, (key, cap, sustained) -> reached.
         self._step_memo: dict[tuple[str, int], float | None] = {}
-        self._reached_memo: dict[tuple[str, int], int] = {}
+        self._reached_memo: dict[tuple[str, int, bool], int] = {}
         self.version = 0  # bumped whenever a lookup may answer differently: what callers' memos check
 
     def _changed(self) -> None:
@@ -79,9 +79,10 @@ class CostModel:
         ones = self._ones[key] = self._ones.get(key, 0) + (batch == 1)
         self._at_ones.setdefault(key, {})[batch] = ones
         cached = self._rows.get(key)
-        if cached is None:
+        if cached is None or len(window) == SETTLED:  # (a size now sustained: ``reached`` changes)
             self._changed()  # not looked up since: whatever it was, lookups start afresh
-            return
+            if cached is None:
+                return
         x = window[-1]
         median = x if window.count(x) == len(window) else statistics.median(window)  # steady figures: no sort
         if cached.get(batch) != median:  # a sample that leaves the median where it was changes nothing
@@ -189,21 +190,27 @@ class CostModel:
                     best = (d, k, vol / v)
         return None if best is None else (best[1], best[2])
 
-    def reached(self, key: str, cap: int) -> int:
-        """The largest batch size known for ``key`` up to ``cap`` (1 when none)."""
+    def reached(self, key: str, cap: int, sustained: bool = False) -> int:
+        """The largest batch size known for ``key`` up to ``cap`` (1 when none); ``sustained``:
+        only sizes from the table or measured ``SETTLED`` times or more (a size the policy tried
+        once or twice is not one the stage runs at: on 2 samples a batch of 3 cost 3× a step
+        alone, and the stage's rate fell to batch 1's while it ran at 2)."""
         try:
-            return self._reached_memo[key, cap]
+            return self._reached_memo[key, cap, sustained]
         except KeyError:
             pass
         if len(self._reached_memo) >= 4096:
             self._reached_memo.clear()
-        b = self._reached_memo[key, cap] = max((b for b in self.row(key) if b <= cap), default=1)
+        seeded, obs = self._seed.get(key, {}), self._obs.get(key, {})
+        b = self._reached_memo[key, cap, sustained] = max(
+            (b for b in self.row(key)
+             if b <= cap and (not sustained or b in seeded or len(obs.get(b, ())) >= SETTLED)), default=1)
         return b
 
     def share_s(self, key: str, cap: int) -> float | None:
         """Device seconds per request-step when the stage runs ``key`` at the largest batch it
-        has reached (at most ``cap``): what its sustained rate follows from."""
-        b = self.reached(key, cap)
+        sustains (at most ``cap``): what its sustained rate follows from."""
+        b = self.reached(key, cap, sustained=True)
         t = self.step_s(key, b)
         return None if t is None else t / b
 

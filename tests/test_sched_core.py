@@ -423,6 +423,28 @@ def test_cost_model_interpolates_extrapolates_and_scales_unknown_shapes() -> Non
     assert m.report()[S] == {"1": 0.03, "4": 0.02}
 
 
+def test_the_rate_counts_only_batch_sizes_the_stage_sustains() -> None:
+    """A size the policy tried once or twice is not one the stage runs at: its rate comes from
+    the largest size measured SETTLED (3) times (a failed CI case: batch 3 on 2 samples at 3x a
+    step alone put the rate at batch 1's while the stage ran at batch 2)."""
+    m = CostModel()
+    for _ in range(5):
+        m.observe(S, 1, 0.010)
+        m.observe(S, 2, 0.012)
+    m.observe(S, 3, 0.030)
+    m.observe(S, 3, 0.030)
+    assert m.reached(S, cap=4) == 3  # what the policy has tried (it decides the next size from it)
+    assert m.share_s(S, cap=4) == pytest.approx(0.006)  # what the stage sustains: batch 2
+    core = SchedCore(ScheduleSpec(policy="slo", max_batch=4, chunk_steps=10), m)
+    r = request("r", S, steps=10)
+    assert core.share_s(r) == pytest.approx(0.006 * 10)
+    m.observe(S, 3, 0.030)  # the third sample (the median unchanged): now a size it sustains
+    assert m.share_s(S, cap=4) == pytest.approx(0.010)
+    assert core.share_s(r) == pytest.approx(0.010 * 10)
+    # A size from a table counts at once.
+    assert CostModel({S: {1: 0.01, 4: 0.02}}).share_s(S, cap=4) == pytest.approx(0.005)
+
+
 def test_cost_tables_round_trip_and_bad_ones_are_refused() -> None:
     doc = make_table({"denoise_t2v": [{"key": S, "batch": 2, "seconds": 0.5}]}, device="cpu")
     assert table_rows(doc, "denoise_t2v") == {S: {2: 0.5}}
