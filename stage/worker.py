@@ -92,8 +92,8 @@ class Executor:
         self.fixed: dict[str, float] = {}  # this run's prepare and finish seconds per stepped request
         self.threads = threads  # torch threads per call or step, by key (None: as configured)
 
-    def _set_threads(self, key: tuple) -> int | None:
-        if self.threads is None:
+    def _set_threads(self, key: tuple | None) -> int | None:
+        if key is None:  # no choice to make (``self.threads`` is None)
             return None
         import torch
 
@@ -101,7 +101,7 @@ class Executor:
         torch.set_num_threads(n)
         return n
 
-    def _took(self, key: tuple, threads: int | None, seconds: float) -> None:
+    def _took(self, key: tuple | None, threads: int | None, seconds: float) -> None:
         if threads is not None and (chosen := self.threads.observe(key, threads, seconds)) is not None:
             log.info("torch threads for %s: %d (median %s)", "/".join(map(str, key)), chosen,
                      ", ".join(f"{t * 1000:.1f} ms at {n}" for n, t in self.threads.medians(key).items()))
@@ -121,7 +121,8 @@ class Executor:
         uid = msg.uid
         t0 = time.perf_counter()
         msg.mark(self.stage, "start", self.name)
-        key = ("call", msg.header.get("app"), _params_key(msg, call_key))
+        # (keys only where a choice is made: no string work per call or step otherwise)
+        key = None if self.threads is None else ("call", msg.header.get("app"), _params_key(msg, call_key))
         threads = self._set_threads(key)
         try:
             fn = self.functions.get(msg.header.get("app"))
@@ -205,7 +206,8 @@ class Executor:
                 break
             shared = (time.perf_counter() - t_iter) / len(batches)
             for _, cls, group in batches:
-                key = ("step", _params_key(self.states[group[0]].msg, compat_key), len(group))
+                key = None if self.threads is None else (
+                    "step", _params_key(self.states[group[0]].msg, compat_key), len(group))
                 threads = self._set_threads(key)
                 t0 = time.perf_counter()
                 try:
