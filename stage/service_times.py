@@ -4,11 +4,12 @@ The request monitor (DESIGN §8) derives capacity from these, so they are measur
 configured. Per finished request two figures: its *share* of the device (what the stage's
 rate follows from: with batching, a step's time divided among the requests it advanced, at
 the batch sizes the stage reaches) and its *standalone* time (alone on an idle worker: what
-its latency is predicted from). The report has the mean share over a moving window per
-application (the mean, because throughput is workers / mean share even when shapes are
-mixed), the standalone time per shape as the stage's cost model gives it at the report, a
-count of what arrived recently per application (the mix, for stages shared between
-applications), and the mean share per shape (what admission charges a request of that shape).
+its latency is predicted from), both priced by the stage's cost model at every report. The
+report has the mean share over a moving window of requests per application (the mean, because
+throughput is workers / mean share even when shapes are mixed), the standalone time per shape
+(the latest request of the shape stands for it), a count of what arrived recently per
+application (the mix, for stages shared between applications), and the mean share per shape
+(what admission charges a request of that shape).
 Everything is bounded: the windows, the number of shapes kept, the recent-arrivals log.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import collections
 import statistics
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from onepiece.sched.core import SchedCore
@@ -28,23 +29,24 @@ MAX_SHAPES = 64  # shapes kept per app, least recently seen dropped first
 MIX_WINDOW_S = 30.0
 MAX_RECENT = 4096
 
-Window = collections.deque  # of seconds, at most WINDOW long
+Window = collections.deque  # of _Priced shares, at most WINDOW long
 
 
-class _Alone:
-    """A shape's standalone time: from the stage's cost model, asked again at every report (the
-    latest request of the shape stands for it), or a figure as given (``ServiceTimes.add``).
-    A mean of the estimates made as requests finished kept a worker's first, cold, steps in it
-    for a whole window, well above what the model says once its medians settle, and the request
-    monitor predicts a request's latency from this figure. (Shares stay a window's mean: the
-    rate they give follows the batch sizes the stage reached over that window.)"""
+class _Priced:
+    """A request's figure from the stage's cost model, priced again at every report (the cost
+    model's figures are memoized, so this is cheap), or a figure as given (``ServiceTimes.add``).
+    Priced once, as requests finished, a window kept what the model said then: a worker's first,
+    cold, steps for the standalone time, and for the share the step times of a burst that ran
+    beside the other stages' work, which left a stage's rate below its batch-1 rate after it
+    reached batch 2 (test_the_stage_rate_follows_the_batch_sizes_it_reaches failed so). The
+    window's requests still say what is priced: their shapes, steps and batchability."""
 
-    def __init__(self, seconds: float, core: "SchedCore | None" = None, r: "Request | None" = None) -> None:
-        self.seconds, self.core, self.r = seconds, core, r
+    def __init__(self, seconds: float, price: "Callable[[], float | None] | None" = None) -> None:
+        self.seconds, self.price = seconds, price
 
     def now(self) -> float:
-        if self.core is not None:
-            t = self.core.standalone_s(self.r)
+        if self.price is not None:
+            t = self.price()
             if t is not None:  # else the model lost the key: its last figure
                 self.seconds = t
         return self.seconds
@@ -53,34 +55,35 @@ class _Alone:
 class ServiceTimes:
     def __init__(self, clock=time.monotonic) -> None:
         self.clock = clock
-        self._app: dict[str, collections.deque[float]] = {}
+        self._app: dict[str, Window] = {}
         # per app and shape: the window of shares, and the standalone time
-        self._shape: dict[str, collections.OrderedDict[str, tuple[Window, _Alone]]] = {}
+        self._shape: dict[str, collections.OrderedDict[str, tuple[Window, _Priced]]] = {}
         self._recent: collections.deque[tuple[float, str]] = collections.deque(maxlen=MAX_RECENT)
 
     def add(self, app: str, shape: str, share_s: float, alone_s: float | None = None) -> None:
         """One finished request: its share of the device and its standalone time (the same
         when it ran alone)."""
-        self._record(app, shape, share_s, _Alone(share_s if alone_s is None else alone_s))
+        self._record(app, shape, _Priced(share_s), _Priced(share_s if alone_s is None else alone_s))
 
-    def _record(self, app: str, shape: str, share_s: float, alone: _Alone) -> None:
-        self._app.setdefault(app, collections.deque(maxlen=WINDOW)).append(share_s)
+    def _record(self, app: str, shape: str, share: _Priced, alone: _Priced) -> None:
+        self._app.setdefault(app, collections.deque(maxlen=WINDOW)).append(share)
         shapes = self._shape.setdefault(app, collections.OrderedDict())
         entry = shapes.pop(shape, None)
         shares = entry[0] if entry is not None else collections.deque(maxlen=WINDOW)
-        shares.append(share_s)
+        shares.append(share)
         shapes[shape] = (shares, alone)  # most recently seen last
         while len(shapes) > MAX_SHAPES:
             shapes.popitem(last=False)
         self._recent.append((self.clock(), app))
 
     def finished(self, core: "SchedCore", r: "Request", shape: str) -> None:
-        """``r`` of ``shape`` left ``core``: its share from the core's cost model now, and the
-        shape's standalone time from it at every report (the stage's scheduler and the simulator
-        both record them so)."""
+        """``r`` of ``shape`` left ``core``: its share and the shape's standalone time, from the
+        core's cost model at every report (the stage's scheduler and the simulator both record
+        them so)."""
         alone, share = core.standalone_s(r), core.share_s(r)
         if alone is not None and share is not None:
-            self._record(r.app, shape, share, _Alone(alone, core, r))
+            self._record(r.app, shape, _Priced(share, lambda: core.share_s(r)),
+                         _Priced(alone, lambda: core.standalone_s(r)))
 
     def report(self) -> dict[str, dict[str, Any]]:
         """{app: {"mean_s" (share), "recent" (count in the last MIX_WINDOW_S), "shapes": {shape: standalone s},
@@ -91,10 +94,11 @@ class ServiceTimes:
         recent = collections.Counter(app for _, app in self._recent)
         return {
             app: {
-                "mean_s": statistics.fmean(w),
+                "mean_s": statistics.fmean(share.now() for share in w),
                 "recent": recent.get(app, 0),
                 "shapes": {s: alone.now() for s, (_, alone) in self._shape[app].items()},
-                "shares": {s: statistics.fmean(shares) for s, (shares, _) in self._shape[app].items()},
+                "shares": {s: statistics.fmean(share.now() for share in shares)
+                           for s, (shares, _) in self._shape[app].items()},
             }
             for app, w in self._app.items()
         }

@@ -128,10 +128,11 @@ def test_theorem_1_sums_every_application_flowing_into_a_shared_stage():
     assert not est["t2v"]["stages"]["vae_decode"]["keeps_up"]
 
 
-def test_a_shape_s_standalone_time_follows_the_cost_model_not_the_estimates_made_as_requests_finished():
+def test_standalone_times_and_shares_follow_the_cost_model_not_the_estimates_made_as_requests_finished():
     """A worker's first steps of a shape are slow (cold caches, lazy set-up): the first requests'
-    estimates are high. The report asks the cost model again, so once its medians settle the
-    monitor admits against what a request takes now, not a window's mean of older estimates."""
+    estimates are high. The report asks the cost model again for the window's requests, so once
+    its medians settle the monitor admits against what a request takes now, not a window's mean
+    of older estimates: neither its latency (standalone) nor the stage's rate (shares)."""
     from onepiece.sched.core import SchedCore
     from onepiece.sched.costs import CostModel
     from onepiece.sched.options import ScheduleSpec
@@ -152,7 +153,11 @@ def test_a_shape_s_standalone_time_follows_the_cost_model_not_the_estimates_made
 
     for i in range(3):
         one(f"cold{i}", 0.5)  # the model's median is 0.5 s a step
-    assert st.report()["t2v"]["shapes"]["64x64x9:10"] == pytest.approx(5.0, rel=0.01)
+    before = st.report()["t2v"]
+    assert before["shapes"]["64x64x9:10"] == pytest.approx(5.0, rel=0.01)
+    assert before["mean_s"] == before["shares"]["64x64x9:10"] == pytest.approx(5.0, rel=0.01)  # batch 1: alike
     for _ in range(40):
         core.costs.observe(key, 1, 0.1)  # later steps: 0.1 s (the window's median moves there)
-    assert st.report()["t2v"]["shapes"]["64x64x9:10"] == pytest.approx(1.0, rel=0.01)  # none finished since
+    after = st.report()["t2v"]  # none finished since
+    assert after["shapes"]["64x64x9:10"] == pytest.approx(1.0, rel=0.01)
+    assert after["mean_s"] == after["shares"]["64x64x9:10"] == pytest.approx(1.0, rel=0.01)
