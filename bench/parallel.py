@@ -157,6 +157,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from onepiece.stage.collective import Collective, leave
+    from onepiece.stage.gpu import synchronizer
     from onepiece.stage.loader import load_components
     from onepiece.stage.wan.parallel import ParallelDenoiser
 
@@ -168,7 +169,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
     comps = load_components(Path(cfg["model_dir"]), ["transformer", "scheduler"], cfg["device"])
     model, scheduler = comps["transformer"], comps["scheduler"]
     p = ParallelDenoiser(c)
-    sync = (lambda: torch.cuda.synchronize()) if cfg["device"].startswith("cuda") else (lambda: None)
+    sync = synchronizer(c.device)
     report: dict[str, Any] = {}
     if cfg["mode"] == "steps":
         report["steps"] = {}

@@ -510,7 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("bench", help="benchmarks (see bench/)")
     benches = sp.add_subparsers(dest="which", required=True, metavar="BENCHMARK")
     from onepiece.bench import (batching, curve, dop, e2e, elastic, failover, moves, mp4, overload, parallel,
-                                 sched, simspeed, simval, transport, validation)
+                                 sched, shares, simspeed, simval, transport, validation)
 
     for module, help_text in (
         (e2e, "end-to-end latency against the monolithic pipeline"),
@@ -519,6 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
         (dop, "elastic DoP against static DoP 1, 2, 4 on simulated GPU fleets (published cost table)"),
         (parallel, "one denoising step at DoP 1, 2 (4): CFG- and sequence-parallel, and what a switch costs"),
         (sched, "the stage scheduling policies on a seeded trace of mixed requests (scale models)"),
+        (shares, "each stage's share of a request's device time and a step's cost by batch size (up to real Wan2.1 size)"),
         (simspeed, "simulated requests per second for a fleet (target: 10^6 requests over 1,000 devices in 60 s)"),
         (simval, "the simulator against a bench sched run: predicted vs measured, every policy and load"),
         (moves, "the NM's elastic policy, its defaults against its earlier rules, in the simulator (real-size costs)"),

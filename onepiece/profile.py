@@ -183,11 +183,13 @@ class Profiler:
         import torch
 
         from onepiece.sched.keys import call_key, compat_key
+        from onepiece.stage.gpu import synchronizer
         from onepiece.stage.registry import is_stepped
 
         kind = self.wf.applications[self._app(stage)].kind
         stepped = is_stepped(self.wf.function_of(stage), kind)
         ctx = self.context(stage)
+        sync = synchronizer(ctx.device)
         rows = []
         for shape in shapes:
             warm = 2
@@ -198,6 +200,7 @@ class Profiler:
                     t0 = time.perf_counter()
                     with torch.inference_mode():
                         fn(ctx, msg)
+                    sync()
                     times.append(time.perf_counter() - t0)
                 rows.append({"key": call_key(msg.header["params"]), "batch": 1, "stepped": False,
                              "seconds": statistics.median(times[warm:]), "samples": repeat})
@@ -211,6 +214,7 @@ class Profiler:
                 for i in range(warm + repeat):
                     t0 = time.perf_counter()
                     cls.step_batch(tasks)
+                    sync()
                     times.append(time.perf_counter() - t0)
                 rows.append({"key": compat_key(msgs[0][0].header["params"]), "batch": b, "stepped": True,
                              "seconds": statistics.median(times[warm:]), "samples": repeat})

@@ -1,14 +1,15 @@
-"""GPU utilization through NVML (nvidia-ml-py's ``pynvml``), for stages whose workers run on
-CUDA devices. It is reported beside the workers' busy time (DESIGN §9) and shown by
-`onepiece status`; the NM's elastic policy judges busy time, which also counts the host-side
-work of a request. No driver or no CUDA device means no figure, never an error.
+"""The GPU side of a stage's workers: which CUDA device each uses, how their work is timed, and
+GPU utilization through NVML (nvidia-ml-py's ``pynvml``). Utilization is reported beside the
+workers' busy time (DESIGN §9) and shown by `onepiece status`; the NM's elastic policy judges
+busy time, which also counts the host-side work of a request. No driver or no CUDA device
+means no figure, never an error.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,17 @@ def cuda_indices(device: str, workers: int) -> list[int]:
         return []
     devices = dict.fromkeys(worker_device(device, i, workers) for i in range(workers))  # in order, once each
     return [int(i) if (i := d.partition(":")[2]).isdigit() else 0 for d in devices]
+
+
+def synchronizer(device: Any) -> Callable[[], None]:
+    """What waits until ``device`` has run the work queued on it. A CUDA call returns once its
+    kernels are queued, so a step's or a call's time is read after this (else the cost model
+    learns launch times); a no-op on the CPU."""
+    if not str(device).startswith("cuda"):
+        return lambda: None
+    import torch
+
+    return lambda: torch.cuda.synchronize(device)
 
 
 class GpuUtilization:

@@ -40,6 +40,7 @@ import orjson
 import zmq
 
 from onepiece.sched.keys import call_key, compat_key
+from onepiece.stage.gpu import synchronizer
 from onepiece.stage.registry import SteppedTask
 from onepiece.stage.threads import ThreadChoice
 from onepiece.transport.message import Message, MessageError, decode, encode
@@ -91,6 +92,7 @@ class Executor:
         self.states: dict[str, Resident] = {}
         self.fixed: dict[str, float] = {}  # this run's prepare and finish seconds per stepped request
         self.threads = threads  # torch threads per call or step, by key (None: as configured)
+        self.sync = synchronizer(getattr(ctx, "device", "cpu"))  # a step's time is its kernels' time
 
     def _set_threads(self, key: tuple | None) -> int | None:
         if key is None:  # no choice to make (``self.threads`` is None)
@@ -213,6 +215,7 @@ class Executor:
                 try:
                     with torch.inference_mode():
                         cls.step_batch([self.states[u].task for u in group])
+                    self.sync()
                     self._took(key, threads, time.perf_counter() - t0)
                 except Exception:
                     log.exception("batched step of %s failed; stepping each alone", group)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from onepiece.sched.ranks import Ranks
 from onepiece.stage.collective import Collective
+from onepiece.stage.gpu import synchronizer
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class ParallelDenoiser:
     def __init__(self, collective: Collective) -> None:
         self.c = collective
         self.sp = _SequenceParallel(collective)
+        self.sync = synchronizer(collective.device)
 
     def forward(self, ranks: Ranks) -> Any:
         """A ``forward(model, cfg, **inputs)`` for ``WanDenoise.predict`` that runs on
@@ -170,6 +172,7 @@ class ParallelDenoiser:
                     type(batch[0]).advance(batch, noise)
                     live_at[i].append(live)
                     noises[i].append(noise)
+                self.sync()
                 took[i] = time.perf_counter() - t0
             for i, (ranks, tasks, steps) in enumerate(parts):
                 if len(ranks) == self.c.size:

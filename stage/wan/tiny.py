@@ -39,38 +39,48 @@ _OFFSETS = {"vae": 0, "text_encoder": 1, "transformer_t2v": 2, "transformer_i2v"
 
 IMAGE_DIM = 16  # CLIP hidden_size == the i2v transformer's image_dim
 PROFILES = ("tiny", "scale")
-# Per profile: the UMT5 text encoder and the transformer (its text_dim is the encoder's d_model).
+# The real Wan2.1-T2V-1.3B architecture (UMT5-XXL encoder, the 1.3B transformer, the Wan VAE),
+# random weights: built in memory on a device to time real-size stages (`onepiece bench
+# shares`), never saved (its 7 B parameters would be a 14 GB directory).
+REAL = "wan2.1-1.3b"
+# Per size: the UMT5 text encoder and the transformer (its text_dim is the encoder's d_model).
 _TEXT = {
-    "tiny": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
-    "scale": dict(d_model=256, d_kv=32, d_ff=1024, num_layers=8, num_heads=8),
+    "tiny": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                 relative_attention_num_buckets=8, relative_attention_max_distance=16),
+    "scale": dict(d_model=256, d_kv=32, d_ff=1024, num_layers=8, num_heads=8,
+                  relative_attention_num_buckets=8, relative_attention_max_distance=16),
+    REAL: dict(d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64, vocab_size=256384,
+               feed_forward_proj="gated-gelu", relative_attention_num_buckets=32,
+               relative_attention_max_distance=128),
 }
 _TRANSFORMER = {
-    "tiny": dict(num_attention_heads=2, attention_head_dim=12, ffn_dim=32, num_layers=2),
-    "scale": dict(num_attention_heads=4, attention_head_dim=16, ffn_dim=256, num_layers=24),
+    "tiny": dict(num_attention_heads=2, attention_head_dim=12, ffn_dim=32, num_layers=2, rope_max_seq_len=32),
+    "scale": dict(num_attention_heads=4, attention_head_dim=16, ffn_dim=256, num_layers=24, rope_max_seq_len=32),
+    REAL: dict(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30, rope_max_seq_len=1024,
+               eps=1e-6),
 }
+# Both built profiles share one small VAE; the real size is diffusers' default (the Wan2.1 VAE).
+_SMALL_VAE = dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
+_VAE = {"tiny": _SMALL_VAE, "scale": _SMALL_VAE, REAL: {}}
 
 
-def _vae(seed: int):
+def _vae(seed: int, profile: str = "tiny"):
     from diffusers import AutoencoderKLWan
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + _OFFSETS["vae"])
-        return AutoencoderKLWan(
-            base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
-        ).eval()
+        return AutoencoderKLWan(**_VAE[profile]).eval()
 
 
 def _text(seed: int, profile: str):
     from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
 
     # A byte-level tokenizer needs no vocabulary file, so nothing is downloaded; the encoder's
-    # vocabulary covers all of its ids (256 bytes + 3 specials + 125 extra ids).
+    # vocabulary covers all of its ids (256 bytes + 3 specials + 125 extra ids). The real size
+    # keeps umt5-xxl's vocabulary (its embedding is an eighth of the encoder).
     tokenizer = ByT5Tokenizer()
     config = UMT5Config(
-        vocab_size=len(tokenizer),
-        **_TEXT[profile],
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=16,
+        **{"vocab_size": len(tokenizer), **_TEXT[profile]},
         dropout_rate=0.0,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -96,7 +106,6 @@ def _transformer(seed: int, kind: str, profile: str):
             freq_dim=256,
             cross_attn_norm=True,
             qk_norm="rms_norm_across_heads",
-            rope_max_seq_len=32,
             **extra,
         ).eval()
 
@@ -134,7 +143,7 @@ def _pipeline(kind: str, seed: int, profile: str):
     common = dict(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
-        vae=_vae(seed),
+        vae=_vae(seed, profile),
         scheduler=_scheduler(),
         transformer=_transformer(seed, kind, profile),
     )
@@ -142,6 +151,30 @@ def _pipeline(kind: str, seed: int, profile: str):
         return WanPipeline(**common)
     image_encoder, image_processor = _image(seed)
     return WanImageToVideoPipeline(**common, image_encoder=image_encoder, image_processor=image_processor)
+
+
+def t2v_components(size: str, device: str = "cpu", seed: int = 0) -> dict:
+    """The T2V pipeline's components of ``size`` (a profile or ``REAL``) built in memory on
+    ``device``, in the dtypes Wan2.1 serving uses there: on a GPU the text encoder and the
+    transformer in bfloat16, the VAE in float32 (as diffusers' Wan examples load it)."""
+    half = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    with torch.device(device):  # random init on the device: the real size's 7 B parameters
+        tokenizer, text_encoder = _text(seed, size)
+        return {"tokenizer": tokenizer, "text_encoder": _cast(text_encoder, half), "vae": _vae(seed, size),
+                "transformer": _cast(_transformer(seed, "t2v", size), half), "scheduler": _scheduler()}
+
+
+def _cast(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` in ``dtype`` except what its class keeps in float32, as ``from_pretrained(...,
+    torch_dtype=dtype)`` loads it (Wan's norms, time embedding and rotary tables)."""
+    if model.dtype == dtype:
+        return model
+    model.to(dtype)
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if keep & set(name.split(".")):
+            t.data = t.data.float()
+    return model
 
 
 # Written into every directory build_tiny makes: it may replace those, never anything else

@@ -1,0 +1,166 @@
+"""`onepiece bench shares`: where a T2V request's device time goes, stage by stage.
+
+Builds the Wan2.1 T2V components of ``--size`` in memory with random weights (no download):
+``tiny`` and ``scale`` are the profiles `onepiece models build` makes; ``wan2.1-1.3b`` is the
+real Wan2.1-T2V-1.3B architecture (the UMT5-XXL encoder, the 1.3B transformer, the Wan VAE),
+meant for a GPU. On ``--device`` it times the real stage functions, per shape (``--shapes``):
+text encoding (prompt and negative prompt, CFG on), one denoising step of a batch of prepared
+requests per batch size (``--batch``, one forward pass), and the VAE decode with its MP4
+encoding (the whole ``vae_decode`` stage). Each figure is the median of ``--repeat`` runs after
+``--warmup``, the device synchronised around each run (a CUDA call returns before its kernels
+finish).
+
+A request's standalone time is text + ``--steps`` × step at batch 1 + decode; the shares are the
+stages' parts of it (what issue 11's scale profile is built to match: denoising ≥ 80%), and the
+per-step time by batch size says whether batching saves device time at that shape. Saved as
+``shares.json`` and ``shares.md`` under ``--out``, with the cost table (``costs.json``, the
+format of ``schedule.costs``, `onepiece sim` and `onepiece plan`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from onepiece.argtypes import count, numbers
+
+SIZES = ("tiny", "scale", "wan2.1-1.3b")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", choices=SIZES, default="scale", help="model size (default %(default)s)")
+    p.add_argument("--shapes", default="64x64x9", help="comma-separated WxHxFRAMES (default %(default)s)")
+    p.add_argument("--steps", type=count(), default=50, help="denoising steps of a request (default %(default)s)")
+    p.add_argument("--text-length", type=count(), default=512, help="max_sequence_length (default %(default)s, Wan2.1's)")
+    p.add_argument("--batch", type=numbers(count()), default="1,2,4", help="batch sizes of a step (default %(default)s)")
+    p.add_argument("--repeat", type=count(), default=3, help="timed runs per figure (median taken)")
+    p.add_argument("--warmup", type=count(0), default=1, help="untimed runs before them")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    p.add_argument("--threads", type=count(), help="torch threads (default: torch's)")
+    p.add_argument("--out", default="bench/results", help="folder for shares.json, .md and costs.json")
+
+
+def timed(fn: Callable[[], Any], sync: Callable[[], None], warmup: int, repeat: int) -> float:
+    """Median seconds of ``repeat`` runs of ``fn`` after ``warmup``, each run synchronised."""
+    times = []
+    for _ in range(warmup + repeat):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[warmup:])
+
+
+def _shapes(text: str) -> list[tuple[int, int, int]]:
+    from onepiece.profile import _shape
+
+    try:
+        return [_shape(x) for x in text.split(",")]
+    except argparse.ArgumentTypeError as e:
+        raise SystemExit(f"--shapes: {e}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    import orjson
+    import torch
+
+    from onepiece.bench.common import PROMPT, cpu_name
+    from onepiece.sched.costs import make_table
+    from onepiece.sched.keys import call_key, compat_key
+    from onepiece.stage.gpu import synchronizer
+    from onepiece.stage.registry import StageContext
+    from onepiece.stage.wan import functions as wan
+    from onepiece.stage.wan.tiny import t2v_components
+    from onepiece.transport.message import Message, new_uid
+
+    shapes = _shapes(args.shapes)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dev = torch.device(args.device)
+    sync = synchronizer(args.device)
+    t0 = time.perf_counter()
+    comps = t2v_components(args.size, args.device)
+    sync()
+    built_s = time.perf_counter() - t0
+    params_b = {k: sum(p.numel() for p in v.parameters()) / 1e9 for k, v in comps.items() if hasattr(v, "parameters")}
+    print(f"built {args.size} on {args.device} in {built_s:.1f} s: "
+          + ", ".join(f"{k} {n:.3g} B params" for k, n in params_b.items()), flush=True)
+    ctx = StageContext(comps, args.device)
+    wu, rep = args.warmup, args.repeat
+    rows: list[dict[str, Any]] = []
+    table: dict[str, list[dict[str, Any]]] = {"text_encode": [], "denoise_t2v": [], "vae_decode": []}
+    for w, h, f in shapes:
+        params = {"prompt": PROMPT, "negative_prompt": "", "width": w, "height": h, "num_frames": f,
+                  "steps": args.steps, "guidance": 5.0, "seed": 0, "fps": 16, "max_sequence_length": args.text_length}
+
+        def msg(parts: dict | None = None, seed: int = 0, steps: int = args.steps) -> Message:
+            return Message({"uid": new_uid(), "app": "t2v", "params": {**params, "seed": seed, "steps": steps}},
+                           parts or {})
+
+        with torch.inference_mode():
+            text = wan.text_encode(ctx, msg())
+            text_s = timed(lambda: wan.text_encode(ctx, msg()), sync, wu, rep)
+            step_s = {}
+            for b in args.batch:
+                # every state keeps steps to spare: a finished one would leave the batch
+                tasks = [wan.denoise_t2v(ctx, msg(text, seed, wu + rep + 1)) for seed in range(b)]
+                step_s[b] = timed(lambda: wan.WanDenoise.step_batch(tasks), sync, wu, rep)
+                latents = tasks[0].latents
+                del tasks
+            decode_s = timed(lambda: wan.vae_decode(ctx, msg({"latents": latents})), sync, wu, rep)
+        denoise_s = args.steps * step_s[args.batch[0]]
+        total = text_s + denoise_s + decode_s
+        row = {"shape": f"{w}x{h}x{f}", "text_encode_s": text_s, "step_s": step_s, "denoise_s": denoise_s,
+               "vae_decode_s": decode_s, "standalone_s": total,
+               "shares": {"text_encode": text_s / total, "denoise": denoise_s / total, "vae_decode": decode_s / total},
+               "step_per_request_vs_batch1": {b: s / b / step_s[args.batch[0]] for b, s in step_s.items()}}
+        if dev.type == "cuda":
+            row["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+            torch.cuda.reset_peak_memory_stats(dev)
+        rows.append(row)
+        print(f"{row['shape']}: text {text_s * 1000:.1f} ms, step " +
+              ", ".join(f"b{b} {s * 1000:.1f} ms" for b, s in step_s.items()) +
+              f", decode {decode_s * 1000:.1f} ms; denoise {row['shares']['denoise']:.1%} of {total:.2f} s", flush=True)
+        table["text_encode"].append({"key": call_key(params), "batch": 1, "seconds": text_s, "samples": rep})
+        table["vae_decode"].append({"key": call_key(params), "batch": 1, "seconds": decode_s, "samples": rep})
+        table["denoise_t2v"] += [{"key": compat_key(params), "batch": b, "stepped": True, "seconds": s, "samples": rep}
+                                 for b, s in step_s.items()]
+
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    meta = {"device": device_name, "cpu": cpu_name(), "size": args.size, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "steps": args.steps, "warmup": wu, "repeat": rep,
+            "build_s": built_s, "params_billions": params_b, "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "shares.json").write_bytes(orjson.dumps({**meta, "rows": rows}, option=orjson.OPT_INDENT_2
+                                                   | orjson.OPT_NON_STR_KEYS))
+    doc = make_table(table, **meta, units="seconds per step of a batch (denoise_t2v) or per call, median of "
+                     "the timed runs", source="onepiece bench shares (random weights, real architectures)")
+    (out / "costs.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    (out / "shares.md").write_text(_markdown(meta, rows, args.batch))
+    print(f"wrote {out / 'shares.json'}, shares.md, costs.json")
+    return 0
+
+
+def _markdown(meta: dict[str, Any], rows: list[dict[str, Any]], batches: list[int]) -> str:
+    lines = [f"`onepiece bench shares`, {meta['size']} on {meta['device']} ({meta['cpu']}, torch {meta['torch']}), "
+             f"{meta['created']}; a request = text encoding + {meta['steps']} steps + VAE decode and MP4; medians "
+             f"of {meta['repeat']} runs after {meta['warmup']}.", "",
+             "| shape | text encode | step b1 | denoise | VAE decode + MP4 | standalone | text / denoise / decode | "
+             + " | ".join(f"step b{b} per request" for b in batches[1:]) + " |",
+             "|---" * (7 + len(batches) - 1) + "|"]
+    for r in rows:
+        sh = r["shares"]
+        lines.append(
+            f"| {r['shape']} | {r['text_encode_s'] * 1000:.1f} ms | {r['step_s'][batches[0]] * 1000:.1f} ms | "
+            f"{r['denoise_s']:.2f} s | {r['vae_decode_s'] * 1000:.1f} ms | {r['standalone_s']:.2f} s | "
+            f"{sh['text_encode']:.1%} / {sh['denoise']:.1%} / {sh['vae_decode']:.1%} | "
+            + " | ".join(f"{r['step_per_request_vs_batch1'][b]:.2f}×" for b in batches[1:]) + " |")
+    lines += ["", "\"step bN per request\": a batched step's time over N, against a step at batch 1 (below 1×: "
+              "batching saves device time at that shape)."]
+    return "\n".join(lines) + "\n"

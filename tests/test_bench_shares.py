@@ -1,0 +1,47 @@
+"""`onepiece bench shares`: a small run through the CLI times every stage and writes shares that
+add up and a cost table the simulator reads; the real size is the real architecture; bad shapes
+are refused. Figures are not asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from onepiece.cli import main
+from onepiece.sim.costs import CostTable
+
+
+def test_a_small_run_writes_shares_and_a_cost_table(tmp_path):
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "shares", "--size", "tiny", "--shapes", "32x32x5,48x32x5", "--batch", "1,2", "--steps", "4",
+              "--text-length", "16", "--warmup", "0", "--repeat", "1", "--out", str(tmp_path)])
+    assert done.value.code == 0
+    doc = json.loads((tmp_path / "shares.json").read_text())
+    assert [r["shape"] for r in doc["rows"]] == ["32x32x5", "48x32x5"]
+    for r in doc["rows"]:
+        assert sum(r["shares"].values()) == pytest.approx(1.0)
+        assert r["denoise_s"] == pytest.approx(4 * r["step_s"]["1"])
+        assert r["standalone_s"] == pytest.approx(r["text_encode_s"] + r["denoise_s"] + r["vae_decode_s"])
+    table = CostTable(json.loads((tmp_path / "costs.json").read_text()))
+    assert {k: set(b) for k, b in table.rows["denoise_t2v"].items()} == {
+        "32x32x5/cfg/L16": {1, 2}, "48x32x5/cfg/L16": {1, 2}}
+    assert set(table.rows["vae_decode"]) == set(table.rows["text_encode"]) == {"32x32x5", "48x32x5"}
+    assert "48x32x5" in (tmp_path / "shares.md").read_text()
+
+
+def test_the_real_size_is_wan21_t2v_1_3b():
+    """Built on the meta device (no memory, no time): the parameter counts of Wan2.1-T2V-1.3B's
+    UMT5-XXL encoder, transformer and VAE."""
+    from onepiece.stage.wan.tiny import REAL, t2v_components
+
+    comps = t2v_components(REAL, "meta")
+    billions = {k: round(sum(p.numel() for p in v.parameters()) / 1e9, 2)
+                for k, v in comps.items() if hasattr(v, "parameters")}
+    assert billions == {"text_encoder": 5.68, "transformer": 1.42, "vae": 0.13}
+
+
+@pytest.mark.parametrize("shapes", ["64x64", "65x64x5", "axbxc"])
+def test_bad_shapes_are_refused(tmp_path, shapes):
+    with pytest.raises(SystemExit, match="--shapes"):
+        main(["bench", "shares", "--shapes", shapes, "--out", str(tmp_path)])
