@@ -34,7 +34,7 @@ from typing import Any
 
 import zmq
 
-from onepiece.argtypes import count
+from onepiece.argtypes import count, torch_device
 from onepiece.bench.common import PROMPT, T2V_STAGES, cpu_name, parse_shape, tiny_models
 from onepiece.stage.threads import TRIALS
 from onepiece.transport import curve
@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", default=DEFAULT_CASES, help="comma-separated WxHxFRAMES:STEPS")
     p.add_argument("--requests", type=count(), default=20, help="measured requests per case (after the warm-up rounds)")
     p.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
-    p.add_argument("--device", default="cpu", help="torch device of every stage and of the monolithic pipeline (cpu, cuda)")
+    p.add_argument("--device", default="cpu", type=torch_device, help="torch device of every stage and of the monolithic pipeline (cpu, cuda)")
     p.add_argument("--threads", type=count(0), default=0,
                    help="torch threads of every stage worker (default 0: the workflow's own, 1 or all cores per shape)")
     p.add_argument("--models", help="folder for the tiny models (default: a temporary one)")

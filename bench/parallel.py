@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from onepiece.argtypes import count, numbers
+from onepiece.argtypes import count, numbers, torch_device
 from onepiece.bench.common import cpu_name, model_dirs
 
 TEXT_LEN = 64  # the workflow's default max_sequence_length
@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dops", type=numbers(count()), help="degrees of parallelism (default: 1, 2, and 4 where the machine has "
                                               "4 cores or GPUs)")
     p.add_argument("--steps", type=count(), default=6, help="timed steps per point, after 2 untimed (default 6)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
+    p.add_argument("--device", default="cpu", type=torch_device, help="cpu or cuda (one GPU per rank)")
     p.add_argument("--model", type=Path, default=None, help="a Wan2.1 T2V pipeline folder (default: the scale "
                                                             "models, built where missing)")
     p.add_argument("--out", default="bench/results", help="folder for parallel.json and parallel.md")

@@ -47,7 +47,7 @@ from typing import Any
 
 import orjson
 
-from onepiece.argtypes import SEED, count, non_negative, numbers, positive
+from onepiece.argtypes import SEED, count, non_negative, numbers, positive, torch_device
 from onepiece.bench.common import PROMPT, T2V_STAGES, cpu_name, model_dirs
 from onepiece.bench.overload import SET, Target, _run_async
 from onepiece.bench.trace import Trace, load_trace, parse_classes, parse_floats, poisson_trace, replay, summarize
@@ -88,7 +88,7 @@ def session_arguments(p: argparse.ArgumentParser, request_timeout: float, out: s
                    help="seconds a request is awaited at most (default %(default)s)")
     p.add_argument("--profile", choices=["tiny", "scale"], default="scale", help="model profile (default scale)")
     p.add_argument("--threads", type=count(), default=1, help="torch threads per stage worker")
-    p.add_argument("--device", default="cpu", help="torch device of every stage (cpu, cuda)")
+    p.add_argument("--device", default="cpu", type=torch_device, help="torch device of every stage (cpu, cuda)")
     p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--models", help="folder for the models (default: ~/.cache/onepiece/models)")
     p.add_argument("--logs", help="keep the deployments' logs here")

@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from onepiece.argtypes import count, numbers
+from onepiece.argtypes import count, numbers, torch_device
 
-SIZES = ("tiny", "scale", "wan2.1-1.3b")
+SIZES = ("tiny", "scale", "wan2.1-1.3b")  # stage/wan/tiny.py's PROFILES and REAL
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=numbers(count()), default="1,2,4", help="batch sizes of a step (default %(default)s)")
     p.add_argument("--repeat", type=count(), default=3, help="timed runs per figure (median taken)")
     p.add_argument("--warmup", type=count(0), default=1, help="untimed runs before them")
-    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    p.add_argument("--device", default="cpu", type=torch_device, help="torch device (cpu, cuda)")
     p.add_argument("--threads", type=count(), help="torch threads (default: torch's)")
     p.add_argument("--out", default="bench/results", help="folder for shares.json, .md and costs.json")
 
@@ -72,13 +72,17 @@ def run(args: argparse.Namespace) -> int:
     from onepiece.bench.common import PROMPT, cpu_name
     from onepiece.sched.costs import make_table
     from onepiece.sched.keys import call_key, compat_key
-    from onepiece.stage.gpu import synchronizer
+    from onepiece.stage.gpu import lacking, synchronizer
     from onepiece.stage.registry import StageContext
     from onepiece.stage.wan import functions as wan
-    from onepiece.stage.wan.tiny import t2v_components
+    from onepiece.stage.wan.tiny import REAL, t2v_components
     from onepiece.transport.message import Message, new_uid
 
     shapes = _shapes(args.shapes)
+    if args.size == REAL and args.device == "cpu":
+        raise SystemExit(f"--size {REAL} is for a GPU (--device cuda): its 7.2 B parameters are 29 GB in float32")
+    if why := lacking(args.device):
+        raise SystemExit(f"--device {args.device}: {why}")
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = torch.device(args.device)

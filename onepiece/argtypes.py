@@ -1,4 +1,4 @@
-"""Bounded numbers for command-line flags (argparse types).
+"""Checked values for command-line flags (argparse types): bounded numbers, and devices.
 
 Every count, duration, rate and port a command takes is checked as argparse reads it, so a bad
 value stops the command at once with the flag's name: not minutes later (`bench sched
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 
 
 class Bounded:
@@ -90,3 +91,12 @@ def numbers(item: Bounded) -> Numbers:
 SHARE = Bounded(float, 0.0, 1.0, open_low=True)  # a share of something: above 0, at most 1
 PORT = count(0, 65535)  # 0: any free one
 SEED = count(0)
+
+
+def torch_device(value: str) -> str:
+    """A torch device as a stage's ``device`` takes it: cpu, cuda or cuda:N."""
+    from onepiece.config import DEVICE
+
+    if not re.match(DEVICE, value):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {value!r}")
+    return value

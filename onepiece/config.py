@@ -48,12 +48,17 @@ class ModelSpec(_Strict):
     seed: int = 0
 
 
+DEVICE = r"^(cpu|cuda(:\d+)?)$"  # what a stage's workers run on (one CUDA device each where several)
+
+
 class StageSpec(_Strict):
     function: str | None = Field(None, description="stage function name; defaults to the stage's name")
     model: str
     components: list[str] = Field(min_length=1)
     workers: int = Field(1, gt=0, le=64)
-    device: str = "cpu"
+    device: str = Field("cpu", pattern=DEVICE,
+                        description="torch device of its workers: cpu, cuda (several workers: cuda:0, cuda:1, ...) "
+                                    "or cuda:N")
     mode: Literal["individual", "collaboration"] = Field(
         "individual", description="individual: each worker serves its own requests; collaboration: the workers form "
                                   "one torch.distributed group and compute each step together (denoise only)")

@@ -208,10 +208,24 @@ class Deployment:
             raise RuntimeError("; ".join(taken) + ". Is another deployment running? Stop it, or give this "
                                "topology other ports (nm.address, proxy.port).")
 
+    def check_devices(self) -> None:
+        """Refuse a stage whose device this host lacks (an idle instance may serve any stage)."""
+        from onepiece.stage.gpu import lacking
+
+        used = {stage for s in self.topo.sets for stage in s.stages}
+        if any(s.idle for s in self.topo.sets):
+            used = set(self.workflow.stages)
+        missing = [f"stage {stage} runs on {spec.device}, but {why}" for stage, spec in self.workflow.stages.items()
+                   if stage in used and (why := lacking(spec.device, spec.workers))]
+        if missing:
+            raise RuntimeError("; ".join(missing) + ". Set those stages' device (the workflow's stages.<name>.device) "
+                               "to what this host has, e.g. cpu.")
+
     def start(self) -> None:
         from onepiece.stage.wan.tiny import ensure_models
 
         self.check_ports()
+        self.check_devices()
         for s in self.topo.sets:
             s.proxy.keys()  # refuse now, not as a proxy that dies at every restart
         for path in ensure_models(self.workflow, self.base_dir):

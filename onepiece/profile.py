@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from onepiece.argtypes import count, numbers
+from onepiece.argtypes import count, numbers, torch_device
 from onepiece.config import Workflow, load_workflow
 
 
@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dops", type=numbers(count()), default=[1], help="degrees of parallelism of stepped stages, each a "
                                                            "collaboration group of local processes (default 1)")
     p.add_argument("--repeat", type=count(), default=5, help="timed runs per cell (median taken)")
-    p.add_argument("--device", help="torch device (default: each stage's own)")
+    p.add_argument("--device", type=torch_device, help="torch device (default: each stage's own)")
     p.add_argument("--threads", type=count(), help="torch threads (default: each stage's own, or all cores)")
     p.add_argument("-o", "--out", default="costs.json", help="where to write the table (JSON)")
 
@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from onepiece.cli import PROFILE_WORKFLOWS
     from onepiece.config import deploy_dir
     from onepiece.sched.costs import make_table
+    from onepiece.stage.gpu import lacking
     from onepiece.stage.wan.tiny import ensure_models
 
     wf_path = Path(args.workflow) if args.workflow else deploy_dir() / PROFILE_WORKFLOWS[args.profile]
@@ -67,6 +68,11 @@ def run(args: argparse.Namespace) -> int:
     unknown = [s for s in stages if s not in wf.stages]
     if unknown:
         print(f"onepiece profile: unknown stage(s) {unknown} (known: {sorted(wf.stages)})", file=sys.stderr)
+        return 2
+    missing = [f"{s} runs on {d}, but {why}" for s in stages
+               if (why := lacking(d := args.device or wf.stages[s].device, max(args.dops)))]
+    if missing:
+        print(f"onepiece profile: {'; '.join(missing)}", file=sys.stderr)
         return 2
     ensure_models(wf, wf_path.parent)
     prof = Profiler(wf, wf_path.parent, args.device, args.threads)

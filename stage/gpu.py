@@ -28,6 +28,21 @@ def cuda_indices(device: str, workers: int) -> list[int]:
     return [int(i) if (i := d.partition(":")[2]).isdigit() else 0 for d in devices]
 
 
+def lacking(device: str, workers: int = 1) -> str | None:
+    """Why this host cannot run ``workers`` workers on ``device`` (None: it can). Started anyway,
+    such a worker fails at every start, and its stage is never ready while saying so only in its
+    log."""
+    indices = cuda_indices(device, workers)
+    if not indices:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return "this host has no CUDA device" if torch.version.cuda else f"this torch ({torch.__version__}) has no CUDA"
+    n = torch.cuda.device_count()
+    return f"it needs cuda:{max(indices)} and this host has {n} CUDA device(s)" if max(indices) >= n else None
+
+
 def synchronizer(device: Any) -> Callable[[], None]:
     """What waits until ``device`` has run the work queued on it. A CUDA call returns once its
     kernels are queued, so a step's or a call's time is read after this (else the cost model

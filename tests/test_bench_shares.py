@@ -45,3 +45,13 @@ def test_the_real_size_is_wan21_t2v_1_3b():
 def test_bad_shapes_are_refused(tmp_path, shapes):
     with pytest.raises(SystemExit, match="--shapes"):
         main(["bench", "shares", "--shapes", shapes, "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--device", "gpu"], "argument --device: expected cpu, cuda or cuda:N, got 'gpu'"),
+    (["--size", "wan2.1-1.3b"], "is for a GPU (--device cuda)"),  # 29 GB of float32 weights on this machine's CPU
+])
+def test_what_cannot_run_here_is_refused_at_once(tmp_path, capsys, argv, said):
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "shares", *argv, "--out", str(tmp_path)])
+    assert said in str(done.value.code) + capsys.readouterr().err

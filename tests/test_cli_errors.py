@@ -75,3 +75,22 @@ def test_a_client_waiting_for_its_node_manager_says_so_once_and_gives_up_in_time
     assert 1.0 <= time.monotonic() - t0 < 5.0
     said = [r.getMessage() for r in caplog.records if "yet; trying again" in r.getMessage()]
     assert len(said) == 1 and "for up to 1 s" in said[0], said
+
+
+def test_up_refuses_a_stage_whose_device_this_host_lacks_before_starting_anything(tmp_path):
+    """Started anyway, the stage's workers fail at every start (here: "Torch not compiled with
+    CUDA enabled", retried with backoff) and `up` waits out its ready timeout saying nothing. No
+    host has 64 CUDA devices, so this is refused for real on a GPU host too."""
+    from onepiece.config import deploy_dir
+
+    (tmp_path / "wf.yaml").write_text((deploy_dir() / "wan21.yaml").read_text().replace(
+        "    components: [transformer, scheduler]\n    schedule", "    components: [transformer, scheduler]\n"
+        "    device: cuda:63\n    schedule", 1))
+    (tmp_path / "topo.yaml").write_text(f"workflow: {tmp_path / 'wf.yaml'}\nnm: {{address: '{free_tcp_address()}'}}\n"
+                                        "sets:\n  - {name: s, stages: {text_encode: 1, denoise_t2v: 1}, "
+                                        "proxy: {port: 0}}\n")
+    t0 = time.monotonic()
+    out = onepiece("up", "--topology", str(tmp_path / "topo.yaml"), "--logs", str(tmp_path / "logs"))
+    assert out.returncode == 1 and "onepiece up failed: stage denoise_t2v " in out.stderr, out.stderr
+    assert "cuda" in out.stderr.lower() and "text_encode" not in out.stderr.split("failed:")[1], out.stderr
+    assert time.monotonic() - t0 < 30 and not list((tmp_path / "logs").glob("*.log"))  # nothing started

@@ -48,6 +48,8 @@ SCHED = "schedule: {policy: slo, max_batch: 4}"  # the shipped denoise stages' l
     [
         (lambda t: t.replace("    components: [vae]\n  denoise_t2v", "    components: [vae]\n    workers: -1\n  denoise_t2v", 1),
          "stages.vae_encode.workers: Input should be greater than 0 (got -1)"),
+        (lambda t: t.replace("    components: [vae]\n  denoise_t2v", "    components: [vae]\n    device: gpu\n  denoise_t2v", 1),
+         "stages.vae_encode.device: String should match pattern '^(cpu|cuda(:\\d+)?)$' (got 'gpu')"),
         (lambda t: t.replace("model: wan-i2v\n    components: [image_encoder", "model: nope\n    components: [image_encoder"),
          "stages.image_encode.model: unknown model 'nope'"),
         (lambda t: t.replace("stages: [text_encode, denoise_t2v, vae_decode]", "stages: [text_encode, denoise, vae_decode]"),
