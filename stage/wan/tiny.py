@@ -39,10 +39,11 @@ _OFFSETS = {"vae": 0, "text_encoder": 1, "transformer_t2v": 2, "transformer_i2v"
 
 IMAGE_DIM = 16  # CLIP hidden_size == the i2v transformer's image_dim
 PROFILES = ("tiny", "scale")
-# The real Wan2.1-T2V-1.3B architecture (UMT5-XXL encoder, the 1.3B transformer, the Wan VAE),
-# random weights: built in memory on a device to time real-size stages (`onepiece bench
-# shares`), never saved (its 7 B parameters would be a 14 GB directory).
-REAL = "wan2.1-1.3b"
+# The real Wan2.1 architectures with random weights: T2V-1.3B (UMT5-XXL encoder, the 1.3B
+# transformer, the Wan VAE) and I2V-14B-480P (the same encoder and VAE, CLIP ViT-H/14, the 14B
+# transformer). Built in memory on a device to time real-size stages (`onepiece bench shares`),
+# never saved (7 and 23 B parameters: 14 and 46 GB in bfloat16).
+REAL = "wan2.1"
 # Per size: the UMT5 text encoder and the transformer (its text_dim is the encoder's d_model).
 _TEXT = {
     "tiny": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
@@ -59,6 +60,13 @@ _TRANSFORMER = {
     REAL: dict(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30, rope_max_seq_len=1024,
                eps=1e-6),
 }
+# Wan2.1-I2V exists at 14B only; its image context comes from CLIP ViT-H/14's 1280 features.
+_REAL_I2V = dict(num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40, rope_max_seq_len=1024,
+                 eps=1e-6, added_kv_proj_dim=5120)
+_IMAGE = {"small": dict(hidden_size=IMAGE_DIM, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        image_size=32, patch_size=4),
+          REAL: dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
+                     image_size=224, patch_size=14)}
 # Both built profiles share one small VAE; the real size is diffusers' default (the Wan2.1 VAE).
 _SMALL_VAE = dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
 _VAE = {"tiny": _SMALL_VAE, "scale": _SMALL_VAE, REAL: {}}
@@ -95,36 +103,34 @@ def _text(seed: int, profile: str):
 def _transformer(seed: int, kind: str, profile: str):
     from diffusers import WanTransformer3DModel
 
-    extra = {"in_channels": 16} if kind == "t2v" else {"in_channels": 36, "image_dim": IMAGE_DIM}
+    if kind == "t2v":
+        config = {**_TRANSFORMER[profile], "in_channels": 16}
+    elif profile == REAL:
+        config = {**_REAL_I2V, "in_channels": 36, "image_dim": _IMAGE[REAL]["hidden_size"]}
+    else:
+        config = {**_TRANSFORMER[profile], "in_channels": 36, "image_dim": IMAGE_DIM}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + _OFFSETS[f"transformer_{kind}"])
         return WanTransformer3DModel(
             patch_size=(1, 2, 2),
-            **_TRANSFORMER[profile],
+            **config,
             out_channels=16,
             text_dim=_TEXT[profile]["d_model"],
             freq_dim=256,
             cross_attn_norm=True,
             qk_norm="rms_norm_across_heads",
-            **extra,
         ).eval()
 
 
-def _image(seed: int):
+def _image(seed: int, profile: str = "tiny"):
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
-    config = CLIPVisionConfig(
-        hidden_size=IMAGE_DIM,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=32,
-        patch_size=4,
-    )
+    config = CLIPVisionConfig(**_IMAGE[REAL if profile == REAL else "small"])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + _OFFSETS["image_encoder"])
         encoder = CLIPVisionModel(config).eval()
-    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    side = config.image_size
+    processor = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
     return encoder, processor
 
 
@@ -149,19 +155,23 @@ def _pipeline(kind: str, seed: int, profile: str):
     )
     if kind == "t2v":
         return WanPipeline(**common)
-    image_encoder, image_processor = _image(seed)
+    image_encoder, image_processor = _image(seed, profile)
     return WanImageToVideoPipeline(**common, image_encoder=image_encoder, image_processor=image_processor)
 
 
-def t2v_components(size: str, device: str = "cpu", seed: int = 0) -> dict:
-    """The T2V pipeline's components of ``size`` (a profile or ``REAL``) built in memory on
+def components(kind: Literal["t2v", "i2v"], size: str, device: str = "cpu", seed: int = 0) -> dict:
+    """The ``kind`` pipeline's components of ``size`` (a profile or ``REAL``) built in memory on
     ``device``, in the dtypes Wan2.1 serving uses there: on a GPU the text encoder and the
-    transformer in bfloat16, the VAE in float32 (as diffusers' Wan examples load it)."""
+    transformer in bfloat16, the VAE and the image encoder in float32 (as diffusers' Wan examples
+    load them)."""
     half = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    with torch.device(device):  # random init on the device: the real size's 7 B parameters
+    with torch.device(device):  # random init on the device: the real sizes' billions of parameters
         tokenizer, text_encoder = _text(seed, size)
-        return {"tokenizer": tokenizer, "text_encoder": _cast(text_encoder, half), "vae": _vae(seed, size),
-                "transformer": _cast(_transformer(seed, "t2v", size), half), "scheduler": _scheduler()}
+        out = {"tokenizer": tokenizer, "text_encoder": _cast(text_encoder, half), "vae": _vae(seed, size),
+               "transformer": _cast(_transformer(seed, kind, size), half), "scheduler": _scheduler()}
+        if kind == "i2v":
+            out["image_encoder"], out["image_processor"] = _image(seed, size)
+        return out
 
 
 def _cast(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
