@@ -157,16 +157,17 @@ def rank_main(cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from onepiece.stage.collective import Collective, leave
-    from onepiece.stage.gpu import synchronizer
+    from onepiece.stage.gpu import synchronizer, worker_device
     from onepiece.stage.loader import load_components
     from onepiece.stage.wan.parallel import ParallelDenoiser
 
     torch.set_num_threads(1)
+    device = cfg["device"] = worker_device(cfg["device"], cfg["rank"], cfg["size"])  # one GPU per rank
     t0 = time.perf_counter()
-    c = Collective(cfg["rank"], cfg["size"], cfg["address"], cfg["device"], timeout_s=600)
+    c = Collective(cfg["rank"], cfg["size"], cfg["address"], device, timeout_s=600)
     c.barrier()
     group_s = time.perf_counter() - t0
-    comps = load_components(Path(cfg["model_dir"]), ["transformer", "scheduler"], cfg["device"])
+    comps = load_components(Path(cfg["model_dir"]), ["transformer", "scheduler"], device)
     model, scheduler = comps["transformer"], comps["scheduler"]
     p = ParallelDenoiser(c)
     sync = synchronizer(c.device)

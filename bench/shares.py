@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default="64x64x9", help="comma-separated WxHxFRAMES (default %(default)s)")
     p.add_argument("--steps", type=count(), default=50, help="denoising steps of a request (default %(default)s)")
     p.add_argument("--text-length", type=count(), default=512, help="max_sequence_length (default %(default)s, Wan2.1's)")
-    p.add_argument("--batch", type=numbers(count()), default="1,2,4", help="batch sizes of a step (default %(default)s)")
+    p.add_argument("--batch", type=numbers(count()), default="1,2,4",
+                   help="batch sizes of a step; 1 is always timed (default %(default)s)")
     p.add_argument("--repeat", type=count(), default=3, help="timed runs per figure (median taken)")
     p.add_argument("--warmup", type=count(0), default=1, help="untimed runs before them")
     p.add_argument("--device", default="cpu", type=torch_device, help="torch device (cpu, cuda)")
@@ -90,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     app, dev, sync = args.app, torch.device(args.device), synchronizer(args.device)
+    batches = sorted({1, *args.batch})  # a request's standalone time is its steps at batch 1
     t0 = time.perf_counter()
     comps = components(app, args.size, args.device)
     sync()
@@ -122,18 +124,18 @@ def run(args: argparse.Namespace) -> int:
                 calls_s[fn.__name__] = timed(lambda: fn(ctx, msg(given)), sync, wu, rep)
                 parts = fn(ctx, msg(given))
             step_s = {}
-            for b in args.batch:
+            for b in batches:
                 # every state keeps steps to spare: a finished one would leave the batch
                 tasks = [denoise(ctx, msg(parts, seed, wu + rep + 1)) for seed in range(b)]
                 step_s[b] = timed(lambda: wan.WanDenoise.step_batch(tasks), sync, wu, rep)
                 latents = tasks[0].latents
                 del tasks
             calls_s["vae_decode"] = timed(lambda: wan.vae_decode(ctx, msg({"latents": latents})), sync, wu, rep)
-        denoise_s = args.steps * step_s[args.batch[0]]
+        denoise_s = args.steps * step_s[1]
         total = sum(calls_s.values()) + denoise_s
         row = {"shape": f"{w}x{h}x{f}", "calls_s": calls_s, "step_s": step_s, "denoise_s": denoise_s,
                "standalone_s": total, "shares": {**{k: t / total for k, t in calls_s.items()}, "denoise": denoise_s / total},
-               "step_per_request_vs_batch1": {b: t / b / step_s[args.batch[0]] for b, t in step_s.items()}}
+               "step_per_request_vs_batch1": {b: t / b / step_s[1] for b, t in step_s.items()}}
         if dev.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
             torch.cuda.reset_peak_memory_stats(dev)
@@ -157,15 +159,15 @@ def run(args: argparse.Namespace) -> int:
     doc = make_table(table, **meta, units="seconds per step of a batch (denoise) or per call, median of the timed "
                      "runs", source="onepiece bench shares (random weights, real architectures)")
     (out / "costs.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
-    (out / "shares.md").write_text(_markdown(meta, rows, args.batch))
+    (out / "shares.md").write_text(_markdown(meta, rows, batches))
     print(f"wrote {out / 'shares.json'}, shares.md, costs.json")
     return 0
 
 
 def _markdown(meta: dict[str, Any], rows: list[dict[str, Any]], batches: list[int]) -> str:
     calls = list(rows[0]["calls_s"])
-    more = batches[1:]  # batch sizes compared with the first
-    head = ["shape", *calls, f"step b{batches[0]}", "denoise", "standalone", "denoise share",
+    more = [b for b in batches if b > 1]  # compared with batch 1
+    head = ["shape", *calls, "step b1", "denoise", "standalone", "denoise share",
             *(f"step b{b} per request" for b in more)]
     lines = [f"`onepiece bench shares`, {meta['app']} at size {meta['size']} on {meta['device']} ({meta['cpu']}, torch "
              f"{meta['torch']}), {meta['created']}; a request = {', '.join(calls[:-1])}, {meta['steps']} denoising "
@@ -173,7 +175,7 @@ def _markdown(meta: dict[str, Any], rows: list[dict[str, Any]], batches: list[in
              "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in rows:
         cells = [r["shape"], *(f"{r['calls_s'][k] * 1000:.1f} ms" for k in calls),
-                 f"{r['step_s'][batches[0]] * 1000:.1f} ms", f"{r['denoise_s']:.2f} s", f"{r['standalone_s']:.2f} s",
+                 f"{r['step_s'][1] * 1000:.1f} ms", f"{r['denoise_s']:.2f} s", f"{r['standalone_s']:.2f} s",
                  f"{r['shares']['denoise']:.1%}", *(f"{r['step_per_request_vs_batch1'][b]:.2f}×" for b in more)]
         lines.append("| " + " | ".join(cells) + " |")
     if more:

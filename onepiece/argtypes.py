@@ -93,10 +93,11 @@ PORT = count(0, 65535)  # 0: any free one
 SEED = count(0)
 
 
+DEVICE = r"cpu|cuda(:\d+)?"  # what a stage's workers run on (one CUDA device each where several)
+
+
 def torch_device(value: str) -> str:
     """A torch device as a stage's ``device`` takes it: cpu, cuda or cuda:N."""
-    from onepiece.config import DEVICE
-
-    if not re.match(DEVICE, value):
+    if not re.fullmatch(DEVICE, value):
         raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {value!r}")
     return value

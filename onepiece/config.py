@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from onepiece.argtypes import DEVICE
 from onepiece.sched.options import ScheduleSpec
 from onepiece.schema import checked
 
@@ -48,15 +49,12 @@ class ModelSpec(_Strict):
     seed: int = 0
 
 
-DEVICE = r"^(cpu|cuda(:\d+)?)$"  # what a stage's workers run on (one CUDA device each where several)
-
-
 class StageSpec(_Strict):
     function: str | None = Field(None, description="stage function name; defaults to the stage's name")
     model: str
     components: list[str] = Field(min_length=1)
     workers: int = Field(1, gt=0, le=64)
-    device: str = Field("cpu", pattern=DEVICE,
+    device: str = Field("cpu", pattern=f"^({DEVICE})$",
                         description="torch device of its workers: cpu, cuda (several workers: cuda:0, cuda:1, ...) "
                                     "or cuda:N")
     mode: Literal["individual", "collaboration"] = Field(

@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from onepiece.config import deploy_dir
     from onepiece.sched.costs import make_table
     from onepiece.stage.gpu import lacking
+    from onepiece.stage.registry import is_stepped
     from onepiece.stage.wan.tiny import ensure_models
 
     wf_path = Path(args.workflow) if args.workflow else deploy_dir() / PROFILE_WORKFLOWS[args.profile]
@@ -69,8 +70,10 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"onepiece profile: unknown stage(s) {unknown} (known: {sorted(wf.stages)})", file=sys.stderr)
         return 2
+    ranks = {s: max(args.dops) if is_stepped(wf.function_of(s), wf.applications[_app_of(wf, s)].kind) else 1
+             for s in stages}  # a DoP above 1 takes a device per rank, for stepped stages only
     missing = [f"{s} runs on {d}, but {why}" for s in stages
-               if (why := lacking(d := args.device or wf.stages[s].device, max(args.dops)))]
+               if (why := lacking(d := args.device or wf.stages[s].device, ranks[s]))]
     if missing:
         print(f"onepiece profile: {'; '.join(missing)}", file=sys.stderr)
         return 2
@@ -113,13 +116,15 @@ def rank_main(cfg: dict[str, Any]) -> None:
 
     from onepiece.sched.keys import at_dop, compat_key
     from onepiece.stage.collective import Collective, leave
+    from onepiece.stage.gpu import worker_device
     from onepiece.stage.registry import parallel_of
 
     wf_path = Path(cfg["workflow"])
     wf = load_workflow(wf_path)
-    prof = Profiler(wf, wf_path.parent, cfg["device"], cfg["threads"])
     stage, shape, batch, repeat, warm = cfg["stage"], tuple(cfg["shape"]), cfg["batch"], cfg["repeat"], 2
-    device = cfg["device"] or wf.stages[stage].device
+    # one device per rank, as a collaboration group's workers have (cuda:0, cuda:1, ... on CUDA)
+    device = worker_device(cfg["device"] or wf.stages[stage].device, cfg["rank"], cfg["size"])
+    prof = Profiler(wf, wf_path.parent, device, cfg["threads"])
     c = Collective(cfg["rank"], cfg["size"], cfg["address"], device)
     ctx = prof.context(stage)
     msgs = [prof.message(stage, shape, seed, warm + repeat) for seed in range(batch)]
@@ -138,6 +143,11 @@ def rank_main(cfg: dict[str, Any]) -> None:
         (Path(cfg["out"]) / "report.json").write_text(json.dumps(row))
     c.close()
     leave()
+
+
+def _app_of(wf: Workflow, stage: str) -> str:
+    """The first application that runs ``stage``."""
+    return next(a for a, spec in wf.applications.items() if stage in spec.stages)
 
 
 class Profiler:
@@ -163,7 +173,7 @@ class Profiler:
         return self._loaded[stage]
 
     def _app(self, stage: str) -> str:
-        return next(a for a, spec in self.wf.applications.items() if stage in spec.stages)
+        return _app_of(self.wf, stage)
 
     def message(self, stage: str, shape: tuple[int, int, int], seed: int, steps: int):
         """The message ``stage`` receives for ``shape``, from the application's earlier stages."""

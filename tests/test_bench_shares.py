@@ -34,6 +34,14 @@ def test_a_small_run_writes_shares_and_a_cost_table(tmp_path, app, calls):
     assert "48x32x5" in (tmp_path / "shares.md").read_text()
 
 
+def test_the_sizes_offered_are_the_builder_s():
+    """The flag's choices are listed apart (the CLI builds its parser without torch)."""
+    from onepiece.bench.shares import SIZES
+    from onepiece.stage.wan.tiny import PROFILES, REAL
+
+    assert SIZES == (*PROFILES, REAL)
+
+
 @pytest.mark.parametrize("app, billions", [
     ("t2v", {"text_encoder": 5.68, "transformer": 1.42, "vae": 0.13}),
     ("i2v", {"text_encoder": 5.68, "transformer": 16.39, "vae": 0.13, "image_encoder": 0.63}),

@@ -85,7 +85,7 @@ def _text(seed: int, profile: str):
 
     # A byte-level tokenizer needs no vocabulary file, so nothing is downloaded; the encoder's
     # vocabulary covers all of its ids (256 bytes + 3 specials + 125 extra ids). The real size
-    # keeps umt5-xxl's vocabulary (its embedding is an eighth of the encoder).
+    # keeps umt5-xxl's vocabulary (its embedding is about a fifth of the encoder).
     tokenizer = ByT5Tokenizer()
     config = UMT5Config(
         **{"vocab_size": len(tokenizer), **_TEXT[profile]},
@@ -161,26 +161,36 @@ def _pipeline(kind: str, seed: int, profile: str):
 
 def components(kind: Literal["t2v", "i2v"], size: str, device: str = "cpu", seed: int = 0) -> dict:
     """The ``kind`` pipeline's components of ``size`` (a profile or ``REAL``) built in memory on
-    ``device``, in the dtypes Wan2.1 serving uses there: on a GPU the text encoder and the
-    transformer in bfloat16, the VAE and the image encoder in float32 (as diffusers' Wan examples
-    load them)."""
-    half = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    ``device``, in the dtypes a worker loads them in there (``stage.loader``'s rule: on a GPU
+    bfloat16, the VAE in float32). Each is cast as it is built, so that the real I2V's float32
+    weights are never all on the device at once."""
+    from onepiece.stage.loader import _default_dtype
+
+    def cast(m: torch.nn.Module) -> torch.nn.Module:
+        return _cast(m, _default_dtype(type(m), device))
+
     with torch.device(device):  # random init on the device: the real sizes' billions of parameters
         tokenizer, text_encoder = _text(seed, size)
-        out = {"tokenizer": tokenizer, "text_encoder": _cast(text_encoder, half), "vae": _vae(seed, size),
-               "transformer": _cast(_transformer(seed, kind, size), half), "scheduler": _scheduler()}
+        out = {"tokenizer": tokenizer, "text_encoder": cast(text_encoder), "vae": cast(_vae(seed, size)),
+               "transformer": cast(_transformer(seed, kind, size)), "scheduler": _scheduler()}
         if kind == "i2v":
-            out["image_encoder"], out["image_processor"] = _image(seed, size)
+            image_encoder, out["image_processor"] = _image(seed, size)
+            out["image_encoder"] = cast(image_encoder)
         return out
 
 
 def _cast(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """``model`` in ``dtype`` except what its class keeps in float32, as ``from_pretrained(...,
-    torch_dtype=dtype)`` loads it (Wan's norms, time embedding and rotary tables)."""
+    """``model`` in ``dtype`` except what ``from_pretrained(..., torch_dtype=dtype)`` keeps in
+    float32: a diffusers model's ``_keep_in_fp32_modules`` (Wan's norms, time embedding and
+    rotary tables); a transformers model's only in float16, its ``_strict`` ones in bfloat16 too."""
+    from diffusers import ModelMixin
+
     if model.dtype == dtype:
         return model
     model.to(dtype)
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    keep = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if isinstance(model, ModelMixin) or dtype == torch.float16:
+        keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if keep & set(name.split(".")):
             t.data = t.data.float()
