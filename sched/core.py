@@ -276,18 +276,24 @@ class SchedCore:
             return None
         return t * r.steps + self.costs.fixed_s(r.key) + math.ceil(r.steps / self._chunk_of(r, 1)) * self.overhead_s
 
-    def share_s(self, r: Request) -> float | None:
-        """Worker seconds ``r`` takes at the largest batch the stage reached for its key, at the
-        DoP that uses a group's ranks best (``d`` of a worker's ``n`` ranks for ``t`` seconds
-        is ``t·d/n`` of the worker): what the stage's sustained rate follows from."""
-        return self._memoized((r.key, r.steps, r.batchable), self._share_s, r)
+    def batches(self, r: Request) -> tuple[tuple[int, int], ...]:
+        """(DoP, batch size) for each DoP the workers offer: the largest batch ``r``'s key sustains
+        there now, what its share is priced at."""
+        cap = self.max_batch if r.batchable else 1
+        return tuple((d, self.costs.reached(at_dop(r.key, d), cap, sustained=True)) for d in self._offered)
 
-    def _share_s(self, r: Request) -> float | None:
+    def share_s(self, r: Request, batches: tuple[tuple[int, int], ...] | None = None) -> float | None:
+        """Worker seconds ``r`` takes at ``batches`` (default: the batch sizes its key sustains
+        now), at the DoP that uses a group's ranks best (``d`` of a worker's ``n`` ranks for ``t``
+        seconds is ``t·d/n`` of the worker): what the stage's sustained rate follows from."""
+        at = self.batches(r) if batches is None else batches
+        return self._memoized((r.key, r.steps, at), lambda r: self._share_s(r, at), r)
+
+    def _share_s(self, r: Request, at: tuple[tuple[int, int], ...]) -> float | None:
         ranks = self._offered[-1]  # the largest group's size
         best = None
-        for d in self._offered:
+        for d, b in at:
             key = at_dop(r.key, d)
-            b = self.costs.reached(key, self.max_batch if r.batchable else 1, sustained=True)
             t = self.costs.step_s(key, b)
             if t is not None:
                 chunks = math.ceil(r.steps / self._chunk_of(r, b))
