@@ -21,10 +21,9 @@ format of ``schedule.costs``, `onepiece sim` and `onepiece plan`).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from onepiece.argtypes import count, numbers, torch_device
 
@@ -47,23 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench/results", help="folder for shares.json, .md and costs.json")
 
 
-def timed(fn: Callable[[], Any], sync: Callable[[], None], warmup: int, repeat: int) -> float:
-    """Median seconds of ``repeat`` runs of ``fn`` after ``warmup``, each run synchronised."""
-    times = []
-    for _ in range(warmup + repeat):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[warmup:])
-
-
 def _shapes(text: str) -> list[tuple[int, int, int]]:
-    from onepiece.profile import _shape
+    from onepiece.profile import video_shape
 
     try:
-        return [_shape(x) for x in text.split(",")]
+        return [video_shape(x) for x in text.split(",")]
     except argparse.ArgumentTypeError as e:
         raise SystemExit(f"--shapes: {e}") from None
 
@@ -74,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from onepiece.bench.common import PROMPT, cpu_name
+    from onepiece.profile import timed
     from onepiece.sched.costs import make_table
     from onepiece.sched.keys import call_key, compat_key
     from onepiece.stage.gpu import lacking, synchronizer

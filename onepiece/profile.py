@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -28,7 +28,8 @@ from onepiece.argtypes import count, numbers, torch_device
 from onepiece.config import Workflow, load_workflow
 
 
-def _shape(item: str) -> tuple[int, int, int]:
+def video_shape(item: str) -> tuple[int, int, int]:
+    """``WxHxFRAMES`` (an argparse type): width and height multiples of 16."""
     try:
         w, h, f = (int(x) for x in item.lower().split("x"))
     except ValueError:
@@ -38,11 +39,24 @@ def _shape(item: str) -> tuple[int, int, int]:
     return w, h, f
 
 
+def timed(fn: Callable[[], Any], sync: Callable[[], None], warmup: int, repeat: int) -> float:
+    """Median seconds of ``repeat`` runs of ``fn`` after ``warmup``, each run from an idle device
+    until the device has run it (``sync``: stage/gpu.py's ``synchronizer``)."""
+    times = []
+    for _ in range(warmup + repeat):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[warmup:])
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workflow", help="workflow YAML (default: the shipped one of --profile)")
     p.add_argument("--profile", choices=["tiny", "scale"], default="tiny", help="without --workflow: which shipped one")
     p.add_argument("--stage", action="append", help="a stage to profile (repeatable; default: every stage)")
-    p.add_argument("--shapes", type=lambda v: [_shape(x) for x in v.split(",")], default=[(64, 64, 9)],
+    p.add_argument("--shapes", type=lambda v: [video_shape(x) for x in v.split(",")], default=[(64, 64, 9)],
                    help="comma-separated WxHxFRAMES (default 64x64x9)")
     p.add_argument("--batch", type=numbers(count()), default=[1, 2, 4, 8], help="batch sizes of stepped stages (default 1,2,4,8)")
     p.add_argument("--dops", type=numbers(count()), default=[1], help="degrees of parallelism of stepped stages, each a "
@@ -211,29 +225,18 @@ class Profiler:
             warm = 2
             if not stepped:
                 msg, fn = self.message(stage, shape, 0, 1)
-                times = []
-                for i in range(warm + repeat):
-                    t0 = time.perf_counter()
-                    with torch.inference_mode():
-                        fn(ctx, msg)
-                    sync()
-                    times.append(time.perf_counter() - t0)
+                with torch.inference_mode():
+                    seconds = timed(lambda: fn(ctx, msg), sync, warm, repeat)
                 rows.append({"key": call_key(msg.header["params"]), "batch": 1, "stepped": False,
-                             "seconds": statistics.median(times[warm:]), "samples": repeat})
+                             "seconds": seconds, "samples": repeat})
                 continue
             for b in batches:
                 msgs = [self.message(stage, shape, seed, warm + repeat) for seed in range(b)]
                 with torch.inference_mode():
                     tasks = [fn(ctx, m) for m, fn in msgs]
-                cls = type(tasks[0])
-                times = []
-                for i in range(warm + repeat):
-                    t0 = time.perf_counter()
-                    cls.step_batch(tasks)
-                    sync()
-                    times.append(time.perf_counter() - t0)
+                seconds = timed(lambda: type(tasks[0]).step_batch(tasks), sync, warm, repeat)
                 rows.append({"key": compat_key(msgs[0][0].header["params"]), "batch": b, "stepped": True,
-                             "seconds": statistics.median(times[warm:]), "samples": repeat})
+                             "seconds": seconds, "samples": repeat})
         return rows
 
 

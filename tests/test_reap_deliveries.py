@@ -123,7 +123,9 @@ def test_a_request_delivered_after_the_last_heartbeat_fails_as_instance_died_wit
             wait_for(lambda: db.get(uid)["stage"] == "text_encode" and text_encoder()["holding"] == 0
                      and text_encoder()["silent_s"] < HEARTBEAT_S, timeout=30,
                      what="the request handed to the denoiser")
-            time.sleep(HEARTBEAT_S)  # the sender's next heartbeat names the delivery
+            handed = time.monotonic()  # the sender's next heartbeat names the delivery
+            wait_for(lambda: text_encoder()["silent_s"] < time.monotonic() - handed, timeout=10,
+                     what="a heartbeat of the text encoder after the hand-over")
             os.kill(denoiser.pid, signal.SIGKILL)
             killed = time.monotonic()
             with pytest.raises(RequestFailed) as e:
