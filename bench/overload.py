@@ -66,8 +66,8 @@ from typing import Any
 
 import orjson
 
-from onepiece.argtypes import SEED, count, non_negative, numbers, positive
-from onepiece.bench.common import PROMPT, T2V_STAGES, parse_shape, percentile, tiny_models
+from onepiece.argtypes import SEED, count, non_negative, numbers, positive, torch_device
+from onepiece.bench.common import PROMPT, T2V_STAGES, cpu_name, parse_shape, percentile, tiny_models
 from onepiece.transport import curve
 
 DEFAULT_LEVELS = "0.5,1,2,5"
@@ -112,6 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "three stage workers from oversubscribing a small machine's cores (default %(default)s)")
     p.add_argument("--heartbeat", type=positive(" seconds"), default=0.5, help="NM heartbeat (s)")
     p.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
+    p.add_argument("--device", default="cpu", type=torch_device, help="torch device of every stage (cpu, cuda)")
     p.add_argument("--seed", type=SEED, default=0, help="seed of the arrival times")
     p.add_argument("--models", help="folder for the tiny models (default: a temporary one)")
     p.add_argument("--logs", help="keep the deployments' logs here (default: a temporary folder)")
@@ -475,7 +476,8 @@ def start_deployment(mode: str, models: dict[str, Path], folder: Path, cfg: argp
     elif mode == "off":  # checked before anything starts; kept here so it can never be faked
         raise RuntimeError("proxy.monitor is not a topology field: the monitor cannot be switched off")
     topo = write_topology(folder, models, free_tcp_address(), dbs=1, transport=cfg.transport,
-                          heartbeat_s=cfg.heartbeat, stages=dict(T2V_STAGES), proxy=proxy, threads=cfg.threads)
+                          heartbeat_s=cfg.heartbeat, stages=dict(T2V_STAGES), proxy=proxy, threads=cfg.threads,
+                          device=cfg.device)
     logs = Path(cfg.logs) / f"monitor-{mode}" if cfg.logs else folder / "logs"
     dep = Deployment(topo, logs)
     dep.start()
@@ -714,7 +716,8 @@ def run(args: argparse.Namespace) -> int:
              f"{args.requests} requests at 1×, SLO {slo_text.split(' = ')[-1] if slo else '—'}")
     plot(rows, slo, outdir / "overload.png", title)
 
-    md = [f"`onepiece bench overload` — {result['when']}, {os.cpu_count()} cores, shape {args.shape}, "
+    md = [f"`onepiece bench overload` — {result['when']}, {cpu_name()}, {os.cpu_count()} cores, device {args.device}, "
+          f"shape {args.shape}, "
           f"levels {','.join(f'{x:g}' for x in levels)}, {args.requests} requests at 1× (round(x·{args.requests}) at x×), "
           f"runs: monitor {', '.join(modes)}; {elapsed:.0f} s in all.", "",
           f"- capacity C = {base:.2f} req/s, source: {base_source}; " + "; ".join(
