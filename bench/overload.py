@@ -226,6 +226,12 @@ class Target:
     async def status(self) -> dict[str, Any]:
         return await asyncio.to_thread(self.nm.status)
 
+    async def path_s(self) -> float | None:
+        """The path between the stages that the proxy's deadline rule allows for (None: monitor off)."""
+        async with self.http.get("/healthz") as r:
+            doc = await r.json()
+        return ((doc.get("admission") or {}).get("apps") or {}).get(APP, {}).get("path_s")
+
     async def refusal_times(self) -> dict[float, float]:
         """The proxy's own histogram of its time per refusal: {bucket bound s: count ≤ it}."""
         from prometheus_client.parser import text_string_to_metric_families
@@ -432,6 +438,7 @@ async def session(t: Target, mode: str, cfg: argparse.Namespace, levels: list[fl
             drained = True if last else await t.drain(cfg.request_timeout)
             lv["drained"] = drained
             lv["nm_capacity_end"] = (await t.capacity() or {}).get("capacity")
+            lv["path_s_end"] = await t.path_s()
             out["levels"].append(lv)
             oc = _outcomes(lv["records"])
             log(f"[monitor {mode}] level {x:g}x: sent {lv['sent']}, " + ", ".join(f"{k} {v}" for k, v in oc.items())
@@ -724,6 +731,8 @@ def run(args: argparse.Namespace) -> int:
               f"monitor {r['mode']}: NM estimate {_f((r['warmup']['nm'] or {}).get('capacity'))} req/s "
               f"(bottleneck {(r['warmup']['nm'] or {}).get('bottleneck')}), closed-loop "
               f"{_f(r['warmup']['closed_loop_rps'])} req/s" for r in runs),
+          "- the path between the stages the proxy allowed for at the end of each level (monitor on): " + ", ".join(
+              f"{lv['load']:g}×: {_ms(lv.get('path_s_end'))} ms" for r in runs if r["mode"] == "on" for lv in r["levels"]),
           f"- SLO: {slo_text}", "", table(rows), ""]
     shares = [(r, r["proxy_refusals_within_ms"]) for r in rows if r["run"] == "on" and r["proxy_refusals_within_ms"]]
     if shares:

@@ -15,8 +15,10 @@ Everything here runs on the proxy's event loop, so reserve-then-insert needs no 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -39,6 +41,9 @@ log = logging.getLogger(__name__)
 # timeout_s or slo_s: the stage orders it by the application's limit, admission held it to
 # deadline_factor × its standalone.
 Ahead = tuple[float, float, float]
+
+PATH_SAMPLES = 32  # latest samples of the path between stages, per application
+PATH_PROBES = 256  # requests awaited for a sample at once (bounded: a done event may be lost)
 
 
 class InflightTracker:
@@ -258,18 +263,20 @@ def cost(app_estimate: dict[str, Any], shape: str) -> float:
 
 
 def admission_deadline(app_estimate: dict[str, Any], shape: str, timeout_s: float, explicit: bool,
-                       factor: float) -> float:
+                       factor: float, path_s: float = 0.0) -> float:
     """Seconds within which a request must be predicted to complete to be admitted: its own
-    ``timeout_s`` when it gave one; otherwise ``factor`` × the standalone time of its shape,
-    unless the application's limit (``timeout_s`` then) is tighter."""
+    ``timeout_s`` when it gave one; otherwise ``factor`` × what it takes through an idle set
+    (the standalone time of its shape, plus ``path_s`` between the stages), unless the
+    application's limit (``timeout_s`` then) is tighter."""
     alone = standalone_latency(app_estimate, shape)
     if not explicit and factor > 0 and alone is not None:
-        return min(timeout_s, factor * alone)
+        return min(timeout_s, factor * (alone + path_s))
     return timeout_s
 
 
 def deadline_refusal(app_estimate: dict[str, Any], shape: str, timeout_s: float, explicit: bool,
-                     factor: float, ahead: list[Ahead] = (), scale: float = 1.0) -> Refusal | None:
+                     factor: float, ahead: list[Ahead] = (), scale: float = 1.0,
+                     path_s: float = 0.0) -> Refusal | None:
     """Refuse a request predicted to finish after its deadline.
 
     ``ahead``: the requests in flight at this proxy (``Ahead``), counted ``scale`` times (the
@@ -287,15 +294,19 @@ def deadline_refusal(app_estimate: dict[str, Any], shape: str, timeout_s: float,
       a burst builds before any heartbeat reports it.
 
     The completion it is held to is ``admission_deadline``. Both sides use the same service
-    times, so for a default deadline this reads "refuse when the queues ahead would stretch the
-    request beyond factor × its idle time", whatever the shape. No prediction (a stage
-    unmeasured or without workers) admits.
+    times and the same ``path_s`` (what a request spends between the stages of an idle set:
+    HTTP, hops, the DB), so for a default deadline this reads "refuse when the queues ahead would
+    stretch the request beyond factor × its idle time", whatever the shape. No prediction (a
+    stage unmeasured or without workers) admits.
     """
     predicted = predicted_latency(app_estimate, shape)
     if predicted is None:
         return None
+    predicted += path_s
     alone = standalone_latency(app_estimate, shape)
-    deadline = admission_deadline(app_estimate, shape, timeout_s, explicit, factor)
+    if alone is not None:
+        alone += path_s
+    deadline = admission_deadline(app_estimate, shape, timeout_s, explicit, factor, path_s)
     if deadline_first(app_estimate) and alone is not None:
         predicted = alone + scale * sum(w for due, _, w in ahead if due <= timeout_s)
         if predicted <= deadline:
@@ -350,6 +361,11 @@ class CapacityAdmission:
         self.view: dict[str, Any] | None = None
         self.buckets: dict[str, TokenBucket] = {}
         self.proxies = 1
+        # The path between the stages (``path_s``), from requests admitted into an idle set:
+        # uid -> (application, admitted at (ns), its standalone time), and per application the
+        # latest samples of latency less standalone time.
+        self._probes: collections.OrderedDict[str, tuple[str, int, float]] = collections.OrderedDict()
+        self._paths: dict[str, collections.deque[float]] = {}
 
     def observe(self, view: dict[str, Any] | None) -> None:
         """Take the NM's latest view; re-rate the buckets if it is a new one (cheap to call on
@@ -388,6 +404,41 @@ class CapacityAdmission:
         cap = est.get("capacity") if est is not None else None
         return float(cap) if isinstance(cap, (int, float)) and not isinstance(cap, bool) else None
 
+    def probe(self, uid: str, app: str, shape: str, now_ns: int) -> None:
+        """``uid`` was just admitted into an idle set (nothing of ``app`` in flight here, no
+        stage queue in the NM's view): its latency less its standalone time will be a sample
+        of the path between the stages. Requests that queued would inflate it, and a larger
+        path admits more, so only these count."""
+        est = self.app_view(app)
+        try:
+            stages = est["stages"].values() if est is not None else ()
+            # every stage measured at this shape (a mean of other shapes is no standalone time)
+            if not stages or any(row.get("queue") or not row["shapes_s"].get(shape) for row in stages):
+                return
+            alone = standalone_latency(est, shape)
+        except (KeyError, TypeError, AttributeError):
+            return
+        if alone is None:
+            return
+        self._probes[uid] = (app, now_ns, alone)
+        while len(self._probes) > PATH_PROBES:  # done events lost: the oldest go
+            self._probes.popitem(last=False)
+
+    def done(self, uid: str, status: str, now_ns: int) -> None:
+        """``uid`` ended (the DB's done event) at ``now_ns``."""
+        probe = self._probes.pop(uid, None)
+        if probe is None or status != "completed":
+            return
+        app, admitted_ns, alone = probe
+        samples = self._paths.setdefault(app, collections.deque(maxlen=PATH_SAMPLES))
+        samples.append(max(0.0, (now_ns - admitted_ns) / 1e9 - alone))
+
+    def path_s(self, app: str) -> float:
+        """Seconds a request of ``app`` spends outside its stages' service time in an idle set
+        (the median of the latest samples; 0 before any)."""
+        samples = self._paths.get(app)
+        return statistics.median(samples) if samples else 0.0
+
     def rate(self, app: str) -> float | None:
         """This proxy's admitted rate for ``app`` now (None: not limited by capacity)."""
         cap = self._capacity(app)
@@ -398,7 +449,7 @@ class CapacityAdmission:
         est = self.app_view(app)
         try:
             return timeout_s if est is None else admission_deadline(est, shape, timeout_s, explicit_timeout,
-                                                                    self.deadline_factor)
+                                                                    self.deadline_factor, self.path_s(app))
         except (KeyError, TypeError, AttributeError):
             return timeout_s
 
@@ -434,7 +485,7 @@ class CapacityAdmission:
                            self.no_capacity_retry_s)
         try:
             refusal = deadline_refusal(est, shape, timeout_s, explicit_timeout, self.deadline_factor,
-                                       ahead=ahead, scale=self.proxies)
+                                       ahead=ahead, scale=self.proxies, path_s=self.path_s(app))
         except (KeyError, TypeError, AttributeError):  # a malformed view must not fail requests
             refusal = None
         if refusal is not None:
@@ -467,9 +518,10 @@ def admit(adm: CapacityAdmission | None, tracker: InflightTracker, uid: str, app
     the capacity and deadline rules (when ``adm`` is on), then a slot in flight until the
     request's deadline. None: admitted, its slot taken; else why not, nothing taken."""
     deadline, target = ts_ns + int(timeout_s * 1e9), ts_ns + int(target_s * 1e9)
-    work, promise = 0.0, target
+    work, promise, ahead = 0.0, target, []
     if adm is not None:
-        refusal = adm.check(app, shape, target_s, target_given, ahead=tracker.ahead(app, ts_ns))
+        ahead = tracker.ahead(app, ts_ns)
+        refusal = adm.check(app, shape, target_s, target_given, ahead=ahead)
         if refusal is not None:
             return refusal
         work = adm.work(app, shape)
@@ -478,4 +530,6 @@ def admit(adm: CapacityAdmission | None, tracker: InflightTracker, uid: str, app
         if adm is not None:
             adm.give_back(app, shape)  # the tokens were not used
         return Refusal("inflight_full", f"full ({tracker.max_inflight} requests in flight)", retry_after_s)
+    if adm is not None and not ahead:
+        adm.probe(uid, app, shape, ts_ns)
     return None

@@ -139,13 +139,15 @@ class ProxyState:
         adm = self.admission
         if adm is None:
             return {"enabled": False, "set": self.cluster.set_name, "view": None, "rates": {}}
-        rates = {app: adm.rate(app) for app in self.cluster.workflow.applications}
+        apps = self.cluster.workflow.applications
         return {"enabled": True, "set": self.cluster.set_name, "view": adm.view, "proxies": adm.proxies,
-                "rates": rates}
+                "rates": {app: adm.rate(app) for app in apps}, "path_s": {app: adm.path_s(app) for app in apps}}
 
     def _on_done(self, uid: str, status: str) -> None:
         if self.tracker.release(uid):
             log.debug("uid=%s terminal (%s): slot freed", uid, status)
+        if self.admission is not None:
+            self.admission.done(uid, status, time.time_ns())
         self.metrics.inflight.set(len(self.tracker))
 
     def follow_dbs(self) -> None:
@@ -761,12 +763,14 @@ def _not_ready(st: ProxyState) -> list[str]:
 
 def _admission_health(st: ProxyState) -> dict[str, Any]:
     """What the request monitor admits now, per application: the set's capacity (requests/s,
-    None until measured), this proxy's admitted rate and the bottleneck stage."""
+    None until measured), this proxy's admitted rate, the bottleneck stage and the path between
+    the stages that its deadlines allow for (seconds)."""
     snap = st.monitor_snapshot()
     apps = st.admission.apps() if st.admission is not None else {}
+    paths = snap.get("path_s") or {}
     return {"enabled": snap["enabled"], "proxies": snap.get("proxies"), "apps": {
         app: {"capacity": (apps.get(app) or {}).get("capacity"), "rate": rate,
-              "bottleneck": (apps.get(app) or {}).get("bottleneck")}
+              "bottleneck": (apps.get(app) or {}).get("bottleneck"), "path_s": paths.get(app)}
         for app, rate in snap["rates"].items()}}
 
 

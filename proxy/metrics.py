@@ -70,7 +70,8 @@ class MonitorCollector:
     applications or stages that left the view disappear with it.
 
     ``snapshot()`` returns ``{"enabled", "set", "view": the NM's monitor view or None,
-    "rates": {app: this proxy's admitted rate or None}}`` (ProxyState.monitor_snapshot).
+    "rates": {app: this proxy's admitted rate or None}, "path_s": {app: seconds}}``
+    (ProxyState.monitor_snapshot).
     """
 
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
@@ -127,4 +128,9 @@ class MonitorCollector:
         for app, r in (snap.get("rates") or {}).items():
             if r is not None:
                 admitted.add_metric([set_name, app], float(r))
-        yield from (cap, bottleneck, admitted, svc, rate, workers)
+        path = GaugeMetricFamily("onepiece_proxy_path_seconds",
+                                 "Seconds a request spends between its stages in an idle set (HTTP, hops, the DB), "
+                                 "measured by this proxy; its deadline rule allows for them", labels=["set", "app"])
+        for app, p in (snap.get("path_s") or {}).items():
+            path.add_metric([set_name, app], float(p))
+        yield from (cap, bottleneck, admitted, path, svc, rate, workers)

@@ -315,6 +315,9 @@ class Simulation:
         self._open -= 1
         if j.set:
             self.trackers[j.set].release(j.uid)  # the DB's "done" event frees the proxy's slot
+            adm = self.admission[j.set]
+            if adm is not None:
+                adm.done(j.uid, outcome, int(t * 1e9))
 
     # --- running ------------------------------------------------------------------------------
     def run(self, until: float = float("inf")) -> list[dict[str, Any]]:

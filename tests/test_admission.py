@@ -7,7 +7,8 @@ import pytest
 
 from onepiece.config import deploy_dir, load_workflow
 from onepiece.nm.capacity import estimate
-from onepiece.proxy.admission import CapacityAdmission, TokenBucket, cost, deadline_refusal, standalone_latency
+from onepiece.proxy.admission import (PATH_PROBES, CapacityAdmission, InflightTracker, TokenBucket, admit, cost,
+                                      deadline_refusal, standalone_latency)
 
 WF = load_workflow(deploy_dir() / "wan21.yaml")
 SHAPE = "64x64x9:10"
@@ -433,3 +434,63 @@ def test_a_deadline_first_bottleneck_is_admitted_by_the_deadline_rule_alone():
     assert r.code == "deadline"
     adm.observe(view(denoise_s=0.5, policy="fcfs", shapes={SHAPE: 0.2}))  # first-come: the bucket again
     assert [adm.check("t2v", SHAPE, 600.0, True, ahead=flight(1)) is None for _ in range(3)].count(True) == 1
+
+
+# --- the path between the stages ----------------------------------------------------------------
+def measured(queue: int = 0, proxies: int = 1) -> dict:
+    """A t2v set measured at SHAPE by every stage: standalone 0.01 + 0.2 + 0.05 = 0.26 s;
+    capacity 2/s (denoise's mean 0.5 s over the mix)."""
+    members = [stage("text_encode", t2v=(0.01, 10, {SHAPE: 0.01})),
+               stage("denoise_t2v", queue=queue, t2v=(0.5, 10, {SHAPE: 0.2})),
+               stage("vae_decode", t2v=(0.05, 10, {SHAPE: 0.05}))]
+    return {"apps": estimate(WF, members), "proxies": proxies}
+
+
+def test_the_default_deadline_allows_for_the_path_between_stages():
+    est = measured()["apps"]["t2v"]
+    # one request ahead: (1 + 1) / 2 = 1.0 s against 2 × 0.26 = 0.52 s
+    assert deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=flight(1)).code == "deadline"
+    # 0.25 s between the stages: through the idle set 0.51 s, so 1.02 s allowed
+    assert deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=flight(1), path_s=0.25) is None
+    # a request's own deadline stays; its prediction counts the path (0.26 + 0.25 > 0.5)
+    assert deadline_refusal(est, SHAPE, 0.5, True, factor=2.0) is None
+    r = deadline_refusal(est, SHAPE, 0.5, True, factor=2.0, path_s=0.25)
+    assert r.code == "deadline" and "0.51s" in r.message
+
+
+def test_the_path_is_measured_on_requests_admitted_into_an_idle_set():
+    adm = CapacityAdmission(deadline_factor=2.0, headroom=1.0, burst_s=1000.0, clock=Clock())  # no rate limit here
+    adm.observe(measured())
+    tracker = InflightTracker(1000)
+    t = 10**18
+
+    def done(uid: str, after_s: float, status: str = "completed") -> None:
+        tracker.release(uid)
+        adm.done(uid, status, t + int(after_s * 1e9))
+
+    assert adm.path_s("t2v") == 0.0  # nothing measured yet: the stages' times alone
+    assert admit(adm, tracker, "a", "t2v", SHAPE, t, 600.0, 600.0, False) is None
+    # "b" comes behind "a" (its own deadline, so the rule admits it): it queued, no sample
+    assert admit(adm, tracker, "b", "t2v", SHAPE, t + 1, 600.0, 600.0, True) is None
+    done("a", 0.36)
+    done("b", 5.0)
+    assert adm.path_s("t2v") == pytest.approx(0.1)  # 0.36 s less its 0.26 s standalone
+    # a failed request says nothing of the path; the median of the latest samples counts
+    for i, (after, status) in enumerate([(0.5, "failed"), (0.41, "completed"), (0.31, "completed")]):
+        assert admit(adm, tracker, f"c{i}", "t2v", SHAPE, t, 600.0, 600.0, False) is None
+        done(f"c{i}", after, status)
+    assert adm.path_s("t2v") == pytest.approx(0.1)  # median of 0.10, 0.15, 0.05
+    # a queue in the NM's view, or a shape some stage has not measured: no standalone time to
+    # subtract, no sample
+    adm.observe(measured(queue=1))
+    assert admit(adm, tracker, "q", "t2v", SHAPE, t, 600.0, 600.0, True) is None
+    done("q", 9.0)
+    adm.observe(measured())
+    assert admit(adm, tracker, "u", "t2v", "256x256x17:10", t, 600.0, 600.0, True) is None
+    done("u", 9.0)
+    assert adm.path_s("t2v") == pytest.approx(0.1)
+    # done events that never come do not grow the probes without bound
+    for i in range(PATH_PROBES + 10):
+        assert admit(adm, tracker, f"lost{i}", "t2v", SHAPE, t, 600.0, 600.0, True) is None
+        tracker.release(f"lost{i}")
+    assert len(adm._probes) == PATH_PROBES

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from onepiece.launcher import Deployment, free_tcp_address
 from waiting import wait_for
@@ -115,6 +116,21 @@ def deployment(tiny_models, tmp_path_factory, make_topology):
         yield dep
     finally:
         dep.stop()
+
+
+def test_the_proxy_measures_the_path_between_stages_on_requests_into_an_idle_set(deployment):
+    """Latency beyond the stages' service times (HTTP, hops, the DB), from the proxy's own
+    admissions and the DB's done events; the default deadline allows for it."""
+    url = deployment.url
+    with httpx.Client(base_url=url, timeout=30) as http:
+        for i in range(3):  # one at a time: each admitted with nothing ahead, every stage measured
+            assert run_one(http, f"path {i}")["status"] == "completed"
+    path = wait_for(lambda: t2v_admission(url)["path_s"], 10, "a path measured at the proxy")
+    assert 0 < path < deployment.alone_s  # part of what a request takes through the idle set
+    metrics = text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=5).text)
+    gauge = [s.value for f in metrics if f.name == "onepiece_proxy_path_seconds" for s in f.samples
+             if s.labels == {"set": "set0", "app": "t2v"}]
+    assert gauge == [pytest.approx(path)]  # nothing in flight: the same samples
 
 
 def test_killing_a_bottleneck_instance_lowers_the_admitted_rate(deployment):
