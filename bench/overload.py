@@ -227,10 +227,16 @@ class Target:
         return await asyncio.to_thread(self.nm.status)
 
     async def path_s(self) -> float | None:
-        """The path between the stages that the proxy's deadline rule allows for (None: monitor off)."""
-        async with self.http.get("/healthz") as r:
-            doc = await r.json()
-        return ((doc.get("admission") or {}).get("apps") or {}).get(APP, {}).get("path_s")
+        """The path between the stages that the proxy's deadline rule allows for (None: monitor
+        off, not measured yet, or the read failed: a figure, not a reason to stop the run)."""
+        import aiohttp
+
+        try:
+            async with self.http.get("/healthz") as r:
+                doc = await r.json()
+            return ((doc.get("admission") or {}).get("apps") or {}).get(APP, {}).get("path_s")
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+            return None
 
     async def refusal_times(self) -> dict[float, float]:
         """The proxy's own histogram of its time per refusal: {bucket bound s: count ≤ it}."""
@@ -546,6 +552,7 @@ def summarize(lv: dict[str, Any], slo: float | None) -> dict[str, Any]:
         "max_send_lag_ms": lv["max_send_lag_ms"], "drained": lv["drained"],
         "proxy_refusals_within_ms": within(lv.get("proxy_refusal_buckets") or {}),
         "nm_capacity_start": lv["nm_capacity_start"], "nm_capacity_end": lv["nm_capacity_end"],
+        "path_s_end": lv.get("path_s_end"),
     }
 
 

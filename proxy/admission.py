@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 Ahead = tuple[float, float, float]
 
 PATH_SAMPLES = 32  # latest samples of the path between stages, per application
-PATH_PROBES = 256  # requests awaited for a sample at once (bounded: a done event may be lost)
+PATH_MIN_SAMPLES = 3  # before the path counts: a median of 3 outvotes one odd request
 
 
 class InflightTracker:
@@ -216,12 +216,13 @@ class TokenBucket:
         return need / self.rate if self.rate > 0 else math.inf
 
 
-def standalone_latency(app_estimate: dict[str, Any], shape: str) -> float | None:
+def standalone_latency(app_estimate: dict[str, Any], shape: str, measured: bool = False) -> float | None:
     """Seconds a request of ``shape`` takes through an idle set (no queue anywhere): the sum of
-    the stages' service times, the shape's where measured, else the application's mean."""
+    the stages' service times, the shape's where measured, else the application's mean
+    (``measured``: None unless every stage measured the shape)."""
     total = 0.0
     for s in app_estimate["stages"].values():
-        t = s["shapes_s"].get(shape) or s["service_s"]
+        t = s["shapes_s"].get(shape) or (None if measured else s["service_s"])
         if t is None:
             return None
         total += t
@@ -310,11 +311,12 @@ def deadline_refusal(app_estimate: dict[str, Any], shape: str, timeout_s: float,
     if deadline_first(app_estimate) and alone is not None:
         predicted = alone + scale * sum(w for due, _, w in ahead if due <= timeout_s)
         if predicted <= deadline:
-            return _makes_late(ahead, timeout_s, bottleneck_work(app_estimate, shape), scale)
+            return _makes_late(ahead, timeout_s, bottleneck_work(app_estimate, shape), scale, path_s)
     else:
         capacity = app_estimate.get("capacity")
         if ahead and alone is not None and isinstance(capacity, (int, float)) and capacity > 0:
-            predicted = max(predicted, alone, (len(ahead) * scale + 1) / capacity)
+            # through the bottleneck at its rate, then the path, which no rate limits
+            predicted = max(predicted, alone, (len(ahead) * scale + 1) / capacity + path_s)
     if predicted <= deadline:
         return None
     # The queue ahead must drain by the excess before a request like this one fits.
@@ -322,11 +324,11 @@ def deadline_refusal(app_estimate: dict[str, Any], shape: str, timeout_s: float,
                    max(1, math.ceil(predicted - deadline)))
 
 
-def _makes_late(ahead: list[Ahead], due: float, work: float, scale: float) -> Refusal | None:
+def _makes_late(ahead: list[Ahead], due: float, work: float, scale: float, path_s: float = 0.0) -> Refusal | None:
     """Under a deadline-first stage, a new request (due in ``due``, ``work``) runs before every
     request in flight with a later deadline: refuse it if that turns one of them, on time so
-    far for what it was admitted for by the work before it, late."""
-    done = 0.0
+    far for what it was admitted for by the work before it and the path after it, late."""
+    done = path_s
     for d, promised, w in sorted(ahead):
         done += scale * w
         if d > due and done <= promised < done + work:
@@ -361,10 +363,11 @@ class CapacityAdmission:
         self.view: dict[str, Any] | None = None
         self.buckets: dict[str, TokenBucket] = {}
         self.proxies = 1
-        # The path between the stages (``path_s``), from requests admitted into an idle set:
-        # uid -> (application, admitted at (ns), its standalone time), and per application the
-        # latest samples of latency less standalone time.
-        self._probes: collections.OrderedDict[str, tuple[str, int, float]] = collections.OrderedDict()
+        # The path between the stages (``path_s``), from requests admitted into an idle set: per
+        # application the one awaited (uid, admitted at (ns), its standalone time; one at a
+        # time, as the set is idle only for the first), and the latest samples of latency less
+        # standalone time.
+        self._probes: dict[str, tuple[str, int, float]] = {}
         self._paths: dict[str, collections.deque[float]] = {}
 
     def observe(self, view: dict[str, Any] | None) -> None:
@@ -405,39 +408,55 @@ class CapacityAdmission:
         return float(cap) if isinstance(cap, (int, float)) and not isinstance(cap, bool) else None
 
     def probe(self, uid: str, app: str, shape: str, now_ns: int) -> None:
-        """``uid`` was just admitted into an idle set (nothing of ``app`` in flight here, no
-        stage queue in the NM's view): its latency less its standalone time will be a sample
-        of the path between the stages. Requests that queued would inflate it, and a larger
-        path admits more, so only these count."""
+        """``uid`` was just admitted into an idle set (nothing in flight here, this proxy the
+        set's only one, no stage queue in the NM's view): its latency less its standalone time
+        will be a sample of the path between the stages. A request that queued would inflate
+        it, and a larger path admits more, so only these count."""
+        if self.proxies > 1:  # another proxy's requests are invisible here
+            return
         est = self.app_view(app)
         try:
-            stages = est["stages"].values() if est is not None else ()
-            # every stage measured at this shape (a mean of other shapes is no standalone time)
-            if not stages or any(row.get("queue") or not row["shapes_s"].get(shape) for row in stages):
+            if est is None or any(row.get("queue") for row in est["stages"].values()):
                 return
-            alone = standalone_latency(est, shape)
+            # every stage measured at this shape (a mean of other shapes is no standalone time)
+            alone = standalone_latency(est, shape, measured=True)
         except (KeyError, TypeError, AttributeError):
             return
-        if alone is None:
-            return
-        self._probes[uid] = (app, now_ns, alone)
-        while len(self._probes) > PATH_PROBES:  # done events lost: the oldest go
-            self._probes.popitem(last=False)
+        if alone is not None:
+            self._probes[app] = (uid, now_ns, alone)
 
     def done(self, uid: str, status: str, now_ns: int) -> None:
         """``uid`` ended (the DB's done event) at ``now_ns``."""
-        probe = self._probes.pop(uid, None)
+        probe = self._take(uid)
         if probe is None or status != "completed":
             return
         app, admitted_ns, alone = probe
-        samples = self._paths.setdefault(app, collections.deque(maxlen=PATH_SAMPLES))
-        samples.append(max(0.0, (now_ns - admitted_ns) / 1e9 - alone))
+        # capped at the standalone time: one slow request (a first call, a wall-clock step)
+        # must not double every deadline
+        sample = min(max(0.0, (now_ns - admitted_ns) / 1e9 - alone), alone)
+        self._paths.setdefault(app, collections.deque(maxlen=PATH_SAMPLES)).append(sample)
+
+    def forget(self, uid: str) -> None:
+        """``uid`` left with no done event to time (its store or hand-over failed, it was a
+        duplicate create, it was deleted): no sample."""
+        self._take(uid)
+
+    def _take(self, uid: str) -> tuple[str, int, float] | None:
+        for app, (u, admitted_ns, alone) in self._probes.items():
+            if u == uid:
+                del self._probes[app]
+                return app, admitted_ns, alone
+        return None
 
     def path_s(self, app: str) -> float:
-        """Seconds a request of ``app`` spends outside its stages' service time in an idle set
-        (the median of the latest samples; 0 before any)."""
+        """Seconds a request of ``app`` spends outside its stages' service time in an idle set:
+        the median of the latest samples, 0 until there are ``PATH_MIN_SAMPLES``."""
         samples = self._paths.get(app)
-        return statistics.median(samples) if samples else 0.0
+        return statistics.median(samples) if samples and len(samples) >= PATH_MIN_SAMPLES else 0.0
+
+    def paths(self) -> dict[str, float]:
+        """``path_s`` of each application measured so far (for /healthz and /metrics)."""
+        return {app: self.path_s(app) for app, samples in self._paths.items() if len(samples) >= PATH_MIN_SAMPLES}
 
     def rate(self, app: str) -> float | None:
         """This proxy's admitted rate for ``app`` now (None: not limited by capacity)."""
@@ -518,7 +537,7 @@ def admit(adm: CapacityAdmission | None, tracker: InflightTracker, uid: str, app
     the capacity and deadline rules (when ``adm`` is on), then a slot in flight until the
     request's deadline. None: admitted, its slot taken; else why not, nothing taken."""
     deadline, target = ts_ns + int(timeout_s * 1e9), ts_ns + int(target_s * 1e9)
-    work, promise, ahead = 0.0, target, []
+    work, promise, idle = 0.0, target, not len(tracker)
     if adm is not None:
         ahead = tracker.ahead(app, ts_ns)
         refusal = adm.check(app, shape, target_s, target_given, ahead=ahead)
@@ -530,6 +549,6 @@ def admit(adm: CapacityAdmission | None, tracker: InflightTracker, uid: str, app
         if adm is not None:
             adm.give_back(app, shape)  # the tokens were not used
         return Refusal("inflight_full", f"full ({tracker.max_inflight} requests in flight)", retry_after_s)
-    if adm is not None and not ahead:
+    if adm is not None and idle:
         adm.probe(uid, app, shape, ts_ns)
     return None

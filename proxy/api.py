@@ -141,14 +141,23 @@ class ProxyState:
             return {"enabled": False, "set": self.cluster.set_name, "view": None, "rates": {}}
         apps = self.cluster.workflow.applications
         return {"enabled": True, "set": self.cluster.set_name, "view": adm.view, "proxies": adm.proxies,
-                "rates": {app: adm.rate(app) for app in apps}, "path_s": {app: adm.path_s(app) for app in apps}}
+                "rates": {app: adm.rate(app) for app in apps}, "path_s": adm.paths()}
+
+    def release(self, uid: str, status: str | None = None) -> bool:
+        """Free ``uid``'s slot in flight (False: it held none); ``status``: how it ended, from
+        the DB's done event, which the monitor times (None: it left otherwise, untimed)."""
+        if self.admission is not None:
+            if status is None:
+                self.admission.forget(uid)
+            else:
+                self.admission.done(uid, status, time.time_ns())
+        freed = self.tracker.release(uid)
+        self.metrics.inflight.set(len(self.tracker))
+        return freed
 
     def _on_done(self, uid: str, status: str) -> None:
-        if self.tracker.release(uid):
+        if self.release(uid, status):
             log.debug("uid=%s terminal (%s): slot freed", uid, status)
-        if self.admission is not None:
-            self.admission.done(uid, status, time.time_ns())
-        self.metrics.inflight.set(len(self.tracker))
 
     def follow_dbs(self) -> None:
         """Re-read the cluster's DB list: new DBs get used and their events subscribed."""
@@ -278,7 +287,7 @@ class ProxyState:
                     if not created:  # a concurrent retry created it first: this one was not needed
                         if adm is not None:
                             adm.give_back(job.app, shape_key(params))
-                        self.tracker.release(uid)  # the first create holds a slot on its own proxy
+                        self.release(uid)  # the first create holds a slot on its own proxy
                         check_same(held, idem[1])
                         return video_object(held), True
             except DbGone:
@@ -308,8 +317,7 @@ class ProxyState:
                 raise ApiError(503, f"model {job.app!r}: the request could not be handed to the pipeline: {what}",
                                code="entrance_unavailable", headers=self._retry()) from None
         except BaseException:
-            self.tracker.release(uid)
-            self.metrics.inflight.set(len(self.tracker))
+            self.release(uid)
             raise
         self.cluster.delivered(addr, uid)
         if idem is not None:  # before the answer: a retry then knows it was handed over
@@ -655,7 +663,9 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None, keys: ApiKeys
             raise ApiError(404, f"no video with id {video_id!r} (unknown, expired or already fetched)",
                            code="video_not_found", param="video_id")
         if record.get("status") in protocol.TERMINAL and st.tracker.release(uid):
-            st.metrics.inflight.set(len(st.tracker))  # the done event was lost; the record says enough
+            # its done event is late or lost; the record says enough (the monitor still times
+            # the request by that event, if it comes)
+            st.metrics.inflight.set(len(st.tracker))
         return JsonResponse(video_object(record))
 
     @app.get("/v1/videos/{video_id}/content", response_class=Response,
@@ -694,8 +704,7 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None, keys: ApiKeys
         if not await _db(st.dbs.delete(uid, caller_of(request).owner)):
             raise ApiError(404, f"no video with id {video_id!r}", code="video_not_found", param="video_id")
         # A cancelled request frees its slot now, not at its deadline (the DBs tell the stages).
-        if st.tracker.release(uid):
-            st.metrics.inflight.set(len(st.tracker))
+        st.release(uid)
         return JsonResponse({"id": ID_PREFIX + uid, "object": "video.deleted", "deleted": True})
 
     @app.get("/v1/models", responses=oa.responses(oa.ok(oa.MODELS)))
@@ -767,7 +776,7 @@ def _admission_health(st: ProxyState) -> dict[str, Any]:
     the stages that its deadlines allow for (seconds)."""
     snap = st.monitor_snapshot()
     apps = st.admission.apps() if st.admission is not None else {}
-    paths = snap.get("path_s") or {}
+    paths = snap.get("path_s") or {}  # the applications measured so far
     return {"enabled": snap["enabled"], "proxies": snap.get("proxies"), "apps": {
         app: {"capacity": (apps.get(app) or {}).get("capacity"), "rate": rate,
               "bottleneck": (apps.get(app) or {}).get("bottleneck"), "path_s": paths.get(app)}

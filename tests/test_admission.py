@@ -7,8 +7,8 @@ import pytest
 
 from onepiece.config import deploy_dir, load_workflow
 from onepiece.nm.capacity import estimate
-from onepiece.proxy.admission import (PATH_PROBES, CapacityAdmission, InflightTracker, TokenBucket, admit, cost,
-                                      deadline_refusal, standalone_latency)
+from onepiece.proxy.admission import (PATH_MIN_SAMPLES, PATH_SAMPLES, CapacityAdmission, InflightTracker, TokenBucket,
+                                      admit, cost, deadline_refusal, standalone_latency)
 
 WF = load_workflow(deploy_dir() / "wan21.yaml")
 SHAPE = "64x64x9:10"
@@ -437,11 +437,11 @@ def test_a_deadline_first_bottleneck_is_admitted_by_the_deadline_rule_alone():
 
 
 # --- the path between the stages ----------------------------------------------------------------
-def measured(queue: int = 0, proxies: int = 1) -> dict:
+def measured(queue: int = 0, proxies: int = 1, policy: str = "fcfs") -> dict:
     """A t2v set measured at SHAPE by every stage: standalone 0.01 + 0.2 + 0.05 = 0.26 s;
     capacity 2/s (denoise's mean 0.5 s over the mix)."""
     members = [stage("text_encode", t2v=(0.01, 10, {SHAPE: 0.01})),
-               stage("denoise_t2v", queue=queue, t2v=(0.5, 10, {SHAPE: 0.2})),
+               stage("denoise_t2v", queue=queue, policy=policy, t2v=(0.5, 10, {SHAPE: 0.2})),
                stage("vae_decode", t2v=(0.05, 10, {SHAPE: 0.05}))]
     return {"apps": estimate(WF, members), "proxies": proxies}
 
@@ -450,12 +450,26 @@ def test_the_default_deadline_allows_for_the_path_between_stages():
     est = measured()["apps"]["t2v"]
     # one request ahead: (1 + 1) / 2 = 1.0 s against 2 × 0.26 = 0.52 s
     assert deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=flight(1)).code == "deadline"
-    # 0.25 s between the stages: through the idle set 0.51 s, so 1.02 s allowed
-    assert deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=flight(1), path_s=0.25) is None
+    # 0.25 s between the stages: through the idle set 0.51 s, so 1.02 s allowed, and the one
+    # ahead is through the bottleneck in 1.0 s, then the path: 1.25 s
+    r = deadline_refusal(est, SHAPE, 600.0, False, factor=2.0, ahead=flight(1), path_s=0.25)
+    assert r.code == "deadline" and "1.25s" in r.message and "1.02s" in r.message
+    assert deadline_refusal(est, SHAPE, 600.0, False, factor=3.0, ahead=flight(1), path_s=0.25) is None
     # a request's own deadline stays; its prediction counts the path (0.26 + 0.25 > 0.5)
     assert deadline_refusal(est, SHAPE, 0.5, True, factor=2.0) is None
     r = deadline_refusal(est, SHAPE, 0.5, True, factor=2.0, path_s=0.25)
     assert r.code == "deadline" and "0.51s" in r.message
+
+
+def test_behind_a_deadline_first_stage_the_path_comes_after_the_work_ahead():
+    est = measured(policy="slo")["apps"]["t2v"]
+    # one admitted for 0.9 s with 0.4 s of work ahead of it; a new one due sooner, with 0.2 s
+    # of work, goes first: the other is done at 0.6 s, with a 0.25 s path at 0.85 s (on
+    # time), with a 0.35 s path at 0.95 s (late)
+    later = flight(1, due_s=5.0, work_s=0.4, promised_s=0.9)
+    assert deadline_refusal(est, SHAPE, 1.0, True, factor=2.0, ahead=later, path_s=0.25) is None
+    r = deadline_refusal(est, SHAPE, 1.0, True, factor=2.0, ahead=later, path_s=0.35)
+    assert r.code == "deadline" and "miss its deadline" in r.message
 
 
 def test_the_path_is_measured_on_requests_admitted_into_an_idle_set():
@@ -464,33 +478,53 @@ def test_the_path_is_measured_on_requests_admitted_into_an_idle_set():
     tracker = InflightTracker(1000)
     t = 10**18
 
-    def done(uid: str, after_s: float, status: str = "completed") -> None:
+    def one(uid: str, after_s: float | None, status: str = "completed", explicit: bool = False) -> None:
+        """Admitted at t, done ``after_s`` later (None: left with no done event)."""
+        assert admit(adm, tracker, uid, "t2v", SHAPE, t, 600.0, 600.0, explicit) is None
         tracker.release(uid)
-        adm.done(uid, status, t + int(after_s * 1e9))
+        if after_s is None:
+            adm.forget(uid)
+        else:
+            adm.done(uid, status, t + int(after_s * 1e9))
 
-    assert adm.path_s("t2v") == 0.0  # nothing measured yet: the stages' times alone
-    assert admit(adm, tracker, "a", "t2v", SHAPE, t, 600.0, 600.0, False) is None
-    # "b" comes behind "a" (its own deadline, so the rule admits it): it queued, no sample
-    assert admit(adm, tracker, "b", "t2v", SHAPE, t + 1, 600.0, 600.0, True) is None
-    done("a", 0.36)
-    done("b", 5.0)
-    assert adm.path_s("t2v") == pytest.approx(0.1)  # 0.36 s less its 0.26 s standalone
-    # a failed request says nothing of the path; the median of the latest samples counts
-    for i, (after, status) in enumerate([(0.5, "failed"), (0.41, "completed"), (0.31, "completed")]):
-        assert admit(adm, tracker, f"c{i}", "t2v", SHAPE, t, 600.0, 600.0, False) is None
-        done(f"c{i}", after, status)
-    assert adm.path_s("t2v") == pytest.approx(0.1)  # median of 0.10, 0.15, 0.05
-    # a queue in the NM's view, or a shape some stage has not measured: no standalone time to
-    # subtract, no sample
-    adm.observe(measured(queue=1))
-    assert admit(adm, tracker, "q", "t2v", SHAPE, t, 600.0, 600.0, True) is None
-    done("q", 9.0)
-    adm.observe(measured())
+    for i, after in enumerate([0.36, 0.41]):  # 0.1 and 0.15 s beyond the 0.26 s standalone
+        one(f"a{i}", after)
+    assert adm.path_s("t2v") == 0.0 and adm.paths() == {}  # fewer than PATH_MIN_SAMPLES: not yet
+    # one admitted behind another (its own deadline, so the rule admits it) queued: no sample
+    assert admit(adm, tracker, "first", "t2v", SHAPE, t, 600.0, 600.0, False) is None
+    assert admit(adm, tracker, "behind", "t2v", SHAPE, t, 600.0, 600.0, True) is None
+    tracker.release("behind")
+    adm.done("behind", "completed", t + int(5e9))
+    tracker.release("first")
+    adm.done("first", "completed", t + int(0.28e9))  # 0.02 s
+    assert PATH_MIN_SAMPLES == 3 and adm.path_s("t2v") == pytest.approx(0.1)  # median of 0.1, 0.15, 0.02
+    # failed, deleted or never handed over: no sample; nor a request of a shape some stage has
+    # not measured (no standalone time to subtract), nor one while the NM's view shows a queue
+    one("failed", 3.0, status="failed")
+    one("gone", None)
+    adm.done("gone", "completed", t + int(9e9))  # a late event for it finds nothing
     assert admit(adm, tracker, "u", "t2v", "256x256x17:10", t, 600.0, 600.0, True) is None
-    done("u", 9.0)
+    tracker.release("u")
+    adm.done("u", "completed", t + int(9e9))
+    adm.observe(measured(queue=1))
+    one("queued", 9.0, explicit=True)
+    adm.observe(measured())
     assert adm.path_s("t2v") == pytest.approx(0.1)
-    # done events that never come do not grow the probes without bound
-    for i in range(PATH_PROBES + 10):
-        assert admit(adm, tracker, f"lost{i}", "t2v", SHAPE, t, 600.0, 600.0, True) is None
-        tracker.release(f"lost{i}")
-    assert len(adm._probes) == PATH_PROBES
+    # a slow one counts at most its standalone time; the window keeps the latest PATH_SAMPLES
+    for i in range(PATH_SAMPLES):
+        one(f"slow{i}", 10.0)
+    assert adm.path_s("t2v") == pytest.approx(0.26)
+    # with another proxy in the set its requests are invisible here: nothing is measured
+    adm.observe(measured(proxies=2))
+    one("two proxies", 0.3)
+    assert adm.path_s("t2v") == pytest.approx(0.26)
+    # what the proxy admits with it: at factor 3 the default limit is 3 × (0.26 + 0.26) = 1.56 s,
+    # and one request ahead is through in (1 + 1) / 2 + 0.26 = 1.26 s; without the path the
+    # limit is 0.78 s, and 1.0 s refuses it
+    adm.observe(measured())
+    adm.deadline_factor = 3.0
+    assert adm.deadline_s("t2v", SHAPE, 600.0, False) == pytest.approx(1.56)
+    assert adm.check("t2v", SHAPE, 600.0, False, ahead=flight(1)) is None
+    fresh = CapacityAdmission(deadline_factor=3.0, headroom=1.0, burst_s=1000.0, clock=Clock())
+    fresh.observe(measured())
+    assert fresh.check("t2v", SHAPE, 600.0, False, ahead=flight(1)).code == "deadline"

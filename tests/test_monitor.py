@@ -123,9 +123,10 @@ def test_the_proxy_measures_the_path_between_stages_on_requests_into_an_idle_set
     admissions and the DB's done events; the default deadline allows for it."""
     url = deployment.url
     with httpx.Client(base_url=url, timeout=30) as http:
-        for i in range(3):  # one at a time: each admitted with nothing ahead, every stage measured
+        for i in range(5):  # one at a time: each admitted with nothing ahead, every stage measured
             assert run_one(http, f"path {i}")["status"] == "completed"
-    path = wait_for(lambda: t2v_admission(url)["path_s"], 10, "a path measured at the proxy")
+    wait_for(lambda: t2v_admission(url)["path_s"] is not None, 10, "a path measured at the proxy")
+    path = t2v_admission(url)["path_s"]
     assert 0 < path < deployment.alone_s  # part of what a request takes through the idle set
     metrics = text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=5).text)
     gauge = [s.value for f in metrics if f.name == "onepiece_proxy_path_seconds" for s in f.samples

@@ -190,6 +190,16 @@ def test_the_request_monitor_refuses_what_the_set_cannot_absorb_and_the_client_t
     assert both["summary"]["all"]["refused"] < m["refused"] / 2
 
 
+def test_the_monitor_measures_the_simulated_path_the_hops():
+    """The proxy's own measure of the path between the stages (``CapacityAdmission.probe``), on
+    requests that come one at a time: three hops (two between the stages, one to the DB)."""
+    from onepiece.config import ProxySpec
+
+    tr = trace([{"at": 2.0 * i, "class": "S", "slo_s": 1.0, "timeout_s": 60} for i in range(8)])
+    _, sim = simulate(WF, SET, table(), tr, hop_s=0.004, proxies={"set0": ProxySpec(monitor=True, max_inflight=100)})
+    assert sim.admission["set0"].path_s("t2v") == pytest.approx(3 * 0.004)
+
+
 def saturated_denoise(n: int):
     """bench elastic's scenario: a topology whose NM moves instances, its sets, and a trace of
     ``n`` large requests that saturates denoise_t2v while one of two vae_decode instances idles."""
