@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Any
+from typing import Any, Callable
 
 from onepiece.transport.message import Message
 
@@ -54,17 +54,18 @@ class Deliveries:
     reports those of the last ``window_s`` with their age, so a heartbeat or two that fail lose
     nothing; the NM keeps them for as long as it may take to notice a death."""
 
-    def __init__(self, limit: int = 4096) -> None:
+    def __init__(self, limit: int = 4096, clock: Callable[[], float] = time.monotonic) -> None:
         self._sent: deque[tuple[float, str, str]] = deque(maxlen=limit)  # (when, address, uid), oldest first
         self._lock = threading.Lock()
+        self._clock = clock
 
     def add(self, address: str, uid: str) -> None:
         with self._lock:
-            self._sent.append((time.monotonic(), address, uid))
+            self._sent.append((self._clock(), address, uid))
 
     def report(self, window_s: float, cap: int = 1024) -> dict[str, list[list[Any]]]:
         """``{address: [[uid, seconds ago], ...]}`` of the newest ``cap`` deliveries within ``window_s``."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             while self._sent and now - self._sent[0][0] > window_s:
                 self._sent.popleft()

@@ -245,7 +245,6 @@ def test_a_proxy_process_takes_its_keys_from_a_file_or_the_environment(tmp_path)
     from ONEPIECE_API_KEYS, never on its command line."""
     import os
     import socket
-    import time
 
     from onepiece.launcher import free_tcp_address, write_topology
 
@@ -267,14 +266,14 @@ def test_a_proxy_process_takes_its_keys_from_a_file_or_the_environment(tmp_path)
                                      "--port", str(port), *extra], stdout=log, stderr=log, env={**env, **extra_env})
             try:
                 url = f"http://127.0.0.1:{port}"
-                deadline = time.monotonic() + 60
-                while True:
-                    assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "roles.log").read_text()
+                def up() -> bool:
+                    assert proc.poll() is None, (tmp_path / "roles.log").read_text()
                     try:
-                        if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                            break
+                        return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
                     except httpx.TransportError:
-                        time.sleep(0.2)
+                        return False
+
+                H.wait_for(up, 60, f"the proxy at {url}", interval=0.2)
                 assert httpx.get(f"{url}/v1/models").status_code == 401
                 assert httpx.get(f"{url}/v1/models", headers=bearer(EVE)).status_code == 401
                 assert httpx.get(f"{url}/v1/models", headers=bearer(key)).status_code == 200

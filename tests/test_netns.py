@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import imageio.v3 as iio
@@ -22,6 +21,7 @@ from onepiece.proxy.keys import new_key
 from onepiece.supervise import child_preexec
 from onepiece.transport import curve
 from onepiece.transport.rpc import RpcError
+from waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -95,18 +95,16 @@ def test_stages_on_another_host_serve_through_proxy_and_db_on_this_one(data, two
 
         curve.use(curve.load(folder))  # this test asks the NM as a member would
         client = NmClient(nm, timeout=1.0, retries=0)
-        deadline = time.monotonic() + 120
-        routes: dict = {}
-        while time.monotonic() < deadline:
+        def registered() -> dict | None:
             for p in procs:
                 assert p.poll() is None, f"a role exited; logs: {sorted(x.name for x in logs.iterdir())}"
             try:
                 routes = client.routes("set0")
-                if all(routes["stages"][s] for s in STAGES) and routes["proxies"]:
-                    break
             except RpcError:
-                pass
-            time.sleep(0.2)
+                return None
+            return routes if all(routes["stages"][s] for s in STAGES) and routes["proxies"] else None
+
+        routes = wait_for(registered, 120, "every role registered", interval=0.2)
         client.close()
         for s in STAGES:  # the stages registered addresses on host B
             assert routes["stages"][s] and routes["stages"][s][0].startswith(f"{data}://{host_b}:"), routes

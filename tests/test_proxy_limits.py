@@ -296,9 +296,13 @@ def test_buffered_bodies_are_bounded_in_total(proxy):
     try:
         for s in holders:
             s.sendall(head + b"{")
-        time.sleep(0.3)  # the three reach the app and reserve their bodies
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/videos", content=b"{}", timeout=5,
-                       headers={"content-type": "application/json"})
+
+        def fourth() -> httpx.Response | None:  # refused once the three reached the app and reserved their bodies
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/videos", content=b"{}", timeout=5,
+                           headers={"content-type": "application/json"})
+            return r if r.status_code != 400 else None  # 400: taken, the three not all reserved yet
+
+        r = wait_for(fourth, 3, "the three bodies reserved")
         assert r.status_code == 503 and r.json()["error"]["code"] == "buffers_full", r.text
         assert r.headers["retry-after"]
         for s in holders:
@@ -317,9 +321,15 @@ def test_connections_beyond_the_bound_get_503(proxy):
     try:
         for _ in range(MAX_CONNECTIONS):
             idle.append(connect(port))
-        time.sleep(0.1)  # accepted by the proxy
-        with connect(port) as s:
-            got = answer(s)
+
+        def one_more() -> bytes | None:  # answered once the proxy has accepted all of them
+            with connect(port) as s:
+                try:
+                    return answer(s, timeout=0.3) or None
+                except TimeoutError:  # taken as an idle connection: they were not all accepted yet
+                    return None
+
+        got = wait_for(one_more, 5, "the proxy to accept the idle connections")
         assert got.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in got, got
     finally:
         for s in idle:

@@ -41,13 +41,14 @@ DEAD_AFTER_S = 4.0  # room for the request to reach the stopped denoiser before 
 
 
 def test_a_senders_report_dates_each_delivery_and_stays_within_its_window():
-    sent = Deliveries()
+    now = [100.0]
+    sent = Deliveries(clock=lambda: now[0])  # a clock the test moves: no waiting
     sent.add("ipc://a", "u1")
     sent.add("ipc://b", "u2")
     report = sent.report(window_s=10.0)
     assert set(report) == {"ipc://a", "ipc://b"} and report["ipc://a"][0][0] == "u1"
     assert 0 <= report["ipc://a"][0][1] < 1.0
-    time.sleep(0.05)
+    now[0] += 0.05
     assert sent.report(window_s=0.01) == {}  # older than the window: no longer repeated
 
 

@@ -27,6 +27,7 @@ from onepiece.transport.base import TransportError
 from onepiece.transport.ring import layout, rdma
 from onepiece.transport.ring.agent import Agent, AgentRegion, Refused
 from onepiece.transport.ring.region import MappedRegion, PeerGone
+from waiting import wait_for
 
 NO_RDMA = rdma.rdma_available()
 
@@ -400,8 +401,7 @@ def test_ring_over_a_software_nic(nic, mode):
         assert nic.posted["write"] <= 300 + wraps + 1
     finally:
         tx.close()
-        time.sleep(0.05)
-        assert rx.responder.peers == {}  # the sender said goodbye, its QP is gone
+        wait_for(lambda: rx.responder.peers == {}, 5, "the sender's goodbye")  # its QP is gone
         rx.close()
     assert nic.mrs == {}  # every registration undone
 
@@ -427,8 +427,8 @@ def test_a_failed_completion_reattaches_with_a_new_queue_pair(nic):
         nic.fail_next = 12  # transport retry exceeded, on the lock CAS of the next send
         _pump(tx, rx, 3, lambda i: 100)  # delivered, each once, after attaching again
         assert tx.writer.region.qp.qp_num != first
-        time.sleep(0.05)
-        assert set(rx.responder.peers) == {tx.writer.region._peer_qp}  # the broken one said goodbye
+        wait_for(lambda: set(rx.responder.peers) == {tx.writer.region._peer_qp}, 5,
+                 "the broken queue pair's goodbye")
     finally:
         tx.close()
         rx.close()

@@ -99,11 +99,11 @@ class Stream:
                 except RequestRejected:
                     with self._lock:
                         self.refused += 1
-                    time.sleep(0.1)
+                    self._stop.wait(0.1)  # back off; a stop ends it at once
                     continue
                 except Exception as e:
                     self._record("error", f"submit: {e!r}")
-                    time.sleep(0.1)
+                    self._stop.wait(0.1)
                     continue
                 try:
                     c.wait(video["id"], timeout=self.timeout)
