@@ -41,7 +41,7 @@ def read_index(model_dir: Path) -> dict[str, Any]:
     return index
 
 
-def _default_dtype(cls: type, device: str) -> torch.dtype:
+def default_dtype(cls: type, device: str) -> torch.dtype:
     # float32 on CPU (bf16 matmuls are slow there, and it keeps the split bit-comparable with the
     # monolithic pipeline). On accelerators, bf16 as the Wan2.1 model cards recommend, except the
     # VAE, which they keep in float32.
@@ -57,7 +57,7 @@ def load_components(
 
     Each model_index.json entry is ``[library, class_name]``; the class comes from that library
     and loads with its own ``from_pretrained(model_dir / name)``. Torch modules are put in eval
-    mode on ``device``, in ``dtype`` (default: float32 on CPU, see ``_default_dtype``).
+    mode on ``device``, in ``dtype`` (default: float32 on CPU, see ``default_dtype``).
     Raises ValueError naming the directory and the component when something is missing.
     """
     model_dir = Path(model_dir)
@@ -80,7 +80,7 @@ def load_components(
             raise ValueError(f"{model_dir}: component {name!r}: {library} has no class {class_name!r}") from None
 
         if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
-            want = dtype or _default_dtype(cls, device)
+            want = dtype or default_dtype(cls, device)
             # diffusers models take torch_dtype; transformers 5 models take dtype.
             kw = {"torch_dtype": want} if library == "diffusers" else {"dtype": want}
             obj = cls.from_pretrained(sub, **kw)

@@ -164,10 +164,10 @@ def components(kind: Literal["t2v", "i2v"], size: str, device: str = "cpu", seed
     ``device``, in the dtypes a worker loads them in there (``stage.loader``'s rule: on a GPU
     bfloat16, the VAE in float32). Each is cast as it is built, so that the real I2V's float32
     weights are never all on the device at once."""
-    from onepiece.stage.loader import _default_dtype
+    from onepiece.stage.loader import default_dtype
 
     def cast(m: torch.nn.Module) -> torch.nn.Module:
-        return _cast(m, _default_dtype(type(m), device))
+        return _cast(m, default_dtype(type(m), device))
 
     with torch.device(device):  # random init on the device: the real sizes' billions of parameters
         tokenizer, text_encoder = _text(seed, size)
