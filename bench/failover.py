@@ -222,15 +222,16 @@ def _contenders(zk, path: str) -> int:
 
 
 def measure(args: argparse.Namespace, models: dict[str, Path], hosts: str, folder: Path) -> dict[str, Any]:
-    from onepiece.launcher import Deployment, free_tcp_address, write_topology
+    from onepiece.launcher import Deployment, write_topology
     from onepiece.nm.zk import Paths, ZkSettings
+    from onepiece.ports import free_port_run
 
     root = f"/bench-failover-{os.getpid()}"
-    base = int(free_tcp_address().rsplit(":", 1)[1])
-    base = base if base < 65000 else 20000
+    nms = 3
+    base = free_port_run(nms)  # the NMs listen on base, base + 1, base + 2
     topo = write_topology(folder, models, f"tcp://127.0.0.1:{base}", dbs=1, stages=dict(T2V_STAGES),
                           heartbeat_s=args.heartbeat, threads=args.threads,  # busy workers must not oversubscribe the cores
-                          nm={"zk": hosts, "zk_root": root, "count": 3, "zk_session_s": args.session})
+                          nm={"zk": hosts, "zk_root": root, "count": nms, "zk_session_s": args.session})
     dep = Deployment(topo, Path(args.logs) if args.logs else folder / "logs")
     paths = Paths(root)
     zk = ZkSettings(hosts, root, session_s=args.session).connect()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -50,3 +51,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_port_run(n: int, host: str = "127.0.0.1") -> int:
+    """The first of ``n`` consecutive ports free on ``host`` now (several NMs of one topology
+    listen on consecutive ports), taken below the kernel's ephemeral range: a run that starts at
+    a free ephemeral port may hold an outgoing connection's port past its first, and one may be
+    handed out before the listener binds."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(1000):
+        base = random.randrange(10000, max(10001, low - n))
+        if not any(in_use(host, p) for p in range(base, base + n)):
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports on {host} between 10000 and {low}")

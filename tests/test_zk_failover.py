@@ -30,6 +30,7 @@ import yaml
 import zk_harness
 from onepiece.client import Client, RequestFailed, RequestRejected
 from onepiece.nm.client import NmClient
+from onepiece.ports import free_port_run
 from onepiece.transport.rpc import RpcError
 from deployment import Up
 from waiting import wait_for
@@ -139,7 +140,7 @@ def ha(tiny_models, tmp_path_factory, make_topology):
     ensemble = zk_harness.ZkEnsemble(3, folder / "zk").start()
     up = None
     try:
-        base = zk_harness.consecutive_free_ports(3)
+        base = free_port_run(3)  # the NMs listen on base, base + 1, base + 2
         topology = make_topology(folder, tiny_models, f"tcp://127.0.0.1:{base}", dbs=1, heartbeat_s=HEARTBEAT_S,
                                  stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1},
                                  nm={"zk": ensemble.hosts, "count": 3, "zk_session_s": SESSION_S})

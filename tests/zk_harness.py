@@ -59,28 +59,6 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def consecutive_free_ports(n: int, tries: int = 50) -> int:
-    """The first of ``n`` consecutive loopback ports nobody listens on now (for NMs, which
-    take consecutive ports from their topology's address)."""
-    for _ in range(tries):
-        (first,) = free_ports(1)
-        if first + n > 65535:
-            continue
-        socks = []
-        try:
-            for port in range(first, first + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports found in {tries} tries")
-
-
 def four_letter(port: int, word: str = "srvr", timeout: float = 1.0) -> str:
     """A four-letter-word command's answer ('' when the server does not answer)."""
     try:
