@@ -176,19 +176,20 @@ class SchedCore:
         while len(self._bytes) > 256:
             self._bytes.popitem(last=False)
 
-    def stepped(self, uids: list[str], seconds: float, measure: bool = True) -> None:
+    def stepped(self, uids: list[str], seconds: float, measure: bool = True, first: bool = True) -> None:
         """One forward pass advanced ``uids`` (one batch, one key) by a step in ``seconds``;
-        ``measure``: a sample for the cost model (not a warm-up)."""
+        ``measure``: a sample for the cost model (not a warm-up); ``first``: the chunk's first
+        step of this batch (``CostModel.observe``)."""
         if not uids:
             return
-        first, n = uids[0], len(uids)
+        head, n = uids[0], len(uids)
         key = None
         for w in self.workers.values():
-            key = w.cost_keys.get(first)
+            key = w.cost_keys.get(head)
             if key is not None:
                 break
         if key is not None and measure:
-            self.costs.observe(key, n, seconds)
+            self.costs.observe(key, n, seconds, first)
         share = seconds / n
         requests = self.requests
         for u in uids:

@@ -45,6 +45,7 @@ class CostModel:
         self._fixed: collections.OrderedDict[str, collections.deque] = collections.OrderedDict()
         self._rows: dict[str, dict[int, float]] = {}  # row() of each key, kept up to date by observe()
         self._fixed_s: dict[str, float] = {}  # fixed_s() of each key, until it is observed again
+        self._runs: dict[str, dict[int, int]] = {}  # per key and batch size: runs (chunks) measured
         self._ones: dict[str, int] = {}  # batch-1 samples of each key so far
         self._at_ones: dict[str, dict[int, int]] = {}  # per key and batch size: _ones at its last sample
         # Lookups the scheduler repeats at every decision, valid until a figure changes:
@@ -59,7 +60,11 @@ class CostModel:
         self._reached_memo.clear()
 
     # --- measurements ---------------------------------------------------------------------------
-    def observe(self, key: str, batch: int, seconds: float) -> None:
+    def observe(self, key: str, batch: int, seconds: float, first: bool = True) -> None:
+        """One step of ``batch`` requests of ``key`` took ``seconds``; ``first``: the first step of
+        a run (a chunk) at this size. Runs, not steps, are what ``SETTLED`` counts: the steps of
+        one chunk share one moment's contention (two chunks of batch 3 gave 4 samples at 6x a step
+        alone, beside the other stages' bursts, and put a stage's rate under batch 1's)."""
         if batch < 1 or not seconds >= 0:
             return
         row = self._obs.get(key)
@@ -67,7 +72,7 @@ class CostModel:
             row = self._obs[key] = {}
             if len(self._obs) > MAX_KEYS:  # the least recently observed key falls back to the table
                 dropped = self._obs.popitem(last=False)[0]
-                for d in (self._rows, self._ones, self._at_ones):
+                for d in (self._rows, self._runs, self._ones, self._at_ones):
                     d.pop(dropped, None)
                 self._changed()
         else:
@@ -76,10 +81,13 @@ class CostModel:
         if window is None:
             window = row[batch] = collections.deque(maxlen=self.window)
         window.append(float(seconds))
+        runs = self._runs.setdefault(key, {})
+        before = runs.get(batch, 0)
+        runs[batch] = min(before + first, SETTLED)  # (only whether it reached SETTLED matters)
         ones = self._ones[key] = self._ones.get(key, 0) + (batch == 1)
         self._at_ones.setdefault(key, {})[batch] = ones
         cached = self._rows.get(key)
-        if cached is None or len(window) == SETTLED:  # (a size now sustained: ``reached`` changes)
+        if cached is None or (before < SETTLED <= before + first):  # (a size now sustained: ``reached`` changes)
             self._changed()  # not looked up since: whatever it was, lookups start afresh
             if cached is None:
                 return
@@ -128,14 +136,14 @@ class CostModel:
 
     def unsettled(self, key: str, batch: int) -> bool:
         """Whether the figure of ``key`` at ``batch`` (above 1) was measured but cannot be judged
-        yet: on fewer than ``SETTLED`` samples, or on samples older than the last window of
+        yet: in fewer than ``SETTLED`` runs, or on samples older than the last window of
         batch-1 ones (a batch size runs when the stage is busy, batch 1 often when it is not:
         against batch 1 it must be measured again now and then, or one busy moment decides
         for good)."""
         window = self._obs.get(key, {}).get(batch)
         if not window:
             return False
-        return len(window) < SETTLED or self._ones.get(key, 0) - self._at_ones[key][batch] >= self.window
+        return self._runs[key][batch] < SETTLED or self._ones.get(key, 0) - self._at_ones[key][batch] >= self.window
 
     def keys(self) -> set[str]:
         return set(self._seed) | set(self._obs)
@@ -192,7 +200,7 @@ class CostModel:
 
     def reached(self, key: str, cap: int, sustained: bool = False) -> int:
         """The largest batch size known for ``key`` up to ``cap`` (1 when none); ``sustained``:
-        only sizes from the table or measured ``SETTLED`` times or more (a size the policy tried
+        only sizes from the table or measured in ``SETTLED`` runs or more (a size the policy tried
         once or twice is not one the stage runs at: on 2 samples a batch of 3 cost 3× a step
         alone, and the stage's rate fell to batch 1's while it ran at 2)."""
         try:
@@ -201,10 +209,10 @@ class CostModel:
             pass
         if len(self._reached_memo) >= 4096:
             self._reached_memo.clear()
-        seeded, obs = self._seed.get(key, {}), self._obs.get(key, {})
+        seeded, runs = self._seed.get(key, {}), self._runs.get(key, {})
         b = self._reached_memo[key, cap, sustained] = max(
             (b for b in self.row(key)
-             if b <= cap and (not sustained or b in seeded or len(obs.get(b, ())) >= SETTLED)), default=1)
+             if b <= cap and (not sustained or b in seeded or runs.get(b, 0) >= SETTLED)), default=1)
         return b
 
     def share_s(self, key: str, cap: int) -> float | None:

@@ -143,10 +143,13 @@ class VirtualInstance:
     def _finish_chunk(self, run: Run, steps: list, first: dict) -> None:
         core = self.core
         reqs = core.requests
+        batches: set[tuple[str, ...]] = set()
         for live, dt in steps:
             if len(live) > 1 or live[0] not in reqs:
                 live = [u for u in live if u in reqs]  # cancelled or expired meanwhile
-            core.stepped(live, dt)
+            batch = tuple(live)
+            core.stepped(live, dt, first=batch not in batches)
+            batches.add(batch)
             for u in live:
                 r = reqs[u]
                 if r.steps == r.done:

@@ -300,8 +300,11 @@ class RequestScheduler:
                 self._fail(r.uid, r.app, info.error)
         elif isinstance(info, Idle):
             measured = ident not in self.fresh
+            batches: set[tuple[str, ...]] = set()
             for uids, seconds in info.steps:
-                self.core.stepped(uids, seconds, measure=measured)
+                batch = tuple(uids)
+                self.core.stepped(uids, seconds, measure=measured, first=batch not in batches)
+                batches.add(batch)
                 if measured:
                     self.stats.step_time.observe(seconds)
             for uid, seconds in info.fixed.items():

@@ -443,6 +443,15 @@ def test_the_rate_counts_only_batch_sizes_the_stage_sustains() -> None:
     assert core.share_s(r) == pytest.approx(0.010 * 10)
     # A size from a table counts at once.
     assert CostModel({S: {1: 0.01, 4: 0.02}}).share_s(S, cap=4) == pytest.approx(0.005)
+    # Runs count, not steps: two chunks of two steps each at batch 3 (beside another stage's
+    # burst, a failed CI case) are 4 samples but 2 runs, and batch 2 is still what it sustains.
+    m = CostModel({S: {1: 0.010, 2: 0.012}})
+    for _ in range(2):
+        m.observe(S, 3, 0.060, first=True)
+        m.observe(S, 3, 0.060, first=False)
+    assert m.unsettled(S, 3) and m.share_s(S, cap=4) == pytest.approx(0.006)
+    m.observe(S, 3, 0.030, first=True)
+    assert not m.unsettled(S, 3) and m.share_s(S, cap=4) == pytest.approx(0.020)
 
 
 def test_cost_tables_round_trip_and_bad_ones_are_refused() -> None:
