@@ -54,10 +54,19 @@ class FcfsBatched(RankedPolicy):
 
 
 class Srtf(RankedPolicy):
+    """Least remaining work first; a request joins a batch only where the batched step saves
+    device time (``worth_batching``): a join that saves nothing is processor sharing, which
+    delays the leader, the request with the least work left, for nothing (joining every
+    compatible request put srtf's mean latency at 0.84x fcfs's on bench sched's 1.0x trace in
+    the simulator, 0.63x with the rule)."""
+
     name = "srtf"
 
     def rank(self, view: View) -> list[Request]:
         return sorted(view.requests, key=lambda r: (-r.priority, view.alone_s(r), r.arrival))
+
+    def may_join(self, view: View, members: list[Request], r: Request) -> bool:
+        return worth_batching(view.costs, r.key, len(members) + 1, view.max_batch)
 
 
 class Edf(RankedPolicy):
@@ -118,18 +127,10 @@ class Slo(RankedPolicy):
 
     def may_join(self, view: View, members: list[Request], r: Request, dop: int = 1) -> bool:
         key, size, costs = at_dop(r.key, dop), len(members) + 1, view.costs
-        reached = costs.reached(key, view.max_batch)
-        if size > reached:
-            # A batch size not measured yet: try it (priced by extrapolation it never would be),
-            # one size beyond the largest measured at a time, and only beyond a size that saves
-            # device time, so a size that saves nothing is paid for once (going to max_batch at
-            # once ran four large requests at 4.4x a step).
-            return size == reached + 1 and (size == 2 or not costs.unsettled(key, reached)
-                                            and _saves(costs, key, reached))
-        if costs.unsettled(key, size):
-            return True  # measured too few times, or too long ago, to judge its gain
-        if not _saves(costs, key, size):
+        if not worth_batching(costs, key, size, view.max_batch):
             return False
+        if size > costs.reached(key, view.max_batch) or costs.unsettled(key, size):
+            return True  # a size being tried
         step = costs.step_s(key, size)
         if step is None:
             return True
@@ -145,6 +146,20 @@ class Slo(RankedPolicy):
 
 
 GAIN = 0.9  # a request joins a batch only if the batch step costs at most this share of running it apart
+
+
+def worth_batching(costs: CostModel, key: str, size: int, max_batch: int) -> bool:
+    """Whether a batch of ``key`` may grow to ``size``: a size that saves device time
+    (``_saves``), or one to try. A size not measured yet is tried (priced by extrapolation it
+    never would be), one beyond the largest measured at a time, and only beyond a size that
+    saves, so a size that saves nothing is paid for once (going to max_batch at once ran four
+    large requests at 4.4x a step); a size measured too few times, or too long ago, runs again
+    until it can be judged."""
+    reached = costs.reached(key, max_batch)
+    if size > reached:
+        return size == reached + 1 and (size == 2 or not costs.unsettled(key, reached)
+                                        and _saves(costs, key, reached))
+    return costs.unsettled(key, size) or _saves(costs, key, size)
 
 
 def _saves(costs: CostModel, key: str, size: int) -> bool:

@@ -67,6 +67,21 @@ def test_srtf_preempts_a_long_request_at_a_chunk_boundary() -> None:
     assert st.core.stats.preempted >= 1
 
 
+def test_srtf_batches_only_where_a_batch_saves_device_time() -> None:
+    """A join that saves nothing is processor sharing: it delays the leader, the request with the
+    least work left. Batch 2 of the small shape costs 1.25 of a step (it saves), of the large one
+    2 (it does not)."""
+    table = {S: {1: 0.01, 2: 0.0125}, L: {1: 0.04, 2: 0.08}}
+    st = VirtualStage(SchedCore(ScheduleSpec(policy="srtf", max_batch=2, chunk_steps=2), CostModel(table)),
+                      lambda k, b: table[k][min(b, 2)])
+    for i, key in enumerate((S, S, L, L)):
+        st.submit(0.0, request(f"r{i}", key, steps=4))
+    out = st.run()
+    assert {("r0", "r1")} <= {tuple(sorted(u)) for _, _, u, _ in st.trace}  # the small ones together
+    assert all(len(u) == 1 for _, _, u, _ in st.trace if u[0] in ("r2", "r3"))  # the large ones alone
+    assert out["r2"].end < out["r3"].end  # one after the other: the first is done in 4 steps, not 8
+
+
 def test_edf_runs_the_earliest_deadline_first() -> None:
     st = stage("edf", max_batch=1)
     st.submit(0.0, request("late", S, steps=5, deadline=10.0))

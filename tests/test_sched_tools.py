@@ -122,3 +122,23 @@ def test_the_calibration_mix_has_the_shares_exactly():
     assert (names.count("S"), names.count("M"), names.count("L")) == (12, 6, 2)
     names = exact_mix({"S": 0.6, "M": 0.3, "L": 0.1}, 7)  # 4.2, 2.1, 0.7: largest remainder
     assert (names.count("S"), names.count("M"), names.count("L")) == (4, 2, 1)
+
+
+def test_the_order_bound_is_srpt_against_fcfs_on_one_server():
+    """A 10 s request at 0 and a 1 s one at 1: FCFS ends them at 10 and 11 (mean latency 10);
+    SRPT runs the short one at once (latency 1) and the long one ends at 11 (mean 6)."""
+    from onepiece.bench.sched import order_bound
+    from onepiece.bench.trace import Trace
+
+    classes = {"L": {"size": "8x8", "num_frames": 1, "steps": 1, "standalone_s": 10.0},
+               "S": {"size": "8x8", "num_frames": 1, "steps": 1, "standalone_s": 1.0}}
+    req = {"size": "8x8", "num_frames": 1, "steps": 1}
+    trace = Trace.model_validate({"version": 1, "classes": classes,
+                                  "requests": [{"at": 0.0, "class": "L", **req}, {"at": 1.0, "class": "S", **req}]})
+    assert order_bound(trace) == pytest.approx(0.6)
+    # Each alone (no overlap): no order can help.
+    apart = trace.model_copy(update={"requests": [trace.requests[0], trace.requests[1].model_copy(update={"at": 20.0})]})
+    assert order_bound(apart) == pytest.approx(1.0)
+    # A trace without standalone times (one made by hand): no bound.
+    del classes["S"]["standalone_s"]
+    assert order_bound(Trace.model_validate({**trace.model_dump(by_alias=True), "classes": classes})) is None

@@ -43,16 +43,17 @@ PINNED = {  # from the code before the simulator's speed-up (issue 12), unchange
     # slo-driven monitor and elastic scenarios) since slo batches only where a batch saves device
     # time and judges a batch size on settled samples; all since the cores count requests that
     # left and left late (the hashes without those two counters were the ones before); monitor/fcfs's
-    # since a stage's shares are priced at every report (2 of 150 refused more, 69 -> 71)
+    # since a stage's shares are priced at every report (2 of 150 refused more, 69 -> 71); srtf's
+    # since it batches only where a batch saves device time (as slo does)
     'fcfs/deadline': '556dcaf044595185',
     'fcfs/target': '0c65ecc0360adf7e',
     'fcfs/dop4': '3f69cae395aba548',
     'fcfs-batched/deadline': '71a691122fbaf011',
     'fcfs-batched/target': 'ae098d233d247f93',
     'fcfs-batched/dop4': '4248ab39d2d9aab3',
-    'srtf/deadline': '42b3317f89123cf4',
-    'srtf/target': '37df409a88710fd7',
-    'srtf/dop4': '1df26f20475bf2b5',
+    'srtf/deadline': '0e6ed36f171cb5b0',
+    'srtf/target': 'e53d32bbd004c11b',
+    'srtf/dop4': 'bfa93599d23b831b',
     'edf/deadline': '033801a06c871458',
     'edf/target': 'b41210f07563fa75',
     'edf/dop4': '96414df693c6a0f1',
