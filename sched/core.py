@@ -281,7 +281,7 @@ class SchedCore:
         """(DoP, batch size) for each DoP the workers offer: the largest batch ``r``'s key sustains
         there now, what its share is priced at."""
         cap = self.max_batch if r.batchable else 1
-        return tuple((d, self.costs.reached(at_dop(r.key, d), cap, sustained=True)) for d in self._offered)
+        return tuple((d, self.policy.sustained(self.costs, at_dop(r.key, d), cap)) for d in self._offered)
 
     def share_s(self, r: Request, batches: tuple[tuple[int, int], ...] | None = None) -> float | None:
         """Worker seconds ``r`` takes at ``batches`` (default: the batch sizes its key sustains

@@ -68,6 +68,9 @@ class Srtf(RankedPolicy):
     def may_join(self, view: View, members: list[Request], r: Request) -> bool:
         return worth_batching(view.costs, r.key, len(members) + 1, view.max_batch)
 
+    def sustained(self, costs: CostModel, key: str, cap: int) -> int:
+        return saving_size(costs, key, cap)
+
 
 class Edf(RankedPolicy):
     name = "edf"
@@ -139,6 +142,9 @@ class Slo(RankedPolicy):
                 return False
         return True
 
+    def sustained(self, costs: CostModel, key: str, cap: int) -> int:
+        return saving_size(costs, key, cap)
+
     def plan(self, view: View) -> list[Batch]:
         if len(view.dops) == 1:  # no idle worker is a group: no DoP to pick
             return super().plan(view)
@@ -160,6 +166,17 @@ def worth_batching(costs: CostModel, key: str, size: int, max_batch: int) -> boo
         return size == reached + 1 and (size == 2 or not costs.unsettled(key, reached)
                                         and _saves(costs, key, reached))
     return costs.unsettled(key, size) or _saves(costs, key, size)
+
+
+def saving_size(costs: CostModel, key: str, cap: int) -> int:
+    """The largest batch size the stage sustains that a policy joining by ``worth_batching``
+    grows a batch to: every size up to it saves device time. One beyond that it stops, so the
+    stage's rate is not priced at a size it no longer forms (a batch of 3 measured at 6x a step
+    alone, beside the other stages' burst, priced the rate below batch 1's)."""
+    size, top = 1, costs.reached(key, cap, sustained=True)
+    while size < top and _saves(costs, key, size + 1):
+        size += 1
+    return size
 
 
 def _saves(costs: CostModel, key: str, size: int) -> bool:

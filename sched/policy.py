@@ -111,6 +111,11 @@ class Policy(abc.ABC):
     def plan(self, view: View) -> list[Batch]:
         """The batches to start now, at most one per idle worker."""
 
+    def sustained(self, costs: CostModel, key: str, cap: int) -> int:
+        """The batch size this policy runs ``key`` at while the stage is busy, up to ``cap``: what
+        the stage's rate is priced at. By default the largest the stage sustains."""
+        return costs.reached(key, cap, sustained=True)
+
 
 class RankedPolicy(Policy):
     """Order the requests; the best-ranked leads a batch on an idle worker (its own, once it

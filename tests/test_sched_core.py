@@ -440,8 +440,9 @@ def test_cost_model_interpolates_extrapolates_and_scales_unknown_shapes() -> Non
 
 def test_the_rate_counts_only_batch_sizes_the_stage_sustains() -> None:
     """A size the policy tried once or twice is not one the stage runs at: its rate comes from
-    the largest size measured SETTLED (3) times (a failed CI case: batch 3 on 2 samples at 3x a
-    step alone put the rate at batch 1's while the stage ran at batch 2)."""
+    the largest size measured in SETTLED (3) runs (a failed CI case: batch 3 on 2 samples at 3x a
+    step alone put the rate at batch 1's while the stage ran at batch 2), and, for a policy that
+    batches only where it saves, the largest it still forms."""
     m = CostModel()
     for _ in range(5):
         m.observe(S, 1, 0.010)
@@ -455,7 +456,14 @@ def test_the_rate_counts_only_batch_sizes_the_stage_sustains() -> None:
     assert core.share_s(r) == pytest.approx(0.006 * 10)
     m.observe(S, 3, 0.030)  # the third sample (the median unchanged): now a size it sustains
     assert m.share_s(S, cap=4) == pytest.approx(0.010)
-    assert core.share_s(r) == pytest.approx(0.010 * 10)
+    # A policy that joins regardless runs at 3 now; slo joins only where a batch saves device
+    # time, and batch 3 does not (0.030 against 0.012 + 0.010 apart): it stays at 2.
+    greedy = SchedCore(ScheduleSpec(policy="fcfs-batched", max_batch=4, chunk_steps=10), m)
+    assert greedy.share_s(r) == pytest.approx(0.010 * 10)
+    assert core.share_s(r) == pytest.approx(0.006 * 10)
+    for _ in range(4):  # cheap runs, the median theirs: now batch 3 saves, and slo forms it
+        m.observe(S, 3, 0.015)
+    assert core.share_s(r) == pytest.approx(0.015 / 3 * 10)
     # A size from a table counts at once.
     assert CostModel({S: {1: 0.01, 4: 0.02}}).share_s(S, cap=4) == pytest.approx(0.005)
     # Runs count, not steps: two chunks of two steps each at batch 3 (beside another stage's
