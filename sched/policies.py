@@ -214,6 +214,9 @@ class EdfBestFit(Policy):
 
     name = "edf-best-fit"
 
+    def sustained(self, costs: CostModel, key: str, cap: int) -> int:
+        return 1  # each request alone
+
     def plan(self, view: View) -> list[Batch]:
         return build_dop_batches(view, Edf().rank(view), best_fit)
 
@@ -223,6 +226,9 @@ class Ddit(Policy):
     2506.13497; no public code: built from the paper's description)."""
 
     name = "ddit"
+
+    def sustained(self, costs: CostModel, key: str, cap: int) -> int:
+        return 1  # each request alone
 
     def plan(self, view: View) -> list[Batch]:
         offered = dops(max(w.ranks for w in view.workers))
