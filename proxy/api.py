@@ -217,52 +217,70 @@ class ProxyState:
 
         return deadlines.reserve(self.cluster.workflow.applications[app].stages, alone_s)
 
+    async def _held(self, uid: str, caller: Caller, digest: str, here: bool,
+                    held: dict[str, Any] | None = None) -> tuple[str, dict[str, Any] | None]:
+        """What an idempotent create finds under its UID (``held``, else read from the DBs):
+        ("new", None) when nothing; ("replay", record) for a video to answer with (``here``: this
+        proxy is handing it over now); ("resend", record) for one a dead proxy stored and never
+        handed over. A 409 when the key made a different request; come back later while another
+        proxy may still be handing it over."""
+        if held is None:
+            held = await _db(self.dbs.get(uid, caller.owner))
+            if held is None:
+                return "new", None
+        check_same(held, digest)
+        what, left = ("replay", 0.0) if here else handing(held, time.time(), self.opts.send_total_timeout)
+        if what == "wait":
+            raise _in_use(max(1, math.ceil(left)))
+        return what, held
+
     async def submit(self, job: VideoJob, caller: Caller = ANYONE, idem: tuple[str, str] | None = None
                      ) -> tuple[dict[str, Any], bool]:
         """Accept ``job`` for ``caller``: (its video object, whether it is a replay). ``idem``:
         (Idempotency-Key, request digest); a create with a key that made a video before answers
-        that video (or a 409 when its request differed or it is gone), admitted or not."""
+        that video (or a 409 when its request differed or it is gone), admitted or not.
+
+        An admitted create with a key reads what its UID holds by trying to create it (one DB
+        round trip before the hand-over, not a read and then a create); one that is refused, or
+        finds no entrance, reads the UID first, so that a retry of an accepted create still gets
+        its video then."""
         wf = self.cluster.workflow
         first_stage = wf.applications[job.app].stages[0]
         params = job.params()
-        uid = new_uid()
-        resend = False  # a retry handing over what a dead proxy stored (proxy/idempotency.py)
-        if idem is not None:
-            uid = idempotent_uid(caller, idem[0])
-            held = await _db(self.dbs.get(uid, caller.owner))  # a retry of an accepted create
-            if held is not None:
-                check_same(held, idem[1])
-                # (one this proxy is handing over now is replayed)
-                what, left = ("replay", 0.0) if uid in self.tracker else \
-                    handing(held, time.time(), self.opts.send_total_timeout)
+        uid = new_uid() if idem is None else idempotent_uid(caller, idem[0])
+
+        async def replay_or(error: ApiError) -> tuple[dict[str, Any], bool]:
+            if idem is not None:
+                what, held = await self._held(uid, caller, idem[1], here=uid in self.tracker)
                 if what == "replay":
                     return video_object(held), True
-                if what == "wait":
-                    raise _in_use(max(1, math.ceil(left)))
-                resend = True
-                log.warning("uid=%s: stored %.0fs ago and never marked handed over (its proxy died before "
-                            "handing it over): handing it over now", uid, time.time() - held["created_at"])
-            elif uid in self.tracker:  # its first create is still being stored or handed over here
-                raise _in_use(1)
+            raise error
+
+        def give_back() -> None:  # an admission this create turned out not to need
+            if adm is not None:
+                adm.give_back(job.app, shape_key(params))
+
+        if idem is not None and uid in self.tracker:  # its first create is being stored or handed over here
+            return await replay_or(_in_use(1))
         self.follow_dbs()  # cheap (set compares): a DB that just joined is used at once
         if not self.cluster.entrances(job.app):
-            raise ApiError(503, f"no instance of stage {first_stage!r} (entrance of model {job.app!r}) is up; "
-                                f"try again later or another set", code="no_entrance", headers=self._retry())
-        # Admission, all in memory: a refusal never waits on a DB, a stage or the NM (a create with
-        # an Idempotency-Key read its UID before: a retry of an accepted one gets its video even
-        # while the set refuses new work).
+            return await replay_or(ApiError(
+                503, f"no instance of stage {first_stage!r} (entrance of model {job.app!r}) is up; "
+                     f"try again later or another set", code="no_entrance", headers=self._retry()))
+        # Admission, all in memory: a refusal waits on no DB, stage or NM (but for a create with
+        # an Idempotency-Key, whose UID is read then: a retry of an accepted one gets its video
+        # even while the set refuses new work).
         adm = self.admission
         self.observe_monitor()
         ts = time.time_ns()
         refusal = admit(adm, self.tracker, uid, job.app, shape_key(params), ts, job.timeout_s,
                         job.target_s, job.target_given, self.opts.retry_after_s)
         if refusal is not None:
-            raise self._refuse(refusal)
+            return await replay_or(self._refuse(refusal))
         deadline = ts + int(job.timeout_s * 1e9)  # where it fails
-        if resend and isinstance(held.get("deadline"), int):
-            deadline = min(deadline, held["deadline"])  # where its record fails it
         target = ts + int(job.target_s * 1e9)  # what the stages order it by
         self.metrics.inflight.set(len(self.tracker))
+        resend = False  # a retry handing over what a dead proxy stored (proxy/idempotency.py)
         try:
             image = None
             if job.image_bytes is not None:
@@ -278,18 +296,25 @@ class ProxyState:
                 "owner": caller.owner, "request_hash": idem[1] if idem is not None else None,
             }
             try:
-                if resend:
-                    pass  # stored already, by the proxy that died
-                elif idem is None:
+                if idem is None:
                     await self.dbs.create(record)
                 else:
                     held, created = await self.dbs.create_once(record)
-                    if not created:  # a concurrent retry created it first: this one was not needed
-                        if adm is not None:
-                            adm.give_back(job.app, shape_key(params))
-                        self.release(uid)  # the first create holds a slot on its own proxy
-                        check_same(held, idem[1])
-                        return video_object(held), True
+                    if not created:  # a retry: of one accepted before, or of one a dead proxy stored
+                        try:
+                            what, held = await self._held(uid, caller, idem[1], here=False, held=held)
+                        except ApiError:
+                            give_back()
+                            raise
+                        if what == "replay":
+                            give_back()
+                            self.release(uid)
+                            return video_object(held), True
+                        log.warning("uid=%s: stored %.0fs ago and never marked handed over (its proxy died before "
+                                    "handing it over): handing it over now", uid, time.time() - held["created_at"])
+                        resend = True  # on this admission, by its stored deadline
+                        if isinstance(held.get("deadline"), int):
+                            deadline = min(deadline, held["deadline"])
             except DbGone:
                 raise gone() from None
             except DbError as e:  # DbFull, DbUnavailable, or refused by every DB: not stored

@@ -132,3 +132,58 @@ def test_the_client_sends_one_key_for_every_try_of_a_submit(h):
         b = c.submit("a cat", model="t2v", idempotency_key="order-23")
         assert a["id"] == b["id"]
         assert c.submit("a cat", model="t2v")["id"] != c.submit("a cat", model="t2v")["id"]
+
+
+def test_a_retry_gets_its_video_while_the_set_refuses_new_work():
+    """Two proxies of one set, one request in flight each at most. A create fills the first; a
+    create with another key fills the second; a retry of the first on the second, refused by
+    its admission, still answers the video its key made (its UID is read on a refusal)."""
+    harness = H.Harness(max_inflight=1, keys=ApiKeys([ALICE]))
+    second = ProxyServer(harness.cluster, max_inflight=1, keys=ApiKeys([ALICE]), refresh_s=0.05)
+    second.start()
+    try:
+        with httpx.Client(base_url=second.url, timeout=10.0) as other:
+            first = post(harness.http, "order-30")
+            assert first.status_code == 200
+            assert post(other, "order-31").status_code == 200  # the second proxy's one slot
+            assert post(other, None).status_code == 429  # full: new work is refused
+            again = post(other, "order-30")
+            assert again.status_code == 200 and again.headers.get("idempotent-replayed") == "true"
+            assert again.json()["id"] == first.json()["id"]
+            assert post(harness.http, "order-30").json()["id"] == first.json()["id"]  # on its own proxy too
+            assert sorted(entrance_uids(harness)) == sorted(
+                r.json()["id"].removeprefix("video_") for r in (first, post(other, "order-31")))
+    finally:
+        second.stop()
+        harness.close()
+
+
+def test_a_record_its_proxy_stored_and_never_handed_over_is_handed_over_by_a_retry(h):
+    """A proxy that died between storing a create and handing it over leaves a ``queued`` record
+    that is not marked handed. Dying at that instant cannot be timed in a test, so the record is
+    stored here as that proxy stored it (the real DB, the proxy's own UID and digest, created
+    long enough ago that its hand-over is over); the retry finds it by creating, and hands it
+    over once, under the UID it already has."""
+    import time
+
+    from onepiece.db.client import DbClient
+    from onepiece.proxy.idempotency import idempotent_uid, request_hash
+
+    body = {"prompt": "a cat", "model": "t2v", "seed": 1}
+    caller = ApiKeys([ALICE]).caller(ALICE)
+    uid = idempotent_uid(caller, "order-32")
+    db = DbClient([h.db.addresses["control"]])
+    try:
+        db.create({"uid": uid, "app": "t2v", "set": "set0", "status": "queued", "stage": "text_encode",
+                   "progress": 0, "created_at": time.time() - 60, "deadline": time.time_ns() + int(600e9),
+                   "owner": caller.owner, "request_hash": request_hash(body, None)})
+    finally:
+        db.close()
+    entrance_uids(h, 0.05)
+    r = post(h.second, "order-32")
+    assert r.status_code == 200 and r.headers.get("idempotent-replayed") == "true", r.text
+    assert r.json()["id"] == f"video_{uid}"
+    assert entrance_uids(h) == [uid]
+    again = post(h.http, "order-32")  # now marked handed over: replayed, not sent again
+    assert again.status_code == 200 and again.json()["id"] == f"video_{uid}"
+    assert entrance_uids(h) == []
