@@ -68,6 +68,7 @@ import orjson
 
 from onepiece.argtypes import SEED, count, non_negative, numbers, positive, torch_device
 from onepiece.bench.common import PROMPT, T2V_STAGES, cpu_name, parse_shape, percentile, tiny_models
+from onepiece.bench.trace import stage_spans
 from onepiece.transport import curve
 
 DEFAULT_LEVELS = "0.5,1,2,5"
@@ -290,6 +291,7 @@ class Target:
                 db_rec, rec["db_error"] = None, str(e)
             end = (db_rec or {}).get("completed_at") or rec["t_event"]
             rec["latency_s"] = end - rec["t_send"]
+            rec["stages"] = stage_spans((db_rec or {}).get("trace"), rec["t_send"])
             if rec["outcome"] == "failed":
                 rec["error"] = (db_rec or {}).get("error")
 

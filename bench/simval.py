@@ -22,7 +22,7 @@ from typing import Any
 
 from onepiece.bench.common import T2V_STAGES, cpu_name
 from onepiece.bench.sched import costs_name
-from onepiece.bench.trace import Trace, load_trace, summarize
+from onepiece.bench.trace import Trace, load_trace, stage_times, summarize
 from onepiece.cli import PROFILE_WORKFLOWS
 from onepiece.config import ProxySpec, deploy_dir, load_workflow
 from onepiece.sim.cli import apply_schedule, simulate
@@ -66,9 +66,13 @@ def validate(results: Path, costs_of: str | None = None) -> dict[str, Any]:
             costs = CostTable.load(at_load if at_load.exists() else results / costs_name(priced_by))
             result, _ = simulate(pwf, {"set0": dict(T2V_STAGES)}, costs, trace, chunks=False, proxies=proxy)
             # both sides summarized by the same function, from the run's own records
-            measured = summarize(run["requests"][row][load], {c: v["slo_s"] for c, v in run["classes"].items()})
+            recs = run["requests"][row][load]
+            measured = summarize(recs, {c: v["slo_s"] for c, v in run["classes"].items()})
             rows.setdefault(row, {})[load] = {"measured": measured, "predicted": result["summary"],
-                                                 "wall_s": result["wall_s"]}
+                                                 "wall_s": result["wall_s"],
+                                                 # where the time goes (runs that kept each result's stages)
+                                                 "stages": {"measured": stage_times(recs),
+                                                            "predicted": stage_times(result["requests"])}}
     return {"bench": "simval", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
             "run": {"when": run.get("when"), "results": str(results)}, "costs_of": costs_of, "rows": rows,
             "targets": _targets(rows)}
@@ -107,6 +111,17 @@ def markdown(doc: dict[str, Any]) -> str:
                              f"| {m['attainment']:.0%} | {p['attainment']:.0%} "
                              f"| {(p['attainment'] - m['attainment']) * 100:+.0f} | {m['mean_s'] * 1000:.0f} "
                              f"| {p['mean_s'] * 1000:.0f} | {(p['mean_s'] - m['mean_s']) / m['mean_s']:+.0%} |")
+    where = [(policy, load, c, stage, m, cell["stages"]["predicted"].get(c, {}).get(stage))
+             for policy, by_load in doc["rows"].items() for load, cell in by_load.items()
+             for c, per in (cell.get("stages") or {}).get("measured", {}).items() for stage, m in per.items()]
+    if where:
+        lines += ["", "Where the time goes: per class, mean seconds of a completed request in each stage (its "
+                      "queue, decision and compute, from its receipt to its worker's end) and between them (the "
+                      "rest of its latency: the proxy, the hops, the DB's store), measured / predicted:", "",
+                  "| policy | load | class | stage | measured s | predicted s | Δ |", "|---|---|---|---|---|---|---|"]
+        for policy, load, c, stage, m, p in where:
+            lines.append(f"| {policy} | {load} | {c} | {stage} | {m:.3f} | "
+                         + ("— | — |" if p is None else f"{p:.3f} | {p - m:+.3f} |"))
     t = doc["targets"]
     if t:
         lines += ["", "Worst over every policy and load, all classes together: "

@@ -196,6 +196,40 @@ async def replay(target: Any, trace: Trace, prompt: str, max_duration: float) ->
     return recs
 
 
+def stage_spans(events: Any, t0: float) -> list[dict[str, Any]]:
+    """A result's own trace (the ``recv`` and ``end`` marks each stage puts on its message, ns
+    since the epoch) as the simulator's records give a request's stages: [{stage, enter, leave}],
+    seconds after ``t0`` (the client's send), in order. A stage without both marks is left out."""
+    out: list[dict[str, Any]] = []
+    enter: dict[str, float] = {}
+    for ev in events if isinstance(events, list) else ():
+        if not isinstance(ev, dict) or not isinstance(ev.get("t"), (int, float)):
+            continue
+        stage, t = ev.get("stage"), ev["t"] / 1e9 - t0
+        if ev.get("event") == "recv":
+            enter[stage] = t
+        elif ev.get("event") == "end" and stage in enter:
+            out.append({"stage": stage, "enter": enter.pop(stage), "leave": t})
+    return out
+
+
+def stage_times(recs: list[dict]) -> dict[str, dict[str, float]]:
+    """Per class, then per stage and for the path between the stages (``between``: latency less
+    the time in stages): mean seconds over completed requests that have stages."""
+    acc: dict[str, dict[str, list[float]]] = {}
+    for r in recs:
+        spans = r.get("stages") or []
+        if r.get("outcome") != "completed" or not spans or r.get("latency_s") is None:
+            continue
+        row = acc.setdefault(r["class"], {})
+        inside = 0.0
+        for sp in spans:
+            row.setdefault(sp["stage"], []).append(sp["leave"] - sp["enter"])
+            inside += sp["leave"] - sp["enter"]
+        row.setdefault("between", []).append(r["latency_s"] - inside)
+    return {c: {k: statistics.fmean(v) for k, v in row.items()} for c, row in sorted(acc.items())}
+
+
 def summarize(recs: list[dict], slo: dict[str, float]) -> dict[str, Any]:
     """Per class and overall, the outcomes of a replay (records as ``replay`` returns them, or
     as the simulator writes them): counts, mean latency of the admitted ones (submit → resolved:

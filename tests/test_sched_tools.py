@@ -142,3 +142,28 @@ def test_the_order_bound_is_srpt_against_fcfs_on_one_server():
     # A trace without standalone times (one made by hand): no bound.
     del classes["S"]["standalone_s"]
     assert order_bound(Trace.model_validate({**trace.model_dump(by_alias=True), "classes": classes})) is None
+
+
+def test_a_results_stages_come_from_its_own_trace_as_the_simulator_gives_them():
+    from onepiece.bench.trace import stage_spans, stage_times
+
+    t0 = 1000.0
+    ns = lambda s: int((t0 + s) * 1e9)  # noqa: E731
+    events = [{"stage": "proxy", "event": "leave", "t": ns(0.002)},
+              {"stage": "text_encode", "event": "recv", "t": ns(0.003)},
+              {"stage": "text_encode", "event": "start", "t": ns(0.004)},
+              {"stage": "text_encode", "event": "end", "t": ns(0.010)},
+              {"stage": "denoise_t2v", "event": "recv", "t": ns(0.011)},
+              {"stage": "denoise_t2v", "event": "end", "t": ns(0.111)},
+              {"stage": "vae_decode", "event": "recv", "t": ns(0.112)},  # no end: left out
+              "not an event", {"stage": "x", "event": "end", "t": "soon"}]
+    spans = stage_spans(events, t0)
+    assert [(s["stage"], round(s["enter"], 6), round(s["leave"], 6)) for s in spans] == [
+        ("text_encode", 0.003, 0.01), ("denoise_t2v", 0.011, 0.111)]
+    assert stage_spans(None, t0) == [] and stage_spans({"t": 1}, t0) == []
+    recs = [{"class": "S", "outcome": "completed", "latency_s": 0.2, "stages": spans},
+            {"class": "S", "outcome": "failed", "latency_s": 9.0, "stages": spans},  # not counted
+            {"class": "S", "outcome": "completed", "latency_s": 0.3}]  # no stages: not counted
+    times = stage_times(recs)
+    assert times["S"]["text_encode"] == pytest.approx(0.007) and times["S"]["denoise_t2v"] == pytest.approx(0.1)
+    assert times["S"]["between"] == pytest.approx(0.2 - 0.107)
