@@ -38,9 +38,11 @@ TABLE_VERSION = 1
 
 
 class CostModel:
-    def __init__(self, table: dict[str, dict[int, float]] | None = None, window: int = WINDOW) -> None:
+    def __init__(self, table: dict[str, dict[int, float]] | None = None, window: int = WINDOW,
+                 fixed: dict[str, float] | None = None) -> None:
         self.window = window
         self._seed: dict[str, dict[int, float]] = {k: dict(v) for k, v in (table or {}).items()}
+        self._fixed_seed: dict[str, float] = dict(fixed or {})  # a table's per-request figures, until measured
         self._obs: collections.OrderedDict[str, dict[int, collections.deque]] = collections.OrderedDict()
         self._fixed: collections.OrderedDict[str, collections.deque] = collections.OrderedDict()
         self._rows: dict[str, dict[int, float]] = {}  # row() of each key, kept up to date by observe()
@@ -125,12 +127,13 @@ class CostModel:
         self.version += 1
 
     def fixed_s(self, key: str) -> float:
-        """Seconds a request of ``key`` costs besides its steps (0 until measured)."""
+        """Seconds a request of ``key`` costs besides its steps (its table's figure, else 0,
+        until measured)."""
         out = self._fixed_s.get(key)
         if out is None:
             window = self._fixed.get(key)
             if not window:
-                return 0.0
+                return self._fixed_seed.get(key, 0.0)
             out = self._fixed_s[key] = statistics.median(window)
         return out
 
@@ -224,11 +227,24 @@ class CostModel:
 
     # --- tables ---------------------------------------------------------------------------------
     def report(self, limit: int = 32) -> dict[str, dict[str, float]]:
-        """{key: {batch: mean seconds}}, the most recently measured keys first (JSON keys are
-        strings)."""
+        """{key: {batch: seconds}} as lookups price them (measured medians over the table's), the
+        most recently measured keys first (JSON keys are strings)."""
         keys = list(reversed(self._obs))[:limit]
         keys += [k for k in self._seed if k not in self._obs][:max(0, limit - len(keys))]
         return {k: {str(b): round(t, 6) for b, t in sorted(self.row(k).items())} for k in keys}
+
+    def means(self, limit: int = 32) -> dict[str, dict[str, float]]:
+        """{key: {batch: mean seconds of its window}} of the measured keys, most recent first: what
+        a simulator replaying this stage's work should charge a step (the median that prices
+        decisions leaves out the slow steps that a run's time still sums)."""
+        return {k: {str(b): round(statistics.fmean(w), 6) for b, w in sorted(self._obs[k].items()) if w}
+                for k in list(reversed(self._obs))[:limit]}
+
+    def fixed_report(self, limit: int = 32) -> dict[str, float]:
+        """{key: seconds a request costs besides its steps} where measured or given."""
+        keys = list(reversed(self._fixed))[:limit]
+        keys += [k for k in self._fixed_seed if k not in self._fixed][:max(0, limit - len(keys))]
+        return {k: round(self.fixed_s(k), 6) for k in keys}
 
 
 def at_batch(row: dict[int, float], batch: int) -> float | None:
@@ -274,6 +290,25 @@ def table_rows(doc: Any, stage: str | None = None) -> dict[str, dict[int, float]
     return out
 
 
+def table_fixed(doc: Any, stage: str) -> dict[str, float]:
+    """{key: seconds a request costs besides its steps} of one stage of a parsed table (its
+    optional ``fixed`` list of ``{key, seconds}``; none: no such cost known)."""
+    entry = doc["stages"].get(stage) if isinstance(doc, dict) and isinstance(doc.get("stages"), dict) else None
+    rows = entry.get("fixed", []) if isinstance(entry, dict) else []
+    if not isinstance(rows, list):
+        raise TableError(f"stages.{stage}.fixed must be a list")
+    out: dict[str, float] = {}
+    for i, r in enumerate(rows):
+        try:
+            key, t = r["key"], float(r["seconds"])
+        except (KeyError, TypeError, ValueError):
+            raise TableError(f"stages.{stage}.fixed[{i}]: expected {{key, seconds}}, got {r!r}") from None
+        if not isinstance(key, str) or not t >= 0 or t == float("inf"):
+            raise TableError(f"stages.{stage}.fixed[{i}]: key must be a string, seconds >= 0")
+        out[key] = t
+    return out
+
+
 def read_table(path: str | Path) -> Any:
     """A table file's parsed JSON (not checked yet), or TableError saying why it cannot be read."""
     try:
@@ -292,7 +327,12 @@ def load_table(path: str | Path, stage: str | None = None) -> dict[str, dict[int
         raise TableError(f"{path}: {e}") from None
 
 
-def make_table(stages: dict[str, Iterable[dict[str, Any]]], **meta: Any) -> dict[str, Any]:
-    """A table document: ``stages`` maps a stage to rows ``{key, batch, seconds, ...}``;
-    ``meta`` (device, host, model, units...) is kept beside them."""
-    return {"version": TABLE_VERSION, **meta, "stages": {s: {"rows": list(rows)} for s, rows in stages.items()}}
+def make_table(stages: dict[str, Iterable[dict[str, Any]]], fixed: dict[str, dict[str, float]] | None = None,
+               **meta: Any) -> dict[str, Any]:
+    """A table document: ``stages`` maps a stage to rows ``{key, batch, seconds, ...}``, ``fixed``
+    a stage to {key: seconds a request costs besides its steps}; ``meta`` (device, host, model,
+    units...) is kept beside them."""
+    fixed = fixed or {}
+    return {"version": TABLE_VERSION, **meta, "stages": {
+        s: {"rows": list(rows), **({"fixed": [{"key": k, "seconds": t} for k, t in fixed[s].items()]}
+                                   if fixed.get(s) else {})} for s, rows in stages.items()}}

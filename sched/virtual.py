@@ -75,8 +75,9 @@ class VirtualInstance:
 
     def __init__(self, loop: EventLoop, core: SchedCore, cost: StepCost, workers: int = 1,
                  overhead_s: float = 0.0, on_end: OnEnd | None = None, on_chunk: OnChunk | None = None,
-                 name: str = "", ranks: int = 1) -> None:
+                 name: str = "", ranks: int = 1, fixed: Callable[[str], float] | None = None) -> None:
         self.loop, self.core, self.cost, self.overhead_s = loop, core, cost, overhead_s
+        self.fixed = fixed  # key -> seconds a request costs besides its steps, paid as it is admitted
         self.on_end = on_end or (lambda *a: None)
         self.on_chunk = on_chunk
         self.name = name
@@ -110,6 +111,8 @@ class VirtualInstance:
         now = self.loop.now
         first = {u: reqs[u].started for u in run.uids}
         start = t = now + self.overhead_s
+        if self.fixed is not None and run.admit:
+            start = t = start + sum(self.fixed(reqs[u].key) for u in run.admit)
         steps: list[tuple[Sequence[str], float]] = []  # (who advanced, seconds) per step
         for p in run.parts:
             # A batch is of one key (the core checks it): its step costs depend on how many are left.

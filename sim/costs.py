@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from onepiece.sched.costs import CostModel, TableError, at_batch, read_table, table_rows
+from onepiece.sched.costs import CostModel, TableError, at_batch, read_table, table_fixed, table_rows
 from onepiece.sched.keys import variant
 
 
@@ -25,6 +25,7 @@ class CostTable:
         try:
             table_rows(doc)  # the whole document first: it says what is wrong
             self.rows = {s: table_rows(doc, s) for s in doc["stages"]}
+            self.fixed = {s: table_fixed(doc, s) for s in doc["stages"]}
         except TableError as e:
             raise TableError(f"{source}: {e}") from None
         self.meta = {k: v for k, v in doc.items() if k != "stages"}
@@ -64,7 +65,14 @@ class CostTable:
         """(key, batch) -> seconds, for a virtual instance of ``stage``."""
         return lambda key, batch: self.step_s(stage, key, batch)
 
+    def fixed_s(self, stage: str) -> Callable[[str], float]:
+        """key -> seconds a request of it costs at ``stage`` besides its steps (preparing and
+        finishing its state; 0 where the table says nothing)."""
+        fixed = self.fixed.get(stage, {})
+        return lambda key: fixed.get(key, 0.0)
+
     def model(self, stage: str) -> CostModel:
-        """The cost model a stage's core starts from: this table's rows, as a stage given
-        ``schedule.costs`` starts (the simulated workers report the same figures back)."""
-        return CostModel(self.rows.get(stage, {}))
+        """The cost model a stage's core starts from: this table's rows and per-request figures,
+        as a stage given ``schedule.costs`` starts (the simulated workers report the same
+        figures back)."""
+        return CostModel(self.rows.get(stage, {}), fixed=self.fixed.get(stage, {}))

@@ -16,8 +16,9 @@ the runtime's own pieces, not copies of them:
 - with a topology's elastic policy, the NM's own state and policy move instances between stages
   (``sim/elastic.py``).
 
-Not modelled: a stage's per-request preparing and finishing beyond its steps, processes sharing
-CPU cores (each worker is a device of its own), transports beyond a fixed hop time, failures.
+A stage's per-request preparing and finishing is charged as its table's ``fixed`` says (a table
+from a run has it, `onepiece profile`'s not). Not modelled: processes sharing CPU cores (each
+worker is a device of its own), transports beyond a fixed hop time, failures.
 
 No I/O and no wall clock: the same inputs give the same result, so a test can pin it.
 """
@@ -171,7 +172,7 @@ class Simulation:
         chunk = None if self.chunks is None else self._chunk_hook(stage, name)
         ranks = self._ranks(stage)
         vi = VirtualInstance(self.loop, core, self.costs.pricer(stage), spec.workers // ranks, self.overhead_s,
-                             on_end=ended, on_chunk=chunk, name=name, ranks=ranks)
+                             on_end=ended, on_chunk=chunk, name=name, ranks=ranks, fixed=self.costs.fixed_s(stage))
         self.lifetimes.append((stage, vi, self.loop.now, None))
         return vi
 

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from onepiece.sched.core import Drop, Part, Run, SchedCore
-from onepiece.sched.costs import CostModel, TableError, make_table, table_rows
+from onepiece.sched.costs import CostModel, TableError, make_table, table_fixed, table_rows
 from onepiece.sched.keys import compat_key, volume
 from onepiece.sched.options import POLICIES, ScheduleSpec
 from onepiece.sched.policies import make_policy
@@ -478,13 +478,26 @@ def test_the_rate_counts_only_batch_sizes_the_stage_sustains() -> None:
 
 
 def test_cost_tables_round_trip_and_bad_ones_are_refused() -> None:
-    doc = make_table({"denoise_t2v": [{"key": S, "batch": 2, "seconds": 0.5}]}, device="cpu")
+    doc = make_table({"denoise_t2v": [{"key": S, "batch": 2, "seconds": 0.5}]}, {"denoise_t2v": {S: 0.1}},
+                     device="cpu")
     assert table_rows(doc, "denoise_t2v") == {S: {2: 0.5}}
+    assert table_fixed(doc, "denoise_t2v") == {S: 0.1} and table_fixed(doc, "other") == {}
     assert table_rows(doc, "other") == {}
     for bad in ({"version": 2, "stages": {}}, {"version": 1, "stages": {"d": {"rows": [{"key": S}]}}},
                 {"version": 1, "stages": {"d": {"rows": [{"key": S, "batch": 0, "seconds": 1}]}}}):
         with pytest.raises(TableError):
             table_rows(bad)
+
+
+def test_the_model_reports_window_means_beside_the_medians_and_what_a_request_costs_besides_steps() -> None:
+    m = CostModel(fixed={L: 0.2})
+    for t in (0.010, 0.010, 0.040):  # one slow step: the median leaves it out, the mean sums it
+        m.observe(S, 1, t)
+    assert m.report()[S] == {"1": 0.01} and m.means()[S] == {"1": 0.02}
+    assert m.fixed_report() == {L: 0.2}  # a table's, until measured
+    m.observe_fixed(S, 0.05)
+    m.observe_fixed(L, 0.3)
+    assert m.fixed_report() == {L: 0.3, S: 0.05}
 
 
 def test_keys() -> None:

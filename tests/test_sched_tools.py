@@ -167,3 +167,16 @@ def test_a_results_stages_come_from_its_own_trace_as_the_simulator_gives_them():
     times = stage_times(recs)
     assert times["S"]["text_encode"] == pytest.approx(0.007) and times["S"]["denoise_t2v"] == pytest.approx(0.1)
     assert times["S"]["between"] == pytest.approx(0.2 - 0.107)
+
+
+def test_a_runs_cost_table_charges_window_means_and_per_request_costs():
+    from onepiece.bench.sched import cost_table
+    from onepiece.sched.costs import table_fixed, table_rows
+
+    key = "64x64x9/cfg/L64"
+    stats = {"costs": {key: {"1": 0.010, "2": 0.015}}, "costs_mean": {key: {"1": 0.012}}, "fixed": {key: 0.03}}
+    doc = cost_table({"denoise_t2v": {"instances": [{"stats": stats}]},
+                      "vae_decode": {"instances": [{"stats": {"costs": {"64x64x9": {"1": 0.05}}}}]}})
+    assert table_rows(doc, "denoise_t2v") == {key: {1: 0.012, 2: 0.015}}  # the mean where reported
+    assert table_fixed(doc, "denoise_t2v") == {key: 0.03} and table_fixed(doc, "vae_decode") == {}
+    assert table_rows(doc, "vae_decode") == {"64x64x9": {1: 0.05}}  # a stage from before: its medians

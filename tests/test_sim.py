@@ -49,6 +49,26 @@ def test_one_request_takes_its_stages_and_hops_exactly():
     assert [s["stage"] for s in rec["stages"]] == ["text_encode", "denoise_t2v", "vae_decode"]
 
 
+def test_a_request_pays_its_tables_preparing_and_finishing_once_at_each_stage_that_has_it():
+    doc = {"version": 1, "stages": {s: {"rows": r} for s, r in (
+        ("text_encode", [{"key": S, "batch": 1, "seconds": 0.01}]),
+        ("vae_decode", [{"key": S, "batch": 1, "seconds": 0.05}]),
+        ("denoise_t2v", [{"key": f"{S}/cfg/L64", "batch": 1, "seconds": 0.02}]))}}
+    plain = Simulation(WF, SET, CostTable(doc, "t.json"), hop_s=0.002, overhead_s=0.001)
+    plain.load(trace([{"at": 1.0, "class": "S"}]))
+    doc["stages"]["denoise_t2v"]["fixed"] = [{"key": f"{S}/cfg/L64", "seconds": 0.03}]
+    fixed = Simulation(WF, SET, CostTable(doc, "t.json"), hop_s=0.002, overhead_s=0.001)
+    fixed.load(trace([{"at": 1.0, "class": "S"}]))
+    ((a,), (b,)) = plain.run(), fixed.run()
+    assert b["latency_s"] - a["latency_s"] == pytest.approx(0.03, abs=1e-9)  # once, not per chunk
+    # and the stage's core knows it: its standalone time includes it, as a running stage's does
+    core = fixed.costs.model("denoise_t2v")
+    assert core.fixed_s(f"{S}/cfg/L64") == 0.03 and core.fixed_s("other") == 0.0
+    doc["stages"]["denoise_t2v"]["fixed"] = [{"key": f"{S}/cfg/L64", "seconds": -1}]
+    with pytest.raises(TableError, match=r"stages.denoise_t2v.fixed\[0\]"):
+        CostTable(doc, "t.json")
+
+
 def test_compatible_requests_share_forward_passes_and_a_long_one_is_passed():
     """Four small requests arriving while a large one denoises: slo batches them and runs them
     before the large one's remaining steps (its deadline is far), so they all meet 1 s."""
