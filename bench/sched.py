@@ -56,6 +56,7 @@ from onepiece.bench.trace import Trace, load_trace, parse_classes, parse_floats,
 
 DEFAULT_CLASSES = "S=64x64x9:25,M=128x128x17:25,L=192x192x17:25"
 TARGETS = {"mean_ratio_max": 0.5, "attainment_min": 0.9, "attainment_ratio_min": 1.5}
+HEARTBEAT_LAG_S = 1.5  # a stage's figures reach the NM within its 0.5 s refresh and a 0.5 s heartbeat
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -191,12 +192,15 @@ async def run_traces(t: Target, classes: dict[str, dict], traces: dict[str, Trac
                 await t.request(_body(c, 500 + i))
         out = {}
         for load, trace in traces.items():
+            await asyncio.sleep(HEARTBEAT_LAG_S)  # the stages' sums as the trace begins, reported
+            began = (await t.status())["sets"][SET]["stages"]
             log(f"[{name}] trace at {load}: {len(trace.requests)} requests over {trace.requests[-1].at:.0f} s ...")
             recs = await replay(t, trace, PROMPT, cfg.max_duration)
             out[load] = recs
-            # What the stages measured under this load (their last window, before the drain):
-            # the table a simulator replays this very trace with.
-            out.setdefault("costs_by_load", {})[load] = cost_table((await t.status())["sets"][SET]["stages"])
+            # What the stages measured under this load (every request is resolved; their sums
+            # reported): the table a simulator replays this very trace with.
+            await asyncio.sleep(HEARTBEAT_LAG_S)
+            out.setdefault("costs_by_load", {})[load] = cost_table((await t.status())["sets"][SET]["stages"], began)
             counts: dict[str, int] = {}
             for r in recs:
                 counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
@@ -219,25 +223,47 @@ def costs_name(policy: str, load: str | None = None) -> str:
     return f"sched-costs-{policy}-{load.replace('monitor on ', 'monitor-')}.json"
 
 
-def cost_table(stages: dict[str, Any]) -> dict[str, Any]:
-    """What every stage measured in this run (its instances' heartbeats: seconds per step or
-    call, by key and batch size, and what a request costs besides its steps), as a cost table
-    (``onepiece profile``'s format) that a simulator replays this run's traces with. A step is
-    charged the mean of its window where the stage reports one: what the run's steps summed
-    to (the median its decisions use leaves the slow ones out, and a replay priced by medians
-    came out 9-17% short of every policy's measured mean latency)."""
+def cost_table(stages: dict[str, Any], since: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What every stage measured in this run (its instances' heartbeats), as a cost table
+    (``onepiece profile``'s format) that a simulator replays this run's traces with: seconds per
+    step or call by key and batch size, and what a request costs besides its steps (``fixed``).
+    Each figure is a mean over the steps since ``since`` (the stages as a trace began: so, over
+    exactly that trace), from the sums the stages keep, where there are such steps; else the
+    median that prices the stage's decisions. Medians of the trace's last window had replays of
+    the deadline policies 9-17% short: the median leaves out the slow steps a run still sums, and
+    under those policies a trace's last window is its large requests, run alone at its end."""
     from onepiece.sched.costs import make_table
 
+    def totals(doc: dict[str, Any] | None) -> dict[tuple[str, str], dict[str, Any]]:
+        out = {}
+        for name, stage in (doc or {}).items():
+            for inst in stage.get("instances", []):
+                out[name, inst.get("id", "")] = (inst.get("stats") or {}).get("cost_totals") or {}
+        return out
+
+    before = totals(since)
     rows: dict[str, list[dict[str, Any]]] = {}
     fixed: dict[str, dict[str, float]] = {}
-    for name, stage in stages.items():
+    for (name, inst_id), now in totals(stages).items():
+        was = before.get((name, inst_id), {})
+
+        def mean(now_sum: Any, was_sum: Any) -> float | None:
+            (t, n), (t0, n0) = now_sum, (was_sum or (0.0, 0))
+            return (t - t0) / (n - n0) if n > n0 else None
+
+        for key, by_batch in now.get("steps", {}).items():
+            for b, total in by_batch.items():
+                if (m := mean(total, was.get("steps", {}).get(key, {}).get(b))) is not None:
+                    rows.setdefault(name, []).append({"key": key, "batch": int(b), "seconds": m})
+        for key, total in now.get("fixed", {}).items():
+            if (m := mean(total, was.get("fixed", {}).get(key))) is not None and m > 0:
+                fixed.setdefault(name, {})[key] = m
+    for name, stage in stages.items():  # keys no step of the trace measured: their medians
         for inst in stage.get("instances", []):
-            stats = inst.get("stats") or {}
-            means = stats.get("costs_mean") or {}
-            for key, by_batch in (stats.get("costs") or {}).items():
-                rows.setdefault(name, []).extend({"key": key, "batch": int(b), "seconds": means.get(key, {}).get(b, t)}
-                                                 for b, t in by_batch.items())
-            fixed.setdefault(name, {}).update({k: t for k, t in (stats.get("fixed") or {}).items() if t > 0})
+            have = {(r["key"], r["batch"]) for r in rows.get(name, [])}
+            for key, by_batch in ((inst.get("stats") or {}).get("costs") or {}).items():
+                rows.setdefault(name, []).extend({"key": key, "batch": int(b), "seconds": t}
+                                                 for b, t in by_batch.items() if (key, int(b)) not in have)
     return make_table(rows, fixed, device="measured by onepiece bench sched", cpu=cpu_name())
 
 

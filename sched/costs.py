@@ -48,6 +48,10 @@ class CostModel:
         self._rows: dict[str, dict[int, float]] = {}  # row() of each key, kept up to date by observe()
         self._fixed_s: dict[str, float] = {}  # fixed_s() of each key, until it is observed again
         self._runs: dict[str, dict[int, int]] = {}  # per key and batch size: runs (chunks) measured
+        # Sums since the start, per key and batch size [seconds, steps] and per key [seconds,
+        # requests] besides steps: what a benchmark differences over one trace (``totals``).
+        self._sums: dict[str, dict[int, list[float]]] = {}
+        self._fixed_sums: dict[str, list[float]] = {}
         self._ones: dict[str, int] = {}  # batch-1 samples of each key so far
         self._at_ones: dict[str, dict[int, int]] = {}  # per key and batch size: _ones at its last sample
         # Lookups the scheduler repeats at every decision, valid until a figure changes:
@@ -74,7 +78,7 @@ class CostModel:
             row = self._obs[key] = {}
             if len(self._obs) > MAX_KEYS:  # the least recently observed key falls back to the table
                 dropped = self._obs.popitem(last=False)[0]
-                for d in (self._rows, self._runs, self._ones, self._at_ones):
+                for d in (self._rows, self._runs, self._sums, self._ones, self._at_ones):
                     d.pop(dropped, None)
                 self._changed()
         else:
@@ -83,6 +87,9 @@ class CostModel:
         if window is None:
             window = row[batch] = collections.deque(maxlen=self.window)
         window.append(float(seconds))
+        total = self._sums.setdefault(key, {}).setdefault(batch, [0.0, 0])
+        total[0] += seconds
+        total[1] += 1
         runs = self._runs.setdefault(key, {})
         before = runs.get(batch, 0)
         runs[batch] = min(before + first, SETTLED)  # (only whether it reached SETTLED matters)
@@ -121,8 +128,13 @@ class CostModel:
         window = self._fixed.pop(key, None) or collections.deque(maxlen=self.window)
         window.append(float(seconds))
         self._fixed[key] = window
+        total = self._fixed_sums.setdefault(key, [0.0, 0])
+        total[0] += seconds
+        total[1] += 1
         while len(self._fixed) > MAX_KEYS:
-            self._fixed_s.pop(self._fixed.popitem(last=False)[0], None)
+            dropped = self._fixed.popitem(last=False)[0]
+            self._fixed_s.pop(dropped, None)
+            self._fixed_sums.pop(dropped, None)
         self._fixed_s.pop(key, None)
         self.version += 1
 
@@ -233,18 +245,16 @@ class CostModel:
         keys += [k for k in self._seed if k not in self._obs][:max(0, limit - len(keys))]
         return {k: {str(b): round(t, 6) for b, t in sorted(self.row(k).items())} for k in keys}
 
-    def means(self, limit: int = 32) -> dict[str, dict[str, float]]:
-        """{key: {batch: mean seconds of its window}} of the measured keys, most recent first: what
-        a simulator replaying this stage's work should charge a step (the median that prices
-        decisions leaves out the slow steps that a run's time still sums)."""
-        return {k: {str(b): round(statistics.fmean(w), 6) for b, w in sorted(self._obs[k].items()) if w}
-                for k in list(reversed(self._obs))[:limit]}
-
-    def fixed_report(self, limit: int = 32) -> dict[str, float]:
-        """{key: seconds a request costs besides its steps} where measured or given."""
-        keys = list(reversed(self._fixed))[:limit]
-        keys += [k for k in self._fixed_seed if k not in self._fixed][:max(0, limit - len(keys))]
-        return {k: round(self.fixed_s(k), 6) for k in keys}
+    def totals(self, limit: int = 32) -> dict[str, Any]:
+        """Sums since the start, the most recently measured keys first: ``steps`` {key: {batch:
+        [seconds, steps]}} and ``fixed`` {key: [seconds, requests]} (what requests cost besides
+        their steps). Their difference over a trace is what that trace's steps summed to: what a
+        simulator replaying it should charge (the medians that price decisions leave out the
+        slow steps, and a window holds only the trace's end)."""
+        return {"steps": {k: {str(b): [round(t, 6), n] for b, (t, n) in sorted(self._sums[k].items())}
+                          for k in list(reversed(self._obs))[:limit] if k in self._sums},
+                "fixed": {k: [round(self._fixed_sums[k][0], 6), self._fixed_sums[k][1]]
+                          for k in list(reversed(self._fixed))[:limit] if k in self._fixed_sums}}
 
 
 def at_batch(row: dict[int, float], batch: int) -> float | None:

@@ -444,7 +444,7 @@ class RequestScheduler:
         if now - self._reported >= 0.5:  # the heartbeat reads it about once a second
             s.service = self._service.report()
             s.costs = self.core.costs.report()
-            s.costs_mean, s.fixed = self.core.costs.means(), self.core.costs.fixed_report()
+            s.cost_totals = self.core.costs.totals()
             self._reported = now
 
     @property

@@ -75,8 +75,8 @@ class SchedulerStats:
     # measured service times: {app: {"mean_s", "recent", "shapes": {shape: standalone s}, "shares": {shape: share s}}}
     service: dict[str, dict] = field(default_factory=dict)
     costs: dict[str, dict[str, float]] = field(default_factory=dict)  # {key: {batch: seconds per step}}
-    costs_mean: dict[str, dict[str, float]] = field(default_factory=dict)  # the same, window means (a simulator's)
-    fixed: dict[str, float] = field(default_factory=dict)  # {key: seconds a request costs besides its steps}
+    # sums since the start: {"steps": {key: {batch: [seconds, steps]}}, "fixed": {key: [seconds, requests]}}
+    cost_totals: dict[str, dict] = field(default_factory=dict)
     queue_wait: Histogram = field(default_factory=lambda: Histogram(SECONDS))  # arrival -> first step
     step_time: Histogram = field(default_factory=lambda: Histogram(SECONDS))  # one forward pass
     batch_size: Histogram = field(default_factory=lambda: Histogram(BATCH))

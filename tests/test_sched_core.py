@@ -489,15 +489,15 @@ def test_cost_tables_round_trip_and_bad_ones_are_refused() -> None:
             table_rows(bad)
 
 
-def test_the_model_reports_window_means_beside_the_medians_and_what_a_request_costs_besides_steps() -> None:
+def test_the_model_keeps_sums_beside_its_medians_and_a_tables_per_request_costs() -> None:
     m = CostModel(fixed={L: 0.2})
-    for t in (0.010, 0.010, 0.040):  # one slow step: the median leaves it out, the mean sums it
+    for t in (0.010, 0.010, 0.040):  # one slow step: the median leaves it out, the sum keeps it
         m.observe(S, 1, t)
-    assert m.report()[S] == {"1": 0.01} and m.means()[S] == {"1": 0.02}
-    assert m.fixed_report() == {L: 0.2}  # a table's, until measured
+    assert m.report()[S] == {"1": 0.01} and m.totals()["steps"][S] == {"1": [0.06, 3]}
+    assert m.fixed_s(L) == 0.2 and m.totals()["fixed"] == {}  # a table's figure, until measured
     m.observe_fixed(S, 0.05)
     m.observe_fixed(L, 0.3)
-    assert m.fixed_report() == {L: 0.3, S: 0.05}
+    assert m.fixed_s(L) == 0.3 and m.totals()["fixed"] == {L: [0.3, 1], S: [0.05, 1]}
 
 
 def test_keys() -> None:

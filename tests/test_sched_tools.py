@@ -169,14 +169,24 @@ def test_a_results_stages_come_from_its_own_trace_as_the_simulator_gives_them():
     assert times["S"]["between"] == pytest.approx(0.2 - 0.107)
 
 
-def test_a_runs_cost_table_charges_window_means_and_per_request_costs():
+def test_a_runs_cost_table_charges_the_means_over_its_trace():
     from onepiece.bench.sched import cost_table
     from onepiece.sched.costs import table_fixed, table_rows
 
     key = "64x64x9/cfg/L64"
-    stats = {"costs": {key: {"1": 0.010, "2": 0.015}}, "costs_mean": {key: {"1": 0.012}}, "fixed": {key: 0.03}}
-    doc = cost_table({"denoise_t2v": {"instances": [{"stats": stats}]},
-                      "vae_decode": {"instances": [{"stats": {"costs": {"64x64x9": {"1": 0.05}}}}]}})
-    assert table_rows(doc, "denoise_t2v") == {key: {1: 0.012, 2: 0.015}}  # the mean where reported
-    assert table_fixed(doc, "denoise_t2v") == {key: 0.03} and table_fixed(doc, "vae_decode") == {}
-    assert table_rows(doc, "vae_decode") == {"64x64x9": {1: 0.05}}  # a stage from before: its medians
+
+    def stages(sums: dict, fixed: list) -> dict:
+        stats = {"costs": {key: {"1": 0.010, "2": 0.015}}, "cost_totals": {"steps": {key: sums}, "fixed": {key: fixed}}}
+        return {"denoise_t2v": {"instances": [{"id": "a", "stats": stats}]},
+                "vae_decode": {"instances": [{"id": "b", "stats": {"costs": {"64x64x9": {"1": 0.05}}}}]}}
+
+    began = stages({"1": [1.0, 100]}, [0.2, 10])
+    ended = stages({"1": [2.5, 200], "2": [0.3, 20]}, [0.5, 20])
+    doc = cost_table(ended, began)
+    # over the trace: 1.5 s over 100 steps at batch 1, 0.3 s over 20 at 2; 0.3 s over 10 requests
+    assert table_rows(doc, "denoise_t2v") == {key: {1: pytest.approx(0.015), 2: pytest.approx(0.015)}}
+    assert table_fixed(doc, "denoise_t2v") == {key: pytest.approx(0.03)} and table_fixed(doc, "vae_decode") == {}
+    assert table_rows(doc, "vae_decode") == {"64x64x9": {1: 0.05}}  # no sums (a stage from before): its medians
+    # Without a start: since the stage started. A size no step of the trace ran: its median.
+    assert table_rows(cost_table(ended), "denoise_t2v")[key][1] == pytest.approx(2.5 / 200)
+    assert table_rows(cost_table(began, began), "denoise_t2v") == {key: {1: 0.010, 2: 0.015}}
