@@ -234,37 +234,37 @@ def cost_table(stages: dict[str, Any], since: dict[str, Any] | None = None) -> d
     under those policies a trace's last window is its large requests, run alone at its end."""
     from onepiece.sched.costs import make_table
 
-    def totals(doc: dict[str, Any] | None) -> dict[tuple[str, str], dict[str, Any]]:
-        out = {}
-        for name, stage in (doc or {}).items():
-            for inst in stage.get("instances", []):
-                out[name, inst.get("id", "")] = (inst.get("stats") or {}).get("cost_totals") or {}
-        return out
-
-    before = totals(since)
+    before = {(name, i): stats.get("cost_totals") or {} for name, i, stats in _instances(since)}
     rows: dict[str, list[dict[str, Any]]] = {}
     fixed: dict[str, dict[str, float]] = {}
-    for (name, inst_id), now in totals(stages).items():
-        was = before.get((name, inst_id), {})
-
-        def mean(now_sum: Any, was_sum: Any) -> float | None:
-            (t, n), (t0, n0) = now_sum, (was_sum or (0.0, 0))
-            return (t - t0) / (n - n0) if n > n0 else None
-
+    for name, i, stats in _instances(stages):
+        now, was = stats.get("cost_totals") or {}, before.get((name, i), {})
+        mine, over_trace = rows.setdefault(name, []), set()
         for key, by_batch in now.get("steps", {}).items():
             for b, total in by_batch.items():
-                if (m := mean(total, was.get("steps", {}).get(key, {}).get(b))) is not None:
-                    rows.setdefault(name, []).append({"key": key, "batch": int(b), "seconds": m})
+                if (m := _mean_since(total, was.get("steps", {}).get(key, {}).get(b))) is not None:
+                    mine.append({"key": key, "batch": int(b), "seconds": m})
+                    over_trace.add((key, b))
+        for key, by_batch in (stats.get("costs") or {}).items():  # no step of the trace: the median
+            mine.extend({"key": key, "batch": int(b), "seconds": t} for b, t in by_batch.items()
+                        if (key, b) not in over_trace)
         for key, total in now.get("fixed", {}).items():
-            if (m := mean(total, was.get("fixed", {}).get(key))) is not None and m > 0:
+            if (m := _mean_since(total, was.get("fixed", {}).get(key))):
                 fixed.setdefault(name, {})[key] = m
-    for name, stage in stages.items():  # keys no step of the trace measured: their medians
-        for inst in stage.get("instances", []):
-            have = {(r["key"], r["batch"]) for r in rows.get(name, [])}
-            for key, by_batch in ((inst.get("stats") or {}).get("costs") or {}).items():
-                rows.setdefault(name, []).extend({"key": key, "batch": int(b), "seconds": t}
-                                                 for b, t in by_batch.items() if (key, int(b)) not in have)
     return make_table(rows, fixed, device="measured by onepiece bench sched", cpu=cpu_name())
+
+
+def _instances(stages: dict[str, Any] | None) -> Any:
+    """(stage, instance id, its heartbeat stats) of every instance in an NM status's stages."""
+    for name, stage in (stages or {}).items():
+        for inst in stage.get("instances", []):
+            yield name, inst.get("id", ""), inst.get("stats") or {}
+
+
+def _mean_since(total: Any, before: Any) -> float | None:
+    """Mean of what a [seconds, count] sum added since ``before`` (None: nothing added)."""
+    (t, n), (t0, n0) = total, (before or (0.0, 0))
+    return (t - t0) / (n - n0) if n > n0 else None
 
 
 # --- figures --------------------------------------------------------------------------------------

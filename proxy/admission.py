@@ -539,8 +539,7 @@ def admit(adm: CapacityAdmission | None, tracker: InflightTracker, uid: str, app
     deadline, target = ts_ns + int(timeout_s * 1e9), ts_ns + int(target_s * 1e9)
     work, promise, idle = 0.0, target, not len(tracker)
     if adm is not None:
-        ahead = tracker.ahead(app, ts_ns)
-        refusal = adm.check(app, shape, target_s, target_given, ahead=ahead)
+        refusal = adm.check(app, shape, target_s, target_given, ahead=tracker.ahead(app, ts_ns))
         if refusal is not None:
             return refusal
         work = adm.work(app, shape)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from onepiece.sched.costs import CostModel
@@ -94,6 +94,16 @@ class _Worker(Worker):
 
 
 _arrival = operator.attrgetter("arrival")
+
+
+def chunk_steps(steps: Iterable[tuple[Sequence[str], float]]) -> Iterator[tuple[Sequence[str], float, bool]]:
+    """A chunk's steps as ``SchedCore.stepped`` takes them: (uids, seconds, first), ``first`` for
+    the first step of each batch in the chunk (what the cost model counts as a run)."""
+    seen: set[tuple[str, ...]] = set()
+    for uids, seconds in steps:
+        batch = tuple(uids)
+        yield uids, seconds, batch not in seen
+        seen.add(batch)
 
 
 class SchedCore:

@@ -18,7 +18,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from onepiece.sched.core import Run, SchedCore
+from onepiece.sched.core import Run, SchedCore, chunk_steps
 from onepiece.sched.keys import at_dop
 from onepiece.sched.policy import Request
 
@@ -146,13 +146,10 @@ class VirtualInstance:
     def _finish_chunk(self, run: Run, steps: list, first: dict) -> None:
         core = self.core
         reqs = core.requests
-        batches: set[tuple[str, ...]] = set()
-        for live, dt in steps:
+        for live, dt, first_of_batch in chunk_steps(steps):
             if len(live) > 1 or live[0] not in reqs:
                 live = [u for u in live if u in reqs]  # cancelled or expired meanwhile
-            batch = tuple(live)
-            core.stepped(live, dt, first=batch not in batches)
-            batches.add(batch)
+            core.stepped(live, dt, first=first_of_batch)
             for u in live:
                 r = reqs[u]
                 if r.steps == r.done:

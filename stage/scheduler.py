@@ -34,7 +34,7 @@ import zmq
 from onepiece.config import Workflow
 from onepiece.droplog import log_dropped
 from onepiece.events import CANCEL, MAX_EVENT_BYTES, read_event
-from onepiece.sched.core import Drop, Run, SchedCore
+from onepiece.sched.core import Drop, Run, SchedCore, chunk_steps
 from onepiece.sched.costs import CostModel
 from onepiece.sched.deadlines import stage_request
 from onepiece.sched.keys import at_dop, call_key, compat_key, shape_key
@@ -300,11 +300,8 @@ class RequestScheduler:
                 self._fail(r.uid, r.app, info.error)
         elif isinstance(info, Idle):
             measured = ident not in self.fresh
-            batches: set[tuple[str, ...]] = set()
-            for uids, seconds in info.steps:
-                batch = tuple(uids)
-                self.core.stepped(uids, seconds, measure=measured, first=batch not in batches)
-                batches.add(batch)
+            for uids, seconds, first in chunk_steps(info.steps):
+                self.core.stepped(uids, seconds, measure=measured, first=first)
                 if measured:
                     self.stats.step_time.observe(seconds)
             for uid, seconds in info.fixed.items():
