@@ -389,7 +389,10 @@ def test_malformed_data_and_rpc_are_dropped_with_a_log_line(start_dbs, caplog) -
         assert f"uid={u} dropped a malformed" in text  # one line naming the field and the sender
     assert "'status' message from 127.0.0.1: status.progress:" in text
     assert "expires_at" in text
-    time.sleep(3 * FAST["sweep_interval_s"])  # sweeps ran past the bad replica: still serving
+    # Three sweeps past the bad replica (each replaces the server's snapshot): still serving.
+    seen = [db.server.snapshot]
+    wait_for(lambda: (s := db.server.snapshot) is not seen[-1] and seen.append(s) is None and len(seen) > 3,
+             timeout=5, what="three sweeps")
     assert get_from(db, uid) is not None
     assert "dropped malformed request" in text
 
@@ -462,10 +465,8 @@ def test_async_client_with_failover(start_dbs) -> None:
             assert await client.get(new_uid()) is None
             send(by_control[first].server.data_address, {"uid": uid, "kind": "result"}, {"content": b"v"})
             second = by_control[order(uid, controls)[1]]
-            for _ in range(300):
-                if (r := get_from(second, uid)) and r["status"] == "completed":
-                    break
-                await asyncio.sleep(0.01)
+            wait_for(lambda: (r := get_from(second, uid)) and r["status"] == "completed", timeout=3,
+                     what="the result replicated to the second DB of the UID's order")
             by_control[first].shutdown()
             rec, data = await client.content(uid)
             assert data == b"v" and rec["status"] == "completed"
