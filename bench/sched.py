@@ -226,19 +226,26 @@ def costs_name(policy: str, load: str | None = None) -> str:
 def cost_table(stages: dict[str, Any], since: dict[str, Any] | None = None) -> dict[str, Any]:
     """What every stage measured in this run (its instances' heartbeats), as a cost table
     (``onepiece profile``'s format) that a simulator replays this run's traces with: seconds per
-    step or call by key and batch size, and what a request costs besides its steps (``fixed``).
-    Each figure is a mean over the steps since ``since`` (the stages as a trace began: so, over
+    step or call by key and batch size, what a request costs besides its steps (``fixed``), and
+    each stage's decision and IPC per chunk (``overhead_s``). Each figure is a mean over the
+    steps (requests, chunks) since ``since`` (the stages as a trace began: so, over
     exactly that trace), from the sums the stages keep, where there are such steps; else the
     median that prices the stage's decisions. Medians of the trace's last window had replays of
     the deadline policies 9-17% short: the median leaves out the slow steps a run still sums, and
     under those policies a trace's last window is its large requests, run alone at its end."""
     from onepiece.sched.costs import make_table
 
-    before = {(name, i): stats.get("cost_totals") or {} for name, i, stats in _instances(since)}
+    began = {(name, i): stats for name, i, stats in _instances(since)}
     rows: dict[str, list[dict[str, Any]]] = {}
     fixed: dict[str, dict[str, float]] = {}
+    chunks: dict[str, list[float]] = {}  # per stage, its instances' [overhead seconds, chunks] over the trace
     for name, i, stats in _instances(stages):
-        now, was = stats.get("cost_totals") or {}, before.get((name, i), {})
+        then = began.get((name, i), {})
+        now, was = stats.get("cost_totals") or {}, then.get("cost_totals") or {}
+        if stats.get("overhead_total"):
+            dt, dn = _added(stats["overhead_total"], then.get("overhead_total"))
+            pooled = chunks.setdefault(name, [0.0, 0])
+            pooled[0], pooled[1] = pooled[0] + dt, pooled[1] + dn
         mine, over_trace = rows.setdefault(name, []), set()
         for key, by_batch in now.get("steps", {}).items():
             for b, total in by_batch.items():
@@ -251,7 +258,8 @@ def cost_table(stages: dict[str, Any], since: dict[str, Any] | None = None) -> d
         for key, total in now.get("fixed", {}).items():
             if (m := _mean_since(total, was.get("fixed", {}).get(key))):
                 fixed.setdefault(name, {})[key] = m
-    return make_table(rows, fixed, device="measured by onepiece bench sched", cpu=cpu_name())
+    overhead = {name: t / n for name, (t, n) in chunks.items() if n > 0}
+    return make_table(rows, fixed, overhead, device="measured by onepiece bench sched", cpu=cpu_name())
 
 
 def _instances(stages: dict[str, Any] | None) -> Any:
@@ -261,10 +269,16 @@ def _instances(stages: dict[str, Any] | None) -> Any:
             yield name, inst.get("id", ""), inst.get("stats") or {}
 
 
+def _added(total: Any, before: Any) -> tuple[float, int]:
+    """What a [seconds, count] sum added since ``before`` (None: since the start)."""
+    (t, n), (t0, n0) = total, (before or (0.0, 0))
+    return t - t0, n - n0
+
+
 def _mean_since(total: Any, before: Any) -> float | None:
     """Mean of what a [seconds, count] sum added since ``before`` (None: nothing added)."""
-    (t, n), (t0, n0) = total, (before or (0.0, 0))
-    return (t - t0) / (n - n0) if n > n0 else None
+    dt, dn = _added(total, before)
+    return dt / dn if dn > 0 else None
 
 
 # --- figures --------------------------------------------------------------------------------------

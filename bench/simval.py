@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,15 @@ def validate(results: Path, costs_of: str | None = None) -> dict[str, Any]:
             "targets": _targets(rows)}
 
 
+def margin(share: float, n: int) -> float:
+    """Half-width of the 95% interval of a share measured over ``n`` requests (Agresti–Coull:
+    not zero at 0% or 100%, where a few requests say little)."""
+    if n <= 0:
+        return 1.0
+    p = (share * n + 2) / (n + 4)
+    return 1.96 * math.sqrt(p * (1 - p) / (n + 4))
+
+
 def _sent(trace: Trace, max_duration: float) -> Trace:
     """The requests the benchmark sent: those within its arrival window."""
     return trace.model_copy(update={"requests": [r for r in trace.requests if r.at <= max_duration]})
@@ -99,6 +109,8 @@ def markdown(doc: dict[str, Any]) -> str:
              f"{doc['run']['when']} ({doc['run']['results']}), "
              + (f"every policy priced by the costs {doc['costs_of']}'s run measured." if doc.get("costs_of")
                 else "each policy priced by the costs its own run measured."),
+             "", "The measured attainment's ± is its own sampling margin (95%, Agresti–Coull): how far a "
+                 "rerun of the same trace on the same machine could land from it by chance alone.",
              "", "| policy | load | class | n | refused measured / predicted | attainment measured | predicted "
                  "| Δ points | mean ms measured | predicted | Δ |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for policy, by_load in doc["rows"].items():
@@ -108,7 +120,8 @@ def markdown(doc: dict[str, Any]) -> str:
                 if p is None:
                     continue
                 lines.append(f"| {policy} | {load} | {c} | {m['n']} | {m['refused']} / {p['refused']} "
-                             f"| {m['attainment']:.0%} | {p['attainment']:.0%} "
+                             f"| {m['attainment']:.0%} ± {margin(m['attainment'], m['n']) * 100:.0f} "
+                             f"| {p['attainment']:.0%} "
                              f"| {(p['attainment'] - m['attainment']) * 100:+.0f} | {m['mean_s'] * 1000:.0f} "
                              f"| {p['mean_s'] * 1000:.0f} | {(p['mean_s'] - m['mean_s']) / m['mean_s']:+.0%} |")
     where = [(policy, load, c, stage, m, cell["stages"]["predicted"].get(c, {}).get(stage))

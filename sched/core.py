@@ -115,6 +115,9 @@ class SchedCore:
         self.requests: dict[str, Request] = {}
         self.workers: dict[str, _Worker] = {}
         self.overhead_s = 0.0  # measured per chunk: decision + IPC
+        # [seconds, chunks] of that overhead since the start: what a benchmark differences over
+        # one trace (the moving figure above is the quiet end of a run, not its busy middle)
+        self.overhead_total = [0.0, 0]
         self.stats = CoreStats()
         self.rejections: collections.deque[str] = collections.deque(maxlen=32)  # why, for logs and tests
         self._bytes: collections.OrderedDict[str, int] = collections.OrderedDict()  # state size per key
@@ -239,6 +242,8 @@ class SchedCore:
         """Decision and IPC time a chunk cost beyond its compute (measured by the shell)."""
         if seconds >= 0:
             self.overhead_s += OVERHEAD_EWMA * (seconds - self.overhead_s) if self.overhead_s else seconds
+            self.overhead_total[0] += seconds
+            self.overhead_total[1] += 1
 
     # --- estimates ------------------------------------------------------------------------------
     def est_bytes(self, r: Request) -> int:

@@ -319,6 +319,18 @@ def table_fixed(doc: Any, stage: str) -> dict[str, float]:
     return out
 
 
+def table_overhead(doc: Any, stage: str) -> float | None:
+    """Seconds of decision and IPC per chunk at one stage of a parsed table (its optional
+    ``overhead_s``, as a run measured it; None: not given)."""
+    entry = doc["stages"].get(stage) if isinstance(doc, dict) and isinstance(doc.get("stages"), dict) else None
+    t = entry.get("overhead_s") if isinstance(entry, dict) else None
+    if t is None:
+        return None
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+        raise TableError(f"stages.{stage}.overhead_s: expected seconds >= 0, got {t!r}")
+    return float(t)
+
+
 def read_table(path: str | Path) -> Any:
     """A table file's parsed JSON (not checked yet), or TableError saying why it cannot be read."""
     try:
@@ -338,11 +350,13 @@ def load_table(path: str | Path, stage: str | None = None) -> dict[str, dict[int
 
 
 def make_table(stages: dict[str, Iterable[dict[str, Any]]], fixed: dict[str, dict[str, float]] | None = None,
-               **meta: Any) -> dict[str, Any]:
+               overhead: dict[str, float] | None = None, **meta: Any) -> dict[str, Any]:
     """A table document: ``stages`` maps a stage to rows ``{key, batch, seconds, ...}``, ``fixed``
-    a stage to {key: seconds a request costs besides its steps}; ``meta`` (device, host, model,
-    units...) is kept beside them."""
-    fixed = fixed or {}
+    a stage to {key: seconds a request costs besides its steps}, ``overhead`` a stage to its
+    seconds of decision and IPC per chunk; ``meta`` (device, host, model, units...) is kept
+    beside them."""
+    fixed, overhead = fixed or {}, overhead or {}
     return {"version": TABLE_VERSION, **meta, "stages": {
-        s: {"rows": list(rows), **({"fixed": [{"key": k, "seconds": t} for k, t in fixed[s].items()]}
-                                   if fixed.get(s) else {})} for s, rows in stages.items()}}
+        s: {"rows": list(rows),
+            **({"fixed": [{"key": k, "seconds": t} for k, t in fixed[s].items()]} if fixed.get(s) else {}),
+            **({"overhead_s": overhead[s]} if s in overhead else {})} for s, rows in stages.items()}}

@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "load its new stage, after its drain (default %(default)s)")
     p.add_argument("--hop-ms", type=non_negative(" ms"), default=HOP_S * 1000, help="time of one message between stages (ms)")
     p.add_argument("--overhead-ms", type=non_negative(" ms"), default=OVERHEAD_S * 1000,
-                   help="decision and IPC per chunk of steps (ms)")
+                   help="decision and IPC per chunk of steps (ms), at the stages whose cost table does not "
+                        "say (a table from bench sched has each stage's, measured over its trace)")
     p.add_argument("--out", default="sim-out", help="folder for sim.json, .md, .png, .perfetto.json")
     p.add_argument("--name", default="sim", help="file name stem of the outputs (default sim)")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from onepiece.sched.costs import CostModel, TableError, at_batch, read_table, table_fixed, table_rows
+from onepiece.sched.costs import CostModel, TableError, at_batch, read_table, table_fixed, table_overhead, table_rows
 from onepiece.sched.keys import variant
 
 
@@ -26,6 +26,7 @@ class CostTable:
             table_rows(doc)  # the whole document first: it says what is wrong
             self.rows = {s: table_rows(doc, s) for s in doc["stages"]}
             self.fixed = {s: table_fixed(doc, s) for s in doc["stages"]}
+            self.overhead = {s: t for s in doc["stages"] if (t := table_overhead(doc, s)) is not None}
         except TableError as e:
             raise TableError(f"{source}: {e}") from None
         self.meta = {k: v for k, v in doc.items() if k != "stages"}
@@ -70,6 +71,11 @@ class CostTable:
         finishing its state; 0 where the table says nothing)."""
         fixed = self.fixed.get(stage, {})
         return lambda key: fixed.get(key, 0.0)
+
+    def overhead_s(self, stage: str, default: float) -> float:
+        """Decision and IPC per chunk at ``stage``: as the table says (a run measured it over
+        its trace), else ``default``."""
+        return self.overhead.get(stage, default)
 
     def model(self, stage: str) -> CostModel:
         """The cost model a stage's core starts from: this table's rows and per-request figures,

@@ -171,7 +171,8 @@ class Simulation:
 
         chunk = None if self.chunks is None else self._chunk_hook(stage, name)
         ranks = self._ranks(stage)
-        vi = VirtualInstance(self.loop, core, self.costs.pricer(stage), spec.workers // ranks, self.overhead_s,
+        vi = VirtualInstance(self.loop, core, self.costs.pricer(stage), spec.workers // ranks,
+                             self.costs.overhead_s(stage, self.overhead_s),
                              on_end=ended, on_chunk=chunk, name=name, ranks=ranks, fixed=self.costs.fixed_s(stage))
         self.lifetimes.append((stage, vi, self.loop.now, None))
         return vi

@@ -437,6 +437,7 @@ class RequestScheduler:
         s.cancelled = c.cancelled + self.cancelled_on_arrival
         s.batches, s.batched = c.batches, c.batched
         s.overhead_ms = self.core.overhead_s * 1000
+        s.overhead_total = [round(self.core.overhead_total[0], 6), self.core.overhead_total[1]]
         s.rejected_frames = getattr(self.receiver, "rejected", 0)
         if now - self._reported >= 0.5:  # the heartbeat reads it about once a second
             s.service = self._service.report()

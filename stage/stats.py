@@ -69,6 +69,7 @@ class SchedulerStats:
     batches: int = 0
     batched: int = 0  # requests over all batches: batched / batches is the mean batch size
     overhead_ms: float = 0.0  # decision + IPC per chunk (measured)
+    overhead_total: list = field(default_factory=lambda: [0.0, 0])  # [seconds, chunks] of it since the start
     busy_s: float = 0.0  # cumulative seconds workers ran a chunk, summed over workers
     slot_s: float = 0.0  # cumulative seconds of worker slots (workers x wall time)
     gpu_util: float | None = None  # NVML, where the workers run on GPUs (stage/gpu.py)

@@ -171,18 +171,21 @@ def test_a_results_stages_come_from_its_own_trace_as_the_simulator_gives_them():
 
 def test_a_runs_cost_table_charges_the_means_over_its_trace():
     from onepiece.bench.sched import cost_table
-    from onepiece.sched.costs import table_fixed, table_rows
+    from onepiece.sched.costs import table_fixed, table_overhead, table_rows
 
     key = "64x64x9/cfg/L64"
 
-    def stages(sums: dict, fixed: list) -> dict:
-        stats = {"costs": {key: {"1": 0.010, "2": 0.015}}, "cost_totals": {"steps": {key: sums}, "fixed": {key: fixed}}}
+    def stages(sums: dict, fixed: list, overhead: list) -> dict:
+        stats = {"costs": {key: {"1": 0.010, "2": 0.015}}, "cost_totals": {"steps": {key: sums}, "fixed": {key: fixed}},
+                 "overhead_total": overhead}
         return {"denoise_t2v": {"instances": [{"id": "a", "stats": stats}]},
                 "vae_decode": {"instances": [{"id": "b", "stats": {"costs": {"64x64x9": {"1": 0.05}}}}]}}
 
-    began = stages({"1": [1.0, 100]}, [0.2, 10])
-    ended = stages({"1": [2.5, 200], "2": [0.3, 20]}, [0.5, 20])
+    began = stages({"1": [1.0, 100]}, [0.2, 10], [0.05, 50])
+    ended = stages({"1": [2.5, 200], "2": [0.3, 20]}, [0.5, 20], [0.35, 110])
     doc = cost_table(ended, began)
+    # the chunks' decision and IPC over the trace: 0.3 s over 60 chunks; none known at vae_decode
+    assert table_overhead(doc, "denoise_t2v") == pytest.approx(0.005) and table_overhead(doc, "vae_decode") is None
     # over the trace: 1.5 s over 100 steps at batch 1, 0.3 s over 20 at 2; 0.3 s over 10 requests
     assert table_rows(doc, "denoise_t2v") == {key: {1: pytest.approx(0.015), 2: pytest.approx(0.015)}}
     assert table_fixed(doc, "denoise_t2v") == {key: pytest.approx(0.03)} and table_fixed(doc, "vae_decode") == {}
@@ -190,3 +193,14 @@ def test_a_runs_cost_table_charges_the_means_over_its_trace():
     # Without a start: since the stage started. A size no step of the trace ran: its median.
     assert table_rows(cost_table(ended), "denoise_t2v")[key][1] == pytest.approx(2.5 / 200)
     assert table_rows(cost_table(began, began), "denoise_t2v") == {key: {1: 0.010, 2: 0.015}}
+
+
+def test_simval_states_the_sampling_margin_of_a_measured_attainment():
+    from onepiece.bench.simval import margin
+
+    # 80% of 60 requests: about ±10 points at 95%; 5 points needs about four times the requests
+    assert margin(0.8, 60) == pytest.approx(0.10, abs=0.005)
+    assert margin(0.8, 240) < 0.055
+    # all on time says little about a handful of requests, and never "exactly"
+    assert margin(1.0, 5) > 0.2 and 0 < margin(1.0, 1000) < margin(1.0, 60)
+    assert margin(0.5, 0) == 1.0

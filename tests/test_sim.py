@@ -69,6 +69,31 @@ def test_a_request_pays_its_tables_preparing_and_finishing_once_at_each_stage_th
         CostTable(doc, "t.json")
 
 
+def test_a_stage_whose_table_says_its_chunk_overhead_pays_that_per_chunk():
+    """A table from a run carries each stage's decision and IPC per chunk, measured over its
+    trace; the simulator charges it there and the default elsewhere."""
+    doc = {"version": 1, "stages": {s: {"rows": r} for s, r in (
+        ("text_encode", [{"key": S, "batch": 1, "seconds": 0.01}]),
+        ("vae_decode", [{"key": S, "batch": 1, "seconds": 0.05}]),
+        ("denoise_t2v", [{"key": f"{S}/cfg/L64", "batch": 1, "seconds": 0.02}]))}}
+    runs = {}
+    for ov in (None, 0.004):
+        if ov is not None:
+            doc["stages"]["denoise_t2v"]["overhead_s"] = ov
+        sim = Simulation(WF, SET, CostTable(doc, "t.json"), hop_s=0.002, overhead_s=0.001)
+        sim.load(trace([{"at": 1.0, "class": "S"}]))
+        (rec,) = sim.run()
+        runs[ov] = rec["latency_s"], [c for c in sim.chunks if "denoise" in c.instance]
+    (plain, chunks_before), (dear, chunks_after) = runs[None], runs[0.004]
+    # a dearer overhead makes chunks longer (fewer of them keep it under 3% of their compute)
+    assert len(chunks_after) < len(chunks_before)
+    assert dear - plain == pytest.approx(len(chunks_after) * 0.004 - len(chunks_before) * 0.001, abs=1e-9)
+    for bad in (-0.001, "1ms", True, float("inf")):
+        doc["stages"]["denoise_t2v"]["overhead_s"] = bad
+        with pytest.raises(TableError, match=r"stages.denoise_t2v.overhead_s"):
+            CostTable(doc, "t.json")
+
+
 def test_compatible_requests_share_forward_passes_and_a_long_one_is_passed():
     """Four small requests arriving while a large one denoises: slo batches them and runs them
     before the large one's remaining steps (its deadline is far), so they all meet 1 s."""

@@ -105,6 +105,9 @@ def test_compatible_requests_share_forward_passes(up, tmp_path):
     assert s["policy"] == "slo" and s["max_batch"] == 4
     assert s["batched"] / s["batches"] > 1.5, s  # they shared forward passes
     assert any(int(b) > 1 for key in s["costs"].values() for b in key)  # steps measured at batch > 1
+    # every chunk's decision and IPC summed since the start (what bench sched differences over a trace)
+    seconds, chunks = s["overhead_total"]
+    assert chunks >= 1 and seconds > 0 and s["overhead_ms"] > 0, s
     # Seen by an operator: `onepiece status` and the instance's /metrics.
     out = subprocess.run([sys.executable, "-m", "onepiece", "status", "--nm", up.nm], capture_output=True,
                          text=True, timeout=30).stdout
