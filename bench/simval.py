@@ -71,12 +71,21 @@ def validate(results: Path, costs_of: str | None = None) -> dict[str, Any]:
             measured = summarize(recs, {c: v["slo_s"] for c, v in run["classes"].items()})
             rows.setdefault(row, {})[load] = {"measured": measured, "predicted": result["summary"],
                                                  "wall_s": result["wall_s"],
+                                                 "admitted_alike": admitted_alike(recs, result["requests"]),
                                                  # where the time goes (runs that kept each result's stages)
                                                  "stages": {"measured": stage_times(recs),
                                                             "predicted": stage_times(result["requests"])}}
     return {"bench": "simval", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
             "run": {"when": run.get("when"), "results": str(results)}, "costs_of": costs_of, "rows": rows,
             "targets": _targets(rows)}
+
+
+def admitted_alike(measured: list[dict], predicted: list[dict]) -> int:
+    """Requests of one trace that both sides admitted, or both refused (records in trace order,
+    matched by send time)."""
+    def order(recs: list[dict]) -> list[bool]:
+        return [r["outcome"] == "rejected" for r in sorted(recs, key=lambda r: r["at"])]
+    return sum(a == b for a, b in zip(order(measured), order(predicted)))
 
 
 def margin(share: float, n: int) -> float:
@@ -124,6 +133,14 @@ def markdown(doc: dict[str, Any]) -> str:
                              f"| {p['attainment']:.0%} "
                              f"| {(p['attainment'] - m['attainment']) * 100:+.0f} | {m['mean_s'] * 1000:.0f} "
                              f"| {p['mean_s'] * 1000:.0f} | {(p['mean_s'] - m['mean_s']) / m['mean_s']:+.0%} |")
+    differ = [(policy, load, cell["measured"]["all"]["n"], cell["admitted_alike"])
+              for policy, by_load in doc["rows"].items() for load, cell in by_load.items()
+              if cell.get("admitted_alike") is not None
+              and (cell["measured"]["all"]["refused"] or cell["predicted"]["all"]["refused"])]
+    if differ:
+        lines += ["", "Where requests were refused, the simulator admitted or refused each as the run did: "
+                  + "; ".join(f"{policy} at {load.removeprefix('monitor on ')}, {alike} of {n}"
+                            for policy, load, n, alike in differ) + "."]
     where = [(policy, load, c, stage, m, cell["stages"]["predicted"].get(c, {}).get(stage))
              for policy, by_load in doc["rows"].items() for load, cell in by_load.items()
              for c, per in (cell.get("stages") or {}).get("measured", {}).items() for stage, m in per.items()]

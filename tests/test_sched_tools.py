@@ -204,3 +204,14 @@ def test_simval_states_the_sampling_margin_of_a_measured_attainment():
     # all on time says little about a handful of requests, and never "exactly"
     assert margin(1.0, 5) > 0.2 and 0 < margin(1.0, 1000) < margin(1.0, 60)
     assert margin(0.5, 0) == 1.0
+
+
+def test_simval_counts_the_requests_a_simulated_monitor_decided_as_the_run_did():
+    from onepiece.bench.simval import admitted_alike
+
+    def recs(outcomes: str) -> list[dict]:  # one letter per request in send order: c(ompleted), r(efused)
+        return [{"at": float(i), "outcome": "rejected" if o == "r" else "completed"} for i, o in enumerate(outcomes)]
+
+    run, sim = recs("crrcc"), recs("cccrc")
+    assert admitted_alike(run, sim) == 2  # the 1st and the 5th
+    assert admitted_alike(run, list(reversed(run))) == 5  # matched by send time, not by list order
