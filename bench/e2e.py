@@ -24,12 +24,14 @@ It prints a table and saves JSON (and a Markdown table) under ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -162,11 +164,12 @@ def _wait_done(events: "zmq.Socket", uid: str, timeout: float) -> None:
     raise TimeoutError(f"{uid} not done in {timeout:.0f}s")
 
 
-def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder: Path, device: str,
-            threads: int = 0) -> dict[str, Any]:
-    """Monolithic and onepiece runs alternate, request by request, so that drift in the
-    machine's speed (a shared VM) hits both alike."""
-    from onepiece.client import Client
+@contextlib.contextmanager
+def t2v_set(models: dict[str, Path], folder: Path, transport: str = "ipc", device: str = "cpu",
+            threads: int = 0) -> Iterator[tuple[str, Any, "zmq.Socket"]]:
+    """The benchmarks' one-set t2v deployment (text_encode, denoise_t2v, vae_decode, one DB, one
+    proxy), ready: its proxy's URL, a client of its DBs, and a socket on their done events
+    (``_wait_done``); stopped on the way out."""
     from onepiece.db.client import DbClient
     from onepiece.launcher import Deployment, free_tcp_address, write_topology
     from onepiece.nm.client import NmClient
@@ -174,7 +177,6 @@ def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder
     dep = Deployment(write_topology(folder, models, free_tcp_address(), dbs=1, transport=transport, heartbeat_s=1.0,
                                     stages=dict(T2V_STAGES), device=device, threads=threads),
                      folder / "logs")
-    out: dict[str, Any] = {}
     try:
         dep.start()
         url = dep.wait_ready(300)["set0"][0]
@@ -187,6 +189,23 @@ def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder
         curve.client(events)
         for d in dbs:
             events.connect(d["events"])
+        try:
+            yield url, db, events
+        finally:
+            db.close()
+            events.close(0)
+    finally:
+        dep.stop()
+
+
+def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder: Path, device: str,
+            threads: int = 0) -> dict[str, Any]:
+    """Monolithic and onepiece runs alternate, request by request, so that drift in the
+    machine's speed (a shared VM) hits both alike."""
+    from onepiece.client import Client
+
+    out: dict[str, Any] = {}
+    with t2v_set(models, folder, transport, device, threads) as (url, db, events):
         mono = Monolithic(models["t2v"], device)
         split = SplitInProcess(folder, device)
         with Client(url) as c:
@@ -221,10 +240,6 @@ def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder
                     "onepiece_stages_p50": {k: statistics.median([s.get(k, 0.0) for s in stages]) for k in keys},
                     "in_process_stages_p50": {k: statistics.median([s[k] for s in alone]) for k in split.stages},
                 }
-        db.close()
-        events.close(0)
-    finally:
-        dep.stop()
     return out
 
 

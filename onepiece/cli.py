@@ -509,11 +509,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("bench", help="benchmarks (see bench/)")
     benches = sp.add_subparsers(dest="which", required=True, metavar="BENCHMARK")
-    from onepiece.bench import (batching, curve, dop, e2e, elastic, failover, moves, mp4, overload, parallel,
+    from onepiece.bench import (batching, cpu, curve, dop, e2e, elastic, failover, moves, mp4, overload, parallel,
                                  sched, shares, simspeed, simval, transport, validation)
 
     for module, help_text in (
         (e2e, "end-to-end latency against the monolithic pipeline"),
+        (cpu, "CPU time and wake-ups of each role of a deployment, per request and at idle"),
         (mp4, "the MP4 encoder's CPU time, size and quality: the shipped x264 settings against others"),
         (batching, "denoise throughput and latency at max batch 1, 2, 4, 8 (scale models)"),
         (dop, "elastic DoP against static DoP 1, 2, 4 on simulated GPU fleets (published cost table)"),
