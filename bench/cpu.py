@@ -100,7 +100,7 @@ def per(before: dict[str, list[float]], after: dict[str, list[float]], n: float)
 
 def measure(models: dict[str, Path], folder: Path, shape: tuple[int, int, int, int], n: int,
             idle_s: float) -> dict[str, Any]:
-    from onepiece.bench.e2e import _wait_done, t2v_set
+    from onepiece.bench.e2e import t2v_set, wait_done
     from onepiece.client import Client
 
     w, h, f, steps = shape
@@ -108,7 +108,7 @@ def measure(models: dict[str, Path], folder: Path, shape: tuple[int, int, int, i
         def one() -> None:
             v = c.submit(PROMPT, model="t2v", size=f"{w}x{h}", num_frames=f, steps=steps, seed=0)
             uid = v["id"].removeprefix("video_")
-            _wait_done(events, uid, timeout=600)
+            wait_done(events, uid, timeout=600)
             rec = db.get(uid)
             if rec["status"] != "completed":
                 raise RuntimeError(f"request {uid} ended {rec['status']}: {rec.get('error')}")

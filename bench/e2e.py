@@ -156,7 +156,7 @@ def _breakdown(trace: list[dict], sent: float, stored: float) -> dict[str, float
     return {k: v for k, v in out.items() if not k.startswith("_")}
 
 
-def _wait_done(events: "zmq.Socket", uid: str, timeout: float) -> None:
+def wait_done(events: "zmq.Socket", uid: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
         if events.poll(int(left * 1000)) and json.loads(events.recv_multipart()[1])["uid"] == uid:
@@ -169,7 +169,7 @@ def t2v_set(models: dict[str, Path], folder: Path, transport: str = "ipc", devic
             threads: int = 0) -> Iterator[tuple[str, Any, "zmq.Socket"]]:
     """The benchmarks' one-set t2v deployment (text_encode, denoise_t2v, vae_decode, one DB, one
     proxy), ready: its proxy's URL, a client of its DBs, and a socket on their done events
-    (``_wait_done``); stopped on the way out."""
+    (``wait_done``); stopped on the way out."""
     from onepiece.db.client import DbClient
     from onepiece.launcher import Deployment, free_tcp_address, write_topology
     from onepiece.nm.client import NmClient
@@ -220,7 +220,7 @@ def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder
                     t0 = time.time()
                     v = c.submit(PROMPT, model="t2v", size=f"{w}x{h}", num_frames=f, steps=steps, seed=0, guidance=5.0)
                     uid = v["id"].removeprefix("video_")
-                    _wait_done(events, uid, timeout=600)
+                    wait_done(events, uid, timeout=600)
                     rec = db.get(uid)
                     assert rec["status"] == "completed", rec
                     c.download(v["id"], folder / "out.mp4")
