@@ -30,8 +30,8 @@ import os
 import statistics
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import zmq

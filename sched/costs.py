@@ -300,11 +300,17 @@ def table_rows(doc: Any, stage: str | None = None) -> dict[str, dict[int, float]
     return out
 
 
+def _stage_entry(doc: Any, stage: str) -> dict[str, Any]:
+    """One stage's entry of a parsed table ({} where the table has none)."""
+    stages = doc.get("stages") if isinstance(doc, dict) else None
+    entry = stages.get(stage) if isinstance(stages, dict) else None
+    return entry if isinstance(entry, dict) else {}
+
+
 def table_fixed(doc: Any, stage: str) -> dict[str, float]:
     """{key: seconds a request costs besides its steps} of one stage of a parsed table (its
     optional ``fixed`` list of ``{key, seconds}``; none: no such cost known)."""
-    entry = doc["stages"].get(stage) if isinstance(doc, dict) and isinstance(doc.get("stages"), dict) else None
-    rows = entry.get("fixed", []) if isinstance(entry, dict) else []
+    rows = _stage_entry(doc, stage).get("fixed", [])
     if not isinstance(rows, list):
         raise TableError(f"stages.{stage}.fixed must be a list")
     out: dict[str, float] = {}
@@ -322,8 +328,7 @@ def table_fixed(doc: Any, stage: str) -> dict[str, float]:
 def table_overhead(doc: Any, stage: str) -> float | None:
     """Seconds of decision and IPC per chunk at one stage of a parsed table (its optional
     ``overhead_s``, as a run measured it; None: not given)."""
-    entry = doc["stages"].get(stage) if isinstance(doc, dict) and isinstance(doc.get("stages"), dict) else None
-    t = entry.get("overhead_s") if isinstance(entry, dict) else None
+    t = _stage_entry(doc, stage).get("overhead_s")
     if t is None:
         return None
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):

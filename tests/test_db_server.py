@@ -28,7 +28,7 @@ from onepiece.nm.server import NodeManager
 from onepiece.transport import registry
 from onepiece.transport.message import Message, new_uid, now_ns
 from onepiece.transport.rpc import RpcClient, RpcError
-from waiting import wait_for
+from waiting import await_for, wait_for
 
 FAST = {"sweep_interval_s": 0.05, "deadline_grace_s": 0.0, "replication_timeout_s": 0.2,
         "peer_backoff_s": 0.2, "purge_after_fetch_s": 0.0}
@@ -465,8 +465,8 @@ def test_async_client_with_failover(start_dbs) -> None:
             assert await client.get(new_uid()) is None
             send(by_control[first].server.data_address, {"uid": uid, "kind": "result"}, {"content": b"v"})
             second = by_control[order(uid, controls)[1]]
-            wait_for(lambda: (r := get_from(second, uid)) and r["status"] == "completed", timeout=3,
-                     what="the result replicated to the second DB of the UID's order")
+            await await_for(lambda: (r := get_from(second, uid)) and r["status"] == "completed", timeout=3,
+                            what="the result replicated to the second DB of the UID's order")
             by_control[first].shutdown()
             rec, data = await client.content(uid)
             assert data == b"v" and rec["status"] == "completed"
