@@ -63,6 +63,7 @@ others in the end.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -109,6 +110,8 @@ REPL_SHORT = Counter("onepiece_db_replication_short",
                      "Changes that reached fewer DBs than the replication factor", ["db"])
 
 DRAIN_S = 1.0  # how long a stopping DB keeps sending queued replication messages
+TURN_MS = 250  # the longest a loop turn waits for a message (stop and close are noticed within it)
+REPL_WAIT_S = 1.0  # a bound only: a change to replicate or _stop_replicator's None ends the wait
 REPAY_S = 5.0  # how often changes that fell short are sent again (and at once when peers change)
 OWED_MAX = 10_000
 REPAY_BATCH = 256
@@ -151,7 +154,7 @@ class DbServer:
         self.sweep_interval_s = sweep_interval_s
         self.replication_timeout_s = replication_timeout_s
         self.peer_backoff_s = peer_backoff_s
-        self._outq: queue.Queue[Message] = queue.Queue(maxsize=replication_queue)
+        self._outq: queue.Queue[Message | None] = queue.Queue(maxsize=replication_queue)  # None: wake up
         self._peers: list[dict[str, str]] = []
         self._peers_lock = threading.Lock()
         self._owed: dict[str, None] = {}  # uids whose last change fell short, oldest first
@@ -248,15 +251,17 @@ class DbServer:
             data_sock = getattr(self.receiver, "sock", None)
             if isinstance(data_sock, zmq.Socket):
                 poller.register(data_sock, zmq.POLLIN)
-                wait_ms = 50
             else:
-                data_sock, wait_ms = None, 1
+                data_sock = None
             next_sweep = time.monotonic() + self.sweep_interval_s
             next_repay = time.monotonic() + REPAY_S
             self.snapshot = self.stats()
             log.info("db %s serving data=%s control=%s events=%s", self.name, self.data_address,
                      self.control_address, self.events_address)
             while not stop.is_set() and not self._closing.is_set():
+                # Sockets wake it; with nothing arriving it turns for the next sweep (which also
+                # notices stop and close). The ring has no socket: polled every millisecond.
+                wait_ms = 1 if data_sock is None else max(1, min(TURN_MS, int((next_sweep - time.monotonic()) * 1000)))
                 events = dict(poller.poll(wait_ms))
                 if data_sock is None or data_sock in events:
                     self._drain_data()
@@ -573,6 +578,8 @@ class DbServer:
 
     def _stop_replicator(self) -> None:
         self._repl_stop.set()
+        with contextlib.suppress(queue.Full):  # ends its wait at once (a full queue is not waited on)
+            self._outq.put_nowait(None)
         if self._replicator is not None:
             # Bounded: the drain stops after DRAIN_S, each send waits replication_timeout_s.
             self._replicator.join(timeout=DRAIN_S + self.replication_timeout_s + 1.0)
@@ -611,10 +618,12 @@ class DbServer:
                     if time.monotonic() > drain_until:
                         break
                 try:
-                    msg = self._outq.get(timeout=0.05) if drain_until is None else self._outq.get_nowait()
+                    msg = self._outq.get(timeout=REPL_WAIT_S) if drain_until is None else self._outq.get_nowait()
                 except queue.Empty:
                     if drain_until is not None:
                         break
+                    continue
+                if msg is None:  # _stop_replicator's wake-up
                     continue
                 peers = self.peers
                 for gone in set(senders) - {p["data"] for p in peers}:

@@ -10,9 +10,9 @@ the runtime's own pieces, not copies of them:
   message between stages;
 - with a set's request monitor on, every arrival goes through the proxy's own ``admit`` against
   the NM's own capacity view (``nm.capacity.estimate``), rebuilt every heartbeat from what each
-  simulated instance measured (``ServiceTimes``, as the stage's scheduler records it); a set that
-  refuses passes the request to the next set, as the client does, and a request every set
-  refuses is ``rejected``;
+  simulated instance measured (``ServiceTimes``, as the stage's scheduler records it, from a warm
+  start: ``Simulation._warm``); a set that refuses passes the request to the next set, as the
+  client does, and a request every set refuses is ``rejected``;
 - with a topology's elastic policy, the NM's own state and policy move instances between stages
   (``sim/elastic.py``).
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -228,8 +229,26 @@ class Simulation:
                                          known[2], known[0], shape_key(params))  # shared: read only
             self.loop.at_in_order(tr.at, self._arrive, self.journeys[uid])  # a trace is in time order
             self._open += 1
+        self._warm()
         if (self.elastic is not None or any(a is not None for a in self.admission.values())) and self._open:
             self.loop.at(0.0, self._heartbeat)
+
+    def _warm(self) -> None:
+        """A monitored set's instances start as a deployment that has served before (``bench
+        sched`` warms up with every class): each has measured one request of every shape the
+        trace brings it, so the NM's capacity view is measured from the first arrival, as the
+        real one is. (Cold, it admitted all it was offered until the first requests finished.)"""
+        firsts: dict[tuple[str, str], Journey] = {}
+        for j in self.journeys.values():
+            firsts.setdefault((j.app, j.shape), j)
+        for set_name, adm in self.admission.items():
+            if adm is None:
+                continue
+            for j in firsts.values():
+                for stage, (key, steps, batchable) in zip(j.stages, j.entries):
+                    for vi in self.instances[set_name].get(stage, []):
+                        r = stage_request(j.uid, j.app, key, steps, 0.0, math.inf, None, 0.0, batchable=batchable)
+                        self.service[vi.name].finished(vi.core, r, j.shape)
 
     def _wants_image(self, app: str) -> bool:
         spec = self.wf.applications.get(app)

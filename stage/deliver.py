@@ -26,6 +26,8 @@ from onepiece.transport.message import Message
 
 log = logging.getLogger(__name__)
 
+IDLE_WAIT_S = 1.0  # a bound only: an item or wake() ends the mailbox wait
+
 MAX_HOPS = 3  # forwards per message: route tables settle within a heartbeat, so more means a loop
 
 
@@ -43,9 +45,10 @@ class ResultDeliver:
         self._last_progress: dict[str, int] = {}
 
     def run(self, stop: threading.Event) -> None:
+        """Deliver until ``stop`` is set and the mailbox is empty (``wake()`` after setting it)."""
         while not stop.is_set() or not self.mailbox.empty():
             try:
-                item = self.mailbox.get(timeout=0.1)
+                item = self.mailbox.get(timeout=IDLE_WAIT_S)
             except queue.Empty:
                 continue
             try:
@@ -53,8 +56,17 @@ class ResultDeliver:
             except Exception:  # one bad item must not stop delivery for everyone else
                 log.exception("deliver failed on %s", item[0])
 
+    def wake(self) -> None:
+        """End ``run``'s wait now (its stop flag was just set)."""
+        try:
+            self.mailbox.put_nowait(("wake",))
+        except queue.Full:  # then it is not waiting
+            pass
+
     def _handle(self, item: tuple) -> None:
         what = item[0]
+        if what == "wake":
+            return
         if what == "result":
             self._deliver(item[1])
         elif what == "forward":

@@ -111,6 +111,12 @@ class StageInstance:
         self._forwarder = ResultDeliver("", workflow, None, routes=lambda: member.routes,  # type: ignore[arg-type]
                                         on_sent=holdings.deliveries.add)
 
+    def routes_changed(self) -> None:
+        """From the membership thread: a route table came (its DBs may be new to the scheduler)."""
+        rt = self.runtime
+        if rt is not None:
+            rt.scheduler.wake.set()
+
     # ---- what the heartbeat reports ----------------------------------------------------------
 
     def serving(self) -> str | None:
@@ -209,6 +215,7 @@ def serve(nm_address: str, set_name: str, listen: str = "tcp://127.0.0.1:0", sta
         {"data": receiver.address, "metrics": f"http://{registry.host_of(listen)}:{metrics.server_port}"},
         stage=stage, stats=lambda: inst.stats() if inst else {}, ready=lambda: bool(inst and inst.serving()),
         serving=lambda: inst.serving() if inst else None, on_assign=lambda _: inst and inst.moved.set(),
+        on_routes=lambda _: inst and inst.routes_changed(),
         advertise=advertise, zk=zk, idle=idle, name=name, deployment=deployment_id, deliveries=holdings.deliveries,
     )
     try:

@@ -78,10 +78,12 @@ class StageRuntime:
         left: on shutdown (``moving_to`` None) everything still here fails with the reason;
         on a move the queue is forwarded to the stage's other instances."""
         self._stop.set()
+        self.scheduler.wake.set()
         self._threads["scheduler"].join(timeout=10)
         self._threads["task-manager"].join(timeout=10)
         self.tm.stop()
         self.scheduler.close(moving_to)
         self._deliver_stop.set()
+        self.deliver.wake()
         self._threads["deliver"].join(timeout=30)
         self.deliver.close()

@@ -47,10 +47,13 @@ from onepiece.task_header import TaskHeader
 from onepiece.transport import curve
 from onepiece.transport.base import Receiver
 from onepiece.transport.message import Message, MessageError, decode, encode, now_ns
+from onepiece.transport.wake import Wake
 from onepiece.transport.zmq_transport import peer_of
 
 log = logging.getLogger(__name__)
 
+BUSY_TURN_MS = 50  # while it holds requests: deadlines, aging and hung workers are checked this often
+IDLE_TURN_MS = 500  # holding none: only routes and stats need a turn (a worker's death wakes it)
 HUNG_GRACE_S = 10.0  # a chunk still running this long past every member's deadline (at least 3 steps): hung
 MAX_CANCELLED = 65_536  # cancelled uids remembered, to drop them if they arrive later
 
@@ -90,7 +93,8 @@ class RequestScheduler:
         self.running: dict[bytes, tuple[float, float, tuple[str, ...], float | None, float]] = {}
         self.cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.cancelled_on_arrival = 0
-        self.control: queue.Queue = queue.Queue(maxsize=256)  # ("died", identity, reason, t) from the TaskManager
+        self.control: queue.Queue = queue.Queue(maxsize=256)  # ("died", identity, reason, t): worker_died()
+        self.wake = Wake()  # the loop's poll returns at once: a worker died, or the stage stops
         self.hung: queue.Queue = queue.Queue(maxsize=256)  # identities for the TaskManager to kill
         self.stats = stats or SchedulerStats()
         self.stats.capacity = spec.queue
@@ -127,6 +131,7 @@ class RequestScheduler:
         poller = zmq.Poller()
         poller.register(self.workers, zmq.POLLIN)
         poller.register(self.events, zmq.POLLIN)
+        poller.register(self.wake.fd, zmq.POLLIN)
         handle = getattr(self.receiver, "sock", None)
         reading = False
         while not stop.is_set():
@@ -138,8 +143,12 @@ class RequestScheduler:
                     poller.unregister(handle)
                 reading = want_read
             # A receiver without a socket (the ring) is polled in memory, so the turn is short.
-            events = dict(poller.poll(50 if handle is not None else 1))
+            turn = (BUSY_TURN_MS if self.core.requests or self.running else IDLE_TURN_MS) if handle is not None else 1
+            events = dict(poller.poll(turn))
+            self._account()
             try:
+                if self.wake.fd in events:
+                    self.wake.clear()
                 if self.workers in events:
                     self._from_workers()
                 if self.events in events:
@@ -347,6 +356,11 @@ class RequestScheduler:
         for r in self.core.worker_gone(wid):
             self._fail(r.uid, r.app, f"worker {wid} of stage {self.stage} {reason}")
 
+    def worker_died(self, ident: bytes, reason: str, t: float) -> None:
+        """From the TaskManager's thread: the worker ``ident`` exited at ``t``."""
+        self.control.put(("died", ident, reason, t))
+        self.wake.set()
+
     def _control(self) -> None:
         while True:
             try:
@@ -424,12 +438,18 @@ class RequestScheduler:
                 except queue.Full:
                     pass
 
-    def _update_stats(self) -> None:
+    def _account(self) -> None:
+        """Worker time since the last turn, busy and in all, as it was while the loop waited: before
+        the turn changes who runs (counted after it, an idle wait before a request was busy time)."""
         s = self.stats
         now = time.monotonic()
         s.busy_s += len(self.running) * (now - self._clock)
         s.slot_s += s.workers * (now - self._clock)
         self._clock = now
+
+    def _update_stats(self) -> None:
+        s = self.stats
+        now = time.monotonic()
         s.queue, s.ready, s.busy = self.core.waiting(), len(self.known), len(self.running)
         s.resident = len(self.core.requests) - s.queue
         c = self.core.stats
@@ -472,3 +492,4 @@ class RequestScheduler:
         self.fixed.clear()
         self.workers.close(linger=0)
         self.events.close(linger=0)
+        self.wake.close()

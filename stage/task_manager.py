@@ -98,7 +98,7 @@ class TaskManager:
             self._stop_procs([s.proc for s in self.slots if s.proc is not None and s.proc.poll() is None], 0.0)
             for s in self.slots:
                 s.proc = None
-            self.scheduler.control.put(("died", lead.identity.encode(), reason, now))
+            self.scheduler.worker_died(lead.identity.encode(), reason, now)
             lead.next_start = lead.backoff.next_start()
         if lead.proc is None and now >= lead.next_start:
             self._start_group()
@@ -119,7 +119,7 @@ class TaskManager:
                     code = slot.proc.returncode
                     reason = f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
                     log.warning("worker %s of stage %s died (%s); restarting", slot.identity, self.stage, reason)
-                    self.scheduler.control.put(("died", slot.identity.encode(), reason, time.monotonic()))
+                    self.scheduler.worker_died(slot.identity.encode(), reason, time.monotonic())
                     slot.proc = None
                     slot.next_start = slot.backoff.next_start()
                 if slot.proc is None and now >= slot.next_start:

@@ -245,6 +245,24 @@ def test_the_monitor_measures_the_simulated_path_the_hops():
     assert sim.admission["set0"].path_s("t2v") == pytest.approx(3 * 0.004)
 
 
+def test_a_monitored_set_starts_measured_as_a_deployment_that_has_served_before():
+    """bench sched warms its deployment up with every class before a trace, so the real NM
+    knows each shape's service time at the first arrival; the simulated one must too. Two
+    requests at once whose SLO fits one alone: the second is refused (it cannot make it behind
+    the first), where a cold view (nothing finished yet) admitted both and the second was late."""
+    from onepiece.config import ProxySpec
+
+    tr = trace([{"at": 1.0, "class": "S", "slo_s": 0.4, "timeout_s": 60},
+                {"at": 1.001, "class": "S", "slo_s": 0.4, "timeout_s": 60}])
+    sim = Simulation(WF, SET, table(), proxies={"set0": ProxySpec(monitor=True, max_inflight=100)})
+    sim.load(tr)
+    for name, service in sim.service.items():  # before anything ran: the shape measured at every stage
+        assert list(service.report()["t2v"]["shapes"]) == [f"{S}:10"], name
+    first, second = sim.run()
+    assert first["outcome"] == "completed" and first["latency_s"] < 0.4
+    assert (second["outcome"], second["reason"]) == ("rejected", "deadline")
+
+
 def saturated_denoise(n: int):
     """bench elastic's scenario: a topology whose NM moves instances, its sets, and a trace of
     ``n`` large requests that saturates denoise_t2v while one of two vae_decode instances idles."""

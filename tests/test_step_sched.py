@@ -50,14 +50,18 @@ def up(tiny_models, tmp_path_factory, make_topology):
         dep.stop()
 
 
-def denoise(up) -> dict:
-    """The denoise_t2v instance's view in the NM (its last heartbeat)."""
+def view(up, stage: str) -> dict:
+    """The ``stage`` instance's view in the NM (its last heartbeat)."""
     client = NmClient(up.nm)
     try:
-        (inst,) = client.status()["sets"]["set0"]["stages"]["denoise_t2v"]["instances"]
+        (inst,) = client.status()["sets"]["set0"]["stages"][stage]["instances"]
         return inst
     finally:
         client.close()
+
+
+def denoise(up) -> dict:
+    return view(up, "denoise_t2v")
 
 
 def test_the_stage_rate_follows_the_batch_sizes_it_reaches(up):
@@ -211,3 +215,19 @@ def test_a_killed_worker_fails_every_request_it_held_and_comes_back(up, tmp_path
     wait_for(lambda: denoise(up)["stats"]["ready"] == 1 and denoise(up)["stats"]["resident"] == 0, 60, "worker back")
     c.generate("after the restart", tmp_path / "after.mp4", size="64x64", num_frames=5, steps=4)
     c.close()
+
+
+def test_a_stage_counts_as_busy_only_the_time_its_workers_compute(up):
+    """Utilization (what the NM's elastic policy moves instances on) is the workers' busy time:
+    an idle scheduler waits up to half a second per turn, and that wait, ended by a request's
+    arrival, is not busy time (counted so, it made an idle text_encode look 96% busy). Last in
+    the module: its small requests would enter the rate and batch figures the tests above read."""
+    before = view(up, "text_encode")["stats"]
+    with Client(up.url) as c:
+        for i in range(5):
+            c.wait(c.submit(f"one at a time {i}", model="t2v", size="64x64", num_frames=9, steps=2)["id"], timeout=60)
+            time.sleep(0.6)  # longer than an idle turn: each request arrives to a waiting scheduler
+    after = wait_for(lambda: (st := view(up, "text_encode")["stats"])["completed"] >= before["completed"] + 5
+                     and st, 10, "the heartbeat counting them")
+    busy = after["busy_s"] - before["busy_s"]
+    assert 0 < busy < 0.4, busy  # five text encodings of a few ms each, not the waits before them
