@@ -226,8 +226,9 @@ def costs_name(policy: str, load: str | None = None) -> str:
 def cost_table(stages: dict[str, Any], since: dict[str, Any] | None = None) -> dict[str, Any]:
     """What every stage measured in this run (its instances' heartbeats), as a cost table
     (``onepiece profile``'s format) that a simulator replays this run's traces with: seconds per
-    step or call by key and batch size, what a request costs besides its steps (``fixed``), and
-    each stage's decision and IPC per chunk (``overhead_s``). Each figure is a mean over the
+    step or call by key and batch size, what a request costs besides its steps (``fixed``),
+    each stage's decision and IPC per chunk (``overhead_s``) and how much its steps varied
+    around their means (``step_cv``, pooled over keys and batch sizes). Each figure is a mean over the
     steps (requests, chunks) since ``since`` (the stages as a trace began: so, over
     exactly that trace), from the sums the stages keep, where there are such steps; else the
     median that prices the stage's decisions. Medians of the trace's last window had replays of
@@ -239,6 +240,7 @@ def cost_table(stages: dict[str, Any], since: dict[str, Any] | None = None) -> d
     rows: dict[str, list[dict[str, Any]]] = {}
     fixed: dict[str, dict[str, float]] = {}
     chunks: dict[str, list[float]] = {}  # per stage, its instances' [overhead seconds, chunks] over the trace
+    spread: dict[str, list[float]] = {}  # per stage, [steps x their squared CV, steps] over the trace
     for name, i, stats in _instances(stages):
         then = began.get((name, i), {})
         now, was = stats.get("cost_totals") or {}, then.get("cost_totals") or {}
@@ -249,17 +251,29 @@ def cost_table(stages: dict[str, Any], since: dict[str, Any] | None = None) -> d
         mine, over_trace = rows.setdefault(name, []), set()
         for key, by_batch in now.get("steps", {}).items():
             for b, total in by_batch.items():
-                if (m := _mean_since(total, was.get("steps", {}).get(key, {}).get(b))) is not None:
+                before = was.get("steps", {}).get(key, {}).get(b)
+                if (m := _mean_since(total, before)) is not None:
                     mine.append({"key": key, "batch": int(b), "seconds": m})
                     over_trace.add((key, b))
+                    if len(total) > 2 and m > 0:  # squares summed too (stages since 2026-11-26)
+                        _, n = _added(total, before)
+                        var = max(0.0, (total[2] - (before[2] if before else 0.0)) / n - m * m)
+                        pooled = spread.setdefault(name, [0.0, 0])
+                        pooled[0], pooled[1] = pooled[0] + n * var / (m * m), pooled[1] + n
         for key, by_batch in (stats.get("costs") or {}).items():  # no step of the trace: the median
             mine.extend({"key": key, "batch": int(b), "seconds": t} for b, t in by_batch.items()
                         if (key, b) not in over_trace)
         for key, total in now.get("fixed", {}).items():
             if (m := _mean_since(total, was.get("fixed", {}).get(key))):
                 fixed.setdefault(name, {})[key] = m
-    overhead = {name: t / n for name, (t, n) in chunks.items() if n > 0}
-    return make_table(rows, fixed, overhead, device="measured by onepiece bench sched", cpu=cpu_name())
+    figures: dict[str, dict[str, float]] = {}
+    for name, (t, n) in chunks.items():
+        if n > 0:
+            figures.setdefault(name, {})["overhead_s"] = t / n
+    for name, (q, n) in spread.items():
+        if n > 1:
+            figures.setdefault(name, {})["step_cv"] = round(math.sqrt(q / n), 4)
+    return make_table(rows, fixed, figures, device="measured by onepiece bench sched", cpu=cpu_name())
 
 
 def _instances(stages: dict[str, Any] | None) -> Any:
@@ -270,8 +284,8 @@ def _instances(stages: dict[str, Any] | None) -> Any:
 
 
 def _added(total: Any, before: Any) -> tuple[float, int]:
-    """What a [seconds, count] sum added since ``before`` (None: since the start)."""
-    (t, n), (t0, n0) = total, (before or (0.0, 0))
+    """What a [seconds, count, ...] sum added since ``before`` (None: since the start)."""
+    (t, n), (t0, n0) = total[:2], (before or (0.0, 0))[:2]
     return t - t0, n - n0
 
 

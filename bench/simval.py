@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from onepiece.argtypes import count, non_negative
 from onepiece.bench.common import T2V_STAGES, cpu_name
 from onepiece.bench.sched import costs_name
 from onepiece.bench.trace import Trace, load_trace, stage_times, summarize
@@ -38,11 +39,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--costs-of", metavar="POLICY",
                    help="price every policy with the costs this policy's run measured under each trace "
                         "(default: each its own)")
+    p.add_argument("--step-cv", type=non_negative(), default=0.0,
+                   help="steps vary with this coefficient of variation where a run's table does not say how much "
+                        "they varied (its step_cv; onepiece sim --step-cv); default 0: each step its figure")
+    p.add_argument("--seeds", type=count(), default=5,
+                   help="runs averaged where steps vary (default %(default)s)")
 
 
-def validate(results: Path, costs_of: str | None = None) -> dict[str, Any]:
+def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, seeds: int = 1) -> dict[str, Any]:
     """Predicted and measured figures for every (policy, load) of the run in ``results``, each
-    policy priced by its own run's costs, or every one by ``costs_of``'s."""
+    policy priced by its own run's costs, or every one by ``costs_of``'s; with ``step_cv``, the
+    predictions are the means of ``seeds`` runs whose steps vary so (one run is one draw, as the
+    measured run is)."""
     run = json.loads((results / "sched.json").read_text())
     settings = run["settings"]
     wf = load_workflow(deploy_dir() / PROFILE_WORKFLOWS[settings.get("profile", "scale")])
@@ -65,19 +73,35 @@ def validate(results: Path, costs_of: str | None = None) -> dict[str, Any]:
             # the table measured under this very trace, where the run saved one; else its run's last
             at_load = results / costs_name(priced_by, load)
             costs = CostTable.load(at_load if at_load.exists() else results / costs_name(priced_by))
-            result, _ = simulate(pwf, {"set0": dict(T2V_STAGES)}, costs, trace, chunks=False, proxies=proxy)
+            varied = step_cv > 0 or any(costs.step_cv(s, 0.0) > 0 for s in T2V_STAGES)
+            runs = [simulate(pwf, {"set0": dict(T2V_STAGES)}, costs, trace, chunks=False, proxies=proxy,
+                             step_cv=step_cv, seed=seed)[0] for seed in range(seeds if varied else 1)]
             # both sides summarized by the same function, from the run's own records
             recs = run["requests"][row][load]
             measured = summarize(recs, {c: v["slo_s"] for c, v in run["classes"].items()})
-            rows.setdefault(row, {})[load] = {"measured": measured, "predicted": result["summary"],
-                                                 "wall_s": result["wall_s"],
-                                                 "admitted_alike": admitted_alike(recs, result["requests"]),
-                                                 # where the time goes (runs that kept each result's stages)
-                                                 "stages": {"measured": stage_times(recs),
-                                                            "predicted": stage_times(result["requests"])}}
+            rows.setdefault(row, {})[load] = {
+                "measured": measured, "predicted": mean_of([r["summary"] for r in runs]),
+                "wall_s": sum(r["wall_s"] for r in runs),
+                "admitted_alike": mean_of([admitted_alike(recs, r["requests"]) for r in runs]),
+                # where the time goes (runs that kept each result's stages)
+                "stages": {"measured": stage_times(recs),
+                           "predicted": mean_of([stage_times(r["requests"]) for r in runs])}}
     return {"bench": "simval", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
-            "run": {"when": run.get("when"), "results": str(results)}, "costs_of": costs_of, "rows": rows,
-            "targets": _targets(rows)}
+            "run": {"when": run.get("when"), "results": str(results)}, "costs_of": costs_of,
+            "step_cv": step_cv, "seeds": seeds, "rows": rows, "targets": _targets(rows)}
+
+
+def mean_of(docs: list[Any]) -> Any:
+    """The mean of documents of one shape, number by number (a number missing or None in any of
+    them: None; anything else: the first's)."""
+    first = docs[0]
+    if isinstance(first, dict):
+        return {k: mean_of([d.get(k) if isinstance(d, dict) else None for d in docs]) for k in first}
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        if any(not isinstance(d, (int, float)) or isinstance(d, bool) for d in docs):
+            return None
+        return first if len(docs) == 1 else sum(docs) / len(docs)
+    return first
 
 
 def admitted_alike(measured: list[dict], predicted: list[dict]) -> int:
@@ -117,7 +141,11 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [f"`onepiece bench simval` — {doc['when']}: the simulator against the `bench sched` run of "
              f"{doc['run']['when']} ({doc['run']['results']}), "
              + (f"every policy priced by the costs {doc['costs_of']}'s run measured." if doc.get("costs_of")
-                else "each policy priced by the costs its own run measured."),
+                else "each policy priced by the costs its own run measured.")
+             + (f" Steps vary with CV {doc['step_cv']:g} where a table does not say how much they varied."
+                if doc.get("step_cv") else "")
+             + (f" Where steps vary (a table's `step_cv`), each prediction is the mean of {doc['seeds']} runs."
+                if doc.get("seeds") else ""),
              "", "The measured attainment's ± is its own sampling margin (95%, Agresti–Coull): how far a "
                  "rerun of the same trace on the same machine could land from it by chance alone.",
              "", "| policy | load | class | n | refused measured / predicted | attainment measured | predicted "
@@ -128,7 +156,7 @@ def markdown(doc: dict[str, Any]) -> str:
                 p = cell["predicted"].get(c)
                 if p is None:
                     continue
-                lines.append(f"| {policy} | {load} | {c} | {m['n']} | {m['refused']} / {p['refused']} "
+                lines.append(f"| {policy} | {load} | {c} | {m['n']} | {m['refused']} / {p['refused']:.3g} "
                              f"| {m['attainment']:.0%} ± {margin(m['attainment'], m['n']) * 100:.0f} "
                              f"| {p['attainment']:.0%} "
                              f"| {(p['attainment'] - m['attainment']) * 100:+.0f} | {m['mean_s'] * 1000:.0f} "
@@ -139,7 +167,7 @@ def markdown(doc: dict[str, Any]) -> str:
               and (cell["measured"]["all"]["refused"] or cell["predicted"]["all"]["refused"])]
     if differ:
         lines += ["", "Where requests were refused, the simulator admitted or refused each as the run did: "
-                  + "; ".join(f"{policy} at {load.removeprefix('monitor on ')}, {alike} of {n}"
+                  + "; ".join(f"{policy} at {load.removeprefix('monitor on ')}, {alike:.3g} of {n}"
                             for policy, load, n, alike in differ) + "."]
     where = [(policy, load, c, stage, m, cell["stages"]["predicted"].get(c, {}).get(stage))
              for policy, by_load in doc["rows"].items() for load, cell in by_load.items()
@@ -163,7 +191,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    doc = validate(Path(args.results), args.costs_of)
+    doc = validate(Path(args.results), args.costs_of, args.step_cv, args.seeds)
     if not doc["rows"]:
         raise SystemExit(f"{args.results}: no policy with a sched-costs-<policy>.json beside sched.json "
                          f"(rerun `onepiece bench sched`, which saves them)")

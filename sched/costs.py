@@ -87,9 +87,10 @@ class CostModel:
         if window is None:
             window = row[batch] = collections.deque(maxlen=self.window)
         window.append(float(seconds))
-        total = self._sums.setdefault(key, {}).setdefault(batch, [0.0, 0])
+        total = self._sums.setdefault(key, {}).setdefault(batch, [0.0, 0, 0.0])
         total[0] += seconds
         total[1] += 1
+        total[2] += seconds * seconds
         runs = self._runs.setdefault(key, {})
         before = runs.get(batch, 0)
         runs[batch] = min(before + first, SETTLED)  # (only whether it reached SETTLED matters)
@@ -247,11 +248,12 @@ class CostModel:
 
     def totals(self, limit: int = 32) -> dict[str, Any]:
         """Sums since the start, the most recently measured keys first: ``steps`` {key: {batch:
-        [seconds, steps]}} and ``fixed`` {key: [seconds, requests]} (what requests cost besides
-        their steps). Their difference over a trace is what that trace's steps summed to: what a
-        simulator replaying it should charge (the medians that price decisions leave out the
-        slow steps, and a window holds only the trace's end)."""
-        return {"steps": {k: {str(b): [round(t, 6), n] for b, (t, n) in sorted(self._sums[k].items())}
+        [seconds, steps, squared seconds]}} and ``fixed`` {key: [seconds, requests]} (what requests
+        cost besides their steps). Their difference over a trace is what that trace's steps summed
+        to: what a simulator replaying it should charge (the medians that price decisions leave
+        out the slow steps, and a window holds only the trace's end), and how much they varied."""
+        return {"steps": {k: {str(b): [round(t, 6), n, round(q, 9)]
+                              for b, (t, n, q) in sorted(self._sums[k].items())}
                           for k in list(reversed(self._obs))[:limit] if k in self._sums},
                 "fixed": {k: [round(self._fixed_sums[k][0], 6), self._fixed_sums[k][1]]
                           for k in list(reversed(self._fixed))[:limit] if k in self._fixed_sums}}
@@ -325,14 +327,18 @@ def table_fixed(doc: Any, stage: str) -> dict[str, float]:
     return out
 
 
-def table_overhead(doc: Any, stage: str) -> float | None:
-    """Seconds of decision and IPC per chunk at one stage of a parsed table (its optional
-    ``overhead_s``, as a run measured it; None: not given)."""
-    t = _stage_entry(doc, stage).get("overhead_s")
+FIGURES = ("overhead_s", "step_cv")  # a stage's optional figures, each a number >= 0
+
+
+def table_figure(doc: Any, stage: str, name: str) -> float | None:
+    """One of a stage's optional figures in a parsed table, as a run measured it over its trace
+    (None: not given): ``overhead_s``, seconds of decision and IPC per chunk; ``step_cv``, the
+    coefficient of variation of its steps and calls (their spread over their means)."""
+    t = _stage_entry(doc, stage).get(name)
     if t is None:
         return None
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
-        raise TableError(f"stages.{stage}.overhead_s: expected seconds >= 0, got {t!r}")
+        raise TableError(f"stages.{stage}.{name}: expected a number >= 0, got {t!r}")
     return float(t)
 
 
@@ -355,13 +361,12 @@ def load_table(path: str | Path, stage: str | None = None) -> dict[str, dict[int
 
 
 def make_table(stages: dict[str, Iterable[dict[str, Any]]], fixed: dict[str, dict[str, float]] | None = None,
-               overhead: dict[str, float] | None = None, **meta: Any) -> dict[str, Any]:
+               figures: dict[str, dict[str, float]] | None = None, **meta: Any) -> dict[str, Any]:
     """A table document: ``stages`` maps a stage to rows ``{key, batch, seconds, ...}``, ``fixed``
-    a stage to {key: seconds a request costs besides its steps}, ``overhead`` a stage to its
-    seconds of decision and IPC per chunk; ``meta`` (device, host, model, units...) is kept
-    beside them."""
-    fixed, overhead = fixed or {}, overhead or {}
+    a stage to {key: seconds a request costs besides its steps}, ``figures`` a stage to its
+    optional figures (``FIGURES``); ``meta`` (device, host, model, units...) is kept beside them."""
+    fixed, figures = fixed or {}, figures or {}
     return {"version": TABLE_VERSION, **meta, "stages": {
         s: {"rows": list(rows),
             **({"fixed": [{"key": k, "seconds": t} for k, t in fixed[s].items()]} if fixed.get(s) else {}),
-            **({"overhead_s": overhead[s]} if s in overhead else {})} for s, rows in stages.items()}}
+            **{k: v for k, v in figures.get(s, {}).items() if k in FIGURES}} for s, rows in stages.items()}}

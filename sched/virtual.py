@@ -75,9 +75,11 @@ class VirtualInstance:
 
     def __init__(self, loop: EventLoop, core: SchedCore, cost: StepCost, workers: int = 1,
                  overhead_s: float = 0.0, on_end: OnEnd | None = None, on_chunk: OnChunk | None = None,
-                 name: str = "", ranks: int = 1, fixed: Callable[[str], float] | None = None) -> None:
+                 name: str = "", ranks: int = 1, fixed: Callable[[str], float] | None = None,
+                 jitter: Callable[[], float] | None = None) -> None:
         self.loop, self.core, self.cost, self.overhead_s = loop, core, cost, overhead_s
         self.fixed = fixed  # key -> seconds a request costs besides its steps, paid as it is admitted
+        self.jitter = jitter  # a factor on each step's cost (mean 1): steps that vary as measured ones do
         self.on_end = on_end or (lambda *a: None)
         self.on_chunk = on_chunk
         self.name = name
@@ -122,9 +124,11 @@ class VirtualInstance:
             if len(uids) == 1:
                 n = min(p.steps, reqs[uids[0]].left)
                 dt = self.cost(key, 1) if n > 0 else 0.0
+                jitter = self.jitter
                 for _ in range(n):
-                    end += dt
-                    steps.append((uids, dt))
+                    t_step = dt if jitter is None else dt * jitter()
+                    end += t_step
+                    steps.append((uids, t_step))
             else:
                 left, dts = [reqs[u].left for u in uids], {}
                 for _ in range(p.steps):
@@ -134,6 +138,8 @@ class VirtualInstance:
                     dt = dts.get(len(live))
                     if dt is None:
                         dt = dts[len(live)] = self.cost(key, len(live))
+                    if self.jitter is not None:
+                        dt *= self.jitter()
                     end += dt
                     steps.append((live, dt))
                     left = [n - 1 for n in left]

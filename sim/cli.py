@@ -49,6 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overhead-ms", type=non_negative(" ms"), default=OVERHEAD_S * 1000,
                    help="decision and IPC per chunk of steps (ms), at the stages whose cost table does not "
                         "say (a table from bench sched has each stage's, measured over its trace)")
+    p.add_argument("--step-cv", type=non_negative(), default=0.0,
+                   help="at the stages whose cost table has no step_cv: steps and calls vary around their "
+                        "figures with this coefficient of variation (lognormal, mean kept; default 0: each costs "
+                        "its figure)")
+    p.add_argument("--seed", type=SEED, default=0, help="seed of --step-cv's draws (default 0)")
     p.add_argument("--out", default="sim-out", help="folder for sim.json, .md, .png, .perfetto.json")
     p.add_argument("--name", default="sim", help="file name stem of the outputs (default sim)")
 
@@ -90,16 +95,17 @@ def apply_schedule(wf: Workflow, overrides: list[str]) -> Workflow:
 def simulate(wf: Workflow, sets: dict[str, dict[str, int]], costs: CostTable, trace: Trace,
              hop_s: float = HOP_S, overhead_s: float = OVERHEAD_S, chunks: bool = True,
              title: str = "", proxies: dict[str, ProxySpec] | None = None, elastic: Topology | None = None,
-             move_s: float = MOVE_S) -> tuple[dict[str, Any], Simulation]:
+             move_s: float = MOVE_S, step_cv: float = 0.0, seed: int = 0) -> tuple[dict[str, Any], Simulation]:
     """Run ``trace`` through ``sets``; the result document (summary per class, utilization,
     every request's record, the NM's moves) and the simulation (its chunks, for a schedule trace)."""
     t0 = time.perf_counter()
     sim = Simulation(wf, sets, costs, hop_s=hop_s, overhead_s=overhead_s, keep_chunks=chunks, proxies=proxies,
-                     elastic=elastic, move_s=move_s)
+                     elastic=elastic, move_s=move_s, step_cv=step_cv, seed=seed)
     sim.load(trace)
     records = sim.run()
     slo = {c: (v.slo_s or 0.0) for c, v in trace.classes.items()}
     return {"title": title, "sets": sets, "costs": costs.source, "hop_s": hop_s, "overhead_s": overhead_s,
+            "step_cv": step_cv, "seed": seed,
             "simulated_s": sim.loop.now, "wall_s": time.perf_counter() - t0,
             "summary": summarize(records, slo), "utilization": sim.utilization(),
             "moves": sim.elastic.moves if sim.elastic is not None else [], "requests": records}, sim
@@ -132,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
              + ", ".join(f"{s}: {wf.stages[s].schedule.policy}" for s in next(iter(sets.values()))))
     try:
         result, sim = simulate(wf, sets, costs, trace, args.hop_ms / 1000, args.overhead_ms / 1000, title=title,
-                               proxies=proxies, elastic=elastic, move_s=args.move_s)
+                               proxies=proxies, elastic=elastic, move_s=args.move_s, step_cv=args.step_cv,
+                               seed=args.seed)
     except SimInputError as e:
         raise ConfigError(f"{args.trace}: {e}") from None
     workers: dict[str, int] = {}

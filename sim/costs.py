@@ -15,7 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from onepiece.sched.costs import CostModel, TableError, at_batch, read_table, table_fixed, table_overhead, table_rows
+from onepiece.sched.costs import (FIGURES, CostModel, TableError, at_batch, read_table, table_figure, table_fixed,
+                                  table_rows)
 from onepiece.sched.keys import variant
 
 
@@ -26,7 +27,9 @@ class CostTable:
             table_rows(doc)  # the whole document first: it says what is wrong
             self.rows = {s: table_rows(doc, s) for s in doc["stages"]}
             self.fixed = {s: table_fixed(doc, s) for s in doc["stages"]}
-            self.overhead = {s: t for s in doc["stages"] if (t := table_overhead(doc, s)) is not None}
+            # per figure (``FIGURES``), the stages the table gives it for
+            self.figures = {f: {s: t for s in doc["stages"] if (t := table_figure(doc, s, f)) is not None}
+                            for f in FIGURES}
         except TableError as e:
             raise TableError(f"{source}: {e}") from None
         self.meta = {k: v for k, v in doc.items() if k != "stages"}
@@ -75,7 +78,12 @@ class CostTable:
     def overhead_s(self, stage: str, default: float) -> float:
         """Decision and IPC per chunk at ``stage``: as the table says (a run measured it over
         its trace), else ``default``."""
-        return self.overhead.get(stage, default)
+        return self.figures["overhead_s"].get(stage, default)
+
+    def step_cv(self, stage: str, default: float) -> float:
+        """How much ``stage``'s steps and calls vary around their figures (their coefficient of
+        variation): as the table says (a run measured it over its trace), else ``default``."""
+        return self.figures["step_cv"].get(stage, default)
 
     def model(self, stage: str) -> CostModel:
         """The cost model a stage's core starts from: this table's rows and per-request figures,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 import itertools
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -55,6 +56,16 @@ _NO_PIXELS = b"sim"  # an i2v request's image: validation only asks that there i
 
 class SimInputError(ValueError):
     """A trace, topology or cost table the simulator cannot run, saying where and why."""
+
+
+def _lognormal(cv: float, rng: random.Random) -> Callable[[], float] | None:
+    """Factors of mean 1 and coefficient of variation ``cv`` (None for 0): a step's time is
+    skewed (a step can be slowed far more than sped up), which a lognormal keeps."""
+    if cv <= 0:
+        return None
+    sigma = math.sqrt(math.log1p(cv * cv))
+    mu = -sigma * sigma / 2
+    return lambda: rng.lognormvariate(mu, sigma)
 
 
 @dataclass
@@ -112,14 +123,21 @@ class Simulation:
     def __init__(self, workflow: Workflow, sets: dict[str, dict[str, int]], costs: CostTable,
                  hop_s: float = HOP_S, overhead_s: float = OVERHEAD_S, keep_chunks: bool = True,
                  proxies: dict[str, ProxySpec] | None = None, heartbeat_s: float = HEARTBEAT_S,
-                 elastic: Topology | None = None, move_s: float = MOVE_S, gpus: dict[str, int] | None = None) -> None:
+                 elastic: Topology | None = None, move_s: float = MOVE_S, gpus: dict[str, int] | None = None,
+                 step_cv: float = 0.0, seed: int = 0) -> None:
         """``sets``: per workflow set, the instances of each stage; ``proxies``: per set, its
         proxies' settings (the request monitor, the in-flight bound; default: no monitor);
         ``elastic``: a topology whose NM moves instances between stages (its ``nm.elastic``, its
         sets' minimums and idle pools; its heartbeat replaces ``heartbeat_s``), each move taking
         ``move_s`` beyond the drain to load the new stage's models; ``gpus``: GPUs one worker of a stage
-        holds (default 1), so that a move never takes an instance to a stage that needs more."""
+        holds (default 1), so that a move never takes an instance to a stage that needs more;
+        ``step_cv``: at the stages whose table does not say (its ``step_cv``), each step or call
+        costs its figure times a factor of mean 1 and this coefficient of variation (lognormal,
+        drawn from ``seed``), as measured steps vary; 0: the figure itself."""
+        if not (math.isfinite(step_cv) and step_cv >= 0):
+            raise SimInputError(f"step_cv must be a finite number >= 0 (got {step_cv!r})")
         self.wf, self.costs, self.hop_s, self.overhead_s = workflow, costs, hop_s, overhead_s
+        self.step_cv, self._rng = step_cv, random.Random(seed)
         self.heartbeat_s = heartbeat_s
         self.loop = EventLoop()
         now = lambda: self.loop.now  # noqa: E731 - the proxies' clock is the virtual one
@@ -174,7 +192,8 @@ class Simulation:
         ranks = self._ranks(stage)
         vi = VirtualInstance(self.loop, core, self.costs.pricer(stage), spec.workers // ranks,
                              self.costs.overhead_s(stage, self.overhead_s),
-                             on_end=ended, on_chunk=chunk, name=name, ranks=ranks, fixed=self.costs.fixed_s(stage))
+                             on_end=ended, on_chunk=chunk, name=name, ranks=ranks, fixed=self.costs.fixed_s(stage),
+                             jitter=_lognormal(self.costs.step_cv(stage, self.step_cv), self._rng))
         self.lifetimes.append((stage, vi, self.loop.now, None))
         return vi
 

@@ -497,7 +497,8 @@ def test_the_model_keeps_sums_beside_its_medians_and_a_tables_per_request_costs(
     m = CostModel(fixed={L: 0.2})
     for t in (0.010, 0.010, 0.040):  # one slow step: the median leaves it out, the sum keeps it
         m.observe(S, 1, t)
-    assert m.report()[S] == {"1": 0.01} and m.totals()["steps"][S] == {"1": [0.06, 3]}
+    # [seconds, steps, squared seconds]: what a run's table takes the mean and the spread from
+    assert m.report()[S] == {"1": 0.01} and m.totals()["steps"][S] == {"1": [0.06, 3, pytest.approx(0.0018)]}
     assert m.fixed_s(L) == 0.2 and m.totals()["fixed"] == {}  # a table's figure, until measured
     m.observe_fixed(S, 0.05)
     m.observe_fixed(L, 0.3)

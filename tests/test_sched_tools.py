@@ -14,7 +14,7 @@ import yaml
 
 from onepiece.bench.trace import TraceError, load_trace, parse_classes, poisson_trace
 from onepiece.config import deploy_dir, load_workflow
-from onepiece.sched.costs import load_table
+from onepiece.sched.costs import TableError, load_table
 
 
 def _workflow(tmp_path: Path, models: dict[str, Path], **stage_schedule) -> Path:
@@ -171,7 +171,7 @@ def test_a_results_stages_come_from_its_own_trace_as_the_simulator_gives_them():
 
 def test_a_runs_cost_table_charges_the_means_over_its_trace():
     from onepiece.bench.sched import cost_table
-    from onepiece.sched.costs import table_fixed, table_overhead, table_rows
+    from onepiece.sched.costs import table_figure, table_fixed, table_rows
 
     key = "64x64x9/cfg/L64"
 
@@ -181,11 +181,22 @@ def test_a_runs_cost_table_charges_the_means_over_its_trace():
         return {"denoise_t2v": {"instances": [{"id": "a", "stats": stats}]},
                 "vae_decode": {"instances": [{"id": "b", "stats": {"costs": {"64x64x9": {"1": 0.05}}}}]}}
 
-    began = stages({"1": [1.0, 100]}, [0.2, 10], [0.05, 50])
-    ended = stages({"1": [2.5, 200], "2": [0.3, 20]}, [0.5, 20], [0.35, 110])
+    # [seconds, steps, squared seconds]: over the trace, batch 1's 100 steps average 15 ms with a
+    # standard deviation of 3 ms (CV 0.2), batch 2's 20 steps are all 15 ms (CV 0)
+    began = stages({"1": [1.0, 100, 0.011]}, [0.2, 10], [0.05, 50])
+    ended = stages({"1": [2.5, 200, 0.011 + 100 * (0.003 ** 2 + 0.015 ** 2)], "2": [0.3, 20, 20 * 0.015 ** 2]},
+                   [0.5, 20], [0.35, 110])
     doc = cost_table(ended, began)
     # the chunks' decision and IPC over the trace: 0.3 s over 60 chunks; none known at vae_decode
-    assert table_overhead(doc, "denoise_t2v") == pytest.approx(0.005) and table_overhead(doc, "vae_decode") is None
+    assert table_figure(doc, "denoise_t2v", "overhead_s") == pytest.approx(0.005)
+    assert table_figure(doc, "vae_decode", "overhead_s") is None
+    # how much the steps varied, pooled by steps: sqrt((100 * 0.2^2 + 20 * 0) / 120)
+    assert table_figure(doc, "denoise_t2v", "step_cv") == pytest.approx((100 * 0.04 / 120) ** 0.5, abs=1e-4)
+    assert table_figure(doc, "vae_decode", "step_cv") is None  # no sums (a stage from before)
+    doc["stages"]["denoise_t2v"]["step_cv"] = -0.1
+    with pytest.raises(TableError, match=r"stages.denoise_t2v.step_cv: expected a number >= 0"):
+        table_figure(doc, "denoise_t2v", "step_cv")
+    doc = cost_table(ended, began)
     # over the trace: 1.5 s over 100 steps at batch 1, 0.3 s over 20 at 2; 0.3 s over 10 requests
     assert table_rows(doc, "denoise_t2v") == {key: {1: pytest.approx(0.015), 2: pytest.approx(0.015)}}
     assert table_fixed(doc, "denoise_t2v") == {key: pytest.approx(0.03)} and table_fixed(doc, "vae_decode") == {}

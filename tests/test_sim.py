@@ -245,6 +245,43 @@ def test_the_monitor_measures_the_simulated_path_the_hops():
     assert sim.admission["set0"].path_s("t2v") == pytest.approx(3 * 0.004)
 
 
+def test_steps_vary_as_a_run_measured_them_and_keep_their_mean():
+    """``step_cv`` (a table's per stage, or the simulation's for the others): each step costs its
+    figure times a lognormal factor of mean 1, drawn from the seed, so a run repeats exactly and
+    another seed differs; a stage whose table gives none is priced as before."""
+    import statistics
+
+    tr = trace([{"at": 1.0 * i, "class": "S"} for i in range(300)])  # one at a time: no queueing
+
+    def denoise_times(sim: Simulation) -> list[float]:
+        sim.load(tr)
+        recs = sim.run()[1:]  # (the first request's chunks differ: no chunk overhead measured yet)
+        return [next(s["leave"] - s["enter"] for s in r["stages"] if s["stage"] == "denoise_t2v") for r in recs]
+
+    def vae_times(recs: list[dict]) -> set[float]:
+        return {round(next(s["leave"] - s["enter"] for s in r["stages"] if s["stage"] == "vae_decode"), 9) for r in recs}
+
+    exact = denoise_times(Simulation(WF, SET, table()))
+    assert len({round(t, 9) for t in exact}) == 1
+    varied = denoise_times(Simulation(WF, SET, table(), step_cv=0.3, seed=1))
+    assert denoise_times(Simulation(WF, SET, table(), step_cv=0.3, seed=1)) == varied
+    assert denoise_times(Simulation(WF, SET, table(), step_cv=0.3, seed=2)) != varied
+    # 10 steps of 20 ms each per request: the mean kept, the spread of a sum of 10 independent steps
+    assert statistics.fmean(varied) == pytest.approx(exact[0], rel=0.03)
+    assert statistics.stdev(varied) / statistics.fmean(varied) == pytest.approx(0.3 / 10 ** 0.5, rel=0.25)
+    # from the table, for the stage it names only
+    doc = {"version": 1, "stages": {s: {"rows": [{"key": k, "batch": b, "seconds": t} for k, row in rows.items()
+                                                  for b, t in row.items()]} for s, rows in table().rows.items()}}
+    doc["stages"]["denoise_t2v"]["step_cv"] = 0.3
+    sim = Simulation(WF, SET, CostTable(doc, "t.json"), seed=1)
+    sim.load(tr)
+    recs = sim.run()
+    assert len(vae_times(recs)) == 1  # vae_decode: no figure in the table, none by default
+    assert len({r["latency_s"] for r in recs}) > 100
+    with pytest.raises(SimInputError, match="step_cv"):
+        Simulation(WF, SET, table(), step_cv=-0.1)
+
+
 def test_a_monitored_set_starts_measured_as_a_deployment_that_has_served_before():
     """bench sched warms its deployment up with every class before a trace, so the real NM
     knows each shape's service time at the first arrival; the simulated one must too. Two
