@@ -48,9 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, seeds: int = 1) -> dict[str, Any]:
     """Predicted and measured figures for every (policy, load) of the run in ``results``, each
-    policy priced by its own run's costs, or every one by ``costs_of``'s; with ``step_cv``, the
-    predictions are the means of ``seeds`` runs whose steps vary so (one run is one draw, as the
-    measured run is)."""
+    policy priced by its own run's costs, or every one by ``costs_of``'s. Where steps vary (a
+    table's ``step_cv``, else ``step_cv``), each prediction is the mean of ``seeds`` runs: one run
+    is one draw, as the measured run is."""
     run = json.loads((results / "sched.json").read_text())
     settings = run["settings"]
     wf = load_workflow(deploy_dir() / PROFILE_WORKFLOWS[settings.get("profile", "scale")])
