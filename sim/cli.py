@@ -105,7 +105,9 @@ def simulate(wf: Workflow, sets: dict[str, dict[str, int]], costs: CostTable, tr
     records = sim.run()
     slo = {c: (v.slo_s or 0.0) for c, v in trace.classes.items()}
     return {"title": title, "sets": sets, "costs": costs.source, "hop_s": hop_s, "overhead_s": overhead_s,
-            "step_cv": step_cv, "seed": seed,
+            # each stage's spread of its steps, as simulated (its table's, else step_cv)
+            "step_cv": {st: cv for st in sorted({st for c in sets.values() for st in c})
+                        if (cv := costs.step_cv(st, step_cv)) > 0}, "seed": seed,
             "simulated_s": sim.loop.now, "wall_s": time.perf_counter() - t0,
             "summary": summarize(records, slo), "utilization": sim.utilization(),
             "moves": sim.elastic.moves if sim.elastic is not None else [], "requests": records}, sim

@@ -66,7 +66,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", "Utilization per stage (busy worker-seconds over worker-seconds): " + ", ".join(
         f"{k} {v:.0%}" for k, v in result["utilization"].items()),
         f"Simulated {result['simulated_s']:.1f} s in {result['wall_s']:.2f} s of wall time"
-        + (f"; steps varied with CV {result['step_cv']:g} (seed {result['seed']})." if result.get("step_cv") else ".")]
+        + ("; steps varied with CV " + ", ".join(f"{st} {cv:.3g}" for st, cv in result["step_cv"].items())
+           + f" (seed {result['seed']})." if result.get("step_cv") else ".")]
     for mv in result.get("moves", []):
         lines.append(f"- {mv['at']:.1f} s: the NM moved {mv['instance']} from {mv['from'] or 'the idle pool'} to "
                      f"{mv['to'] or 'the idle pool'} (serving there at {mv.get('serving_at', float('nan')):.1f} s): "
