@@ -220,8 +220,9 @@ def test_a_killed_worker_fails_every_request_it_held_and_comes_back(up, tmp_path
 def test_a_stage_counts_as_busy_only_the_time_its_workers_compute(up):
     """Utilization (what the NM's elastic policy moves instances on) is the workers' busy time:
     an idle scheduler waits up to half a second per turn, and that wait, ended by a request's
-    arrival, is not busy time (counted so, it made an idle text_encode look 96% busy). Last in
-    the module: its small requests would enter the rate and batch figures the tests above read."""
+    arrival, is not busy time (counted so, it made a nearly idle text_encode look nearly fully
+    busy). Last in the module: its small requests would enter the rate and batch figures the
+    tests above read."""
     before = view(up, "text_encode")["stats"]
     with Client(up.url) as c:
         for i in range(5):
