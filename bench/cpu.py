@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from onepiece.argtypes import count, positive
-from onepiece.bench.common import PROMPT, cpu_name, tiny_models
+from onepiece.bench.common import cpu_name, tiny_models
 
 WARMUP = 15
 
@@ -100,21 +100,12 @@ def per(before: dict[str, list[float]], after: dict[str, list[float]], n: float)
 
 def measure(models: dict[str, Path], folder: Path, shape: tuple[int, int, int, int], n: int,
             idle_s: float) -> dict[str, Any]:
-    from onepiece.bench.e2e import t2v_set, wait_done
+    from onepiece.bench.e2e import generate, t2v_set
     from onepiece.client import Client
 
-    w, h, f, steps = shape
     with t2v_set(models, folder) as (url, db, events), Client(url) as c:
-        def one() -> None:
-            v = c.submit(PROMPT, model="t2v", size=f"{w}x{h}", num_frames=f, steps=steps, seed=0)
-            uid = v["id"].removeprefix("video_")
-            wait_done(events, uid, timeout=600)
-            rec = db.get(uid)
-            if rec["status"] != "completed":
-                raise RuntimeError(f"request {uid} ended {rec['status']}: {rec.get('error')}")
-
         for _ in range(WARMUP):
-            one()
+            generate(c, db, events, shape)
         pids = descendants(os.getpid())
         time.sleep(1.0)  # the last request's stragglers (progress, heartbeats) settle
         a = usage(pids)
@@ -124,7 +115,7 @@ def measure(models: dict[str, Path], folder: Path, shape: tuple[int, int, int, i
         b = usage(pids)
         t0 = time.monotonic()
         for _ in range(n):
-            one()
+            generate(c, db, events, shape)
         wall = time.monotonic() - t0
         busy = per(b, usage(pids), n)
     return {"idle_per_s": idle, "per_request": busy, "request_wall_ms": wall * 1000 / n}

@@ -156,7 +156,7 @@ def _breakdown(trace: list[dict], sent: float, stored: float) -> dict[str, float
     return {k: v for k, v in out.items() if not k.startswith("_")}
 
 
-def wait_done(events: "zmq.Socket", uid: str, timeout: float) -> None:
+def _wait_done(events: "zmq.Socket", uid: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
         if events.poll(int(left * 1000)) and json.loads(events.recv_multipart()[1])["uid"] == uid:
@@ -164,12 +164,26 @@ def wait_done(events: "zmq.Socket", uid: str, timeout: float) -> None:
     raise TimeoutError(f"{uid} not done in {timeout:.0f}s")
 
 
+def generate(c: Any, db: Any, events: "zmq.Socket", shape: tuple[int, int, int, int],
+             **extra: Any) -> tuple[dict, dict]:
+    """One request through a ``t2v_set`` (``c`` a client of its proxy), awaited through the DB's
+    done event: its video object and its completed record."""
+    w, h, f, steps = shape
+    v = c.submit(PROMPT, model="t2v", size=f"{w}x{h}", num_frames=f, steps=steps, seed=0, **extra)
+    uid = v["id"].removeprefix("video_")
+    _wait_done(events, uid, timeout=600)
+    rec = db.get(uid)
+    if rec["status"] != "completed":
+        raise RuntimeError(f"request {uid} ended {rec['status']}: {rec.get('error')}")
+    return v, rec
+
+
 @contextlib.contextmanager
 def t2v_set(models: dict[str, Path], folder: Path, transport: str = "ipc", device: str = "cpu",
             threads: int = 0) -> Iterator[tuple[str, Any, "zmq.Socket"]]:
     """The benchmarks' one-set t2v deployment (text_encode, denoise_t2v, vae_decode, one DB, one
     proxy), ready: its proxy's URL, a client of its DBs, and a socket on their done events
-    (``wait_done``); stopped on the way out."""
+    (``generate``); stopped on the way out."""
     from onepiece.db.client import DbClient
     from onepiece.launcher import Deployment, free_tcp_address, write_topology
     from onepiece.nm.client import NmClient
@@ -218,11 +232,7 @@ def measure(models: dict[str, Path], cases: list, n: int, transport: str, folder
                     # libgomp's default), on the cores the stages are about to use: let them stop.
                     time.sleep(SETTLE_S)
                     t0 = time.time()
-                    v = c.submit(PROMPT, model="t2v", size=f"{w}x{h}", num_frames=f, steps=steps, seed=0, guidance=5.0)
-                    uid = v["id"].removeprefix("video_")
-                    wait_done(events, uid, timeout=600)
-                    rec = db.get(uid)
-                    assert rec["status"] == "completed", rec
+                    v, rec = generate(c, db, events, (w, h, f, steps), guidance=5.0)
                     c.download(v["id"], folder / "out.mp4")
                     if i >= WARMUP:
                         frames_t.append(a)

@@ -252,11 +252,12 @@ def cost_table(stages: dict[str, Any], since: dict[str, Any] | None = None) -> d
         for key, by_batch in now.get("steps", {}).items():
             for b, total in by_batch.items():
                 before = was.get("steps", {}).get(key, {}).get(b)
-                if (m := _mean_since(total, before)) is not None:
+                dt, n = _added(total, before)
+                if n > 0:
+                    m = dt / n
                     mine.append({"key": key, "batch": int(b), "seconds": m})
                     over_trace.add((key, b))
                     if len(total) > 2 and m > 0:  # squares summed too (stages since 2026-11-26)
-                        _, n = _added(total, before)
                         var = max(0.0, (total[2] - (before[2] if before else 0.0)) / n - m * m)
                         pooled = spread.setdefault(name, [0.0, 0])
                         pooled[0], pooled[1] = pooled[0] + n * var / (m * m), pooled[1] + n

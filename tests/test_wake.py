@@ -51,7 +51,7 @@ def test_an_idle_scheduler_hears_a_worker_death_and_stop_at_once(tmp_path, monke
     loop = threading.Thread(target=sched.run, args=(stop,), daemon=True)
     loop.start()
     try:
-        time.sleep(0.2)  # let it reach its idle wait (a death given before that is seen on its first turn anyway)
+        # Whether the loop is already in its wait or not: its first poll waits a minute unless woken.
         sched.worker_died(b"w0", "killed by signal 9", time.monotonic())
         wait_for(lambda: b"w0" not in sched.known, timeout=10, what="the scheduler to drop the dead worker")
         stop.set()
@@ -73,7 +73,8 @@ def test_an_idle_deliverer_stops_when_woken(monkeypatch):
     loop = threading.Thread(target=deliver.run, args=(stop,), daemon=True)
     loop.start()
     try:
-        time.sleep(0.2)  # in its wait
+        deliver.wake()  # an item it takes: then it is back in its wait (or on its way there)
+        wait_for(deliver.mailbox.empty, timeout=10, what="the deliverer to take the item")
         stop.set()
         deliver.wake()
         loop.join(10)
@@ -88,6 +89,7 @@ def test_a_closing_db_wakes_its_idle_replicator(monkeypatch):
     monkeypatch.setattr(db_server, "REPL_WAIT_S", 60.0)
     db = DbThread()
     replicator = wait_for(lambda: db.server._replicator, timeout=10, what="the replicator thread")
-    time.sleep(0.2)  # in its wait
+    db.server._outq.put(None)  # an item it takes: then it is back in its wait (or on its way there)
+    wait_for(db.server._outq.empty, timeout=10, what="the replicator to take the item")
     db.close()
     assert not replicator.is_alive()
