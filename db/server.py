@@ -4,7 +4,8 @@
   ``failed`` reports from stages, ``replica`` / ``purge`` / ``fetched`` from peers (see
   ``db/protocol.py``);
 - control address (``transport.rpc.RpcServer``): the ops below;
-- events address (ZMQ PUB): ``[b"done", {"uid", "status"}]`` on every terminal transition, and
+- events address (ZMQ PUB): ``[b"done", {"uid", "status", "service_s"?}]`` on every terminal
+  transition (``service_s``: the stages' workers' seconds by the trace, where it pairs any), and
   ``[b"cancel", {"uid"}]`` when a request that is not finished is deleted (stages drop it).
 
 RPC ops (request fields -> reply fields; errors come back as ``{"ok": false, "error": ...}``):
@@ -86,7 +87,7 @@ from onepiece.schema import checked
 from onepiece.supervise import stop_on_signals
 from onepiece.transport import curve, registry
 from onepiece.transport.base import Receiver, Sender, TransportError
-from onepiece.transport.message import Message, MessageError
+from onepiece.transport.message import Message, MessageError, service_s
 from onepiece.transport.rpc import RpcServer
 from onepiece.transport.zmq_transport import bind_address
 
@@ -369,11 +370,11 @@ class DbServer:
             self._replicate(Message({"uid": rec["uid"], "kind": "replica", "record": rec}, parts))
 
     def _publish(self, rec: dict[str, Any]) -> None:
-        self._event(DONE, rec["uid"], rec["status"])
+        self._event(DONE, rec["uid"], rec["status"], service_s(rec.get("trace")))
 
-    def _event(self, topic: bytes, uid: str, status: str) -> None:
+    def _event(self, topic: bytes, uid: str, status: str, spent_s: float | None = None) -> None:
         try:
-            self.pub.send_multipart(event_frames(topic, uid, status), zmq.NOBLOCK)
+            self.pub.send_multipart(event_frames(topic, uid, status, spent_s), zmq.NOBLOCK)
         except zmq.Again:
             log.warning("db %s: uid=%s %s event dropped (subscribers not reading)", self.name, uid, topic.decode())
 

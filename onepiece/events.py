@@ -3,6 +3,8 @@
 An event is two frames, ``[topic, body]``: topic ``done`` when a request ends (``status``
 ``completed`` or ``failed``; the proxy's in-flight count and the request monitor follow it),
 ``cancel`` when a request that is not finished is deleted (``status`` empty; stages drop it).
+A completed request's ``done`` also says how long the stages' workers spent on it
+(``service_s``, from its trace): the request monitor times the path between the stages by it.
 A subscriber takes nothing on trust: an event that is not exactly this is dropped.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Literal, Sequence
 
 import orjson
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from onepiece.schema import Name, checked
 
@@ -24,11 +26,15 @@ class Event(BaseModel):
 
     uid: Name
     status: Literal["", "completed", "failed"]
+    service_s: float | None = Field(None, ge=0, allow_inf_nan=False)
 
 
-def event_frames(topic: bytes, uid: str, status: str) -> list[bytes]:
+def event_frames(topic: bytes, uid: str, status: str, service_s: float | None = None) -> list[bytes]:
     """What a DB publishes."""
-    return [topic, orjson.dumps({"uid": uid, "status": status})]
+    body = {"uid": uid, "status": status}
+    if service_s is not None:
+        body["service_s"] = service_s
+    return [topic, orjson.dumps(body)]
 
 
 def read_event(frames: Sequence[Any], topic: bytes) -> Event:

@@ -105,7 +105,7 @@ class DoneWatcher:
     so the set of DBs can change at runtime. Malformed events are ignored.
     """
 
-    def __init__(self, on_done: Callable[[str, str], None]) -> None:
+    def __init__(self, on_done: Callable[[str, str, float | None], None]) -> None:
         self.on_done = on_done
         self.sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -147,7 +147,7 @@ class DoneWatcher:
                 continue
             try:
                 ev = read_event(frames, DONE)
-                self.on_done(ev.uid, ev.status)
+                self.on_done(ev.uid, ev.status, ev.service_s)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # one event must not end the watch (ValueError: malformed)
@@ -425,15 +425,19 @@ class CapacityAdmission:
         if alone is not None:
             self._probes[app] = (uid, now_ns, alone)
 
-    def done(self, uid: str, status: str, now_ns: int) -> None:
-        """``uid`` ended (the DB's done event) at ``now_ns``."""
+    def done(self, uid: str, status: str, now_ns: int, service_s: float | None = None) -> None:
+        """``uid`` ended (the DB's done event) at ``now_ns``; ``service_s``: what its stages'
+        workers spent on it, by its trace (None: its standalone time stands for it)."""
         probe = self._take(uid)
         if probe is None or status != "completed":
             return
         app, admitted_ns, alone = probe
-        # capped at the standalone time: one slow request (a first call, a wall-clock step)
-        # must not double every deadline
-        sample = min(max(0.0, (now_ns - admitted_ns) / 1e9 - alone), alone)
+        # Less what the workers took, not the standalone estimate: that is a path of ~10 ms
+        # beside ~200 ms of compute here, and a few percent of drift in the estimate clamped
+        # a whole run's samples to 0 (a CI run). Capped at the standalone time: one slow request
+        # (a first call, a wall-clock step) must not double every deadline.
+        spent = alone if service_s is None else service_s
+        sample = min(max(0.0, (now_ns - admitted_ns) / 1e9 - spent), alone)
         self._paths.setdefault(app, collections.deque(maxlen=PATH_SAMPLES)).append(sample)
 
     def forget(self, uid: str) -> None:

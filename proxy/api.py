@@ -143,20 +143,21 @@ class ProxyState:
         return {"enabled": True, "set": self.cluster.set_name, "view": adm.view, "proxies": adm.proxies,
                 "rates": {app: adm.rate(app) for app in apps}, "path_s": adm.paths()}
 
-    def release(self, uid: str, status: str | None = None) -> bool:
-        """Free ``uid``'s slot in flight (False: it held none); ``status``: how it ended, from
-        the DB's done event, which the monitor times (None: it left otherwise, untimed)."""
+    def release(self, uid: str, status: str | None = None, service_s: float | None = None) -> bool:
+        """Free ``uid``'s slot in flight (False: it held none); ``status`` and ``service_s``: how
+        it ended and its stages' time, from the DB's done event, which the monitor times (None:
+        it left otherwise, untimed)."""
         if self.admission is not None:
             if status is None:
                 self.admission.forget(uid)
             else:
-                self.admission.done(uid, status, time.time_ns())
+                self.admission.done(uid, status, time.time_ns(), service_s)
         freed = self.tracker.release(uid)
         self.metrics.inflight.set(len(self.tracker))
         return freed
 
-    def _on_done(self, uid: str, status: str) -> None:
-        if self.release(uid, status):
+    def _on_done(self, uid: str, status: str, service_s: float | None) -> None:
+        if self.release(uid, status, service_s):
             log.debug("uid=%s terminal (%s): slot freed", uid, status)
 
     def follow_dbs(self) -> None:

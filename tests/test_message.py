@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from onepiece.transport.message import MAGIC, Message, MessageError, decode, encode, new_uid
+from onepiece.transport.message import MAGIC, Message, MessageError, decode, encode, new_uid, service_s
 
 
 def frames_of(msg: Message) -> list[bytes]:
@@ -106,3 +106,20 @@ def test_well_formed_headers_with_hostile_part_descriptions_never_crash(descs, p
         return
     for (name, part), payload in zip(msg.parts.items(), payloads):
         assert (part.nbytes if hasattr(part, "nbytes") else len(part)) == len(payload)
+
+
+def test_the_stages_time_is_read_from_the_trace():
+    """Each stage's start to its end; hops, queue waits and malformed points do not count."""
+    msg = Message({"uid": "u1"}, {})
+    trace = [{"stage": "proxy", "event": "leave", "t": 0},
+             {"stage": "a", "event": "recv", "t": 10}, {"stage": "a", "event": "start", "t": 2 * 10**8},
+             {"stage": "a", "event": "end", "t": 5 * 10**8},
+             {"stage": "b", "event": "recv", "t": 6 * 10**8}, "junk", {"stage": "b", "event": "start", "t": 1.5},
+             {"stage": "b", "event": "start", "t": 7 * 10**8}, {"stage": "b", "event": "end", "t": 8 * 10**8},
+             {"stage": "c", "event": "end", "t": 9 * 10**8}]  # an end with no start: no span
+    assert service_s(trace) == pytest.approx(0.4)
+    assert service_s(trace[:3]) is None and service_s(None) is None and service_s({"t": 1}) is None
+    for stage in ("a", "b"):  # what workers write
+        msg.mark(stage, "start")
+        msg.mark(stage, "end")
+    assert 0 <= service_s(msg.header["trace"]) < 1

@@ -103,6 +103,20 @@ class Message:
         )
 
 
+def service_s(trace: Any) -> float | None:
+    """Seconds the stages' workers spent on a request, from its trace: each stage's ``start``
+    to its ``end`` (not the waits and hops between); None when the trace pairs none."""
+    spans, opened = [], {}
+    for ev in trace if isinstance(trace, list) else ():
+        if not isinstance(ev, dict) or not isinstance(ev.get("t"), int):
+            continue
+        if ev.get("event") == "start":
+            opened[ev.get("stage")] = ev["t"]
+        elif ev.get("event") == "end" and ev.get("stage") in opened:
+            spans.append(max(0, ev["t"] - opened.pop(ev.get("stage"))))
+    return sum(spans) / 1e9 if spans else None
+
+
 def _is_torch(part: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(part, torch.Tensor)
