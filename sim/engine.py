@@ -356,8 +356,8 @@ class Simulation:
         if j.set:
             self.trackers[j.set].release(j.uid)  # the DB's "done" event frees the proxy's slot
             adm = self.admission[j.set]
-            if adm is not None:
-                adm.done(j.uid, outcome, int(t * 1e9))
+            if adm is not None:  # with the stages' time, as the trace gives it at the DB
+                adm.done(j.uid, outcome, int(t * 1e9), sum(leave - enter for _, _, enter, leave in j.spans))
 
     # --- running ------------------------------------------------------------------------------
     def run(self, until: float = float("inf")) -> list[dict[str, Any]]:
