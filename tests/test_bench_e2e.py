@@ -15,5 +15,8 @@ def test_the_stage_functions_run_one_after_another_in_this_process(tiny_models, 
     split(32, 32, 5, 1)  # the first forward passes warm up
     seconds = split(32, 32, 5, 2)
     assert list(seconds) == split.stages and all(0 < s < 60 for s in seconds.values()), seconds
-    more = split(32, 32, 5, 16)  # more steps cost the stepped stage more
-    assert more["denoise_t2v"] > seconds["denoise_t2v"], (seconds, more)
+    # More steps cost the stepped stage more: 2 against 32, the faster of two runs each (one
+    # preemption of a single run, ~15 ms here, is as long as 16 steps).
+    few = min(seconds["denoise_t2v"], split(32, 32, 5, 2)["denoise_t2v"])
+    more = min(split(32, 32, 5, 32)["denoise_t2v"] for _ in range(2))
+    assert more > few, (few, more)

@@ -228,7 +228,7 @@ def test_a_collaboration_instance_serves_and_a_dead_rank_restarts_its_group(tiny
         after = wait_for(lambda: (st := denoise()["stats"]) and st["resident"] == 0 and st["busy"] == 0 and st, 10,
                          "its state freed and the group idle", interval=0.05)
         assert after["cancelled"] == before["cancelled"] + 1 and after["completed"] == before["completed"]
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 3.0  # a chunk and a few heartbeats; its 100 steps take seconds more
         c.close()
     finally:
         dep.stop()

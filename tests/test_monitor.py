@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import math
 import os
 import signal
 import time
@@ -56,9 +57,13 @@ def ended(http: httpx.Client, vid: str) -> dict | None:
     return v if v["status"] in ("completed", "failed") else None
 
 
+POLL_S = 0.1  # what a latency measured by polling may overshoot by
+
+
 def open_loop(url: str, n: int, rate: float, body: dict) -> list[dict]:
     """``n`` creates at ``rate`` a second, a thread each (open loop); an accepted one is polled
-    until it is done (bounded by 60 s)."""
+    every ``POLL_S`` until it is done (bounded by 60 s). Not faster: two dozen threads polling
+    every 20 ms were over a thousand GETs a second, on the two cores the stages compute on."""
     http = httpx.Client(base_url=url, timeout=30, limits=httpx.Limits(max_connections=64))
 
     def send(i: int, at: float) -> dict:
@@ -72,7 +77,7 @@ def open_loop(url: str, n: int, rate: float, body: dict) -> list[dict]:
             return out
         vid = r.json()["id"]
         try:
-            v = wait_for(lambda: ended(http, vid), t0 + 60 - time.monotonic(), f"{vid} done")
+            v = wait_for(lambda: ended(http, vid), t0 + 60 - time.monotonic(), f"{vid} done", interval=POLL_S)
         except AssertionError:
             return out  # not done within 60 s: no "done", which the tests assert on
         out.update(done=v["status"], latency=time.monotonic() - t0, error=v.get("error"))
@@ -250,8 +255,9 @@ def test_behind_a_deadline_first_stage_admission_keeps_each_admitted_deadline(ti
     assert refused and {r["code"] for r in refused} == {"deadline"}, refused
     assert len(accepted) >= 3
     # Every admitted request ended; the admission's prediction is conservative (no batching gain
-    # counted), so at most one in ten may miss by this VM's noise, and is then failed with the reason.
+    # counted), so at most one in ten (at least one) may miss by this VM's noise, and is then
+    # failed with the reason. (Late: past its deadline by more than the polling's overshoot.)
     assert all(r.get("done") in ("completed", "failed") for r in accepted), accepted
-    late = [r for r in accepted if r["done"] != "completed" or r["latency"] > timeout_s + 0.25]
-    assert len(late) <= len(accepted) // 10, late
+    late = [r for r in accepted if r["done"] != "completed" or r["latency"] > timeout_s + 0.25 + POLL_S]
+    assert len(late) <= max(1, math.ceil(len(accepted) / 10)), late
     assert all("deadline exceeded" in (r.get("error") or "") for r in accepted if r["done"] == "failed")

@@ -139,8 +139,9 @@ def test_cancelled_in_flight_request_stops_at_a_step_boundary_and_frees_its_stat
         with pytest.raises(RequestFailed) as e:
             c.status(v["id"])
         assert e.value.status_code == 404  # gone, never completed
-    # The request had most of its 100 steps left; it stopped within a couple of heartbeats.
-    assert freed < 2.0
+    # The request had most of its 100 steps (seconds) left; it stopped within a chunk and a few
+    # heartbeats (0.25 s each), on two busy cores.
+    assert freed < 3.0
 
 
 def test_a_request_past_its_deadline_is_dropped_with_a_reason(up):
