@@ -12,7 +12,12 @@ from pathlib import Path
 
 
 def in_use(host: str, port: int) -> bool:
+    """Whether a process holds ``port`` on ``host`` (listens, or bound it). The connections of a
+    deployment that just stopped linger in TIME_WAIT for a minute; its servers rebind over them
+    (SO_REUSEADDR), so they are no holder: without it, `onepiece up` right after a stop was
+    refused for "another deployment" that no longer existed."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:

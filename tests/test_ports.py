@@ -22,3 +22,21 @@ def test_a_run_of_free_ports_is_bindable_and_below_the_ephemeral_range():
     finally:
         for s in socks:
             s.close()
+
+
+def test_a_port_that_only_lingers_in_time_wait_is_free_but_a_listener_holds_it():
+    """A deployment that just stopped leaves its served connections in TIME_WAIT (the server
+    closed first); `onepiece up` must start again at once on the same ports."""
+    port = free_port_run(1)
+    server = socket.create_server(("127.0.0.1", port))
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    assert in_use("127.0.0.1", port)  # listening
+    conn.close()  # the server side closes first: its end lingers in TIME_WAIT
+    client.recv(1)
+    client.close()
+    server.close()
+    states = [ln.split()[3] for t in ("/proc/net/tcp",) for ln in Path(t).read_text().splitlines()[1:]
+              if int(ln.split()[1].rsplit(":", 1)[1], 16) == port]
+    assert "06" in states, states  # 06: TIME_WAIT, on this port
+    assert not in_use("127.0.0.1", port)
