@@ -463,9 +463,10 @@ class CapacityAdmission:
         return {app: self.path_s(app) for app, samples in self._paths.items() if len(samples) >= PATH_MIN_SAMPLES}
 
     def rate(self, app: str) -> float | None:
-        """This proxy's admitted rate for ``app`` now (None: not limited by capacity)."""
+        """This proxy's admitted rate for ``app`` now, its token bucket's (None: not limited by
+        capacity)."""
         cap = self._capacity(app)
-        return None if cap is None else cap / self.proxies
+        return None if cap is None else self.headroom * cap / self.proxies
 
     def deadline_s(self, app: str, shape: str, timeout_s: float, explicit_timeout: bool) -> float:
         """Seconds within which a request is held to complete (``admission_deadline``)."""

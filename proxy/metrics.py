@@ -124,7 +124,7 @@ class MonitorCollector:
                     workers.add_metric([set_name, app, stage], float(row["workers"]))
         admitted = GaugeMetricFamily("onepiece_proxy_admit_rate",
                                      "This proxy's admitted rate per application (requests/s: its share of the "
-                                     "set's capacity; absent while not rate-limited)", labels=["set", "app"])
+                                     "set's capacity, less the headroom; absent while not rate-limited)", labels=["set", "app"])
         for app, r in (snap.get("rates") or {}).items():
             if r is not None:
                 admitted.add_metric([set_name, app], float(r))

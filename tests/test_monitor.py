@@ -141,7 +141,7 @@ def test_killing_a_bottleneck_instance_lowers_the_admitted_rate(deployment):
     url = deployment.url
     before = t2v_admission(url)
     assert before["bottleneck"] == "denoise_t2v", before
-    assert before["rate"] == pytest.approx(before["capacity"])  # one proxy takes the whole rate
+    assert before["rate"] == pytest.approx(0.9 * before["capacity"])  # one proxy: the whole rate, less the headroom
     # No i2v stage runs in this set: the monitor refuses i2v at once (no stage, no DB touched).
     png = base64.b64encode(_png()).decode()
     r = httpx.post(f"{url}/v1/videos", json={"prompt": "x", "model": "i2v", "input_reference": png}, timeout=5)

@@ -565,7 +565,8 @@ def test_over_capacity_gets_a_steady_share_of_429s_with_retry_after():
     h = Harness(max_inflight=10_000)
     try:
         h.cluster.monitor_view = capacity_view(denoise_s=0.5)  # the set does 2 requests/s
-        wait_for(lambda: h.healthz()["admission"]["apps"]["t2v"]["rate"] == pytest.approx(2.0),
+        # admitted at the default headroom: 0.9 x 2/s (what /healthz and /metrics say too)
+        wait_for(lambda: h.healthz()["admission"]["apps"]["t2v"]["rate"] == pytest.approx(1.8),
                  what="the proxy to take the view")
         start, results = time.monotonic(), []
         for i in range(40):  # 20/s for 2 s, ten times the capacity
@@ -574,8 +575,9 @@ def test_over_capacity_gets_a_steady_share_of_429s_with_retry_after():
             results.append((time.monotonic() - start, h.create(prompt=f"p{i}", timeout_s=60)))
         ok = [t for t, r in results if r.status_code == 200]
         refused = [r for _, r in results if r.status_code != 200]
-        # a burst of 1 (max(1, 2/s × 0.5 s)) then 2/s: about 1 + 2 × 2 s
-        assert 3 <= len(ok) <= 7, [t for t in ok]
+        # a burst of 1 (max(1, 1.8/s × 0.5 s)) then 1.8/s: about 1 + 1.8 × 2 s (the run's own
+        # length: creates that go through the pipeline's hand-over may stretch it)
+        assert 3 <= len(ok) <= 2 + 1.8 * results[-1][0], [t for t in ok]
         assert ok[-1] > 1.0  # steady: admitted through the run, not one burst and then nothing
         for r in refused:
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
@@ -587,7 +589,7 @@ def test_over_capacity_gets_a_steady_share_of_429s_with_retry_after():
         assert metric(text, "onepiece_proxy_rejected_total", reason="over_capacity") == len(refused)
         assert metric(text, "onepiece_proxy_accepted_total", app="t2v") == len(ok)
         assert metric(text, "onepiece_proxy_capacity", set="set0", app="t2v") == pytest.approx(2.0)
-        assert metric(text, "onepiece_proxy_admit_rate", set="set0", app="t2v") == pytest.approx(2.0)
+        assert metric(text, "onepiece_proxy_admit_rate", set="set0", app="t2v") == pytest.approx(1.8)
         assert metric(text, "onepiece_proxy_stage_service_seconds", app="t2v",
                       stage="denoise_t2v") == pytest.approx(0.5)
         assert metric(text, "onepiece_proxy_stage_rate", app="t2v", stage="denoise_t2v") == pytest.approx(2.0)
@@ -596,9 +598,9 @@ def test_over_capacity_gets_a_steady_share_of_429s_with_retry_after():
 
         # two proxies in the set: this one admits half
         h.cluster.monitor_view = capacity_view(denoise_s=0.5, proxies=2)
-        wait_for(lambda: h.healthz()["admission"]["apps"]["t2v"]["rate"] == pytest.approx(1.0),
+        wait_for(lambda: h.healthz()["admission"]["apps"]["t2v"]["rate"] == pytest.approx(0.9),
                  what="re-rated to a fair share")
-        assert metric(h.http.get("/metrics").text, "onepiece_proxy_admit_rate", app="t2v") == pytest.approx(1.0)
+        assert metric(h.http.get("/metrics").text, "onepiece_proxy_admit_rate", app="t2v") == pytest.approx(0.9)
     finally:
         h.close()
 
