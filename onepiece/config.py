@@ -403,9 +403,11 @@ class Topology(_Strict):
     @model_validator(mode="after")
     def _sets_apart(self) -> "Topology":
         """Set names are unique (the NM and clients know sets by name) and fixed proxy ports do
-        not collide: a set's proxies take ``port`` .. ``port + count - 1`` (port 0: any free)."""
+        not collide, with each other or with the NMs': a set's proxies take ``port`` ..
+        ``port + count - 1`` (port 0: any free)."""
         seen: dict[str, int] = {}
         taken: dict[int, str] = {}  # port -> the set whose proxy takes it
+        nm_ports = {int(m.group(1)): a for a in self.nm.addresses() if (m := re.match(r"^tcp://.*:(\d+)$", a))}
         for i, s in enumerate(self.sets):
             if s.name in seen:
                 raise ValueError(f"sets.{i}.name: set name {s.name!r} is already used by sets.{seen[s.name]}")
@@ -420,6 +422,9 @@ class Topology(_Strict):
                 if port in taken:
                     raise ValueError(f"sets.{s.name}.proxy.port: proxy port {port} (ports {s.proxy.port}-{last}) "
                                      f"is also taken by set {taken[port]!r}; give each set its own ports or 0")
+                if port in nm_ports:
+                    raise ValueError(f"sets.{s.name}.proxy.port: proxy port {port} (ports {s.proxy.port}-{last}) "
+                                     f"is the node manager's ({nm_ports[port]}); give the proxy other ports or 0")
                 taken[port] = s.name
         return self
 

@@ -114,6 +114,8 @@ def test_cli_reports_config_errors_and_bad_flags(tmp_path):
         ("  - {name: a, stages: {}}\n  - {name: b, stages: {}}\n",  # both on the default port 8000
          r"sets\.b\.proxy\.port: proxy port 8000"),
         ("  - {name: a, proxy: {port: 65535, count: 2}, stages: {}}\n", r"sets\.a\.proxy\.port: 2 proxies from port 65535"),
+        ("  - {name: a, proxy: {port: 7699, count: 2}, stages: {}}\n",  # the default nm.address: tcp://127.0.0.1:7700
+         r"sets\.a\.proxy\.port: proxy port 7700 \(ports 7699-7700\) is the node manager's \(tcp://127\.0\.0\.1:7700\)"),
         ("  - {name: 'a/b', stages: {}}\n", r"sets\.0\.name: String should match pattern"),
         ("  - {name: a, db: {replication: 0}, stages: {}}\n", r"sets\.0\.db\.replication: Input should be greater than 0"),
     ],
