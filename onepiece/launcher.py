@@ -4,8 +4,8 @@ Starts the NM (or, with ``nm.zk`` and ``nm.count``, several NMs on ZooKeeper, on
 backups, each role then given all their addresses and the ZooKeeper settings), then per set the
 DBs, the stage instances and the proxies, each with its log in the run's log folder; waits
 until every instance is registered and ready; prints where the API listens; restarts a role
-process that dies (bounded backoff); and on Ctrl-C or SIGTERM stops everything, children
-first, leaving no processes, sockets or runtime files behind.
+process that dies (bounded backoff); and on Ctrl-C or SIGTERM stops everything, role by role
+(``STOP_ORDER``), leaving no processes, sockets or runtime files behind.
 """
 
 from __future__ import annotations
@@ -47,6 +47,11 @@ class Child:
     next_start: float = 0.0
     backoff: Backoff = field(default_factory=lambda: Backoff(base_s=0.5, cap_s=30.0))
 
+    @property
+    def role(self) -> str:
+        """nm, db, stage or proxy: the subcommand it runs (``_cli``)."""
+        return self.argv[3]
+
     def start(self) -> None:
         # The child holds its own descriptor of the log; ours is closed at once.
         with open(self.log_path, "ab", buffering=0) as log_file:
@@ -59,6 +64,14 @@ class Child:
 
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "onepiece", *args]
+
+
+# Stopped in this order, each wave with its own grace: the proxies (no new work), the stages
+# (what they still hold fails, with the reason, into the DBs), the DBs, and the NMs last (every
+# role says goodbye to its NM on the way out; with the NM gone it would wait out a heartbeat's
+# and a goodbye's timeouts). All at once, a stage waited 5 s on each DB that was gone before it
+# could store its failures, and lost them, and the NM got what was left of one shared grace.
+STOP_ORDER = ("proxy", "stage", "db", "nm")
 
 
 class Deployment:
@@ -319,14 +332,14 @@ class Deployment:
                     c.start()
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """Stop everything: roles first, the NMs last, then the runtime folder."""
-        # The NMs only once the roles are gone: a role says goodbye to its NM on the way out, and
-        # with the NM gone first it would wait out a heartbeat's and a goodbye's timeouts instead.
-        deadline = time.monotonic() + grace_s
-        for group in (self.children[self.nm_count:], self.children[:self.nm_count]):
+        """Stop everything, role by role (``STOP_ORDER``), each within ``grace_s`` of SIGTERM
+        or killed; then the runtime folder."""
+        for role in STOP_ORDER:
+            group = [c for c in self.children if c.role == role]
             for c in group:
                 if c.proc is not None and c.proc.poll() is None:
                     c.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
             for c in group:
                 if c.proc is None:
                     continue

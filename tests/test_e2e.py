@@ -5,7 +5,9 @@ SIGTERM and checks that nothing is left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -289,13 +291,25 @@ def test_a_downloaded_video_can_be_retrieved_and_downloaded_again_for_a_while(up
 
 
 def test_sigterm_stops_everything(up):
-    """Last: SIGTERM to `onepiece up` stops every process and removes its runtime folder."""
+    """Last: SIGTERM to `onepiece up` stops every process, role by role, and removes its runtime
+    folder; a request still denoising fails with the reason, which its DBs store before they stop."""
     descendants = psutil.Process(up.proc.pid).children(recursive=True)
     assert len(descendants) >= 1 + 2 + 6 * 2 + 1  # nm, dbs, stages and their workers, proxy
     runtime = Path(up.routes()["dbs"][0]["data"].removeprefix("ipc://")).parent
     assert runtime.is_dir()
+    with Client(up.url) as c:
+        v = c.submit("still denoising", model="t2v", size="256x256", num_frames=17, steps=100)
+        wait_for(lambda: c.status(v["id"])["progress"] > 0, 60, "the request denoising")
     up.proc.send_signal(signal.SIGTERM)
     assert up.proc.wait(60) == 0
+    output = "".join(up.output)
+    with contextlib.suppress(queue.Empty):  # the rest of what it printed (it has exited)
+        while True:
+            output += up.lines.get(timeout=2)
+    assert "killing it" not in output, output  # every role stopped within its grace
+    uid = v["id"].removeprefix("video_")
+    stored = [i for i in range(2) if f"uid={uid} failed (stage denoise_t2v instance shut down)" in up.log(f"set0-db{i}")]
+    assert stored, [up.log(f"set0-db{i}")[-2000:] for i in range(2)]
     gone, alive = psutil.wait_procs(descendants, timeout=10)
     assert not alive, f"orphans: {[p.pid for p in alive]}"
     assert not runtime.exists()
