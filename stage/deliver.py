@@ -5,15 +5,22 @@ always sees where its request is, or why it failed.
 
 It also forwards messages that reached this instance for a stage it no longer serves (their
 sender's route table predates a move) to an instance that does, at most ``MAX_HOPS`` times.
+
+A request whose next stage has no live instance waits for one (a restart, a move), up to
+``ROUTE_WAIT_S`` and its own deadline, at most ``MAX_PARKED`` of them; then it fails with the
+reason. Failing it at once failed every request that reached the stage in the seconds a
+killed instance took to come back, however long its deadline.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
 import threading
-from typing import Any, Callable
+import time
+from typing import Any, Callable, NamedTuple
 
 from onepiece.config import Workflow
 from onepiece.db import protocol
@@ -29,32 +36,55 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_S = 1.0  # a bound only: an item or wake() ends the mailbox wait
 
 MAX_HOPS = 3  # forwards per message: route tables settle within a heartbeat, so more means a loop
+ROUTE_WAIT_S = 30.0  # how long a request waits for an instance of its next stage (a restart loads its models)
+MAX_PARKED = 256  # requests waiting so at once; beyond, one fails at once
+PARK_RETRY_S = 0.25  # how often the waiting ones look for a route (the route table follows heartbeats)
+
+
+class _Parked(NamedTuple):
+    msg: Message
+    stage: str
+    since: float  # monotonic
+    until: float  # monotonic: ROUTE_WAIT_S or its deadline, the earlier
 
 
 class ResultDeliver:
     def __init__(self, stage: str, workflow: Workflow, mailbox: "queue.Queue", routes: Callable[[], dict],
-                 send_timeout: float = 5.0, on_sent: Callable[[str, str], None] = lambda address, uid: None) -> None:
+                 send_timeout: float = 5.0, on_sent: Callable[[str, str], None] = lambda address, uid: None,
+                 holding: tuple[Callable[[str], None], Callable[[str], None]] | None = None) -> None:
         self.stage, self.workflow, self.mailbox, self.send_timeout = stage, workflow, mailbox, send_timeout
         self._routes = routes  # the NM's latest route table for this set
         # (address, uid) of each request handed to a stage instance: the heartbeat reports them,
         # so the NM can fail them if that instance dies before it names them (nm/deliveries.py).
         self._on_sent = on_sent
+        # (hold, release) of a UID in what the heartbeat says this instance holds: a request that
+        # waits here for a route is still this instance's (nm/holdings.py)
+        self._hold, self._release = holding or (lambda uid: None, lambda uid: None)
+        self._parked: collections.deque[_Parked] = collections.deque()
         self.senders: dict[str, Sender] = {}
         self._rr: dict[str, itertools.count] = {}
         self._pruned_at: int | None = None
         self._last_progress: dict[str, int] = {}
 
     def run(self, stop: threading.Event) -> None:
-        """Deliver until ``stop`` is set and the mailbox is empty (``wake()`` after setting it)."""
+        """Deliver until ``stop`` is set and the mailbox is empty (``wake()`` after setting it);
+        then what still waits for a route fails."""
         while not stop.is_set() or not self.mailbox.empty():
             try:
-                item = self.mailbox.get(timeout=IDLE_WAIT_S)
+                item = self.mailbox.get(timeout=PARK_RETRY_S if self._parked else IDLE_WAIT_S)
             except queue.Empty:
-                continue
+                item = None
             try:
-                self._handle(item)
+                if item is not None:
+                    self._handle(item)
+                if self._parked:
+                    self._retry_parked(time.monotonic())
             except Exception:  # one bad item must not stop delivery for everyone else
-                log.exception("deliver failed on %s", item[0])
+                log.exception("deliver failed on %s", item[0] if item else "the requests waiting for a route")
+        while self._parked:
+            p = self._parked.popleft()
+            self._fail_parked(p, f"stage {self.stage} instance shut down while the request waited for an "
+                                 f"instance of stage {p.stage}")
 
     def wake(self) -> None:
         """End ``run``'s wait now (its stop flag was just set)."""
@@ -114,7 +144,7 @@ class ResultDeliver:
     def _to_stage(self, msg: Message, stage: str) -> None:
         targets = list(self._routes()["stages"].get(stage, []))
         if not targets:
-            self._fail(msg, f"no live instance of stage {stage}")
+            self._park(msg, stage)
             return
         start = next(self._rr.setdefault(msg.header["app"], itertools.count()))
         errors = []
@@ -131,6 +161,41 @@ class ResultDeliver:
     def _fail(self, msg: Message, error: str) -> None:
         log.warning("uid=%s failed after %s: %s", msg.uid, self.stage, error)
         self._to_db(Message({"uid": msg.uid, "kind": "failed", "stage": self.stage, "error": error}))
+
+    # --- waiting for a route ----------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for an instance of their next stage (read from other threads: a hint)."""
+        return len(self._parked)
+
+    def _park(self, msg: Message, stage: str) -> None:
+        now = time.monotonic()
+        deadline = msg.header.get("deadline")
+        left = (deadline - time.time_ns()) / 1e9 if isinstance(deadline, int) else ROUTE_WAIT_S
+        if left <= 0 or len(self._parked) >= MAX_PARKED:
+            why = "its deadline passed" if left <= 0 else f"{MAX_PARKED} requests already wait for one"
+            self._fail(msg, f"no live instance of stage {stage} ({why})")
+            return
+        log.info("uid=%s waits for an instance of stage %s (up to %.0fs)", msg.uid, stage, min(left, ROUTE_WAIT_S))
+        self._hold(msg.uid)
+        self._parked.append(_Parked(msg, stage, now, now + min(left, ROUTE_WAIT_S)))
+
+    def _retry_parked(self, now: float) -> None:
+        """Send on the waiting requests whose stage has an instance now; fail those out of time."""
+        stages = self._routes()["stages"]
+        for _ in range(len(self._parked)):
+            p = self._parked.popleft()
+            if stages.get(p.stage):
+                self._release(p.msg.uid)
+                self._to_stage(p.msg, p.stage)
+            elif now >= p.until:
+                self._fail_parked(p, f"no live instance of stage {p.stage} within {now - p.since:.0f}s")
+            else:
+                self._parked.append(p)
+
+    def _fail_parked(self, p: _Parked, error: str) -> None:
+        self._release(p.msg.uid)
+        self._fail(p.msg, error)
 
     # --- DB ---------------------------------------------------------------------------------
     def _progress(self, uid: str, app: str, fraction: float) -> None:

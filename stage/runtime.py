@@ -37,7 +37,8 @@ class StageRuntime:
         self.scheduler = RequestScheduler(stage, receiver, f"ipc://{rdir}/workers-{next(_sockets)}.sock",
                                           workflow, self.mailbox, self.stats, routes,
                                           costs=workflow.cost_table(stage, base_dir))
-        self.deliver = ResultDeliver(stage, workflow, self.mailbox, routes=routes, on_sent=holdings.deliveries.add)
+        self.deliver = ResultDeliver(stage, workflow, self.mailbox, routes=routes, on_sent=holdings.deliveries.add,
+                                     holding=(holdings.add, holdings.discard))
         self.tm = TaskManager(instance, stage, workflow, base_dir, self.scheduler)
         self._on_fatal = on_fatal
         self._stop = threading.Event()  # scheduler and TaskManager
@@ -71,7 +72,7 @@ class StageRuntime:
 
     def drained(self) -> bool:
         """Nothing queued, at a worker, or waiting to be delivered (a hint: other threads run)."""
-        return self.scheduler.idle_now and self.mailbox.empty()
+        return self.scheduler.idle_now and self.mailbox.empty() and not self.deliver.waiting
 
     def retire(self, moving_to: str | None = None) -> None:
         """Stop the workers (unloading the models) and the scheduler, then deliver what is

@@ -1,0 +1,104 @@
+"""A finished request whose next stage has no live instance (one was killed and restarts, or
+moved) waits for one in the deliverer, bounded by ``ROUTE_WAIT_S`` and its own deadline, and is
+held in the instance's heartbeat meanwhile; what never finds one fails with the reason. Real
+sockets: a DB server and the next stage's receiver; the route table is the test's."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+
+from onepiece.nm.holdings import Holdings
+from onepiece.stage import deliver as deliver_mod
+from onepiece.stage.deliver import ResultDeliver
+from onepiece.transport import registry
+from onepiece.transport.message import Message, new_uid
+from onepiece.transport.rpc import RpcClient, RpcError
+from proxy_harness import WORKFLOW, DbThread
+from waiting import wait_for
+
+
+@pytest.fixture
+def running():
+    """A deliverer of text_encode on its thread, with a DB and a route table without denoise_t2v."""
+    db = DbThread()
+    routes = {"version": 1, "stages": {}, "dbs": [db.addresses]}
+    holdings, mailbox, stop = Holdings(), queue.Queue(), threading.Event()
+    d = ResultDeliver("text_encode", WORKFLOW, mailbox, routes=lambda: routes,
+                      holding=(holdings.add, holdings.discard))
+    thread = threading.Thread(target=d.run, args=(stop,), daemon=True)
+    thread.start()
+    rpc = RpcClient(db.server.control_address, timeout=1.0, retries=0)
+
+    def record(uid: str) -> dict | None:
+        try:
+            return rpc.call("get", uid=uid)[0]["record"]
+        except RpcError:  # not there yet
+            return None
+
+    def send(deadline_s: float = 60.0) -> str:
+        uid = new_uid()
+        rpc.call("create", record={"uid": uid, "created_at": time.time()})
+        mailbox.put(("result", Message({"uid": uid, "app": "t2v", "stage": "text_encode",
+                                        "deadline": time.time_ns() + int(deadline_s * 1e9)}, {})))
+        return uid
+
+    def finish() -> None:
+        stop.set()
+        d.wake()
+        thread.join(10)
+
+    yield routes, holdings, d, send, record, finish
+    finish()
+    d.close()
+    rpc.close()
+    db.close()
+
+
+def test_a_request_waits_for_its_next_stage_to_come_back_and_goes_on(running):
+    routes, holdings, d, send, record, _ = running
+    uid = send()
+    wait_for(lambda: d.waiting == 1, 5, "the request waiting for a route")
+    assert holdings.snapshot() == [uid]  # still this instance's: the NM fails it if this one dies
+    receiver = registry.listen("tcp://127.0.0.1:0")
+    try:
+        routes["stages"]["denoise_t2v"] = [receiver.address]  # the restarted instance registered
+        msg = wait_for(lambda: receiver.recv(0.1), 5, "the request at the next stage")
+        assert msg.uid == uid and msg.header["stage"] == "denoise_t2v"
+        assert d.waiting == 0 and holdings.snapshot() == []
+        assert record(uid)["status"] != "failed"
+    finally:
+        receiver.close()
+
+
+def test_a_request_that_finds_no_next_stage_in_time_fails_with_the_reason(running, monkeypatch):
+    routes, holdings, d, send, record, finish = running
+    monkeypatch.setattr(deliver_mod, "ROUTE_WAIT_S", 0.5)
+    bounded = send()  # by the deliverer's bound
+    due = send(deadline_s=0.3)  # by its own deadline, which comes first
+    rec = wait_for(lambda: (r := record(bounded)) and r["status"] == "failed" and r, 5, "it failed")
+    assert "no live instance of stage denoise_t2v within" in rec["error"], rec
+    assert "no live instance of stage denoise_t2v within" in record(due)["error"]
+    passed = send(deadline_s=-1.0)  # already past its deadline: no wait at all
+    assert "its deadline passed" in wait_for(lambda: (r := record(passed)) and r["error"], 5, "it failed")
+    monkeypatch.setattr(deliver_mod, "ROUTE_WAIT_S", 60.0)
+    left = send()
+    wait_for(lambda: d.waiting == 1, 5, "the request waiting for a route")
+    finish()  # the instance shuts down: what waits fails, nothing is left held
+    rec = wait_for(lambda: (r := record(left)) and r["status"] == "failed" and r, 5, "it failed")
+    assert "shut down while the request waited for an instance of stage denoise_t2v" in rec["error"], rec
+    assert d.waiting == 0 and holdings.snapshot() == []
+
+
+def test_the_requests_waiting_for_a_route_are_bounded(running, monkeypatch):
+    routes, holdings, d, send, record, _ = running
+    monkeypatch.setattr(deliver_mod, "MAX_PARKED", 2)
+    first = [send(), send()]
+    wait_for(lambda: d.waiting == 2, 5, "two waiting")
+    third = send()
+    rec = wait_for(lambda: (r := record(third)) and r["status"] == "failed" and r, 5, "the third failed")
+    assert "2 requests already wait for one" in rec["error"]
+    assert d.waiting == 2 and sorted(holdings.snapshot()) == sorted(first)
