@@ -169,7 +169,7 @@ class Client:
         self.close()
 
     # --- API -----------------------------------------------------------------------------------
-    def submit(self, prompt: str, model: str = "t2v", image: str | os.PathLike | bytes | None = None,
+    def submit(self, prompt: str, model: str | None = "t2v", image: str | os.PathLike | bytes | None = None,
                size: str = "64x64", seconds: float | str | None = None, idempotency_key: str | None = None,
                **extra: Any) -> dict:
         """Create a video job; returns the video object (``id``, ``status`` "queued", ...).
@@ -183,8 +183,10 @@ class Client:
         between them. Raises RequestRejected when every proxy still refused (429/503) in the last
         round, RequestFailed (code ``unreachable``) when none could be reached, RequestFailed
         at once on a request a proxy found bad (4xx). The video object's ``set`` names the
-        set that accepted it."""
-        fields: dict[str, Any] = {"prompt": prompt, "model": model, "size": size}
+        set that accepted it. ``model`` None: the proxy infers it (i2v with an image, else t2v)."""
+        fields: dict[str, Any] = {"prompt": prompt, "size": size}
+        if model is not None:
+            fields["model"] = model
         if seconds is not None:
             fields["seconds"] = str(seconds)
         fields.update({k: v for k, v in extra.items() if v is not None})

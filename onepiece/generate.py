@@ -23,7 +23,8 @@ URL_ENV = "ONEPIECE_URL"  # proxy URL(s), comma-separated, when --url is not giv
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the flags of `onepiece generate` on ``parser``."""
-    parser.add_argument("--model", default="t2v", help="application id: t2v, i2v, or any app of the workflow")
+    parser.add_argument("--model", help="application id: t2v, i2v, or any app of the workflow (default: i2v with "
+                                        "--image, else t2v, as the API infers it)")
     parser.add_argument("--prompt", required=True, help="what the video shows")
     parser.add_argument("--negative-prompt", help="what it should not show")
     parser.add_argument("--image", help="input image (PNG/JPEG/...) for image-to-video")

@@ -21,7 +21,7 @@ from onepiece.proxy.errors import ApiError, bad_request
 
 MAX_SECONDS = 3600.0
 MAX_PRIORITY = 1000  # what the stages accept in a header
-SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
+SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$", re.ASCII)  # "６４x６４" is no size
 
 
 class CreateFields(BaseModel):
@@ -209,6 +209,8 @@ def build_job(workflow: Workflow, raw: dict[str, Any], image_bytes: bytes | None
                           param="size")
 
     max_frames = _largest_4k1(lim.max_frames)
+    if fields.seconds is not None and not 0 < fields.seconds <= MAX_SECONDS:  # even where num_frames wins
+        raise bad_request(f"'seconds' must be in (0, {MAX_SECONDS:g}]; got {fields.seconds:g}", param="seconds")
     if fields.num_frames is not None:  # an explicit frame count wins over seconds
         n = fields.num_frames
         if n < 1 or (n - 1) % 4:
@@ -217,8 +219,6 @@ def build_job(workflow: Workflow, raw: dict[str, Any], image_bytes: bytes | None
             raise bad_request(f"'num_frames' {n} exceeds the limit {max_frames} of model {app!r}", param="num_frames")
         num_frames = n
     elif fields.seconds is not None:
-        if not 0 < fields.seconds <= MAX_SECONDS:
-            raise bad_request(f"'seconds' must be in (0, {MAX_SECONDS:g}]; got {fields.seconds:g}", param="seconds")
         num_frames = 4 * math.floor(fields.seconds * d.fps / 4 + 0.5) + 1
         if num_frames > max_frames:  # refused like an explicit frame count: a clip silently cut short surprises
             raise bad_request(f"'seconds' {fields.seconds:g} is {num_frames} frames at {d.fps} fps, beyond the limit "

@@ -383,6 +383,9 @@ def test_generate_command(h, tmp_path, capsys):
     img.write_bytes(H.png())
     assert generate.main(["--model", "i2v", "--prompt", "x", "--image", str(img), "--seconds", "0.5",
                           "--url", h.url, "-o", str(tmp_path / "i.mp4"), "--quiet"]) == 0
+    # without --model the image makes it i2v, as the API infers it (t2v refused the image)
+    assert generate.main(["--prompt", "x", "--image", str(img), "--url", h.url, "-o", str(tmp_path / "j.mp4"),
+                          "--quiet"]) == 0, capsys.readouterr().err
     assert generate.main(["--model", "t2v", "--prompt", "fail now", "--url", h.url, "-o", str(tmp_path / "f.mp4"),
                           "--quiet"]) == 1
     assert "out of memory" in capsys.readouterr().err

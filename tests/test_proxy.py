@@ -209,7 +209,9 @@ BAD_JSON = [
     (b'{"prompt": "x", "size": "0x64"}', 400, "invalid_value", "size"),
     (b'{"prompt": "x", "size": "1024x1024"}', 400, "invalid_value", "size"),
     (b'{"prompt": "x", "size": "big"}', 400, "invalid_value", "size"),
+    ('{"prompt": "x", "size": "\uff16\uff14x\uff16\uff14"}'.encode(), 400, "invalid_value", "size"),  # full-width digits
     (b'{"prompt": "x", "seconds": -1}', 400, "invalid_value", "seconds"),
+    (b'{"prompt": "x", "num_frames": 9, "seconds": 0}', 400, "invalid_value", "seconds"),  # checked though unused
     (b'{"prompt": "x", "seconds": "nan"}', 400, "invalid_value", "seconds"),
     (b'{"prompt": "x", "num_frames": 10}', 400, "invalid_value", "num_frames"),
     (b'{"prompt": "x", "num_frames": 85}', 400, "invalid_value", "num_frames"),
