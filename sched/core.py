@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import math
 import operator
+import statistics
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -35,7 +36,7 @@ from onepiece.sched.ranks import Ranks, dops, place
 
 CHUNK_OVERHEAD = 0.03  # decision + IPC per chunk, at most this share of the chunk's compute
 MAX_CHUNK = 64
-OVERHEAD_EWMA = 0.2
+OVERHEAD_WINDOW = 16  # chunks whose overhead's median is the figure
 UNKNOWN_STANDALONE_S = 1.0  # what aging assumes of a request nothing comparable was measured for
 
 
@@ -114,7 +115,8 @@ class SchedCore:
         self.costs = costs if costs is not None else CostModel()
         self.requests: dict[str, Request] = {}
         self.workers: dict[str, _Worker] = {}
-        self.overhead_s = 0.0  # measured per chunk: decision + IPC
+        self.overhead_s = 0.0  # measured per chunk: decision + IPC, the median of the latest
+        self._overheads: collections.deque[float] = collections.deque(maxlen=OVERHEAD_WINDOW)
         # [seconds, chunks] of that overhead since the start: what a benchmark differences over
         # one trace (the moving figure above is the quiet end of a run, not its busy middle)
         self.overhead_total = [0.0, 0]
@@ -241,7 +243,13 @@ class SchedCore:
     def note_overhead(self, seconds: float) -> None:
         """Decision and IPC time a chunk cost beyond its compute (measured by the shell)."""
         if seconds >= 0:
-            self.overhead_s += OVERHEAD_EWMA * (seconds - self.overhead_s) if self.overhead_s else seconds
+            # A median, as for steps (sched/costs.py): one chunk that spanned a stall of the
+            # process (a SIGSTOP of 12 s) put a moving average at 1.2 s for minutes, and the
+            # chunks it sizes at the maximum. (Steady figures, as the simulator's: no sort.)
+            window = self._overheads
+            window.append(seconds)
+            if seconds != self.overhead_s or window.count(seconds) != len(window):
+                self.overhead_s = statistics.median(window)
             self.overhead_total[0] += seconds
             self.overhead_total[1] += 1
 

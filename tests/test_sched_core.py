@@ -402,10 +402,13 @@ def test_chunk_follows_the_measured_overhead() -> None:
     assert c.chunk(S, 1) == 4
     assert c.chunk(L, 1) == 1
     assert core("srtf", chunk_steps=7).chunk(S, 1) == 7
-    # the moving figure follows the latest chunks; the sums keep every chunk since the start
-    c.note_overhead(0.006)
+    # the figure is the latest chunks' median; the sums keep every chunk since the start
+    c.note_overhead(0.003)
     c.note_overhead(-1.0)  # a clock step back is no sample
-    assert c.overhead_s == pytest.approx(0.002) and c.overhead_total == [pytest.approx(0.007), 2]
+    assert c.overhead_s == pytest.approx(0.002) and c.overhead_total == [pytest.approx(0.004), 2]
+    c.note_overhead(0.001)
+    c.note_overhead(12.0)  # a chunk that spanned a stall of the process (SIGSTOP): an outlier
+    assert c.overhead_s == pytest.approx(0.002) and c.chunk(S, 1) == 7
 
 
 def test_one_step_calls_are_never_batched() -> None:
