@@ -43,7 +43,7 @@ from onepiece.proxy.idempotency import HEADER as IDEM_HEADER, check_same, gone, 
     idempotency_key, idempotent_uid, request_hash
 from onepiece.proxy.images import decode_base64_image, decode_image
 from onepiece.proxy.keys import ANYONE, ApiKeys, Caller
-from onepiece.proxy.listing import list_object, parse_query
+from onepiece.proxy.listing import Cursors, list_object, parse_query
 from onepiece.proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
 from onepiece.proxy.validation import VideoJob, build_job
 from onepiece.sched import deadlines
@@ -89,6 +89,7 @@ class ProxyState:
         self.metrics = ProxyMetrics()
         self.metrics.max_inflight.set(opts.max_inflight)
         self.tracker = InflightTracker(opts.max_inflight)
+        self.cursors = Cursors()
         self.admission = opts.admission()
         self.metrics.watch(self.monitor_snapshot)
         self.dbs = DbAccess(timeout=opts.db_timeout)
@@ -672,12 +673,15 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None, keys: ApiKeys
         after = None
         if query.after is not None:
             uid = uid_of(query.after, param="after")
-            held = await _db(st.dbs.get(uid, owner))
-            if held is None:
-                raise bad_request(f"'after': no video with id {query.after[:80]!r} (unknown, expired or deleted)",
-                                  param="after")
-            after = created_key(uid, held.get("created_at"))
+            after = st.cursors.get(owner, uid)  # a page's own last video may be gone by now
+            if after is None:
+                held = await _db(st.dbs.get(uid, owner))
+                if held is None:
+                    raise bad_request(f"'after': no video with id {query.after[:80]!r} (unknown, expired or "
+                                      f"deleted)", param="after")
+                after = created_key(uid, held.get("created_at"))
         records, more = await _db(st.dbs.list(owner, after, query.limit, query.order))
+        st.cursors.remember(owner, records)
         return JsonResponse(list_object([video_object(r) for r in records], more))
 
     @app.get("/v1/videos/{video_id}", responses=oa.responses(oa.ok(oa.VIDEO), 404, 503))

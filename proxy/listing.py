@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.datastructures import QueryParams
 
+from onepiece.db.listing import Key, created_key
 from onepiece.db.protocol import MAX_PAGE
 from onepiece.proxy.errors import bad_request
 
@@ -45,3 +47,25 @@ def parse_query(params: QueryParams) -> ListQuery:
 def list_object(videos: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
     return {"object": "list", "data": videos, "first_id": videos[0]["id"] if videos else None,
             "last_id": videos[-1]["id"] if videos else None, "has_more": has_more}
+
+
+class Cursors:
+    """The places in the order (``created_key``) of the videos this proxy listed lately, per
+    caller: a client's ``after`` is the last id of a page it was given, and that video may be
+    deleted or purged (60 s after its download) before the client asks for the next page. The
+    DB then no longer knows where it stood, and the paging broke with a 400. Bounded: the
+    latest ``limit``."""
+
+    def __init__(self, limit: int = 8192) -> None:
+        self.limit = limit
+        self._keys: collections.OrderedDict[tuple[str | None, str], Key] = collections.OrderedDict()
+
+    def remember(self, owner: str | None, records: list[dict[str, Any]]) -> None:
+        for r in records:
+            self._keys[owner, r["uid"]] = created_key(r["uid"], r.get("created_at"))
+            self._keys.move_to_end((owner, r["uid"]))
+        while len(self._keys) > self.limit:
+            self._keys.popitem(last=False)
+
+    def get(self, owner: str | None, uid: str) -> Key | None:
+        return self._keys.get((owner, uid))

@@ -51,6 +51,24 @@ def test_openai_lists_the_callers_videos_page_by_page(h):
         assert alice.videos.list(after=mine[0], order="desc").data == []
 
 
+def test_paging_goes_on_after_a_pages_last_video_is_deleted(h):
+    """A client's cursor is the last id of the page it was given; that video may be deleted (or
+    purged after its download) before it asks for the next page."""
+    auth = {"Authorization": f"Bearer {BOB}"}
+    mine = [h.http.post("/v1/videos", json={"prompt": f"p{i}"}, headers=auth).json()["id"] for i in range(4)]
+    asc = [v["id"] for v in h.http.get("/v1/videos?order=asc&limit=100", headers=auth).json()["data"]]
+    before = asc[:asc.index(mine[0])]  # the caller's earlier videos (other tests')
+    first = h.http.get("/v1/videos?order=asc&limit=2" + (f"&after={before[-1]}" if before else ""), headers=auth).json()
+    assert [v["id"] for v in first["data"]] == mine[:2]
+    assert h.http.delete(f"/v1/videos/{first['last_id']}", headers=auth).status_code == 200
+    assert h.http.get(f"/v1/videos/{first['last_id']}", headers=auth).status_code == 404
+    rest = h.http.get(f"/v1/videos?order=asc&limit=2&after={first['last_id']}", headers=auth)
+    assert rest.status_code == 200 and [v["id"] for v in rest.json()["data"]] == mine[2:], rest.text
+    # a cursor this caller was never given is still looked up, and unknown: a 400
+    r = h.http.get(f"/v1/videos?after={mine[1]}", headers={"Authorization": f"Bearer {ALICE}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "after"
+
+
 def test_bad_list_arguments_are_a_400_naming_the_parameter(h):
     vid = h.http.post("/v1/videos", json={"prompt": "x"}, headers={"Authorization": f"Bearer {ALICE}"}).json()["id"]
     auth = {"Authorization": f"Bearer {ALICE}"}
