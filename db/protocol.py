@@ -7,7 +7,10 @@ Writes arrive on the DB's data address (any transport) as messages whose header 
 - ``failed``: ``{uid, kind, stage, error}``;
 - ``replica``: ``{uid, kind, record}`` (+ ``content`` part if any): a peer's copy;
 - ``purge``: ``{uid, kind}``: a peer dropped the record (deleted, or fetched with no grace);
-- ``fetched``: ``{uid, kind, expires_at}``: a peer served the result; the copy expires by then.
+- ``fetched``: ``{uid, kind, expires_at}``: a peer served the result; the copy expires by then;
+- ``hello``: ``{uid, kind, control}``: a DB (re)started and found this one among its peers
+  (``uid`` is its random incarnation, ``control`` its control address): this DB fills it with
+  the records placement gives it (``db/server.py``), as ``replica`` messages.
 
 Reads and the proxy's synchronous ``create`` go to the DB's control address (RPC ops, see
 ``db/server.py``): ``create``, ``get``, ``content``, ``delete``, ``list``, ``stats``. Reads,
@@ -192,9 +195,20 @@ class FetchedMessage(BaseModel):
     expires_at: Seconds
 
 
+class HelloMessage(BaseModel):
+    """A new DB process greets a peer. ``control`` only names it among the peers the NM gave this
+    DB: records go to the data address that list holds, never to one a message names."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["hello"]
+    uid: Uid  # the sender's incarnation: every message has a uid
+    control: StrictStr = Field(min_length=1, max_length=512)
+
+
 DATA_SCHEMAS: dict[str, type[BaseModel]] = {
     "status": StatusReport, "result": ResultReport, "failed": FailedReport, "replica": ReplicaMessage,
-    "purge": PurgeMessage, "fetched": FetchedMessage,
+    "purge": PurgeMessage, "fetched": FetchedMessage, "hello": HelloMessage,
 }
 
 

@@ -27,8 +27,8 @@ RPC ops (request fields -> reply fields; errors come back as ``{"ok": false, "er
   has_more}``: a page of records by creation time, without their traces;
 - a given ``owner`` that differs from the record's makes it "not found";
 - ``stats`` -> ``{stats: {records, bytes, max_bytes, content_bytes, by_status, tombstones,
-  name, addresses, peers, replication: {factor, queued, sent, dropped, short}, refused,
-  malformed}}``;
+  name, addresses, peers, replication: {factor, queued, sent, dropped, short, filled, filling},
+  refused, malformed}}``;
 - ``ping`` -> ``{name, data_address, control_address, events_address}``.
 
 Replication peers are set in-process with :meth:`DbServer.set_peers`, as the set's DB address
@@ -60,6 +60,18 @@ out routes again, or a peer that did not take it) is owed. The DB sends the reco
 it now again when its peers change and every ``REPAY_S`` while anything is owed (bounded:
 ``OWED_MAX`` uids, the oldest forgotten first), so a failure written to one copy reaches the
 others in the end.
+
+Peers are filled: a change reaches only the DBs listed when it is made, so a DB that joins,
+or comes back from a restart empty, would otherwise hold only what changes after. When a DB
+learns of a peer it did not list (``set_peers``), it sends that peer every live record that
+placement gives it, with its content, as ``replica`` messages (the merge rules keep whatever
+the peer holds that is newer); when its list changes otherwise (a DB left), each peer gets the
+records whose holders moved to it. A restarted DB at the same addresses may never leave its
+peers' lists (the NM replaces it at once), so a DB greets every peer it has not greeted yet
+(``hello``) and a greeted DB fills the greeter. A fill is walked a bounded slice per loop turn
+and handed to the replicator only while its queue is short, so it goes at the peers' pace and
+never crowds out live changes; a peer that does not take it is retried from where it failed,
+backing off, ``FILL_TRIES`` times, then given up with a log line.
 """
 
 from __future__ import annotations
@@ -70,6 +82,7 @@ import os
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
@@ -78,8 +91,8 @@ from prometheus_client import Counter, Gauge
 
 from onepiece.db.placement import order_dbs
 from onepiece.db.protocol import (CONTENT, DATA_SCHEMAS, PROXY_OPS, RPC_SCHEMAS, TERMINAL, CreateArgs, DeleteArgs,
-                                  FailedReport, ListArgs, PurgeMessage, ReplicaMessage, ResultReport, StatusReport,
-                                  UidArgs)
+                                  FailedReport, HelloMessage, ListArgs, PurgeMessage, ReplicaMessage, ResultReport,
+                                  StatusReport, UidArgs)
 from onepiece.db.store import Change, Gone, InvalidUpdate, NotFound, ResultStore, StoreFull
 from onepiece.droplog import log_dropped
 from onepiece.events import CANCEL, DONE, event_frames
@@ -87,7 +100,7 @@ from onepiece.schema import checked
 from onepiece.supervise import stop_on_signals
 from onepiece.transport import curve, registry
 from onepiece.transport.base import Receiver, Sender, TransportError
-from onepiece.transport.message import Message, MessageError, service_s
+from onepiece.transport.message import Message, MessageError, new_uid, service_s
 from onepiece.transport.rpc import RpcServer
 from onepiece.transport.zmq_transport import bind_address
 
@@ -109,6 +122,8 @@ REPL_DROPPED = Counter("onepiece_db_replication_dropped",
                        "Replication messages dropped (queue full, peer down)", ["db"])
 REPL_SHORT = Counter("onepiece_db_replication_short",
                      "Changes that reached fewer DBs than the replication factor", ["db"])
+REPL_FILLED = Counter("onepiece_db_replication_filled",
+                      "Records handed to a peer that joined (or whose share grew)", ["db"])
 
 DRAIN_S = 1.0  # how long a stopping DB keeps sending queued replication messages
 TURN_MS = 250  # the longest a loop turn waits for a message (stop and close are noticed within it)
@@ -117,6 +132,41 @@ REPAY_S = 5.0  # how often changes that fell short are sent again (and at once w
 OWED_MAX = 10_000
 REPAY_BATCH = 256
 DATA_BATCH = 256  # data messages handled per loop turn before the control socket is looked at
+FILL_BATCH = 128  # fill messages queued per loop turn, and only while the queue holds fewer
+FILL_SCAN = 512  # records a fill looks at per loop turn (placement: ~3 ms in all): a turn stays short
+FILL_TURN_MS = 10  # the loop's longest wait while a fill can go on
+FILL_TRIES = 4  # failures in a row (no record taken between) before a peer's fill is given up
+GREETED_MAX = 1024  # peers this process has greeted, the oldest forgotten first
+
+
+@dataclass(eq=False)
+class _Fill:
+    """Filling one peer with the records placement gives it. The loop thread owns it, except
+    ``gen``, ``queued``, ``acked`` and ``failed_at``, shared with the replicator under
+    ``DbServer._fill_lock``."""
+
+    peer: dict[str, str]
+    peers: list[dict[str, str]]  # the peer list placement is computed with
+    since: list[dict[str, str]] | None  # the list it has held its share as of; None: nothing held
+    uids: list[str]  # this DB's uids when the fill (re)started
+    pos: int = 0  # the next uid to look at; -1: the hello first
+    tries: int = 0  # failures in a row
+    not_before: float = 0.0  # monotonic: a retry waits until then
+    gen: int = 0  # bumped on a rewind or cancel: queued messages of an older gen are skipped
+    queued: int = 0  # messages of this gen queued...
+    acked: int = 0  # ...and taken by the peer
+    failed_at: int | None = None  # the first position of this gen the peer did not take
+    sent: int = 0  # records taken, in all
+
+
+@dataclass(frozen=True)
+class _Directed:
+    """A fill's message: for its fill's peer only, not placed by its UID like a change."""
+
+    msg: Message
+    fill: _Fill
+    gen: int
+    pos: int
 
 
 class DbServer:
@@ -155,19 +205,28 @@ class DbServer:
         self.sweep_interval_s = sweep_interval_s
         self.replication_timeout_s = replication_timeout_s
         self.peer_backoff_s = peer_backoff_s
-        self._outq: queue.Queue[Message | None] = queue.Queue(maxsize=replication_queue)  # None: wake up
+        # None: wake up; _Directed: a fill's message for one peer
+        self._outq: queue.Queue[Message | _Directed | None] = queue.Queue(maxsize=replication_queue)
         self._peers: list[dict[str, str]] = []
         self._peers_lock = threading.Lock()
         self._owed: dict[str, None] = {}  # uids whose last change fell short, oldest first
         self._owed_lock = threading.Lock()  # the loop and the replicator both owe
         self._peers_changed = threading.Event()
+        # Filling peers (loop thread): the fill per peer, by control address; the peer list each
+        # peer has held its share as of (its fill done); the list last planned against.
+        self._fills: dict[str, _Fill] = {}
+        self._bases: dict[str, tuple[dict[str, str], list[dict[str, str]]]] = {}
+        self._planned: frozenset[tuple[str, str]] = frozenset()
+        self._fill_lock = threading.Lock()  # _Fill's shared fields and _greeted: loop and replicator
+        self._greeted: dict[str, None] = {}  # control addresses this process has said hello to
+        self._incarnation = new_uid()  # this process, as its hellos name it
         self._closing = threading.Event()
         self._idle = threading.Event()  # set while run() is not executing
         self._idle.set()
         self._closed = False
         self._replicator: threading.Thread | None = None
         self._repl_stop = threading.Event()
-        self.counts = {"sent": 0, "dropped": 0, "short": 0, "refused": 0, "malformed": 0}
+        self.counts = {"sent": 0, "dropped": 0, "short": 0, "filled": 0, "refused": 0, "malformed": 0}
         self._counts_lock = threading.Lock()  # the loop and the replicator both count
         self._last_drop_log = float("-inf")
         self._ipc_paths: list[str] = []
@@ -262,7 +321,8 @@ class DbServer:
             while not stop.is_set() and not self._closing.is_set():
                 # Sockets wake it; with nothing arriving it turns for the next sweep (which also
                 # notices stop and close). The ring has no socket: polled every millisecond.
-                wait_ms = 1 if data_sock is None else max(1, min(TURN_MS, int((next_sweep - time.monotonic()) * 1000)))
+                wait_ms = 1 if data_sock is None else max(1, min(TURN_MS, int((next_sweep - time.monotonic()) * 1000),
+                                                                 self._fill_wait_ms()))
                 events = dict(poller.poll(wait_ms))
                 if data_sock is None or data_sock in events:
                     self._drain_data()
@@ -270,8 +330,10 @@ class DbServer:
                     self.rpc.handle()
                 if self._peers_changed.is_set() or time.monotonic() >= next_repay:
                     self._peers_changed.clear()
+                    self._plan_fills()
                     self._repay()
                     next_repay = time.monotonic() + REPAY_S
+                self._fill_step()
                 if time.monotonic() >= next_sweep:
                     try:
                         self._sweep()
@@ -324,6 +386,9 @@ class DbServer:
                 WRITES.labels(self.name, kind).inc()
                 if change is not None:
                     self._on_change(change, replicate=False)  # never forwarded: no loops
+                return
+            elif isinstance(m, HelloMessage):
+                self._on_hello(m.control)
                 return
             elif isinstance(m, PurgeMessage):
                 self.store.purge(uid, tombstone=not m.forget)
@@ -511,7 +576,8 @@ class DbServer:
                           "events": self.events_address},
             "peers": [p["data"] for p in self.peers],
             "replication": {"factor": self.replication, "queued": self._outq.qsize(), "sent": counts["sent"],
-                            "dropped": counts["dropped"], "short": counts["short"]},
+                            "dropped": counts["dropped"], "short": counts["short"], "filled": counts["filled"],
+                            "filling": len(self._fills)},
             "refused": counts["refused"],
             "malformed": counts["malformed"],
         }
@@ -556,6 +622,152 @@ class DbServer:
                 self._replicate(Message({"uid": uid, "kind": "replica", "record": rec},
                                         {CONTENT: content} if content is not None else {}))
 
+    # ---- filling peers (on the loop thread, which owns the store) ---------------------------
+
+    @staticmethod
+    def _key(peers: list[dict[str, str]]) -> frozenset[tuple[str, str]]:
+        return frozenset((p["control"], p["data"]) for p in peers)
+
+    def _holds(self, uid: str, peers: list[dict[str, str]]) -> set[str]:
+        """The control addresses of the DBs placement gives ``uid`` among this one and ``peers``."""
+        return {d["control"] for d in order_dbs(uid, [self._me, *peers])[:self.replication]}
+
+    def _plan_fills(self) -> None:
+        """Start filling the peers whose share the new peer list gives them records they may lack:
+        everything placement gives a peer not listed before, and to one listed before the
+        records whose holders moved to it (a DB left)."""
+        peers = self.peers
+        key = self._key(peers)
+        if self.replication < 2 or key == self._planned:
+            return
+        self._planned = key
+        current = {p["control"]: p for p in peers}
+        for control in [c for c in self._fills if current.get(c) != self._fills[c].peer]:
+            self._retire(self._fills.pop(control))  # gone from the routes (or moved)
+        for control in [c for c in self._bases if current.get(c) != self._bases[c][0]]:
+            del self._bases[control]  # if it comes back, it is filled as a new peer
+        for control, peer in current.items():
+            fill = self._fills.pop(control, None)
+            if fill is not None:
+                self._retire(fill)  # placed by the list before: started again below, if needed
+            since = fill.since if fill is not None else self._bases.get(control, (peer, None))[1]
+            if since is not None and self._key(since) == key:
+                self._bases[control] = (peer, since)  # nothing moved to it
+            else:
+                self._start_fill(peer, peers, since)
+
+    def _on_hello(self, control: str) -> None:
+        """A DB (re)started and greeted this one: fill it with everything placement gives it,
+        if the NM lists it here (else it is filled as a new peer once it does)."""
+        peer = next((p for p in self.peers if p["control"] == control), None)
+        if peer is None or self.replication < 2:
+            log.debug("db %s: hello from %s, not a peer here (yet)", self.name, control[:200])
+            return
+        log.info("db %s: peer %s (re)started: filling it", self.name, peer["data"])
+        self._bases.pop(control, None)
+        self._start_fill(peer, self.peers, None)
+
+    def _start_fill(self, peer: dict[str, str], peers: list[dict[str, str]],
+                    since: list[dict[str, str]] | None) -> None:
+        """(Re)start filling ``peer`` from the first record: what a fill it replaces queued may
+        have gone to a process that is gone, or been placed by an older list."""
+        old = self._fills.get(peer["control"])
+        if old is not None:
+            self._retire(old)
+        with self._fill_lock:
+            hello = since is None and peer["control"] not in self._greeted
+        fill = _Fill(dict(peer), peers, since, self.store.uids(), pos=-1 if hello else 0)
+        self._fills[peer["control"]] = fill
+        log.info("db %s: filling peer %s with %s of %d records%s", self.name, peer["data"],
+                 "its share" if since is None else "what moved to it", len(fill.uids),
+                 ", after a hello" if hello else "")
+
+    def _retire(self, fill: _Fill) -> None:
+        with self._fill_lock:
+            fill.gen += 1  # what it queued is skipped by the replicator
+
+    def _fill_wait_ms(self) -> int:
+        """How long the loop may wait for a message with the fills in mind."""
+        if not self._fills:
+            return TURN_MS
+        soonest = min(f.not_before for f in self._fills.values())
+        return max(FILL_TURN_MS, min(TURN_MS, int((soonest - time.monotonic()) * 1000)))
+
+    def _fill_step(self) -> None:
+        """One bounded slice of every fill that can go on; a fill's end or failure is handled here."""
+        now = time.monotonic()
+        for control, fill in list(self._fills.items()):
+            with self._fill_lock:
+                failed_at, acked, settled = fill.failed_at, fill.acked, fill.acked == fill.queued
+            if failed_at is not None:
+                self._fill_failed(control, fill, failed_at, acked, now)
+            elif fill.pos >= len(fill.uids):
+                if settled:
+                    self._fill_done(control, fill)
+            elif now >= fill.not_before:
+                self._fill_slice(fill)
+
+    def _fill_slice(self, fill: _Fill) -> None:
+        room = FILL_BATCH - self._outq.qsize()  # the replicator's pace: it never waits behind a fill
+        scanned, now = 0, self.store.clock()
+        while room > 0 and scanned < FILL_SCAN and fill.pos < len(fill.uids):
+            pos = fill.pos
+            if pos < 0:
+                msg: Message | None = Message({"uid": self._incarnation, "kind": "hello",
+                                               "control": self._me["control"]})
+            else:
+                scanned += 1
+                msg = self._fill_message(fill, fill.uids[pos], now)
+            if msg is not None:
+                with self._fill_lock:
+                    fill.queued += 1
+                try:
+                    self._outq.put_nowait(_Directed(msg, fill, fill.gen, pos))
+                except queue.Full:
+                    with self._fill_lock:
+                        fill.queued -= 1
+                    return  # this record again next turn
+                room -= 1
+            fill.pos = pos + 1
+
+    def _fill_message(self, fill: _Fill, uid: str, now: float) -> Message | None:
+        """The replica of ``uid`` as it stands now, if it is live and newly the peer's to hold."""
+        control = fill.peer["control"]
+        if control not in self._holds(uid, fill.peers):
+            return None
+        if fill.since is not None and control in self._holds(uid, fill.since):
+            return None  # its share before: replicated to it then (or owed)
+        rec = self.store.get(uid)
+        if rec is None or not rec["expires_at"] > now:
+            return None  # gone, or expired and not swept yet
+        content = self.store.content(uid)
+        return Message({"uid": uid, "kind": "replica", "record": rec},
+                       {CONTENT: content} if content is not None else {})
+
+    def _fill_failed(self, control: str, fill: _Fill, failed_at: int, acked: int, now: float) -> None:
+        """The peer did not take a message: go on from there after a backoff, or give up."""
+        fill.tries = 1 if acked else fill.tries + 1  # a record taken since the last failure: progress
+        if fill.tries > FILL_TRIES:
+            self._retire(self._fills.pop(control))
+            log.warning("db %s: gave up filling peer %s after %d failed tries (%d records taken); it is filled "
+                        "again when it says hello or the peer list changes", self.name, fill.peer["data"],
+                        FILL_TRIES, fill.sent)
+            return
+        with self._fill_lock:
+            fill.gen += 1
+            fill.queued = fill.acked = 0
+            fill.failed_at = None
+        fill.pos = failed_at
+        delay = self.peer_backoff_s * 2 ** (fill.tries - 1)  # the replicator skips it that long anyway
+        fill.not_before = now + delay
+        log.info("db %s: peer %s did not take its fill; again in %.1fs (try %d of %d)", self.name,
+                 fill.peer["data"], delay, fill.tries + 1, FILL_TRIES + 1)
+
+    def _fill_done(self, control: str, fill: _Fill) -> None:
+        del self._fills[control]
+        self._bases[control] = (fill.peer, fill.peers)
+        log.info("db %s: filled peer %s (%d records taken)", self.name, fill.peer["data"], fill.sent)
+
     def _dropped(self, uid: str, why: str, loud: bool = True) -> None:
         self._count("dropped")
         REPL_DROPPED.labels(self.name).inc()
@@ -591,8 +803,9 @@ class DbServer:
         down_until: dict[str, float] = {}
         drain_until: float | None = None
 
-        def send(peer: str, msg: Message) -> bool:
-            """Hand ``msg`` to ``peer`` (a data address); False if it is down or did not take it."""
+        def send(peer: str, msg: Message, what: str | None = "sent") -> bool:
+            """Hand ``msg`` to ``peer`` (a data address); False if it is down or did not take it.
+            ``what``: the count it adds to (None: none, as for a hello)."""
             if down_until.get(peer, 0.0) > time.monotonic():
                 self._dropped(msg.uid, f"peer {peer} is down", loud=False)
                 return False
@@ -605,8 +818,9 @@ class DbServer:
                 down_until[peer] = time.monotonic() + self.peer_backoff_s
                 self._dropped(msg.uid, f"peer {peer}: {e}")
                 return False
-            self._count("sent")
-            REPL_SENT.labels(self.name).inc()
+            if what is not None:
+                self._count(what)
+                (REPL_SENT if what == "sent" else REPL_FILLED).labels(self.name).inc()
             return True
 
         try:
@@ -626,6 +840,10 @@ class DbServer:
                     continue
                 if msg is None:  # _stop_replicator's wake-up
                     continue
+                if isinstance(msg, _Directed):
+                    if drain_until is None:  # stopping: the latest changes matter more than a fill
+                        self._send_fill(msg, send)
+                    continue
                 peers = self.peers
                 for gone in set(senders) - {p["data"] for p in peers}:
                     senders.pop(gone).close()
@@ -641,6 +859,10 @@ class DbServer:
                         break
                     if db["control"] == self._me["control"] or send(db["data"], msg):
                         have += 1
+                # Short only of the DBs listed now. A DB missing from the list is not owed the
+                # change: listed again, it is filled with every live record it should hold, as
+                # it stands then (_plan_fills); and owing would resend forever in a set that
+                # has fewer DBs than the factor.
                 if have < min(self.replication, len(peers) + 1):
                     self._count("short")
                     REPL_SHORT.labels(self.name).inc()
@@ -648,6 +870,28 @@ class DbServer:
         finally:
             for sender in senders.values():
                 sender.close()
+
+    def _send_fill(self, item: _Directed, send: Callable[[str, Message, str | None], bool]) -> None:
+        """Hand a fill's message to its peer (replicator thread) and report back to the fill."""
+        fill = item.fill
+        with self._fill_lock:
+            if item.gen != fill.gen or fill.failed_at is not None:
+                return  # retired, or failed before it: the loop sends again from the failure
+        ok = send(fill.peer["data"], item.msg, "filled" if item.pos >= 0 else None)
+        with self._fill_lock:
+            if item.gen != fill.gen:
+                return
+            if not ok:
+                fill.failed_at = item.pos
+                return
+            fill.acked += 1
+            if item.pos >= 0:
+                fill.sent += 1
+            else:
+                self._greeted.pop(fill.peer["control"], None)
+                self._greeted[fill.peer["control"]] = None
+                while len(self._greeted) > GREETED_MAX:
+                    del self._greeted[next(iter(self._greeted))]
 
     # ---- shutdown ----------------------------------------------------------------------------
 

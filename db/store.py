@@ -137,6 +137,10 @@ class ResultStore:
         """``uid``'s artefact, if it has one (a read: nothing expires because of it)."""
         return self._content.get(uid)
 
+    def uids(self) -> list[str]:
+        """The held uids, copied: a peer's fill walks them over many loop turns."""
+        return list(self._records)
+
     def gone(self, uid: str) -> bool:
         """Whether ``uid`` was held here and dropped (fetched, deleted, expired) within a TTL."""
         return uid in self._tombstones
