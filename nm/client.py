@@ -23,6 +23,13 @@ requests to stage instances (a stage instance, a proxy) also reports its recent 
 (nm/holdings.py ``Deliveries``). Registering again to an NM that forgot it, a stage instance says
 which stage it serves already; an NM that is still settling after its start says so, and the
 member keeps the routes it holds.
+
+An NM that declared this member's process dead and reported what it held failed answers its next
+heartbeat or registration with that fence (nm/fencing.py): the member hands the UIDs to
+``on_fenced`` (a stage instance drops them), then acknowledges, and only then is heard again. A
+restarted NM fences nobody. Since a stopped process cannot know what the NM decided meanwhile,
+``settle`` holds a hand-on after this process itself stood still near the NM's dead limit until a
+heartbeat round has told it (nm/stall.py).
 """
 
 from __future__ import annotations
@@ -44,7 +51,8 @@ if TYPE_CHECKING:
 from onepiece import deployment as deployments
 from onepiece.heartbeat import DELIVERED
 from onepiece.nm.identity import NAME_HELD
-from onepiece.nm.protocol import Routes
+from onepiece.nm.protocol import FenceReply, Routes
+from onepiece.nm.stall import TICK_S, StallWatch
 from onepiece.schema import problem
 from onepiece.transport.registry import ZMQ_SCHEMES, checked, with_host
 from onepiece.transport.rpc import RpcClient, RpcError, RpcTimeout
@@ -220,6 +228,7 @@ class Membership:
         name: str = "",
         deployment: str | None = None,
         deliveries: "Deliveries | None" = None,
+        on_fenced: Callable[[list[str], str], None] = lambda uids, reason: None,
     ) -> None:
         self.zk_settings = zk
         self._primary: str | None = None  # from the ZooKeeper ``primary`` node
@@ -241,6 +250,12 @@ class Membership:
         self.id: str | None = None
         self._token: str | None = None  # from our registration: what deregistering ourselves takes
         self._joined = False  # registered once: a later registration is a return (the NM forgot us)
+        # Fencing (nm/fencing.py): what to drop when the NM says it reaped us; the fence applied
+        # last, acknowledged in heartbeats until a reply carries none.
+        self.on_fenced = on_fenced
+        self._fence_ack: str | None = None
+        self.watch = StallWatch()  # whether this process stood still near the NM's dead limit
+        self.dead_after_s: float | None = None  # the NM's dead limit, from its register reply
         self.routes: dict[str, Any] = {"version": 0, "stages": {}, "dbs": [], "proxies": []}
         self.monitor: dict[str, Any] | None = None  # proxies: the set's capacity view
         self.heartbeat_s = 1.0
@@ -338,6 +353,7 @@ class Membership:
     def register(self, timeout: float = 30.0) -> dict[str, Any]:
         """Register, retrying until the NM answers or ``timeout`` passes; the reply carries the
         workflow, this instance's stage and the set's routes."""
+        started = self.watch.began()
         patience = Patience(self.nm.address, timeout)
         deadline = patience.deadline
         if self.zk_settings is not None:
@@ -371,11 +387,19 @@ class Membership:
                     raise
                 log.error("not joining %s: %s", self.nm.address, e)
                 raise Refused(str(e)) from None
+        self._fenced(reply)  # before it serves again: what the NM reported failed for it goes
         self.id = reply["instance"]
         self._token = reply.get("token")  # what deregistering ourselves takes
         self._joined = True
         self._assign(reply.get("stage"))
         self.heartbeat_s = float(reply.get("heartbeat_s", 1.0))
+        if isinstance(reply.get("dead_after_s"), (int, float)):
+            self.dead_after_s = float(reply["dead_after_s"])
+            # A stall this long may cost our place: the NM may have last heard us a heartbeat and
+            # a try before it stood still.
+            self.watch.limit_s = max(self.dead_after_s - self.heartbeat_s - self.nm.timeout, self.heartbeat_s)
+            # ticks well inside it, and no more often than that needs: an idle stage sleeps
+            self.watch.tick_s = min(TICK_S, self.watch.limit_s / 4)
         if reply.get("settling") and self.routes.get("version"):
             # A restarted NM, which has not heard from everyone yet: our routes are the fuller.
             log.info("node manager still settling after its start; keeping the routes held")
@@ -383,6 +407,7 @@ class Membership:
             self._apply(reply["routes"], newer_only=self.zk_settings is not None)
         if self.member is not None and self.member.data.get("stage") != self.stage:
             self.set_capacity(self.capacity)  # the node says which stage it was given
+        self.watch.round_ended(started)  # the NM answered: as good as a heartbeat round
         return reply
 
     def _assign(self, stage: str | None) -> None:
@@ -404,57 +429,98 @@ class Membership:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name=f"membership-{self.id}", daemon=True)
         self._thread.start()
+        if self.role == "stage":  # what the NM reaps, and fences (nm/fencing.py)
+            threading.Thread(target=self._tick, name=f"stall-watch-{self.id}", daemon=True).start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.watch.tick_s):
+            self.watch.tick()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
-            if self._session_lost.is_set():
+            started = self.watch.began()
+            try:
+                self._beat()
+            finally:
+                self.watch.round_ended(started)  # whatever it hit: a stall before it is settled
+
+    def _beat(self) -> None:
+        """One heartbeat round: join again if the session was lost, else a heartbeat."""
+        if self._session_lost.is_set():
+            try:
+                self.register(timeout=max(self.heartbeat_s, 2.0))
+                log.info("joined again as %s", self.id)
+            except Exception as e:
+                log.warning("re-joining failed: %r", e)
+            return
+        if self.zk_settings is not None and self._primary is None and not self.nm.addresses:
+            return  # no primary right now; the routes we have stay in force
+        try:
+            stats = self.stats()
+        except Exception as e:  # stats are advisory; the heartbeat itself must go on
+            log.debug("stats unavailable: %s", e)
+            stats = {}
+        try:
+            extra: dict[str, Any] = {"serving": self.serving()} if self.role == "stage" else {}
+            # Every heartbeat repeats a few heartbeats' worth: one that fails loses nothing.
+            window_s = 3 * self.heartbeat_s + self.nm.timeout
+            if self.deliveries is not None and (sent := self.deliveries.report(window_s)):
+                extra[DELIVERED] = sent
+            if self._fence_ack is not None:
+                extra["fenced"] = self._fence_ack
+            reply, _ = self.nm.call("heartbeat", instance=self.id, ready=self.ready(), stats=stats,
+                                    version=self.routes["version"], process=self.process,
+                                    **{deployments.FIELD: self.deployment}, **extra)
+            if self._fenced(reply):
+                return  # a fence comes alone: acknowledged with the next heartbeat
+            if self.role == "stage" and "stage" in reply:
+                self._assign(reply["stage"])
+            if "routes" in reply:
+                self._apply(reply["routes"], newer_only=self.zk_settings is not None)
+            if "monitor" in reply:
+                self.monitor = reply["monitor"]
+        except Exception as e:  # the heartbeat goes on whatever one round hit
+            if not isinstance(e, RpcError):
+                log.exception("heartbeat round failed")
+                return
+            if deployments.REFUSED in str(e):
+                # Another deployment's NM answers at our NM's address: we stay out of it, on
+                # the routes we have, and keep asking (our own NM may come back there).
+                log.error("heartbeat refused: %s", e)
+            elif "unknown instance" in str(e):
+                # The NM dropped us (silent too long, or it restarted): join again.
+                log.warning("node manager forgot %s; registering again", self.id)
                 try:
-                    self.register(timeout=max(self.heartbeat_s, 2.0))
-                    log.info("joined again as %s", self.id)
-                except Exception as e:
-                    log.warning("re-joining failed: %r", e)
-                continue
-            if self.zk_settings is not None and self._primary is None and not self.nm.addresses:
-                continue  # no primary right now; the routes we have stay in force
-            try:
-                stats = self.stats()
-            except Exception as e:  # stats are advisory; the heartbeat itself must go on
-                log.debug("stats unavailable: %s", e)
-                stats = {}
-            try:
-                extra: dict[str, Any] = {"serving": self.serving()} if self.role == "stage" else {}
-                # Every heartbeat repeats a few heartbeats' worth: one that fails loses nothing.
-                window_s = 3 * self.heartbeat_s + self.nm.timeout
-                if self.deliveries is not None and (sent := self.deliveries.report(window_s)):
-                    extra[DELIVERED] = sent
-                reply, _ = self.nm.call("heartbeat", instance=self.id, ready=self.ready(), stats=stats,
-                                        version=self.routes["version"], process=self.process,
-                                        **{deployments.FIELD: self.deployment}, **extra)
-                if self.role == "stage" and "stage" in reply:
-                    self._assign(reply["stage"])
-                if "routes" in reply:
-                    self._apply(reply["routes"], newer_only=self.zk_settings is not None)
-                if "monitor" in reply:
-                    self.monitor = reply["monitor"]
-            except Exception as e:  # the heartbeat goes on whatever one round hit
-                if not isinstance(e, RpcError):
-                    log.exception("heartbeat round failed")
-                    continue
-                if deployments.REFUSED in str(e):
-                    # Another deployment's NM answers at our NM's address: we stay out of it, on
-                    # the routes we have, and keep asking (our own NM may come back there).
-                    log.error("heartbeat refused: %s", e)
-                elif "unknown instance" in str(e):
-                    # The NM dropped us (silent too long, or it restarted): join again.
-                    log.warning("node manager forgot %s; registering again", self.id)
-                    try:
-                        self.register(timeout=self.heartbeat_s)
-                    except Exception as e2:
-                        log.warning("re-registration failed: %s", e2)
-                elif isinstance(e, NoPrimary):
-                    log.info("heartbeat: %s", e)  # an election: expected, and harmless here
-                else:
-                    log.warning("heartbeat to node manager failed: %s", e)
+                    self.register(timeout=self.heartbeat_s)
+                except Exception as e2:
+                    log.warning("re-registration failed: %s", e2)
+            elif isinstance(e, NoPrimary):
+                log.info("heartbeat: %s", e)  # an election: expected, and harmless here
+            else:
+                log.warning("heartbeat to node manager failed: %s", e)
+
+    def _fenced(self, reply: dict[str, Any]) -> bool:
+        """Apply the fence a reply carries, once (nm/fencing.py); True if it carried one."""
+        if "fenced" not in reply:
+            self._fence_ack = None  # the NM holds no fence for us (any more)
+            return False
+        if (wrong := problem(FenceReply, reply["fenced"], "fenced")) is not None:
+            log.error("%s: ignored a malformed fence from the node manager: %s", self.id, wrong)
+            return True
+        fence = FenceReply.model_validate(reply["fenced"])
+        if fence.id != self._fence_ack:
+            log.warning("the node manager declared %s dead (%s) and reported the %d request(s) it held failed: "
+                        "dropping them before serving again", fence.instance, fence.reason, len(fence.uids))
+            self.on_fenced(list(fence.uids), fence.reason)  # raises: not acknowledged, told again
+            self._fence_ack = fence.id
+        return True
+
+    def settle(self, timeout: float | None = None) -> float:
+        """Before handing work on: after this process stood still (nm/stall.py), wait until a
+        heartbeat round that began after it has ended, so that a fence the NM holds for us is
+        applied first; bounded (by default a heartbeat and two tries). The seconds waited."""
+        timeout = 2 * (self.heartbeat_s + self.nm.timeout) if timeout is None else timeout
+        return self.watch.settle(timeout, self.id or "")
 
     def stop(self) -> None:
         if self._stop.is_set():

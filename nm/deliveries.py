@@ -35,6 +35,7 @@ class Grave:
     until: float  # kept until then (the ledger's horizon)
     reason: str  # why it was declared dead
     reaped: set[str] = field(default_factory=set)  # already reported failed
+    process: str = ""  # the dead process's token: what it reaps late is fenced too (nm/fencing.py)
 
 
 class DeliveryLedger:

@@ -143,6 +143,9 @@ class HaNodeManager(NodeManager):
     def _settling(self) -> bool:
         return False  # a new primary restores the routes from ZooKeeper
 
+    def _dead_after_s(self) -> float:
+        return self.settings.session_s  # here an instance is dropped when its session ends
+
     def _monitor_ready(self, set_name: str) -> bool:
         if time.monotonic() - self.elected_at > 3 * self.topology.nm.heartbeat_s:
             return True

@@ -9,10 +9,15 @@ observed at the instance's two edges, so neither the scheduler nor the deliverer
 message) and ``TrackingMailbox`` is the scheduler-to-deliverer queue (a UID leaves when the
 deliverer takes its ``result`` or ``failed`` item). Both sides run on other threads than the
 heartbeat, hence the lock; the work under it is a dict operation.
+
+``fence`` takes UIDs out for good: the NM declared this instance dead and reported them failed
+(nm/fencing.py). They are no longer held, are dropped if they arrive (``TrackingReceiver``), and
+the deliverer hands none of them on (``fenced``).
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -21,16 +26,24 @@ from typing import Any, Callable
 
 from onepiece.transport.message import Message
 
+log = logging.getLogger(__name__)
+
+
+MAX_FENCED = 65_536  # UIDs remembered as fenced: many fences' worth (nm/fencing.py keeps 4096 per fence)
+
 
 class Holdings:
     def __init__(self, limit: int = 4096) -> None:
         self.limit = limit  # bounded: a UID that never leaves (a bug) cannot grow it forever
         self.deliveries = Deliveries(limit)  # where the UIDs that left went (the deliverer adds them)
         self._uids: OrderedDict[str, None] = OrderedDict()
+        self._fenced: OrderedDict[str, None] = OrderedDict()  # reported failed for us: never ours again
         self._lock = threading.Lock()
 
     def add(self, uid: str) -> None:
         with self._lock:
+            if uid in self._fenced:
+                return
             self._uids[uid] = None
             if len(self._uids) > self.limit:
                 self._uids.popitem(last=False)
@@ -38,6 +51,21 @@ class Holdings:
     def discard(self, uid: str) -> None:
         with self._lock:
             self._uids.pop(uid, None)
+
+    def fence(self, uids: list[str]) -> int:
+        """Give ``uids`` up for good (the NM reported them failed for us); how many were held."""
+        with self._lock:
+            held = sum(self._uids.pop(u, False) is None for u in uids)
+            for u in uids:
+                self._fenced[u] = None
+                self._fenced.move_to_end(u)
+            while len(self._fenced) > MAX_FENCED:
+                self._fenced.popitem(last=False)
+        return held
+
+    def fenced(self, uid: str) -> bool:
+        with self._lock:
+            return uid in self._fenced
 
     def snapshot(self, cap: int = 1024) -> list[str]:
         """The newest ``cap`` UIDs held (what a heartbeat carries)."""
@@ -84,8 +112,14 @@ class TrackingReceiver:
         self._inner, self._holdings = inner, holdings
 
     def recv(self, timeout: float) -> Message | None:
+        """The next message (None: none within ``timeout``, or one that was fenced and dropped)."""
         msg = self._inner.recv(timeout)
         if msg is not None and isinstance(msg.header.get("uid"), str):
+            if self._holdings.fenced(msg.header["uid"]):
+                # Sent before the NM declared us dead, and reported failed since: nobody waits for it.
+                log.info("uid=%s dropped on arrival: reported failed when this instance was declared dead",
+                         msg.header["uid"])
+                return None
             self._holdings.add(msg.header["uid"])
         return msg
 

@@ -56,12 +56,26 @@ class HeartbeatArgs(_Args):
     # What it handed to which instance lately (onepiece.heartbeat.DELIVERED): checked by the
     # handler, which drops a malformed report and still counts the heartbeat.
     delivered: Any = None
+    # The fence it applied (nm/fencing.py): the NM forgets it and stops answering with it.
+    fenced: Name | None = None
 
 
 class Holdings(BaseModel):
     """A stage heartbeat's ``stats.holding``: the uids it holds, failed for it if it dies."""
 
     holding: Annotated[list[Uid], Field(max_length=1 << 16)]
+
+
+class FenceReply(BaseModel):
+    """``fenced`` in a heartbeat or register reply (nm/fencing.py): the NM declared this process
+    dead and reported ``uids`` failed; the member drops them, then acknowledges ``id``."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    id: Name
+    instance: Name
+    reason: Annotated[StrictStr, Field(max_length=4096)]
+    uids: Annotated[list[Uid], Field(max_length=1 << 16)]
 
 
 Secret = Annotated[StrictStr, Field(max_length=256)]

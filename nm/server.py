@@ -8,7 +8,8 @@ assignment in the ``register`` reply, so nothing but the NM address is configure
 
 Stage instances list the requests they hold in their heartbeats; when one is dropped without
 leaving (silent too long here, nm/liveness.py; its ZooKeeper session gone in nm/ha.py) those
-requests are reported failed to the set's DBs (nm/reaper.py). The NM on ZooKeeper
+requests are reported failed to the set's DBs (nm/reaper.py), and the NM fences its process: if
+it comes back, it is told to drop them before it is heard again (nm/fencing.py). The NM on ZooKeeper
 (``HaNodeManager``) subclasses this one through the ``_handlers``/``_saved``/``_tick`` hooks.
 """
 
@@ -30,11 +31,12 @@ from onepiece.config import Topology, Workflow
 from onepiece.droplog import log_dropped
 from onepiece.heartbeat import DELIVERED, delivered_of, stage_stats_problem
 from onepiece.nm.deliveries import DeliveryLedger, Grave
+from onepiece.nm.fencing import Fences
 from onepiece.nm import identity
 from onepiece.nm.elastic import Elastic, Move
 from onepiece.nm.liveness import Liveness, LivenessSpec
 from onepiece.nm.protocol import SCHEMAS, HeartbeatArgs, Holdings, InstanceArgs, MoveArgs, RegisterArgs, SetArgs
-from onepiece.nm.reaper import Reaper
+from onepiece.nm.reaper import MAX_UIDS, Reaper
 from onepiece.schema import problem as problem_of
 from onepiece.nm.state import ClusterState, Instance, fresh_version
 from onepiece.supervise import stop_on_signals
@@ -62,6 +64,10 @@ class NodeManager:
         # here, a ZooKeeper session on ZooKeeper), with room for a stall.
         nm = topology.nm
         self.deliveries = DeliveryLedger(2 * (max(self.liveness.spec.limit_s, nm.zk_session_s) + 2 * nm.heartbeat_s))
+        # The processes it reaped, until they came back and dropped that work (nm/fencing.py);
+        # kept as long as a request may live, after which the instance has expired it itself.
+        self.fences = Fences(max((a.limits.timeout_s for a in workflow.applications.values()), default=600.0)
+                             + self.liveness.spec.limit_s)
         # After it starts, the embedded NM hands out no narrowed routes for the dead limit: a
         # restarted NM knows nobody until each instance has heard "unknown instance" and
         # registered again, those that did first must not lose the routes to those that did not
@@ -93,7 +99,9 @@ class NodeManager:
         }
 
     def _nm_status(self) -> dict[str, Any]:
-        return {"mode": "embedded", "address": self.address, deployment.FIELD: self.deployment}
+        # fenced: processes declared dead that have not come back and dropped their work yet
+        return {"mode": "embedded", "address": self.address, deployment.FIELD: self.deployment,
+                "fenced": len(self.fences)}
 
     def _check_deployment(self, theirs: str) -> None:
         """Refuse a member of another deployment before it touches the state (the RPC server
@@ -112,6 +120,11 @@ class NodeManager:
     def _saved(self) -> None:
         """Called after the state changed, before the reply: the HA NM writes it to ZooKeeper."""
         self.state.dirty.clear()
+
+    def _dead_after_s(self) -> float:
+        """How long a member may go unheard before it is dropped (told to members: a member that
+        stood still that long holds its hand-overs until it hears whether it was fenced)."""
+        return self.liveness.spec.limit_s
 
     def _monitor_ready(self, set_name: str) -> bool:
         """Whether the capacity view of the set rests on fresh stats (see nm/ha.py): not while
@@ -147,11 +160,20 @@ class NodeManager:
         since = inst.last_seen - self.topology.nm.heartbeat_s
         held = {u for i in self.state.stage_instances(inst.set) for u in i.holding}
         uids = [u for u in dict.fromkeys([*inst.holding, *self.deliveries.sent_to(address, since)]) if u not in held]
-        self.reaper.submit(inst.id, inst.stage, uids, self.state.routes(inst.set)["dbs"], reason)
+        uids = uids[:MAX_UIDS]  # what the reaper takes
+        if self.reaper.submit(inst.id, inst.stage, uids, self.state.routes(inst.set)["dbs"], reason):
+            self._fence(inst.process, inst.id, reason, uids)
         if not any(i.addresses.get("data") == address for i in self.state.instances.values()):
             # Nobody took its address over yet: a delivery there reported later was lost with it.
             self.deliveries.bury(address, Grave(inst.id, inst.stage, inst.set, since,
-                                                now + self.deliveries.horizon_s, reason, set(uids)))
+                                                now + self.deliveries.horizon_s, reason, set(uids), inst.process))
+
+    def _fence(self, process: str, instance: str, reason: str, uids: list[str]) -> None:
+        """``process`` was reaped of ``uids``: if it comes back it must drop them (nm/fencing.py)."""
+        fence = self.fences.add(process, instance, reason, uids)
+        if fence is not None:
+            log.info("fenced the process of %s: %d request(s) reported failed must not be finished by it if it "
+                     "comes back", instance, len(fence.uids))
 
     def _delivered(self, report: Any, sender: str) -> None:
         """A member's recent deliveries; those to an instance that died meanwhile are reaped now."""
@@ -163,7 +185,8 @@ class NodeManager:
         for grave, uids in self.deliveries.record(delivered, time.monotonic()):
             log.info("%d request(s) were delivered to %s after it was last heard; reporting them failed",
                      len(uids), grave.instance)
-            self.reaper.submit(grave.instance, grave.stage, uids, self.state.routes(grave.set)["dbs"], grave.reason)
+            if self.reaper.submit(grave.instance, grave.stage, uids, self.state.routes(grave.set)["dbs"], grave.reason):
+                self._fence(grave.process, grave.instance, grave.reason, uids)
 
     def _set(self, req: SetArgs) -> str:
         if req.set not in self.state.sets:
@@ -185,7 +208,9 @@ class NodeManager:
         if inst.role == "stage":
             self.deliveries.revive(inst.addresses["data"], time.monotonic())
         self._saved()
+        fence = self.fences.of(req.process)
         return {
+            **({"fenced": fence.reply()} if fence is not None else {}),  # drop those first (nm/fencing.py)
             "instance": inst.id,
             "token": inst.token,  # what it deregisters itself with
             "settling": self._settling(),  # the routes may lack some: one that holds routes keeps them
@@ -193,6 +218,7 @@ class NodeManager:
             "workflow": self.workflow.model_dump(mode="json"),
             "base_dir": str(self.base_dir),
             "heartbeat_s": self.topology.nm.heartbeat_s,
+            "dead_after_s": self._dead_after_s(),
             "drain_s": self.topology.nm.elastic.drain_s,
             "routes": self.state.routes(inst.set),
         }
@@ -213,6 +239,12 @@ class NodeManager:
 
     def _heartbeat(self, req: HeartbeatArgs, _: Any) -> dict:
         self._check_deployment(req.deployment)  # before the lookup: a foreign member is not told to register again
+        if req.fenced is not None:
+            self.fences.acknowledged(req.process, req.fenced)
+        if (fence := self.fences.of(req.process)) is not None:
+            # Declared dead and reaped: it drops that work before anything else (not even its
+            # liveness counts), then acknowledges, and only then registers again (nm/fencing.py).
+            return {"fenced": fence.reply()}
         stats = dict(req.stats)
         holding = stats.pop("holding", None)  # kept apart: status shows only its length
         if holding is not None and (problem := problem_of(Holdings, {"holding": holding}, "stats")) is not None:

@@ -51,7 +51,8 @@ class _Parked(NamedTuple):
 class ResultDeliver:
     def __init__(self, stage: str, workflow: Workflow, mailbox: "queue.Queue", routes: Callable[[], dict],
                  send_timeout: float = 5.0, on_sent: Callable[[str, str], None] = lambda address, uid: None,
-                 holding: tuple[Callable[[str], None], Callable[[str], None]] | None = None) -> None:
+                 holding: tuple[Callable[[str], None], Callable[[str], None]] | None = None,
+                 dropped: Callable[[str], bool] = lambda uid: False, settle: Callable[[], Any] = lambda: None) -> None:
         self.stage, self.workflow, self.mailbox, self.send_timeout = stage, workflow, mailbox, send_timeout
         self._routes = routes  # the NM's latest route table for this set
         # (address, uid) of each request handed to a stage instance: the heartbeat reports them,
@@ -61,6 +62,10 @@ class ResultDeliver:
         # waits here for a route is still this instance's (nm/holdings.py)
         self._hold, self._release = holding or (lambda uid: None, lambda uid: None)
         self._parked: collections.deque[_Parked] = collections.deque()
+        # Fencing (nm/fencing.py): ``dropped(uid)``, reported failed when the NM declared this
+        # instance dead, is handed on no more; ``settle()``, before anything leaves, waits
+        # (bounded) after this process stood still until it knows whether it was declared dead.
+        self._dropped, self._settle = dropped, settle
         self.senders: dict[str, Sender] = {}
         self._rr: dict[str, itertools.count] = {}
         self._pruned_at: int | None = None
@@ -96,6 +101,11 @@ class ResultDeliver:
     def _handle(self, item: tuple) -> None:
         what = item[0]
         if what == "wake":
+            return
+        self._settle()
+        uid = item[1] if what in ("progress", "failed") else item[1].uid
+        if self._dropped(uid):
+            log.info("uid=%s: %s not handed on: reported failed when this instance was declared dead", uid, what)
             return
         if what == "result":
             self._deliver(item[1])
@@ -142,6 +152,10 @@ class ResultDeliver:
             self._to_stage(msg, stage)
 
     def _to_stage(self, msg: Message, stage: str) -> None:
+        self._settle()  # (it may come from the requests waiting for a route)
+        if self._dropped(msg.uid):  # fenced while it waited for a route
+            log.info("uid=%s not handed on: reported failed when this instance was declared dead", msg.uid)
+            return
         targets = list(self._routes()["stages"].get(stage, []))
         if not targets:
             self._park(msg, stage)

@@ -13,6 +13,11 @@ pool (nm/elastic.py), and the instance follows in steps (``StageInstance.run``):
 
 Anything that still arrives for the old stage is forwarded to an instance that serves it,
 also while the instance waits in the idle pool.
+
+An instance the NM declared dead (stopped past the dead limit) whose requests it reported failed
+is fenced when it comes back (nm/fencing.py): ``fence`` drops those requests wherever they are
+(queued, at a worker, awaiting hand-on, still in the socket) before it registers again; and after
+such a stall its deliverer hands nothing on until it knows (``Membership.settle``).
 """
 
 from __future__ import annotations
@@ -109,13 +114,25 @@ class StageInstance:
         self.moved = threading.Event()  # set by the membership thread when the assignment changes
         # Forwards what arrives while no runtime reads the receiver (the idle pool).
         self._forwarder = ResultDeliver("", workflow, None, routes=lambda: member.routes,  # type: ignore[arg-type]
-                                        on_sent=holdings.deliveries.add)
+                                        on_sent=holdings.deliveries.add, dropped=holdings.fenced)
 
     def routes_changed(self) -> None:
         """From the membership thread: a route table came (its DBs may be new to the scheduler)."""
         rt = self.runtime
         if rt is not None:
             rt.scheduler.wake.set()
+
+    def fence(self, uids: list[str], reason: str) -> None:
+        """From the membership thread: the NM declared this instance dead (``reason``) and
+        reported ``uids`` failed. From now on they are not held, are dropped on arrival and are not
+        handed on (holdings); the scheduler drops the queued and resident ones as cancels, which
+        frees their state at the workers."""
+        held = self.holdings.fence(uids)
+        rt = self.runtime
+        if rt is not None:
+            rt.scheduler.fence(uids, reason)
+        log.warning("%s fenced: %d of the %d request(s) reported failed were still held here; dropping them",
+                    self.member.id, held, len(uids))
 
     # ---- what the heartbeat reports ----------------------------------------------------------
 
@@ -154,7 +171,8 @@ class StageInstance:
         log.info("%s serves stage %s, data at %s", self.member.id, stage, self.receiver.address)
         spec = self.workflow.stages[stage]
         self.runtime = StageRuntime(self.member.id, stage, self.workflow, self.base_dir, self.receiver, self.rdir,
-                                    self.holdings, lambda: self.member.routes, self.stop.set)
+                                    self.holdings, lambda: self.member.routes, self.stop.set,
+                                    settle=self.member.settle)
         self.runtime.start()
         self.member.set_capacity({"workers": spec.workers, "queue": spec.queue})
 
@@ -216,6 +234,7 @@ def serve(nm_address: str, set_name: str, listen: str = "tcp://127.0.0.1:0", sta
         stage=stage, stats=lambda: inst.stats() if inst else {}, ready=lambda: bool(inst and inst.serving()),
         serving=lambda: inst.serving() if inst else None, on_assign=lambda _: inst and inst.moved.set(),
         on_routes=lambda _: inst and inst.routes_changed(),
+        on_fenced=lambda uids, reason: inst.fence(uids, reason) if inst else holdings.fence(uids),
         advertise=advertise, zk=zk, idle=idle, name=name, deployment=deployment_id, deliveries=holdings.deliveries,
     )
     try:

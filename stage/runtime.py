@@ -30,7 +30,8 @@ _sockets = itertools.count()  # each runtime binds its own worker socket
 
 class StageRuntime:
     def __init__(self, instance: str, stage: str, workflow: Workflow, base_dir: Path, receiver: Any, rdir: Path,
-                 holdings: Holdings, routes: Callable[[], dict], on_fatal: Callable[[], None]) -> None:
+                 holdings: Holdings, routes: Callable[[], dict], on_fatal: Callable[[], None],
+                 settle: Callable[[], Any] = lambda: None) -> None:
         self.instance, self.stage = instance, stage
         self.stats = SchedulerStats()
         self.mailbox = TrackingMailbox(1024, holdings)
@@ -38,7 +39,8 @@ class StageRuntime:
                                           workflow, self.mailbox, self.stats, routes,
                                           costs=workflow.cost_table(stage, base_dir))
         self.deliver = ResultDeliver(stage, workflow, self.mailbox, routes=routes, on_sent=holdings.deliveries.add,
-                                     holding=(holdings.add, holdings.discard))
+                                     holding=(holdings.add, holdings.discard),
+                                     dropped=holdings.fenced, settle=settle)  # fencing: nm/fencing.py
         self.tm = TaskManager(instance, stage, workflow, base_dir, self.scheduler)
         self._on_fatal = on_fatal
         self._stop = threading.Event()  # scheduler and TaskManager

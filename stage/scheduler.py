@@ -93,7 +93,8 @@ class RequestScheduler:
         self.running: dict[bytes, tuple[float, float, tuple[str, ...], float | None, float]] = {}
         self.cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.cancelled_on_arrival = 0
-        self.control: queue.Queue = queue.Queue(maxsize=256)  # ("died", identity, reason, t): worker_died()
+        # ("died", identity, reason, t): worker_died(); ("fenced", uids, reason, t): fence()
+        self.control: queue.Queue = queue.Queue(maxsize=256)
         self.wake = Wake()  # the loop's poll returns at once: a worker died, or the stage stops
         self.hung: queue.Queue = queue.Queue(maxsize=256)  # identities for the TaskManager to kill
         self.stats = stats or SchedulerStats()
@@ -361,16 +362,40 @@ class RequestScheduler:
         self.control.put(("died", ident, reason, t))
         self.wake.set()
 
+    def fence(self, uids: list[str], reason: str) -> None:
+        """From the membership thread: the NM declared this instance dead (``reason``) and reported
+        ``uids`` failed (nm/fencing.py); they are dropped on the scheduler's thread, as cancels."""
+        try:
+            self.control.put(("fenced", list(uids), reason, time.monotonic()), timeout=5.0)
+        except queue.Full:  # (the loop drains it every turn: a wedged scheduler)
+            log.error("scheduler of %s: control queue full; %d fenced request(s) not dropped", self.stage, len(uids))
+        self.wake.set()
+
     def _control(self) -> None:
         while True:
             try:
-                what, ident, reason, t = self.control.get_nowait()
+                what, subject, reason, t = self.control.get_nowait()  # subject: a worker, or uids
             except queue.Empty:
                 return
-            if what == "died" and self.born.get(ident, -1.0) < t:  # not a newer incarnation
-                self.known.discard(ident)
-                self.running.pop(ident, None)
-                self._lost(ident.decode(), f"died ({reason})")
+            if what == "fenced":
+                self._fenced(subject, reason)
+            elif what == "died" and self.born.get(subject, -1.0) < t:  # not a newer incarnation
+                self.known.discard(subject)
+                self.running.pop(subject, None)
+                self._lost(subject.decode(), f"died ({reason})")
+
+    def _fenced(self, uids: list[str], reason: str) -> None:
+        """Drop what the NM reported failed for us: queued or resident, as a cancel does (a worker
+        frees its state at its next step boundary), and on arrival if it comes later."""
+        queued = resident = 0
+        for uid in uids:
+            r = self.core.requests.get(uid)
+            if r is not None:
+                queued += r.worker is None
+                resident += r.worker is not None
+            self.cancel(uid)
+        log.warning("stage %s dropped %d queued and %d resident request(s) (of the %d reported failed when the node "
+                    "manager declared this instance dead: %s)", self.stage, queued, resident, len(uids), reason)
 
     # --- cancellation -----------------------------------------------------------------------
     def _follow_dbs(self) -> None:
