@@ -22,6 +22,7 @@ from onepiece.client import Client
 from onepiece.config import deploy_dir, load_topology
 from onepiece.db.client import DbClient
 from onepiece.launcher import free_tcp_address
+from onepiece.ports import free_port_run
 from onepiece.nm.client import Membership, NmClient
 from onepiece.nm.fencing import Fences
 from onepiece.nm.holdings import Holdings, TrackingReceiver
@@ -249,7 +250,7 @@ def _rebind(topology, address: str) -> NodeManager | None:
 
 
 def test_a_member_of_a_restarted_nm_keeps_its_work(topology):
-    server = _nm(topology)
+    server = _nm(topology, f"tcp://127.0.0.1:{free_port_run(1)}")  # (below the ephemeral range: _rebind)
     address = server.address
     close = _serve(server)
     fenced: list = []

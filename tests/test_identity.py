@@ -18,6 +18,7 @@ from onepiece.config import deploy_dir, load_topology
 from onepiece.nm.client import Membership, NmClient
 from onepiece.nm.identity import NAME_HELD, claim, held_s
 from onepiece.nm.server import NodeManager
+from onepiece.ports import free_port_run
 from onepiece.transport.rpc import RpcError
 from waiting import wait_for
 
@@ -122,7 +123,9 @@ def test_a_restarted_nm_knows_every_instance_under_the_id_it_had(topology):
     """Ids came from a counter in the NM's memory: after a restart the first instance to
     register again got "stage-1", and the one that held "stage-1" before heartbeated as it and
     took over its stage. Named, every instance comes back under its own name, at its stage."""
-    server, close = _serve(*topology)
+    # below the ephemeral range: a member reconnecting to a port in it may be handed that very
+    # port as its own (TCP's self-connect) and hold it when the NM binds it again
+    server, close = _serve(*topology, f"tcp://127.0.0.1:{free_port_run(1)}")
     address = server.address
     pins = ["text_encode", "denoise_t2v", "vae_decode", "denoise_i2v"]
     members = [Membership(address, "stage", "set0", {"data": f"tcp://127.0.0.1:{9400 + i}"}, stage=s,
