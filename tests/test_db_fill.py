@@ -15,8 +15,8 @@ from onepiece.db import server as db_server
 from onepiece.db.client import DbClient
 from onepiece.db.placement import order_dbs
 from onepiece.db.server import DbServer
-from onepiece.transport import registry
-from onepiece.transport.message import Message, new_uid
+from onepiece.transport.message import new_uid
+from db_send import close_senders, send  # noqa: F401 (close_senders: autouse)
 from waiting import wait_for
 
 FAST = {"sweep_interval_s": 0.05, "deadline_grace_s": 0.0, "replication_timeout_s": 0.2,
@@ -71,22 +71,6 @@ def ipc(folder: Path, name: str) -> tuple[str, str, str]:
 TCP = ("tcp://127.0.0.1:0",) * 3
 
 
-_senders: dict[str, Any] = {}
-
-
-@pytest.fixture(autouse=True)
-def _close_senders() -> Iterator[None]:
-    yield
-    while _senders:
-        _senders.popitem()[1].close()
-
-
-def send(address: str, header: dict, parts: dict | None = None) -> None:
-    # Kept open for the test: closing with linger 0 may discard what was just queued.
-    sender = _senders.get(address)
-    if sender is None:
-        sender = _senders[address] = registry.connect(address)
-    sender.send(Message(header, parts or {}), timeout=2.0)
 
 
 def result(db: Db, uid: str) -> bytes:

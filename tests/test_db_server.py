@@ -25,9 +25,9 @@ from onepiece.db.placement import order
 from onepiece.db.server import DbServer
 from onepiece.nm.client import NmClient
 from onepiece.nm.server import NodeManager
-from onepiece.transport import registry
 from onepiece.transport.message import Message, new_uid, now_ns
 from onepiece.transport.rpc import RpcClient, RpcError
+from db_send import close_senders, send  # noqa: F401 (close_senders: autouse)
 from waiting import await_for, wait_for
 
 FAST = {"sweep_interval_s": 0.05, "deadline_grace_s": 0.0, "replication_timeout_s": 0.2,
@@ -85,23 +85,6 @@ def start_dbs():
             r.shutdown()
 
 
-_senders: dict[str, Any] = {}
-
-
-@pytest.fixture(autouse=True)
-def _close_senders():
-    yield
-    while _senders:
-        _senders.popitem()[1].close()
-
-
-def send(address: str, header: dict, parts: dict | None = None) -> None:
-    # Senders stay open for the test: ZmqSender.close() uses linger 0, which may discard a
-    # message that send() queued but the I/O thread has not written yet.
-    sender = _senders.get(address)
-    if sender is None:
-        sender = _senders[address] = registry.connect(address)
-    sender.send(Message(header, parts or {}), timeout=2.0)
 
 
 def get_from(db: Running, uid: str) -> dict | None:
