@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -16,33 +15,16 @@ from onepiece.db.client import DbClient
 from onepiece.db.placement import order_dbs
 from onepiece.db.server import DbServer
 from onepiece.transport.message import new_uid
-from db_send import close_senders, send  # noqa: F401 (close_senders: autouse)
+from db_harness import Running, close_senders, send  # noqa: F401 (close_senders: autouse)
 from waiting import wait_for
 
 FAST = {"sweep_interval_s": 0.05, "deadline_grace_s": 0.0, "replication_timeout_s": 0.2,
         "peer_backoff_s": 0.2, "purge_after_fetch_s": 0.0, "replication": 2}
 
 
-class Db:
-    """A DbServer serving on a thread."""
-
+class Db(Running):
     def __init__(self, addresses: tuple[str, str, str], name: str, **kw: Any) -> None:
-        self.server = DbServer(*addresses, name=name, **{**FAST, **kw})
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.server.run, args=(self.stop,), daemon=True)
-        self.thread.start()
-
-    def shutdown(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
-        assert not self.thread.is_alive()
-        self.server.close()
-
-    @property
-    def entry(self) -> dict[str, str]:
-        """This DB as the NM's route table lists it."""
-        return {"data": self.server.data_address, "control": self.server.control_address,
-                "events": self.server.events_address}
+        super().__init__(DbServer(*addresses, name=name, **{**FAST, **kw}))
 
     def record(self, uid: str) -> dict | None:
         with DbClient([self.server.control_address], timeout=1.0) as c:

@@ -27,36 +27,12 @@ from onepiece.nm.client import NmClient
 from onepiece.nm.server import NodeManager
 from onepiece.transport.message import Message, new_uid, now_ns
 from onepiece.transport.rpc import RpcClient, RpcError
-from db_send import close_senders, send  # noqa: F401 (close_senders: autouse)
+from db_harness import Running, close_senders, send  # noqa: F401 (close_senders: autouse)
 from waiting import await_for, wait_for
 
 FAST = {"sweep_interval_s": 0.05, "deadline_grace_s": 0.0, "replication_timeout_s": 0.2,
         "peer_backoff_s": 0.2, "purge_after_fetch_s": 0.0}
 
-
-
-class Running:
-    def __init__(self, server: DbServer) -> None:
-        self.server = server
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=server.run, args=(self.stop,), daemon=True)
-        self.thread.start()
-
-    def shutdown(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
-        assert not self.thread.is_alive()
-        self.server.close()
-
-    @property
-    def control(self) -> str:
-        return self.server.control_address
-
-    @property
-    def entry(self) -> dict[str, str]:
-        """This DB as the NM's route table lists it (what ``set_peers`` takes)."""
-        return {"data": self.server.data_address, "control": self.server.control_address,
-                "events": self.server.events_address}
 
 
 _names = iter(range(10**6))
