@@ -75,7 +75,11 @@ class NodeManager:
         # a member backing off after failed heartbeats on a loaded machine). Until then members
         # keep the routes they hold, and proxies get no capacity view.
         self._settle_until: float | None = time.monotonic() + self.liveness.spec.limit_s
-        self.rpc = RpcServer(address or topology.nm.address, self._handlers(), SCHEMAS)
+        try:
+            self.rpc = RpcServer(address or topology.nm.address, self._handlers(), SCHEMAS)
+        except BaseException:  # (the address is taken): no reaper thread left behind
+            self.reaper.close()
+            raise
         self.address = self.rpc.address
 
     def first_version(self) -> int:

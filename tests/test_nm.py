@@ -218,3 +218,14 @@ def test_onepiece_up_keeps_the_operator_key_in_a_private_file_never_on_a_command
     assert key and key not in " ".join(nm_child.argv)
     (again,) = [c for c in Deployment(deploy_dir() / "local.yaml", tmp_path / "logs").plan() if c.name == "nm"]
     assert operator_key.resolve(None, fallback=True) == key  # made once, then kept
+
+
+def test_an_nm_that_cannot_bind_leaves_no_thread_behind(nm):
+    """A second NM at a taken address fails to start, and takes its reaper thread with it."""
+    import zmq
+
+    topo, wf, base = load_topology(deploy_dir() / "local.yaml")
+    reapers = sum(t.name == "nm-reaper" for t in threading.enumerate())
+    with pytest.raises(zmq.ZMQError):
+        NodeManager(topo, wf, base, nm.address)
+    wait_for(lambda: sum(t.name == "nm-reaper" for t in threading.enumerate()) == reapers, 5, "its reaper gone")
