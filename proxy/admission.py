@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from onepiece.events import DONE, MAX_EVENT_BYTES, read_event
-from onepiece.nm.capacity import predicted_latency
+from onepiece.nm.capacity import at_shape, predicted_latency
 from onepiece.sched.options import DEADLINE_ORDERED
 from onepiece.transport import curve
 from onepiece.transport.zmq_transport import peer_of
@@ -218,11 +218,11 @@ class TokenBucket:
 
 def standalone_latency(app_estimate: dict[str, Any], shape: str, measured: bool = False) -> float | None:
     """Seconds a request of ``shape`` takes through an idle set (no queue anywhere): the sum of
-    the stages' service times, the shape's where measured, else the application's mean
-    (``measured``: None unless every stage measured the shape)."""
+    the stages' service times (``at_shape``; ``measured``: None unless every stage measured the
+    shape)."""
     total = 0.0
     for s in app_estimate["stages"].values():
-        t = s["shapes_s"].get(shape) or (None if measured else s["service_s"])
+        t = s["shapes_s"].get(shape) or (None if measured else at_shape(s, shape))
         if t is None:
             return None
         total += t
@@ -234,7 +234,7 @@ def bottleneck_work(app_estimate: dict[str, Any], shape: str) -> float:
     (its standalone time at that stage / its workers); 0 when not known yet."""
     try:
         row = app_estimate["stages"][app_estimate["bottleneck"]]
-        t = row["shapes_s"].get(shape) or row["service_s"]
+        t = at_shape(row, shape)
         return float(t) / row["workers"] if t and row["workers"] else 0.0
     except (KeyError, TypeError, AttributeError, ZeroDivisionError):
         return 0.0
@@ -250,12 +250,13 @@ def deadline_first(app_estimate: dict[str, Any]) -> bool:
 
 def cost(app_estimate: dict[str, Any], shape: str) -> float:
     """What a request of ``shape`` costs in the application's token bucket, whose tokens are
-    mean requests: its measured device share at the bottleneck over the mean share there (1
-    where its shape is not measured yet). A mix of small requests gets as much through as the
-    stage can do of them, and a large one is charged what it takes."""
+    mean requests: its device share at the bottleneck (``at_shape``: measured, or scaled up from a
+    smaller measured shape) over the mean share there (1 where nothing tells). A mix of small
+    requests gets as much through as the stage can do of them, and a large one is charged what
+    it takes."""
     try:
         row = app_estimate["stages"][app_estimate["bottleneck"]]
-        share, mean = (row.get("shares_s") or {}).get(shape), row["service_s"]
+        share, mean = at_shape(row, shape, "shares_s"), row["service_s"]
         if isinstance(share, (int, float)) and isinstance(mean, (int, float)) and share > 0 and mean > 0:
             return min(max(share / mean, 0.01), 100.0)
     except (KeyError, TypeError, AttributeError):

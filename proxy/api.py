@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Sen
 from onepiece.db import protocol
 from onepiece.db.client import DbError, DbFull, DbGone, DbUnavailable, NotReady
 from onepiece.db.listing import created_key
+from onepiece.nm.capacity import at_shape
 from onepiece.proxy import openapi as oa
 from onepiece.proxy.admission import CapacityAdmission, DoneWatcher, InflightTracker, Refusal, admit
 from onepiece.proxy.auth import AuthMiddleware, caller_of
@@ -215,7 +216,7 @@ class ProxyState:
 
         def alone_s(stage: str) -> float | None:
             row = stages.get(stage) if isinstance(stages, dict) else None
-            return ((row or {}).get("shapes_s") or {}).get(shape) or (row or {}).get("service_s")
+            return at_shape(row, shape) if isinstance(row, dict) else None
 
         return deadlines.reserve(self.cluster.workflow.applications[app].stages, alone_s)
 
