@@ -24,6 +24,10 @@ from onepiece.config import MAX_IMAGE_PIXELS
 from onepiece.proxy.errors import ApiError, bad_request
 
 _B64_WS = re.compile(rb"\s+")
+# The formats a request's image may be in: raster formats Pillow decodes itself. Open to every
+# plugin, an EPS upload ran Ghostscript on the client's PostScript (no timeout, gs's -dSAFER
+# escapes). (JPEG covers the MPO files many phones write.)
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "ICO")
 _EXIF_ORIENTATION = 0x0112
 _TRANSPOSED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 
@@ -77,7 +81,7 @@ def decode_image(data: bytes, need: tuple[int, int] | None = None, param: str = 
         with warnings.catch_warnings():
             # PIL's own bomb check (at 89 Mpx) would otherwise only warn, and decode.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
+            img = Image.open(io.BytesIO(data), formats=FORMATS)
             w, h = img.size  # read from the header, before any pixel is decoded
             if w < 1 or h < 1:
                 raise bad_request(f"'{param}' is {w}x{h} pixels", param=param, code="invalid_image")
@@ -99,7 +103,7 @@ def decode_image(data: bytes, need: tuple[int, int] | None = None, param: str = 
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise _too_large(param, "has more pixels than decoding is allowed") from None
     except UnidentifiedImageError:
-        raise bad_request(f"'{param}' is not a readable image (PNG, JPEG, WebP, ...)", param=param,
+        raise bad_request(f"'{param}' is not a readable image ({', '.join(FORMATS)})", param=param,
                           code="invalid_image") from None
     except (OSError, ValueError, SyntaxError, TypeError, EOFError, MemoryError) as e:  # truncated or corrupt data
         raise bad_request(f"'{param}' could not be decoded as an image: {e}", param=param, code="invalid_image") from None

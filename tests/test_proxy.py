@@ -347,6 +347,25 @@ def test_cover_size():
     assert cover_size(4000, 10, 64, 64) == (4000, 10)  # never scaled up
 
 
+def test_an_image_in_a_format_that_runs_a_program_is_refused_unopened(tmp_path, monkeypatch):
+    """PostScript (EPS) is a program Pillow hands to Ghostscript: a client's upload must never
+    reach it. A stand-in ``gs`` first on PATH records whether anything ran it."""
+    from onepiece.proxy.images import decode_image
+
+    ran = tmp_path / "gs-ran"
+    gs = tmp_path / "bin" / "gs"
+    gs.parent.mkdir()
+    gs.write_text(f"#!/bin/sh\ntouch {ran}\nexit 1\n")
+    gs.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{gs.parent}:{__import__('os').environ['PATH']}")
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 64 64\nshowpage\n"
+    with pytest.raises(ApiError) as e:
+        decode_image(eps, (64, 64))
+    assert e.value.status == 400 and e.value.code == "invalid_image" and "PNG" in e.value.message
+    assert not ran.exists()
+    assert decode_image(png(), (64, 64)).shape[2] == 3  # what images are for still decodes
+
+
 def test_bad_form_input_is_a_clear_4xx(h):
     cases = [
         ({"prompt": "x", "model": "i2v"}, {"input_reference": ("a.txt", b"hello", "text/plain")}, "invalid_image"),
