@@ -298,7 +298,16 @@ class NodeManager:
         iid, stage = req.instance, req.stage
         inst = self.state.instances.get(iid)
         src = inst.stage if inst is not None else None
-        self.elastic.apply(self.state, Move(iid, src, stage, "asked by an operator"), time.monotonic())
+        now = time.monotonic()
+        if inst is not None and src is not None and src != stage:
+            # The elastic policy's own rule (nm/elastic.py ``can_spare``): an operator who moved a
+            # stage's last instance took its application down until someone moved one back
+            # (the floor rule refills from the idle pool only, and undid a move there at once).
+            load = self.elastic.loads(self.state, inst.set, now)[src]
+            if iid in load.live and not load.can_spare():
+                raise ValueError(f"moving {iid} would leave stage {src} {len(load.live) - 1} ready instance(s), "
+                                 f"below its minimum {load.floor}: move another instance to {src} first")
+        self.elastic.apply(self.state, Move(iid, src, stage, "asked by an operator"), now)
         self._saved()
         return {"instance": iid, "from": src, "to": stage}
 

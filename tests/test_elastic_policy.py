@@ -256,32 +256,49 @@ def test_a_moved_instance_leaves_the_old_routes_at_once_and_joins_the_new_once_i
     told: list[str | None] = []
     m = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9400"}, stage="vae_decode",
                    ready=lambda: serving["stage"] is not None, serving=lambda: serving["stage"], on_assign=told.append)
+    twin = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9401"}, stage="vae_decode",
+                      serving=lambda: "vae_decode")
+    other = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9402"}, stage="denoise_t2v",
+                       serving=lambda: "denoise_t2v")
     m.register()
     m.start()
     client = NmClient(nm.address)
     try:
         stages = lambda: client.routes("set0")["stages"]  # noqa: E731
         assert wait_for(lambda: stages()["vae_decode"] == ["tcp://127.0.0.1:9400"])
+        # the last ready instance of a stage stays: the application would be down until one came back
+        with pytest.raises(RpcError, match=f"moving {m.id} would leave stage vae_decode 0 ready instance"):
+            client.move(m.id, "denoise_t2v")
+        twin.register()
+        twin.start()
+        assert wait_for(lambda: sorted(stages()["vae_decode"]) == ["tcp://127.0.0.1:9400", "tcp://127.0.0.1:9401"])
         reply = client.move(m.id, "denoise_t2v")
         assert (reply["instance"], reply["from"], reply["to"]) == (m.id, "vae_decode", "denoise_t2v")
         # out of the old stage's routes before the instance even heard of it
-        assert stages()["vae_decode"] == [] and stages()["denoise_t2v"] == []
+        assert stages()["vae_decode"] == ["tcp://127.0.0.1:9401"] and stages()["denoise_t2v"] == []
         wait_for(lambda: told == ["denoise_t2v"], what="the instance to learn its new stage")
         # still saying it serves vae_decode (draining): routed nowhere
-        assert stages()["denoise_t2v"] == [] and stages()["vae_decode"] == []
+        assert stages()["denoise_t2v"] == [] and stages()["vae_decode"] == ["tcp://127.0.0.1:9401"]
         serving["stage"] = "denoise_t2v"
         assert wait_for(lambda: stages()["denoise_t2v"] == ["tcp://127.0.0.1:9400"])
         status = client.status()
         d = status["elastic"]["decisions"][-1]
         assert (d["instance"], d["from"], d["to"], d["reason"]) == (m.id, "vae_decode", "denoise_t2v", "asked by an operator")
         assert any("moving " + m.id in e for e in status["events"])
-        # the idle pool: no route at all, and the status lists it there
+        # the idle pool: no route at all, and the status lists it there (once another instance
+        # serves denoise_t2v: its only one stays where it is)
+        with pytest.raises(RpcError, match="would leave stage denoise_t2v 0 ready instance"):
+            client.move(m.id, None)
+        other.register()
+        other.start()
+        assert wait_for(lambda: len(stages()["denoise_t2v"]) == 2)
         client.move(m.id, None)
         serving["stage"] = None
         wait_for(lambda: [i["id"] for i in client.status()["sets"]["set0"]["idle"]] == [m.id])
-        assert stages()["denoise_t2v"] == []
+        assert stages()["denoise_t2v"] == ["tcp://127.0.0.1:9402"]
     finally:
-        m.stop()
+        for member in (m, twin, other):
+            member.stop()
         client.close()
 
 
