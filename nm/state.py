@@ -281,7 +281,8 @@ class ClusterState:
         now = time.monotonic()
         members = [i.view(now) for i in self.instances.values() if i.set == set_name]
         return {"apps": estimate(self.workflow, members),
-                "proxies": sum(1 for i in members if i["role"] == "proxy" and i["ready"])}
+                "proxies": sum(1 for i in members if i["role"] == "proxy" and i["ready"]),
+                "serves": self.sets[set_name].serves(self.workflow)}
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()

@@ -379,6 +379,13 @@ class SetSpec(_Strict):
     def min_of(self, stage: str) -> int:
         return self.min.get(stage, 1 if self.stages.get(stage, 0) > 0 else 0)
 
+    def serves(self, workflow: "Workflow") -> list[str]:
+        """The applications this set is laid out for: every stage of theirs starts with an
+        instance or keeps a minimum. (None laid out, as a set of idle instances only: all.)"""
+        apps = [a for a, spec in workflow.applications.items()
+                if all(self.stages.get(s, 0) > 0 or self.min_of(s) > 0 for s in spec.stages)]
+        return apps or list(workflow.applications)
+
 
 class Topology(_Strict):
     workflow: str = Field(description="workflow YAML, relative to this file")

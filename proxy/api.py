@@ -741,9 +741,11 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None, keys: ApiKeys
     @app.get("/v1/models", responses=oa.responses(oa.ok(oa.MODELS)))
     async def list_models() -> Response:
         wf = state.cluster.workflow
+        serves = (state.cluster.monitor() or {}).get("serves")  # what the set is laid out for, once the NM said
         return JsonResponse({"object": "list", "data": [
             {"id": app_id, "object": "model", "created": 0, "owned_by": "onepiece", "kind": spec.kind,
-             "stages": spec.stages} for app_id, spec in wf.applications.items()]})
+             "stages": spec.stages} for app_id, spec in wf.applications.items()
+            if not isinstance(serves, list) or app_id in serves]})
 
     @app.get("/healthz", responses=oa.responses(oa.ok(oa.HEALTH)))
     async def healthz() -> Response:
@@ -788,10 +790,15 @@ def allowed_methods(app: FastAPI, path: str) -> list[str]:
 def _not_ready(st: ProxyState) -> list[str]:
     """What keeps some application of the set from being served now (empty: ready). /healthz
     says the proxy is alive; this says a request would get through: a DB, an entrance and, per
-    the NM's view, ready workers at every stage of every application."""
+    the NM's view, ready workers at every stage of every application the set is laid out for
+    (a set of t2v stages only was never ready for i2v)."""
     out = [] if st.dbs.count else ["no DB"]
-    apps = ((st.cluster.monitor() or {}).get("apps") or {})
+    view = st.cluster.monitor() or {}
+    apps = view.get("apps") or {}
+    serves = view.get("serves")
     for app_id, spec in st.cluster.workflow.applications.items():
+        if isinstance(serves, list) and app_id not in serves:
+            continue
         if not st.cluster.entrances(app_id):
             out.append(f"{app_id}: no instance of its first stage {spec.stages[0]!r}")
             continue

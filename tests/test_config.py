@@ -201,3 +201,14 @@ def test_every_stage_holds_a_request_to_its_applications_limits(change, expected
     assert expected in str(e.value)
     with pytest.raises(ValueError, match="params: Input should be a valid dictionary"):
         app.check_params([1])
+
+
+def test_a_set_serves_the_applications_it_is_laid_out_for():
+    from onepiece.config import SetSpec
+
+    wf = load_workflow(deploy_dir() / "wan21.yaml")
+    t2v = {"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1}
+    assert SetSpec(stages=t2v).serves(wf) == ["t2v"]
+    assert SetSpec(stages={**t2v, "denoise_t2v": 0}, min={"denoise_t2v": 1}).serves(wf) == ["t2v"]  # kept by a minimum
+    assert sorted(SetSpec(stages={s: 1 for s in wf.stages}).serves(wf)) == sorted(wf.applications)
+    assert sorted(SetSpec(stages={}, idle=3).serves(wf)) == sorted(wf.applications)  # the NM lays it out

@@ -907,6 +907,13 @@ def test_readyz_is_ready_only_when_every_application_can_be_served():
         assert r.status_code == 503 and "t2v: no ready worker at stage 'denoise_t2v'" in missing
         assert "i2v: no ready worker at stage 'image_encode'" in missing
         assert not any(m.startswith("t2v") and "denoise" not in m for m in missing)
+        # A set laid out for t2v only (the NM says which applications it serves): ready once its
+        # t2v stages are, whatever the i2v stages it never had
+        h.cluster.monitor_view = {**capacity_view(denoise_workers=0), "serves": ["t2v"]}
+        assert h.http.get("/readyz").json()["missing"] == ["t2v: no ready worker at stage 'denoise_t2v'"]
+        h.cluster.monitor_view = {**capacity_view(), "serves": ["t2v"]}
+        assert h.http.get("/readyz").status_code == 200
+        assert [m["id"] for m in h.http.get("/v1/models").json()["data"]] == ["t2v"]
         h.cluster.monitor_view = None
         h.cluster.entrance_map["i2v"] = []
         r = h.http.get("/readyz")
