@@ -24,6 +24,7 @@ import os
 import random
 import secrets
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -99,6 +100,14 @@ class _Bounded(collections.OrderedDict):
         self.move_to_end(key)
         while len(self) > self.limit:
             self.popitem(last=False)
+
+
+@dataclass
+class _Tries:
+    """What one submit's tries learnt: the set a try may have reached, and who refused the caller."""
+
+    pinned: str | None = None
+    denied: list[RequestFailed] = field(default_factory=list)
 
 
 class Client:
@@ -202,17 +211,22 @@ class Client:
         self.last_refusals = []
         rejected: list[RequestRejected] = []
         headers = {"Idempotency-Key": idempotency_key or secrets.token_urlsafe(24)}
+        tries = _Tries()
         for rnd in range(self.rounds):
             if rnd:
                 time.sleep(self._pause(rnd, rejected))
-            video, rejected, unreachable = self._submit_round(fields, files, headers)
+            video, rejected, unreachable = self._submit_round(fields, files, headers, tries)
             if video is not None:
                 return video
+            if tries.denied and not rejected and not unreachable:
+                raise tries.denied[0]  # every proxy tried refused the caller: no round changes that
         if rejected:
             waits = [r.retry_after for r in rejected if r.retry_after is not None]
             raise RequestRejected("; ".join(r.message for r in rejected + [RequestRejected(u) for u in unreachable])
                                   + (f" (after {self.rounds} rounds)" if self.rounds > 1 else ""),
                                   min(waits) if waits else None, rejected[0].code)
+        if tries.denied:
+            raise tries.denied[0]
         raise RequestFailed(f"no proxy reachable: {'; '.join(unreachable)}", code="unreachable")
 
     def _pause(self, rnd: int, rejected: list[RequestRejected]) -> float:
@@ -225,15 +239,20 @@ class Client:
             delay = max(delay, min(waits))
         return min(delay, self.backoff_cap_s)
 
-    def _submit_round(self, fields: dict[str, Any], files: dict | None, headers: dict[str, str]
+    def _submit_round(self, fields: dict[str, Any], files: dict | None, headers: dict[str, str], tries: "_Tries"
                       ) -> tuple[dict | None, list[RequestRejected], list[str]]:
         """Offer the request to every proxy once, from the next in rotation: the video object
-        of the first that accepts, else the refusals and the unreachable proxies."""
+        of the first that accepts, else the refusals and the unreachable proxies. Once a try may
+        have reached a set (its answer was lost), only that set's proxies are offered it: its
+        Idempotency-Key finds that try there, and another set would make the video twice.
+        A proxy that refuses the caller (401, 403: another set's keys) is passed over."""
         start = next(self._rr)
         rejected: list[RequestRejected] = []
         unreachable: list[str] = []
         for i in range(len(self.urls)):
             url = self.urls[(start + i) % len(self.urls)]
+            if tries.pinned is not None and self._set_of_url.get(url) != tries.pinned:
+                continue
             try:
                 if files is None:
                     resp = self._http.post(f"{url}/v1/videos", json=fields, headers=headers)
@@ -242,6 +261,9 @@ class Client:
                     resp = self._http.post(f"{url}/v1/videos", data=data, files=files, headers=headers)
             except httpx.TransportError as e:
                 unreachable.append(f"{url}: {e}")
+                if not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)) and url in self._set_of_url:
+                    tries.pinned = self._set_of_url[url]  # it may have arrived: that set's, from now on
+                    self.last_refusals.append(f"{url}: {e!r}; trying only set {tries.pinned} now")
                 continue
             if resp.status_code == 200:
                 video = resp.json()
@@ -253,6 +275,10 @@ class Client:
                 self._home[video["id"]] = url
                 return video, rejected, unreachable
             message, code, param = _error_of(resp)
+            if resp.status_code in (401, 403):
+                tries.denied.append(RequestFailed(message, status_code=resp.status_code, code=code, param=param))
+                self.last_refusals.append(f"{url}: {message}")
+                continue
             if resp.status_code in (429, 503) or code == "idempotency_key_in_use":
                 # Full or without an entrance (another set may take it), or still storing an
                 # earlier try of this request: go on, and come back after the pause.

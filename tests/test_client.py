@@ -415,3 +415,48 @@ def test_generate_refuses_an_unwritable_output_before_submitting(tmp_path, capsy
     assert generate.main(nowhere + ["-o", str(tmp_path)]) == 1
     assert "is a directory" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # the probe left nothing behind
+
+
+def test_a_set_that_refuses_the_key_is_passed_over_and_alone_it_fails_at_once(monkeypatch):
+    """Real proxies of two sets with their own key files: the caller's key is the second's."""
+    from onepiece.proxy.keys import ApiKeys, new_key
+
+    mine, theirs = new_key(), new_key()
+    a, b = H.Harness(keys=ApiKeys([theirs])), H.Harness(keys=ApiKeys([mine]))
+    pauses: list[float] = []
+    monkeypatch.setattr("onepiece.client.time.sleep", pauses.append)
+    try:
+        with Client({"a": [a.url], "b": [b.url]}, api_key=mine) as c:
+            for i in range(4):  # whichever the rotation tries first
+                c.submit(f"p{i}")
+                assert b.recv().uid  # b took it
+        with Client({"a": [a.url]}, api_key=mine) as c:
+            with pytest.raises(RequestFailed) as e:
+                c.submit("x")
+        assert e.value.status_code == 401 and pauses == []  # no rounds of retries: a key does not change
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_create_whose_answer_was_lost_is_offered_only_to_that_set_again(monkeypatch):
+    """A proxy that takes the POST and never answers (stalled: the request may be in its set) and
+    a healthy set: the client tries the stalled set's proxies only, so no second video is made
+    elsewhere. A proxy that refuses the connection is passed over as before."""
+    import socket
+
+    stalled = socket.create_server(("127.0.0.1", 0))
+    good = H.Harness()
+    url = f"http://127.0.0.1:{stalled.getsockname()[1]}"
+    monkeypatch.setattr("onepiece.client.random.randrange", lambda n: 0)  # the first round starts at the stalled one
+    try:
+        with Client({"a": [url], "set0": [good.url]}, timeout=0.5, rounds=2, backoff_s=0.0) as c:
+            with pytest.raises(RequestFailed) as e:
+                c.submit("x")
+            assert e.value.code == "unreachable" and any("trying only set a" in r for r in c.last_refusals)
+        assert good.entrance.recv(0.5) is None  # the healthy set never got it
+        with Client({"a": [DEAD], "set0": [good.url]}, rounds=1) as c:
+            assert c.submit("y")["set"] == "set0"  # refused outright: it never reached set a
+    finally:
+        stalled.close()
+        good.close()
