@@ -339,6 +339,12 @@ class NmMetrics:
         return self.nm.state  # a new primary restores into the same object, but read it fresh anyway
 
     def collect(self):
+        primary = getattr(self.nm, "primary", True)  # (an embedded NM always is)
+        p = GaugeMetricFamily("onepiece_nm_primary", "1 while this NM serves as primary")
+        p.add_metric([], 1 if primary else 0)
+        yield p
+        if not primary:  # a backup's state is the last it saw: summed over NMs it counted twice
+            return
         g = GaugeMetricFamily("onepiece_nm_instances", "registered instances", labels=["set", "role", "stage", "ready"])
         counts: dict[tuple, int] = {}
         for i in list(self.state.instances.values()):
@@ -350,9 +356,6 @@ class NmMetrics:
         v = GaugeMetricFamily("onepiece_nm_routes_version", "route table version")
         v.add_metric([], self.state.version)
         yield v
-        p = GaugeMetricFamily("onepiece_nm_primary", "1 while this NM serves as primary")
-        p.add_metric([], 1 if getattr(self.nm, "primary", True) else 0)
-        yield p
 
 
 def serve(topology: Topology, workflow: Workflow, base_dir: Path, address: str | None = None,

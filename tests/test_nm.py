@@ -229,3 +229,15 @@ def test_an_nm_that_cannot_bind_leaves_no_thread_behind(nm):
     with pytest.raises(zmq.ZMQError):
         NodeManager(topo, wf, base, nm.address)
     wait_for(lambda: sum(t.name == "nm-reaper" for t in threading.enumerate()) == reapers, 5, "its reaper gone")
+
+
+def test_only_the_primary_exports_the_cluster_state(nm):
+    """A backup NM's state is the last it saw as primary: exported too, a sum over the NMs
+    counted every instance twice. It says it is no primary, and nothing else."""
+    from onepiece.nm.server import NmMetrics
+
+    names = lambda: {f.name for f in NmMetrics(nm).collect()}  # noqa: E731
+    assert names() == {"onepiece_nm_primary", "onepiece_nm_instances", "onepiece_nm_routes_version"}
+    nm.primary = False  # as nm/ha.py's backups are
+    assert names() == {"onepiece_nm_primary"}
+    assert next(iter(NmMetrics(nm).collect())).samples[0].value == 0
