@@ -250,13 +250,12 @@ def deadline_first(app_estimate: dict[str, Any]) -> bool:
 
 def cost(app_estimate: dict[str, Any], shape: str) -> float:
     """What a request of ``shape`` costs in the application's token bucket, whose tokens are
-    mean requests: its device share at the bottleneck (``at_shape``: measured, or scaled up from a
-    smaller measured shape) over the mean share there (1 where nothing tells). A mix of small
-    requests gets as much through as the stage can do of them, and a large one is charged what
-    it takes."""
+    mean requests: its measured device share at the bottleneck over the mean share there (1
+    where its shape is not measured yet). A mix of small requests gets as much through as the
+    stage can do of them, and a large one is charged what it takes."""
     try:
         row = app_estimate["stages"][app_estimate["bottleneck"]]
-        share, mean = at_shape(row, shape, "shares_s"), row["service_s"]
+        share, mean = (row.get("shares_s") or {}).get(shape), row["service_s"]
         if isinstance(share, (int, float)) and isinstance(mean, (int, float)) and share > 0 and mean > 0:
             return min(max(share / mean, 0.01), 100.0)
     except (KeyError, TypeError, AttributeError):

@@ -232,11 +232,12 @@ def test_a_sigkilled_stage_instance_leaves_routes_and_its_requests_fail(ha):
     st = ha.status()
     (inst,) = st["sets"]["set0"]["stages"]["denoise_t2v"]["instances"]
     data = inst["addresses"]["data"]
-    # Slow requests, so the denoise instance holds them (at its worker or queued) a while. They
+    # Slow requests (seconds each: 128x128x9 took a third of one, and all three could leave
+    # between two heartbeats), so the denoise instance holds them (at its worker or queued) a while. They
     # say they can wait: three at once would finish later than the default deadline (2× the
     # standalone time), and the request monitor would refuse the third.
     with Client(ha.url, timeout=10, rounds=3) as c:
-        videos = [c.submit("hold on", model="t2v", size="128x128", num_frames=9, steps=80, timeout_s=120)
+        videos = [c.submit("hold on", model="t2v", size="256x256", num_frames=17, steps=80, timeout_s=120)
                   for _ in range(3)]
 
         def holding() -> int:
