@@ -8,7 +8,8 @@ from typing import Any
 
 def _instance(i: dict[str, Any]) -> str:
     s = i.get("stats") or {}
-    health = "ready" if i["ready"] else "starting"
+    standing_by = i["role"] == "stage" and i.get("stage") is None and not i.get("serving")
+    health = "ready" if i["ready"] else "standing by" if standing_by else "starting"  # (the idle pool: no stage, by design)
     if i["silent_s"] > 2.5:
         health = f"silent {i['silent_s']:.0f}s"
     extra = ""

@@ -427,3 +427,14 @@ def test_an_instance_moves_only_to_a_stage_that_needs_no_more_devices_than_it_ho
     short = {"denoise": StageLoad("denoise", [], None, 1, needs=2)}
     assert decide(SPEC, short, ["idle-1"], {}, floors_only=True) is None
     assert decide(SPEC, short, ["idle-1", "idle-2"], {}, floors_only=True, holds={"idle-2": 2}).instance == "idle-2"
+
+
+def test_status_shows_an_idle_pool_instance_standing_by_not_starting():
+    from onepiece.status import render
+
+    idle = {"id": "set0-idle0", "role": "stage", "ready": False, "silent_s": 0.1, "stage": None, "serving": None,
+            "stats": {}, "addresses": {"data": "tcp://127.0.0.1:9"}}
+    loading = {**idle, "id": "set0-vae_decode0", "stage": "vae_decode"}
+    text = render({"sets": {"set0": {"stages": {"vae_decode": {"want": 1, "instances": [loading]}},
+                                     "idle": [idle], "dbs": [], "proxies": []}}})
+    assert "set0-idle0 standing by" in text and "set0-vae_decode0 starting" in text, text
