@@ -110,10 +110,8 @@ def estimate(workflow: Workflow, members: list[dict[str, Any]]) -> dict[str, Any
 
 def at_shape(row: dict[str, Any], shape: str) -> float | None:
     """A stage row's standalone time for a request of ``shape``: the shape's if measured, else
-    the row's mean (``service_s``). (Scaled up from the largest measured shape by W·H·frames·steps
-    instead, the tiny models' shapes, where fixed costs dominate, predicted 191 s for a request
-    of 2 s and refused it; a shape never measured is priced at the mean until a cost model
-    that separates fixed and per-token costs reaches the proxy.)"""
+    the row's mean (``service_s``). (Not extrapolated from other shapes: on the tiny models,
+    whose fixed costs dominate small shapes, scaling by W·H·frames·steps was off by 100x.)"""
     return (row.get("shapes_s") or {}).get(shape) or row.get("service_s")
 
 

@@ -222,7 +222,7 @@ def standalone_latency(app_estimate: dict[str, Any], shape: str, measured: bool 
     shape)."""
     total = 0.0
     for s in app_estimate["stages"].values():
-        t = s["shapes_s"].get(shape) or (None if measured else at_shape(s, shape))
+        t = (s["shapes_s"].get(shape) or None) if measured else at_shape(s, shape)
         if t is None:
             return None
         total += t

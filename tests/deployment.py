@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import queue
 import re
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import imageio.v3 as iio
 import numpy as np
@@ -73,6 +75,17 @@ class Up:
                 for child in psutil.Process(self.proc.pid).children(recursive=True):
                     child.kill()
                 self.proc.kill()
+
+
+@contextlib.contextmanager
+def serving(topology: Path, logs: Path, nm: str, timeout: float = 240.0) -> Iterator[Up]:
+    """`onepiece up` of ``topology`` once it serves the API (its ``url`` set); stopped on the way out."""
+    dep = Up(topology, logs, nm)
+    try:
+        dep.url = dep.wait_for(r"serves the API at (http://\S+)", timeout=timeout).group(1)
+        yield dep
+    finally:
+        dep.stop()
 
 
 def decode_mp4(data: bytes) -> np.ndarray:

@@ -12,7 +12,7 @@ import pytest
 from onepiece.client import Client
 from onepiece.launcher import free_tcp_address
 
-from deployment import Up, decode_mp4, png
+from deployment import decode_mp4, png, serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -22,12 +22,8 @@ def up(tiny_models, tmp_path_factory, make_topology):
     folder = tmp_path_factory.mktemp("ring")
     nm = free_tcp_address()
     topology = make_topology(folder, tiny_models, nm, transport="ipc", data="ring", dbs=2)
-    dep = Up(topology, folder / "logs", nm)
-    try:
-        dep.url = dep.wait_for(r"serves the API at (http://\S+)", timeout=240).group(1)
+    with serving(topology, folder / "logs", nm) as dep:
         yield dep
-    finally:
-        dep.stop()
 
 
 def test_every_data_address_is_a_ring(up):

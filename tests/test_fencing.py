@@ -33,7 +33,7 @@ from onepiece.nm.stall import StallWatch
 from onepiece.proxy.api import uid_of
 from onepiece.stage.deliver import ResultDeliver
 from onepiece.transport.message import Message
-from deployment import Up
+from deployment import Up, serving
 from waiting import wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
@@ -356,12 +356,8 @@ def up(tiny_models, tmp_path_factory, make_topology):
     topology = make_topology(folder, tiny_models, nm, dbs=1, heartbeat_s=HEARTBEAT_S,
                              nm={"dead_after_s": DEAD_AFTER_S},
                              stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1})
-    dep = Up(topology, folder / "logs", nm)
-    try:
-        dep.url = dep.wait_for(r"serves the API at (http://\S+)", timeout=240).group(1)
+    with serving(topology, folder / "logs", nm) as dep:
         yield dep
-    finally:
-        dep.stop()
 
 
 def _denoiser(up: Up) -> psutil.Process:

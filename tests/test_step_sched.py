@@ -26,7 +26,7 @@ from onepiece.sim.cli import simulate
 from onepiece.sim.costs import CostTable
 from onepiece.stage.service_times import WINDOW
 
-from deployment import Up
+from deployment import serving
 from waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
@@ -41,13 +41,9 @@ def up(tiny_models, tmp_path_factory, make_topology):
     topology = make_topology(folder, tiny_models, nm, stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1},
                              proxy={"count": 1, "port": 0, "monitor": False}, threads=1,
                              schedule={"denoise_t2v": {"policy": "slo", "max_batch": 4, "chunk_steps": 2}})
-    dep = Up(topology, folder / "logs", nm)
-    dep.topology = topology
-    try:
-        dep.url = dep.wait_for(r"serves the API at (http://\S+)", timeout=240).group(1)
+    with serving(topology, folder / "logs", nm) as dep:
+        dep.topology = topology
         yield dep
-    finally:
-        dep.stop()
 
 
 def view(up, stage: str) -> dict:
