@@ -189,7 +189,7 @@ class ParallelDenoiser:
                         break
                     batch = [tasks[j] for j in live]
                     t = batch[0]
-                    noise = torch.empty((len(batch), *t.latents.shape[1:]), dtype=t.transformer.dtype,
+                    noise = torch.empty((len(batch), *t.latents.shape[1:]), dtype=t.dtype,
                                         device=t.latents.device)
                     dist.broadcast(noise, ranks[0])
                     type(t).advance(batch, noise)
