@@ -9,8 +9,13 @@ needs both cores (1.09 s against 1.47 s at 1 thread). No fixed setting fits ever
 worker tries each candidate on a key a few times, keeps the fastest median (all cores, as
 without a choice, unless another candidate is faster by more than ``TIE``: a VAE decode at
 64×64 ran about as fast on 1 thread as on 2 there, and a coin flip between them is no gain), and
-tries again after ``keep_for`` uses, since the load beside it changes. A key's first call is
-not a sample: it is slower at any setting (allocations, cold caches).
+tries again after ``keep_for`` uses, since the load beside it changes. A choice other than all
+cores is tried again sooner once, after ``confirm_s`` seconds of the key's calls, and holds only
+if it wins again: this VM has moments that slow two-thread work alone, and a choice made in one
+held after it passed (a 256x256x17 VAE decode at 1 thread, 1.39 s a call against 1.04 s at 2,
+for a whole `bench e2e` run). Counted in the key's own seconds, the second look comes soon for
+a long call, where a wrong choice costs most; a short call gets none before ``keep_for``. A
+key's first call is not a sample: it is slower at any setting (allocations, cold caches).
 
 Pure (no torch, no clock): the worker passes the seconds it measured.
 """
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 TRIALS = 5  # samples per candidate before choosing: a median of 5 outvotes two preempted calls
 KEEP_FOR = 500  # uses of a choice before trying the candidates again (the slower tries: 1% of calls)
 TIE = 1.05  # all cores unless another candidate is more than 5% faster
+CONFIRM_S = 10.0  # seconds of a key's calls at a choice other than all cores before trying it once more
 MAX_KEYS = 256
 
 
@@ -33,16 +39,19 @@ class _Key:
     samples: dict[int, list[float]] = field(default_factory=dict)
     chosen: int | None = None
     uses: int = 0
+    spent: float = 0.0  # seconds of calls at ``chosen``
+    provisional: bool = False  # a choice other than all cores, made once: tried again after confirm_s
     warm: bool = False  # its first call, slower (allocations, caches), was not a sample
 
 
 class ThreadChoice:
     """Per key, 1 or ``most`` threads: ``pick`` before a call, ``observe`` after it."""
 
-    def __init__(self, most: int, trials: int = TRIALS, keep_for: int = KEEP_FOR, max_keys: int = MAX_KEYS) -> None:
+    def __init__(self, most: int, trials: int = TRIALS, keep_for: int = KEEP_FOR, max_keys: int = MAX_KEYS,
+                 confirm_s: float = CONFIRM_S) -> None:
         # the default first: a key's first call runs as it would without a choice
         self.candidates = (most, 1) if most > 1 else (1,)
-        self.trials, self.keep_for, self.max_keys = trials, keep_for, max_keys
+        self.trials, self.keep_for, self.max_keys, self.confirm_s = trials, keep_for, max_keys, confirm_s
         self._keys: collections.OrderedDict[Hashable, _Key] = collections.OrderedDict()
 
     def pick(self, key: Hashable) -> int:
@@ -51,16 +60,20 @@ class ThreadChoice:
         while len(self._keys) > self.max_keys:
             self._keys.popitem(last=False)
         if k.chosen is not None:
-            if k.uses < self.keep_for:
+            if k.uses < self.keep_for and not (k.provisional and k.spent >= self.confirm_s):
                 k.uses += 1
                 return k.chosen
-            k.samples, k.chosen, k.uses = {}, None, 0
+            k.samples, k.chosen, k.uses, k.spent = {}, None, 0, 0.0
         return min(self.candidates, key=lambda n: len(k.samples.get(n, ())))
 
     def observe(self, key: Hashable, threads: int, seconds: float) -> int | None:
         """A call of ``key`` at ``threads`` took ``seconds``; the choice, when this sample made it."""
         k = self._keys.get(key)
-        if k is None or k.chosen is not None or threads not in self.candidates:
+        if k is not None and k.chosen is not None:
+            if threads == k.chosen:
+                k.spent += seconds
+            return None
+        if k is None or threads not in self.candidates:
             return None
         if not k.warm:
             k.warm = True
@@ -74,6 +87,8 @@ class ThreadChoice:
         best = min(self.candidates, key=medians.__getitem__)
         default = self.candidates[0]
         k.chosen = default if medians[default] <= TIE * medians[best] else best
+        # the default needs no second look; another choice gets one, unless this was it
+        k.provisional = k.chosen != default and not k.provisional
         return k.chosen
 
     def medians(self, key: Hashable) -> dict[int, float]:

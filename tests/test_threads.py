@@ -58,6 +58,25 @@ def test_it_tries_again_after_keep_for_uses():
     assert tc.choices() == {"k": 2}
 
 
+def test_a_choice_other_than_all_cores_holds_only_if_it_wins_again_after_confirm_s():
+    """A moment that slowed two-thread work alone decided a long call for 1 thread; tried again
+    once its calls have taken ``confirm_s`` seconds, the moment over, all cores win and hold."""
+    tc = ThreadChoice(2, trials=3, keep_for=100, confirm_s=10.0)
+    assert feed(tc, "k", {1: 1.4, 2: 1.9}, 7) == [2, 2, 1, 2, 1, 2, 1]  # the slow moment
+    assert tc.choices() == {"k": 1}
+    assert feed(tc, "k", {1: 1.4, 2: 1.0}, 8) == [1] * 8  # the moment passed: 8 calls, 11.2 s
+    assert feed(tc, "k", {1: 1.4, 2: 1.0}, 6) == [2, 1] * 3  # tried again
+    assert tc.choices() == {"k": 2}
+    assert feed(tc, "k", {1: 1.4, 2: 1.0}, 100) == [2] * 100  # the default holds for keep_for
+    # where 1 thread really is faster it wins again and then holds for keep_for
+    tc = ThreadChoice(2, trials=3, keep_for=100, confirm_s=10.0)
+    used = feed(tc, "k", {1: 1.4, 2: 1.9}, 7 + 8 + 6 + 100)
+    assert tc.choices() == {"k": 1} and used[7 + 8 + 6:] == [1] * 100
+    # a short call's choice takes its confirm_s only after keep_for uses: no second look sooner
+    tc = ThreadChoice(2, trials=3, keep_for=100, confirm_s=10.0)
+    assert feed(tc, "short", {1: 0.004, 2: 0.010}, 7 + 100)[7:] == [1] * 100
+
+
 def test_one_core_leaves_nothing_to_choose_and_keys_are_bounded():
     one = ThreadChoice(1)
     assert feed(one, "k", {1: 1.0}, 5) == [1] * 5
