@@ -439,6 +439,8 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
     schedule = {p: ({"policy": p} if p == "fcfs" else {"policy": p, "max_batch": args.max_batch}) for p in policies}
     results: dict[str, dict[str, list[dict]]] = {}
+    stage: dict[str, Any] = {}
+    targets: dict[str, Any] = {}
     cal: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="onepiece-bench-") as tmp:
         models = model_dirs(Path(args.models) if args.models else None, args.profile)
@@ -467,18 +469,14 @@ def run(args: argparse.Namespace) -> int:
                 elif first:
                     traces[Path(args.trace).stem] = given
                 first = False
-                results[p] = _run_async(run_traces(s.target(), classes, traces, args, p))
-        slo = {c: classes[c]["slo_s"] for c in names}
-        stage = {p: by.pop("stage", None) for p, by in results.items()}  # the denoise stage's own counts
-        for p, by in results.items():  # each policy's measured costs, for a simulator to replay its traces with
+                by = results[p] = _run_async(run_traces(s.target(), classes, traces, args, p))
+            stage[p] = by.pop("stage", None)  # the denoise stage's own counts
+            # its measured costs, for a simulator to replay its traces with
             (outdir / costs_name(p)).write_text(json.dumps(by.pop("costs"), indent=1))
             for load, at_load in by.pop("costs_by_load").items():
                 (outdir / costs_name(p, load)).write_text(json.dumps(at_load, indent=1))
-        rows = {p: {load: summarize(recs, slo) for load, recs in by.items()} for p, by in results.items()}
-        top = list(traces)[-1]
-        targets = check_targets(rows, top, names)
-        if targets:
-            targets["order_bound"] = order_bound(traces[top])
+            # What has run is saved at once: a run stopped at a time limit keeps it.
+            targets = report(outdir, args, t_start, classes, names, mix, cal, traces, results, stage)
         if args.monitor_load and targets.get("best"):
             best = targets["best"]
             if given is None:
@@ -489,15 +487,29 @@ def run(args: argparse.Namespace) -> int:
                 key = f"monitor on {args.monitor_load:g}x"
                 (outdir / f"sched-trace-monitor-{args.monitor_load:g}x.json").write_bytes(tr.dump())
             else:  # the same trace again, admitted by the monitor
-                tr, key = given, f"monitor on {top}"
+                tr, key = given, f"monitor on {list(traces)[-1]}"
             log(f"[{best}] with the request monitor on: {key} ...")
             with Session(f"{best}-monitor", models, Path(tmp) / "monitor", args, schedule[best], monitor=True) as s:
                 out = _run_async(run_traces(s.target(), classes, {key: tr}, args, f"{best}, monitor on"))
                 recs = out[key]
                 (outdir / costs_name(best, key)).write_text(json.dumps(out["costs_by_load"][key], indent=1))
                 # (its stage counts are not kept: they mix the warm-up and one trace)
-            rows.setdefault(f"{best} (monitor on)", {})[key] = summarize(recs, slo)
             results.setdefault(f"{best} (monitor on)", {})[key] = recs
+    report(outdir, args, t_start, classes, names, mix, cal, traces, results, stage, final=True)
+    return 0
+
+
+def report(outdir: Path, args: argparse.Namespace, t_start: float, classes: dict[str, dict], names: list[str],
+           mix: dict[str, float], cal: dict[str, Any], traces: dict[str, Trace], results: dict[str, dict],
+           stage: dict[str, Any], final: bool = False) -> dict[str, Any]:
+    """sched.json, sched.md and sched.png of the policies run so far (the monitor-on run a row of
+    its own); the targets, judged without it. Printed when ``final``."""
+    slo = {c: classes[c]["slo_s"] for c in names}
+    rows = {p: {load: summarize(recs, slo) for load, recs in by.items()} for p, by in results.items()}
+    top = list(traces)[-1]
+    targets = check_targets({p: r for p, r in rows.items() if "monitor" not in p}, top, names)
+    if targets:
+        targets["order_bound"] = order_bound(traces[top])
     elapsed = time.monotonic() - t_start
     result = {"bench": "sched", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
               "cpu_count": os.cpu_count(), "elapsed_s": elapsed,
@@ -540,7 +552,8 @@ def run(args: argparse.Namespace) -> int:
                "/ duration."]
     text = "\n".join(md)
     (outdir / "sched.md").write_text(text + "\n")
-    print()
-    print(text)
-    print(f"saved {outdir / 'sched.json'}, sched.md, sched.png and the traces under {outdir}")
-    return 0
+    if final:
+        print()
+        print(text)
+        print(f"saved {outdir / 'sched.json'}, sched.md, sched.png and the traces under {outdir}")
+    return targets
