@@ -226,3 +226,38 @@ def test_simval_counts_the_requests_a_simulated_monitor_decided_as_the_run_did()
     run, sim = recs("crrcc"), recs("cccrc")
     assert admitted_alike(run, sim) == 2  # the 1st and the 5th
     assert admitted_alike(run, list(reversed(run))) == 5  # matched by send time, not by list order
+
+
+def test_bench_sched_saves_what_has_run_as_each_policy_ends(tmp_path):
+    """`bench sched` writes sched.json, .md and .png after each policy, so that a run stopped at
+    a time limit keeps the policies it finished; its final report adds the monitor-on row
+    without judging the targets on it."""
+    import argparse
+    import time
+
+    from onepiece.bench.sched import report
+    from onepiece.bench.trace import Trace
+
+    classes = {"S": {"size": "8x8", "num_frames": 1, "steps": 1, "standalone_s": 1.0, "slo_s": 2.0},
+               "L": {"size": "8x8", "num_frames": 1, "steps": 1, "standalone_s": 3.0, "slo_s": 9.0}}
+    req = {"size": "8x8", "num_frames": 1, "steps": 1}
+    trace = Trace.model_validate({"version": 1, "classes": classes,
+                                  "requests": [{"at": 0.0, "class": "S", **req}, {"at": 0.5, "class": "L", **req}]})
+
+    def recs(s_latency: float) -> list[dict]:
+        return [{"class": "S", "outcome": "completed", "latency_s": s_latency, "t_send": 0.0},
+                {"class": "L", "outcome": "completed", "latency_s": 4.0, "t_send": 0.5}]
+
+    args = argparse.Namespace(mix="0.5,0.5", alpha="2,3", max_batch=4, device="cpu", profile="tiny")
+    results: dict = {"fcfs": {"1x": recs(3.0)}}
+    common = (tmp_path, args, time.monotonic(), classes, ["S", "L"], {"S": 0.5, "L": 0.5}, {}, {"1x": trace})
+    report(*common, results, {"fcfs": None})
+    saved = json.loads((tmp_path / "sched.json").read_text())
+    assert list(saved["rows"]) == ["fcfs"] and (tmp_path / "sched.png").stat().st_size > 0
+    assert "| fcfs | 1x | all | 2 |" in (tmp_path / "sched.md").read_text()
+    results["srtf"] = {"1x": recs(1.0)}
+    results["srtf (monitor on)"] = {"monitor on 1.2x": recs(0.5)}
+    targets = report(*common, results, {"fcfs": None, "srtf": None}, final=True)
+    saved = json.loads((tmp_path / "sched.json").read_text())
+    assert list(saved["rows"]) == ["fcfs", "srtf", "srtf (monitor on)"]
+    assert targets["best"] == "srtf" and saved["targets"]["attainment"]["value"] == 1.0
