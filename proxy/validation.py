@@ -57,6 +57,8 @@ class CreateFields(BaseModel):
     def _no_bool_int(cls, v: Any) -> Any:
         if isinstance(v, bool):
             raise ValueError("expected an integer, not a boolean")
+        if isinstance(v, float) and abs(v) >= 2**63:  # how orjson reads a JSON integer beyond 64 bits
+            raise ValueError("integer too large")
         return v
 
 

@@ -35,6 +35,9 @@ WINDOW = 16  # samples per (key, batch size)
 SETTLED = 3  # samples before a batch size's figure is judged (``CostModel.unsettled``)
 MAX_KEYS = 128  # keys kept, least recently observed dropped first
 TABLE_VERSION = 1
+# A table's figures, in seconds: a step or call under a microsecond is no measurement (one of
+# 5e-324 divided the chunk rule by zero and wedged a stage), and one over a day is none either.
+MIN_SECONDS, MAX_SECONDS = 1e-6, 86_400.0
 
 
 class CostModel:
@@ -296,8 +299,9 @@ def table_rows(doc: Any, stage: str | None = None) -> dict[str, dict[int, float]
                 key, batch, t = r["key"], int(r["batch"]), float(r["seconds"])
             except (KeyError, TypeError, ValueError):
                 raise TableError(f"stages.{name}.rows[{i}]: expected {{key, batch, seconds}}, got {r!r}") from None
-            if not isinstance(key, str) or batch < 1 or not t > 0:
-                raise TableError(f"stages.{name}.rows[{i}]: key must be a string, batch >= 1, seconds > 0")
+            if not isinstance(key, str) or batch < 1 or not MIN_SECONDS <= t <= MAX_SECONDS:
+                raise TableError(f"stages.{name}.rows[{i}]: key must be a string, batch >= 1, "
+                                 f"seconds in [{MIN_SECONDS:g}, {MAX_SECONDS:g}], got {r!r}")
             out.setdefault(key, {})[batch] = t
     return out
 
@@ -321,8 +325,9 @@ def table_fixed(doc: Any, stage: str) -> dict[str, float]:
             key, t = r["key"], float(r["seconds"])
         except (KeyError, TypeError, ValueError):
             raise TableError(f"stages.{stage}.fixed[{i}]: expected {{key, seconds}}, got {r!r}") from None
-        if not isinstance(key, str) or not t >= 0 or t == float("inf"):
-            raise TableError(f"stages.{stage}.fixed[{i}]: key must be a string, seconds >= 0")
+        if not isinstance(key, str) or not 0 <= t <= MAX_SECONDS:
+            raise TableError(f"stages.{stage}.fixed[{i}]: key must be a string, seconds in [0, {MAX_SECONDS:g}], "
+                             f"got {r!r}")
         out[key] = t
     return out
 

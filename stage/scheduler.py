@@ -254,6 +254,10 @@ class RequestScheduler:
         deadline = None if any(r.expires is None for r in rs) else max(r.expires for r in rs)
         step = max(self.core.costs.step_s(at_dop(self.core.requests[p.uids[0]].key, len(p.ranks)), len(p.uids)) or 0.0
                    for p in cmd.parts)
+        if deadline is not None and not self.core.spec.drop_expired:
+            # Kept past their deadlines (nothing stops the chunk there): hung only once it has
+            # also outlasted its own steps; with no step measured, nothing to judge it by.
+            deadline = max(deadline, now + cmd.steps * step) if step else None
         self.running[cmd.worker.encode()] = (now, decided, cmd.uids, deadline, max(HUNG_GRACE_S, 3 * step))
         parts = [[list(p.ranks), list(p.uids), p.steps] for p in cmd.parts]
         self._send(cmd.worker, [b"run", orjson.dumps({"uids": list(cmd.uids), "steps": cmd.steps, "admit": sizes,
@@ -310,20 +314,26 @@ class RequestScheduler:
                 self._fail(r.uid, r.app, info.error)
         elif isinstance(info, Idle):
             measured = ident not in self.fresh
-            for uids, seconds, first in chunk_steps(info.steps):
-                self.core.stepped(uids, seconds, measure=measured, first=first)
-                if measured:
-                    self.stats.step_time.observe(seconds)
-            for uid, seconds in info.fixed.items():
-                if measured:
-                    self.fixed[uid] = self.fixed.get(uid, 0.0) + seconds
             self.fresh.discard(ident)
-            for r in self.sample_later.pop(wid, []):
-                self._sample(r)
-            self.core.idle(wid)
             run = self.running.pop(ident, None)
-            if run is not None and measured:
-                self.core.note_overhead(time.monotonic() - run[0] - info.exec_s + run[1])
+            try:
+                self._learn(wid, info, measured)
+                if run is not None and measured:
+                    self.core.note_overhead(time.monotonic() - run[0] - info.exec_s + run[1])
+            finally:  # whatever its figures did, the worker is free again (else only the hung killer frees it)
+                self.core.idle(wid)
+
+    def _learn(self, wid: str, info: Idle, measured: bool) -> None:
+        """What a run teaches: its steps' times, and the service times of the requests it ended."""
+        for uids, seconds, first in chunk_steps(info.steps):
+            self.core.stepped(uids, seconds, measure=measured, first=first)
+            if measured:
+                self.stats.step_time.observe(seconds)
+        if measured:
+            for uid, seconds in info.fixed.items():
+                self.fixed[uid] = self.fixed.get(uid, 0.0) + seconds
+        for r in self.sample_later.pop(wid, []):
+            self._sample(r)
 
     def _done(self, wid: str, rest: list) -> None:
         """A finished request's result message."""
@@ -451,8 +461,9 @@ class RequestScheduler:
     # --- hung workers -----------------------------------------------------------------------
     def _reclaim_hung(self) -> None:
         """A worker still in a chunk well past the deadline of every request it started it with
-        (dropped by then, so it should have stopped at the next step) is stuck: fail what it
-        holds and have the TaskManager kill it (its restart gives the slot back)."""
+        (dropped by then, so it should have stopped at the next step; where expired requests are
+        kept, past the chunk's measured steps too) is stuck: fail what it holds and have the
+        TaskManager kill it (its restart gives the slot back)."""
         now = time.monotonic()
         for ident, (sent, _, uids, deadline, grace) in list(self.running.items()):
             if deadline is not None and now > deadline + grace:

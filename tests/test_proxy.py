@@ -891,6 +891,9 @@ def test_each_stage_is_told_what_the_stages_after_it_need():
         # The stages schedule for the target; the request fails only at its deadline.
         assert hd["target"] == hd["ts"] + 2 * 10**9 and hd["deadline"] == hd["ts"] + 30 * 10**9
         assert h.create(prompt="z", model="t2v", priority=5000).status_code == 400
+        for field in ("priority", "seed"):  # JSON integers beyond 64 bits (orjson reads them as floats)
+            r = h.create(prompt="z", model="t2v", **{field: 10**30})
+            assert r.status_code == 400 and f"'{field}': integer too large" in r.json()["error"]["message"], r.text
     finally:
         h.close()
 

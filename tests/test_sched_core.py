@@ -491,7 +491,10 @@ def test_cost_tables_round_trip_and_bad_ones_are_refused() -> None:
     assert table_fixed(doc, "denoise_t2v") == {S: 0.1} and table_fixed(doc, "other") == {}
     assert table_rows(doc, "other") == {}
     for bad in ({"version": 2, "stages": {}}, {"version": 1, "stages": {"d": {"rows": [{"key": S}]}}},
-                {"version": 1, "stages": {"d": {"rows": [{"key": S, "batch": 0, "seconds": 1}]}}}):
+                {"version": 1, "stages": {"d": {"rows": [{"key": S, "batch": 0, "seconds": 1}]}}},
+                # a figure no step takes: one of 5e-324 s divided the chunk rule by zero and wedged a stage
+                {"version": 1, "stages": {"d": {"rows": [{"key": S, "batch": 2, "seconds": 5e-324}]}}},
+                {"version": 1, "stages": {"d": {"rows": [{"key": S, "batch": 1, "seconds": 1e9}]}}}):
         with pytest.raises(TableError):
             table_rows(bad)
 

@@ -1,0 +1,97 @@
+"""A stage scheduler's shell (stage/scheduler.py) between its core and its workers: what it does
+with a run's report, and when it takes a worker for hung. Driven in process, on its real
+sockets, with no worker process: the workers' side is what the test says it did."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+
+from onepiece.config import deploy_dir, load_workflow
+from onepiece.sched.core import Run
+from onepiece.sched.deadlines import stage_request
+from onepiece.stage import scheduler as scheduler_module
+from onepiece.stage.reports import Idle
+from onepiece.stage.scheduler import RequestScheduler
+from onepiece.transport import registry
+from onepiece.transport.message import Message, new_uid
+
+KEY = "64x64x9/cfg/L64"
+
+
+def scheduler(tmp_path, **schedule) -> RequestScheduler:
+    wf = load_workflow(deploy_dir() / "wan21.yaml")
+    spec = wf.stages["denoise_t2v"]
+    wf.stages["denoise_t2v"] = spec.model_copy(update={"schedule": spec.schedule.model_copy(update=schedule)})
+    receiver = registry.listen(f"ipc://{tmp_path}/data.sock")
+    s = RequestScheduler("denoise_t2v", receiver, f"ipc://{tmp_path}/workers.sock", wf, queue.Queue(64))
+    s.core.worker_up("w0", 1)
+    s.known.add(b"w0")
+    return s
+
+
+def start_one(s: RequestScheduler, expires_in: float, steps: int = 10) -> tuple[str, Run]:
+    """A request on worker w0, in the run the core starts it with."""
+    now = time.monotonic()
+    uid = new_uid()
+    s.core.add(stage_request(uid, "t2v", KEY, steps, now, now + expires_in, None, 0.0))
+    s.msgs[uid] = Message({"uid": uid, "app": "t2v", "params": {}}, {})
+    runs = [c for c in s.core.schedule(now).commands if isinstance(c, Run)]
+    assert [r.uids for r in runs] == [(uid,)]
+    s._run(runs[0], 0.0)
+    return uid, runs[0]
+
+
+def close(s: RequestScheduler) -> None:
+    s.close()
+    s.receiver.close()
+
+
+@pytest.mark.parametrize("drop,measured", [(True, False), (False, False), (False, True)])
+def test_a_worker_is_taken_for_hung_past_its_requests_deadlines_only_where_they_are_dropped(tmp_path, monkeypatch,
+                                                                                            drop, measured):
+    """With ``drop_expired`` (the default) a request past its deadline is dropped and the worker
+    should stop at its next step: a chunk that runs on well past every member's deadline is
+    hung. Without it the request is kept, so its deadline says nothing about the chunk: before,
+    such a worker was killed as hung, and every request it held failed with it. A kept chunk is
+    hung once it has also outlasted its steps, where they were measured."""
+    monkeypatch.setattr(scheduler_module, "HUNG_GRACE_S", 0.2)
+    s = scheduler(tmp_path, drop_expired=drop)
+    try:
+        if measured:
+            s.core.costs.observe(KEY, 1, 0.1)
+        uid, run = start_one(s, expires_in=0.05)
+        if measured:  # its chunk's steps, 0.1 s each, from its start; then the grace
+            assert s.running[b"w0"][3] == pytest.approx(time.monotonic() + run.steps * 0.1, abs=0.05)
+            time.sleep(run.steps * 0.1)
+        time.sleep(0.5)  # past the deadline (and the chunk's steps) and the grace
+        s._reclaim_hung()
+        hung = drop or measured
+        assert (b"w0" in s.running) is not hung
+        assert (uid in s.core.requests) is not hung  # failed with the worker, or still running
+    finally:
+        close(s)
+
+
+def test_a_report_the_scheduler_cannot_learn_from_still_frees_its_worker(tmp_path, monkeypatch):
+    """A fault in what a run's report teaches (a cost table whose step of 5e-324 s divided the
+    chunk rule by zero did it; tables are checked now, so the fault is injected here) must not
+    leave the worker marked busy until the hung killer fires."""
+    s = scheduler(tmp_path)
+    try:
+        uid, _ = start_one(s, expires_in=60.0, steps=2)
+        r = s.core.requests[uid]
+        s.sample_later["w0"] = [r]
+
+        def broken(_r):
+            raise ZeroDivisionError("float division by zero")
+
+        monkeypatch.setattr(s, "_sample", broken)
+        with pytest.raises(ZeroDivisionError):
+            s._report(b"w0", Idle(steps=[([uid], 0.01)], fixed={}, exec_s=0.01))
+        assert b"w0" not in s.running and s.core.workers["w0"].idle
+        assert [c.worker for c in s.core.schedule(time.monotonic()).commands] == ["w0"]  # it runs again
+    finally:
+        close(s)
