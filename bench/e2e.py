@@ -292,7 +292,8 @@ def run(args: argparse.Namespace) -> int:
     (outdir / "e2e.json").write_text(json.dumps(result, indent=2))
     lines = [f"Device: {args.device} ({_device_name(args.device)}); {os.cpu_count()} CPUs; {args.requests} requests per case; "
              f"transport {args.transport}; the stage workers' GOMP_SPINCOUNT {spin}, torch threads "
-             f"{args.threads or '1 or all cores per shape'}; {WARMUP} warm-up rounds.", "",
+             f"{args.threads or ('1 or all cores per shape' if args.device == 'cpu' else 'as torch sets them')}; "
+             f"{WARMUP} warm-up rounds.", "",
              "| case (WxHxF:steps) | monolithic frames p50 | monolithic + MP4 p50 | onepiece e2e p50 "
              "| ratio vs +MP4 (paired p50) | ratio vs frames (paired p50) |",
              "|---|---|---|---|---|---|"]
