@@ -320,7 +320,7 @@ def deadline_refusal(app_estimate: dict[str, Any], shape: str, timeout_s: float,
     if predicted <= deadline:
         return None
     # The queue ahead must drain by the excess before a request like this one fits.
-    return Refusal("deadline", f"predicted completion in {predicted:.3f}s exceeds the deadline of {deadline:.3f}s",
+    return Refusal("deadline", f"predicted completion in {predicted:.2f}s exceeds the deadline of {deadline:.2f}s",
                    max(1, math.ceil(predicted - deadline)))
 
 
