@@ -459,12 +459,12 @@ class RequestScheduler:
             log.info("uid=%s cancelled at %s", uid, self.stage)
 
     # --- hung workers -----------------------------------------------------------------------
-    def _reclaim_hung(self) -> None:
+    def _reclaim_hung(self, now: float | None = None) -> None:
         """A worker still in a chunk well past the deadline of every request it started it with
         (dropped by then, so it should have stopped at the next step; where expired requests are
         kept, past the chunk's measured steps too) is stuck: fail what it holds and have the
-        TaskManager kill it (its restart gives the slot back)."""
-        now = time.monotonic()
+        TaskManager kill it (its restart gives the slot back). ``now``: the monotonic clock's."""
+        now = time.monotonic() if now is None else now
         for ident, (sent, _, uids, deadline, grace) in list(self.running.items()):
             if deadline is not None and now > deadline + grace:
                 del self.running[ident]

@@ -334,7 +334,7 @@ class WanDenoise(SteppedTask):
         # 13 ms of denoising).
         self.dtype = _dtype(transformer)
         self._key = (kind, id(transformer), _shape(latents), _shape(condition), _shape(prompt_embeds),
-                    _shape(image_embeds), guidance > 1.0, self.dtype, str(self.device))
+                    _shape(image_embeds), self.cfg, self.dtype, str(self.device))
         self.scheduler.set_timesteps(steps, device=self.device)
         self.timesteps = self.scheduler.timesteps
         if kind == "t2v":
