@@ -320,8 +320,19 @@ def deadline_refusal(app_estimate: dict[str, Any], shape: str, timeout_s: float,
     if predicted <= deadline:
         return None
     # The queue ahead must drain by the excess before a request like this one fits.
-    return Refusal("deadline", f"predicted completion in {predicted:.2f}s exceeds the deadline of {deadline:.2f}s",
+    p, d = _apart(predicted, deadline)
+    return Refusal("deadline", f"predicted completion in {p}s exceeds the deadline of {d}s",
                    max(1, math.ceil(predicted - deadline)))
+
+
+def _apart(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` to 2 decimals, or to as many more as it takes to tell them apart: a near
+    miss must not read "0.12s exceeds the deadline of 0.12s"."""
+    for n in range(2, 13):
+        x, y = f"{a:.{n}f}", f"{b:.{n}f}"
+        if x != y:
+            return x, y
+    return repr(a), repr(b)
 
 
 def _makes_late(ahead: list[Ahead], due: float, work: float, scale: float, path_s: float = 0.0) -> Refusal | None:

@@ -197,6 +197,15 @@ def test_explicit_timeout_is_the_deadline():
     assert "2.56s" in r.message and "1.00s" in r.message
 
 
+def test_a_near_miss_reads_as_one():
+    """Ties admit; a prediction just past the deadline is shown to the digit that tells them apart."""
+    est = view(denoise_s=0.5, queue=4)["apps"]["t2v"]  # predicted 2.56 s
+    r = deadline_refusal(est, SHAPE, 2.558, True, factor=1.0)
+    assert r.code == "deadline"
+    assert "in 2.560s exceeds the deadline of 2.558s" in r.message, r.message
+    assert deadline_refusal(est, SHAPE, 2.56, True, factor=1.0) is None
+
+
 def test_default_deadline_is_factor_times_standalone_unless_the_limit_is_tighter():
     idle = view(denoise_s=0.5)["apps"]["t2v"]  # standalone 0.56 s
     assert deadline_refusal(idle, SHAPE, 600.0, False, factor=2.0) is None
