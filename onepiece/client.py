@@ -110,6 +110,20 @@ class _Tries:
     denied: list[RequestFailed] = field(default_factory=list)
 
 
+def output_file(path: str | os.PathLike) -> Path:
+    """The file a download goes to: ``path``, or where it links to (the rename must not put a
+    file in place of the link). Raises OSError for anything but a regular file or a new name: a
+    rename onto a device (``/dev/null``) or a directory would replace it."""
+    target = Path(path)
+    if target.is_symlink():
+        target = target.resolve()
+    if target.is_dir():
+        raise IsADirectoryError(f"{path}: is a directory; name the MP4 file")
+    if target.exists() and not target.is_file():
+        raise OSError(f"{path}: not a regular file; name a file to write the MP4 to")
+    return target
+
+
 class Client:
     def __init__(self, base_url: str | Sequence[str] | Mapping[str, Sequence[str]] = DEFAULT_URL,
                  timeout: float = 30.0, api_key: str | None = None, *, rounds: int = 3,
@@ -339,7 +353,7 @@ class Client:
 
     def download(self, video_id: str, path: str | os.PathLike) -> Path:
         """Save the finished MP4 at ``path`` (written whole, then renamed into place)."""
-        path = Path(path)
+        path = output_file(path)
         tmp = path.with_name(f".{path.name}.part")
         resp = self._get(video_id, f"/v1/videos/{video_id}/content", stream=True)
         try:

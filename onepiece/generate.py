@@ -72,9 +72,12 @@ def _urls(values: list[str] | None) -> list[str]:
 
 def _check_output(path: str) -> None:
     """Raise OSError now if the MP4 cannot be written at ``path``, not after the video is made."""
-    target = Path(path)
-    if target.is_dir():
-        raise IsADirectoryError(f"-o {path}: is a directory; name the MP4 file")
+    from onepiece.client import output_file
+
+    try:
+        target = output_file(path)
+    except OSError as e:
+        raise OSError(f"-o {e}") from e
     probe = target.with_name(f".{target.name}.part")  # the name the download writes before renaming
     try:
         with open(probe, "xb"):

@@ -9,6 +9,8 @@ a failure, "hold..." makes it keep the request unanswered.
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 import sys
 import threading
 from pathlib import Path
@@ -103,6 +105,14 @@ def test_submit_status_wait_download(client, tmp_path):
     path = client.download(v["id"], tmp_path / "x.mp4")
     assert orjson.loads(path.read_bytes()[7:])["params"]["num_frames"] == 5
     assert client.download(v["id"], tmp_path / "again.mp4").read_bytes() == path.read_bytes()  # a retry works
+    # A link is written through, not replaced; a FIFO (as /dev/null would be) is refused, not replaced.
+    (tmp_path / "link.mp4").symlink_to(tmp_path / "again.mp4")
+    assert client.download(v["id"], tmp_path / "link.mp4") == tmp_path / "again.mp4"
+    assert (tmp_path / "link.mp4").is_symlink()
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(OSError, match="not a regular file"):
+        client.download(v["id"], tmp_path / "pipe")
+    assert stat.S_ISFIFO((tmp_path / "pipe").stat().st_mode)
     # ... until the DB purges the fetched result (0.3 s after the first fetch in this harness)
     def purged() -> bool:
         try:
@@ -414,6 +424,10 @@ def test_generate_refuses_an_unwritable_output_before_submitting(tmp_path, capsy
     assert "cannot write there" in capsys.readouterr().err
     assert generate.main(nowhere + ["-o", str(tmp_path)]) == 1
     assert "is a directory" in capsys.readouterr().err
+    os.mkfifo(tmp_path / "pipe")  # a device or a FIFO: the MP4 would replace it
+    assert generate.main(nowhere + ["-o", str(tmp_path / "pipe")]) == 1
+    assert "not a regular file" in capsys.readouterr().err
+    (tmp_path / "pipe").unlink()
     assert not list(tmp_path.iterdir())  # the probe left nothing behind
 
 
