@@ -16,8 +16,9 @@ Expiry: ``expires_at`` is *last update + ttl* while a request runs and *completi
 once it is terminal. Completion time, not creation time, because the TTL is how long an
 unfetched result waits for its reader: a generation that took longer than the TTL must
 still be fetchable, and a client should get the full TTL to come back for it. A running
-record that nobody updates for a whole TTL is abandoned and dropped. Deadlines (set by the
-proxy) turn stuck requests into ``failed`` well before that, so a lost message is visible.
+record that nobody updates for a whole TTL is abandoned and dropped, unless its deadline is
+still ahead: deadlines (set by the proxy) turn stuck requests into ``failed``, so a lost message
+is visible, and a request served for longer than the TTL is not lost.
 
 Memory: the store counts artefact bytes plus an estimate of each record (its JSON size plus
 a fixed per-record overhead) and raises :class:`StoreFull` when a *new* record or an
@@ -315,7 +316,14 @@ class ResultStore:
             if self._expiry_at.get(uid) != due:
                 continue
             expires_at = self._records[uid]["expires_at"]
-            if expires_at <= now:
+            verdict = self._deadline_at.get(uid)
+            if expires_at <= now and verdict is not None and verdict > now:
+                # Still running and its deadline ahead: a TTL shorter than the deadline must not
+                # drop a request that is being served (its result would be lost, its proxy's slot
+                # held). The deadline's verdict ends it; its result then gets the TTL.
+                self._expiry_at[uid] = verdict
+                heapq.heappush(heap, (verdict, uid))
+            elif expires_at <= now:
                 self._drop(uid, tombstone=True)
                 out.expired.append(uid)
             else:  # the record was updated since: wait for its new expiry

@@ -146,6 +146,28 @@ def test_ttl_expiry() -> None:
     assert len(s) == 0 and s.bytes_used == 0
 
 
+def test_a_running_record_outlives_a_ttl_shorter_than_its_deadline() -> None:
+    """TTL 6 s, deadline 120 s: a request still served at 10 s keeps its record (its result and
+    its cancellation still reach it); the deadline's verdict ends it, and its failure then waits a
+    TTL for its reader."""
+    s, clock = make(ttl=6)
+    now_ns = int(clock.t * 1e9)
+    s.create({"uid": "long", "deadline": now_ns + 120_000_000_000})
+    s.create({"uid": "open"})  # no deadline: abandoned after a TTL without updates
+    s.set_status("long", "in_progress", "dit", 20)
+    clock.t += 10
+    assert s.sweep().expired == ["open"]
+    assert s.get("long")["status"] == "in_progress"
+    clock.t += 5
+    assert s.put_result("long", b"mp4") is not None and s.get("long")["status"] == "completed"
+    s.create({"uid": "stuck", "deadline": int(clock.t * 1e9) + 20_000_000_000})
+    clock.t += 21
+    assert "long" in s.sweep().expired  # a result waits its TTL, no more
+    assert s.get("stuck")["status"] == "failed" and s.get("stuck")["error"].startswith("deadline exceeded")
+    clock.t += 7
+    assert s.sweep().expired == ["stuck"]
+
+
 def test_deadline_sweep_fails_stuck_requests() -> None:
     s, clock = make(deadline_grace_s=1.0)
     now_ns = int(clock.t * 1e9)
