@@ -296,10 +296,10 @@ class NodeManager:
         """An operator's move: ``instance`` to ``stage`` (null: the idle pool)."""
         operator_key.check(self.operator_key, req.key, "move")
         iid, stage = req.instance, req.stage
-        inst = self.state.instances.get(iid)
-        src = inst.stage if inst is not None else None
+        inst = self.state.movable(iid, stage)  # an unknown instance or stage is named as such
+        src = inst.stage
         now = time.monotonic()
-        if inst is not None and src is not None and src != stage:
+        if src is not None:
             # The elastic policy's own rule (nm/elastic.py ``can_spare``): an operator who moved a
             # stage's last instance took its application down until someone moved one back
             # (the floor rule refills from the idle pool only, and undid a move there at once).

@@ -199,9 +199,8 @@ class ClusterState:
     def stage_instances(self, set_name: str) -> list[Instance]:
         return [i for i in self.instances.values() if i.set == set_name and i.role == "stage"]
 
-    def assign(self, inst_id: str, stage: str | None, reason: str) -> Instance:
-        """Move a stage instance to ``stage`` (None: the idle pool). It leaves its old stage's
-        routes now and joins the new one's when it reports that it serves it."""
+    def movable(self, inst_id: str, stage: str | None) -> Instance:
+        """The stage instance ``inst_id``, if it can be assigned to ``stage``; else ValueError."""
         inst = self.instances.get(inst_id)
         if inst is None or inst.role != "stage":
             raise ValueError(f"no stage instance {inst_id!r}")
@@ -209,6 +208,12 @@ class ClusterState:
             raise ValueError(f"unknown stage {stage!r} (known: {sorted(self.workflow.stages)})")
         if stage == inst.stage:
             raise ValueError(f"{inst_id} is already assigned to {stage or 'the idle pool'}")
+        return inst
+
+    def assign(self, inst_id: str, stage: str | None, reason: str) -> Instance:
+        """Move a stage instance to ``stage`` (None: the idle pool). It leaves its old stage's
+        routes now and joins the new one's when it reports that it serves it."""
+        inst = self.movable(inst_id, stage)
         old, inst.stage, inst.ready = inst.stage, stage, False
         if inst.name:
             moved = self.moved.setdefault(inst.set, {})

@@ -330,6 +330,8 @@ def test_a_real_nm_refills_a_stage_that_lost_its_last_instance_from_the_idle_poo
         stages = lambda: client.routes("set0")["stages"]  # noqa: E731
         wait_for(lambda: stages()["vae_decode"] == ["tcp://127.0.0.1:9410"], what="a serves vae_decode")
         assert b.stage is None
+        with pytest.raises(RpcError, match="unknown stage 'nope'"):  # named as such, whatever the floor
+            client.move(a.id, "nope")
         a.stop()  # leaves: vae_decode has nobody
         wait_for(lambda: stages()["vae_decode"] == ["tcp://127.0.0.1:9411"], timeout=10, what="b moved in")
         d = client.status()["elastic"]["decisions"][-1]
