@@ -46,7 +46,7 @@ from onepiece.proxy.images import decode_base64_image, decode_image
 from onepiece.proxy.keys import ANYONE, ApiKeys, Caller
 from onepiece.proxy.listing import Cursors, list_object, parse_query
 from onepiece.proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
-from onepiece.proxy.validation import VideoJob, build_job
+from onepiece.proxy.validation import VideoJob, build_job, parse_fields
 from onepiece.sched import deadlines
 from onepiece.sched.keys import shape_key
 from onepiece.transport.message import Message, MessageError, new_uid
@@ -654,7 +654,7 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None, keys: ApiKeys
         t0 = time.perf_counter()
         key = idempotency_key(request)  # checked before the body is read
         raw, image_bytes = await read_create_body(request, st.opts.max_body_bytes)
-        idem = (key, request_hash(raw, image_bytes)) if key is not None else None
+        idem = (key, request_hash(parse_fields(raw), image_bytes)) if key is not None else None
         job = build_job(st.cluster.workflow, raw, image_bytes)
         try:
             obj, replayed = await st.submit(job, caller_of(request), idem)

@@ -28,6 +28,7 @@ import re
 from typing import Any, Literal
 
 import orjson
+from pydantic import BaseModel
 from starlette.requests import Request
 
 from onepiece.proxy.errors import ApiError, bad_request
@@ -55,10 +56,11 @@ def idempotent_uid(caller: Caller, key: str) -> str:
     return hmac.new(caller.secret, b"onepiece-idempotency\0" + key.encode(), hashlib.sha256).hexdigest()[:32]
 
 
-def request_hash(fields: dict[str, Any], image: bytes | None) -> str:
-    """A digest of what a create asks for (its parsed fields and image, so a multipart boundary
-    or JSON spacing does not count)."""
-    h = hashlib.sha256(orjson.dumps(fields, option=orjson.OPT_SORT_KEYS))
+def request_hash(fields: BaseModel, image: bytes | None) -> str:
+    """A digest of what a create asks for: its fields as parsed and its image, so that neither a
+    multipart boundary, JSON spacing, ``120`` for ``120.0``, an explicit ``null``, nor a form
+    for JSON makes a retry a different request."""
+    h = hashlib.sha256(orjson.dumps(fields.model_dump(mode="json", exclude_none=True), option=orjson.OPT_SORT_KEYS))
     h.update(b"\0")
     h.update(image or b"")
     return h.hexdigest()

@@ -67,6 +67,18 @@ def test_another_body_with_the_same_key_is_a_409(h):
     assert "different request" in err["message"]
 
 
+def test_the_same_request_spelled_another_way_is_a_replay(h):
+    """What is hashed is the request as parsed: 120 or 120.0, an explicit null, a form for JSON."""
+    first = post(h.http, "order-40", timeout_s=120)
+    assert first.status_code == 200, first.text
+    for again in (post(h.second, "order-40", timeout_s=120.0, negative_prompt=None),
+                  h.http.post("/v1/videos", data={"prompt": "a cat", "model": "t2v", "seed": "1", "timeout_s": "120"},
+                              headers={"Authorization": f"Bearer {ALICE}", "Idempotency-Key": "order-40"})):
+        assert again.status_code == 200 and again.headers.get("idempotent-replayed") == "true", again.text
+        assert again.json()["id"] == first.json()["id"]
+    assert post(h.http, "order-40", timeout_s=121).status_code == 409  # a different value still differs
+
+
 def test_the_same_key_of_another_api_key_is_another_video(h):
     a, b = post(h.http, "order-19"), post(h.http, "order-19", key=BOB)
     assert a.status_code == b.status_code == 200 and a.json()["id"] != b.json()["id"]
@@ -168,6 +180,7 @@ def test_a_record_its_proxy_stored_and_never_handed_over_is_handed_over_by_a_ret
 
     from onepiece.db.client import DbClient
     from onepiece.proxy.idempotency import idempotent_uid, request_hash
+    from onepiece.proxy.validation import parse_fields
 
     body = {"prompt": "a cat", "model": "t2v", "seed": 1}
     caller = ApiKeys([ALICE]).caller(ALICE)
@@ -176,7 +189,7 @@ def test_a_record_its_proxy_stored_and_never_handed_over_is_handed_over_by_a_ret
     try:
         db.create({"uid": uid, "app": "t2v", "set": "set0", "status": "queued", "stage": "text_encode",
                    "progress": 0, "created_at": time.time() - 60, "deadline": time.time_ns() + int(600e9),
-                   "owner": caller.owner, "request_hash": request_hash(body, None)})
+                   "owner": caller.owner, "request_hash": request_hash(parse_fields(body), None)})
     finally:
         db.close()
     entrance_uids(h, 0.05)
