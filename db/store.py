@@ -127,6 +127,14 @@ class ResultStore:
         self._deadline_heap: list[tuple[float, str]] = []
         self._deadline_at: dict[str, float] = {}
         self._index = CreatedIndex()  # the listing order (db/listing.py)
+        # Room held for the videos of running requests, so that a create is refused at once
+        # (the proxy answers 503 db_full) rather than accepted, served by every stage and then
+        # failed because its video does not fit. Sized from the results held so far, in bytes
+        # per pixel-second of video (an MP4's size follows its area and length); none is held
+        # until one result has been seen.
+        self._reserved: dict[str, int] = {}
+        self._reserved_bytes = 0
+        self._per_pixel_s: float | None = None
 
     # ---- reads -----------------------------------------------------------------------------
 
@@ -218,6 +226,12 @@ class ResultStore:
         problem = check_record(upd)  # its owner and times are indexed and compared: types checked
         if problem is not None:
             raise InvalidUpdate(f"create: {problem}")
+        need = self._video_estimate(upd)
+        if need and self._bytes + self._reserved_bytes + need > self._admit_limit:
+            raise StoreFull(
+                f"store full: {uid}'s video needs about {need} bytes (as the videos held so far), "
+                f"{max(self._admit_limit - self._bytes - self._reserved_bytes, 0)} of {self.max_bytes} free "
+                f"besides {self._reserved_bytes} held for the {len(self._reserved)} requests running")
         self._tombstones.pop(uid, None)
         return self._apply(upd, local=True)
 
@@ -428,10 +442,44 @@ class ResultStore:
             self._content[uid] = content
         self._sizes[uid] = size
         self._bytes += grown
+        self._account(uid, out, content if attach else None)
         terminal = out["status"] in TERMINAL and (old is None or old["status"] != out["status"])
         return Change(dict(out), content if attach else None, created=old is None, terminal=terminal)
 
+    @staticmethod
+    def _pixel_s(rec: dict[str, Any]) -> float | None:
+        """A video's area times its length (from the ``size`` and ``seconds`` the proxy records)."""
+        size, seconds = rec.get("size"), rec.get("seconds")
+        if not isinstance(size, str) or not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
+            return None
+        w, _, h = size.partition("x")
+        if not (w.isdigit() and h.isdigit()) or seconds <= 0:
+            return None
+        return int(w) * int(h) * float(seconds)
+
+    def _video_estimate(self, rec: dict[str, Any]) -> int:
+        px = self._pixel_s(rec)
+        return 0 if px is None or self._per_pixel_s is None else int(px * self._per_pixel_s)
+
+    def _account(self, uid: str, out: dict[str, Any], content: bytes | None) -> None:
+        """Hold room for a running request's video; free it when it ends; learn from a result."""
+        if out["status"] in TERMINAL:
+            self._release(uid)
+            px = self._pixel_s(out)
+            if content is not None and px:
+                seen = len(content) / px
+                self._per_pixel_s = seen if self._per_pixel_s is None else 0.75 * self._per_pixel_s + 0.25 * seen
+        elif uid not in self._reserved:
+            need = self._video_estimate(out)
+            if need:
+                self._reserved[uid] = need
+                self._reserved_bytes += need
+
+    def _release(self, uid: str) -> None:
+        self._reserved_bytes -= self._reserved.pop(uid, 0)
+
     def _drop(self, uid: str, tombstone: bool) -> None:
+        self._release(uid)
         if self._records.pop(uid, None) is not None:
             self._content.pop(uid, None)
             self._bytes -= self._sizes.pop(uid, 0)

@@ -372,7 +372,8 @@ def video_object(record: dict[str, Any]) -> dict[str, Any]:
             error = {"code": str(err.get("code", "failed")), "message": str(err.get("message", ""))}
         else:
             message = str(err or f"failed at stage {record.get('stage') or '?'}")
-            code = "deadline_exceeded" if message.startswith("deadline exceeded") else "generation_failed"
+            code = ("deadline_exceeded" if message.startswith("deadline exceeded")
+                    else "store_full" if message.startswith("store full") else "generation_failed")
             error = {"code": code, "message": message}
     return {
         "id": ID_PREFIX + record["uid"],

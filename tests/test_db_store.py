@@ -189,6 +189,30 @@ def test_deadline_sweep_fails_stuck_requests() -> None:
     assert s.sweep().failed == []  # once
 
 
+def test_a_create_is_refused_when_the_videos_running_would_not_fit() -> None:
+    """Room is held for each running request's video, sized by the videos seen so far: the
+    create that would not fit is refused at once, not failed after every stage served it."""
+    s, _ = make(max_bytes=40_000)
+    video = {"size": "64x64", "seconds": 1.0}
+    s.create({"uid": "first", **video})  # nothing seen yet: nothing held
+    s.put_result("first", b"v" * 8000)  # 8000 bytes for 64x64 over 1 s
+    s.purge("first")
+    for i in range(4):  # 4 x 8000 held, under 95% of 40000 with the records
+        s.create({"uid": f"r{i}", **video})
+    with pytest.raises(StoreFull, match="needs about 8000 bytes .* held for the 4 requests running"):
+        s.create({"uid": "r4", **video})
+    assert s.get("r4") is None
+    s.create({"uid": "small", "size": "16x16", "seconds": 1.0})  # 500 bytes: still fits
+    s.fail("r0", "dit", "boom")  # an end frees its room ...
+    s.create({"uid": "r4", **video})
+    s.put_result("r1", b"v" * 8000)  # ... and so does a result, which then holds its own bytes
+    with pytest.raises(StoreFull):
+        s.create({"uid": "r5", **video})
+    s.purge("r1")
+    s.create({"uid": "r5", **video})
+    s.create({"uid": "other"})  # no size: nothing to hold
+
+
 def test_memory_cap_refuses_visibly_and_recovers() -> None:
     probe, _ = make()
     probe.create({"uid": "a"})

@@ -171,6 +171,12 @@ def test_failed_request_shows_its_error(h):
     assert got["error"]["code"] == "generation_failed" and "out of memory" in got["error"]["message"]
     r = h.http.get(f"/v1/videos/{v['id']}/content")
     assert r.status_code == 409 and r.json()["error"]["code"] == "video_failed"
+    # A result the DBs had no room for is not the model's failure: it says so in its code.
+    v = h.create(prompt="too big").json()
+    h.db.failed(uid_of(v), "store full: it needs 15706 bytes, 5186 of 300000 free", stage="vae_decode")
+    got = wait_for(lambda: (r := h.http.get(f"/v1/videos/{v['id']}").json())["status"] == "failed" and r,
+                   what="failed")
+    assert got["error"]["code"] == "store_full"
 
 
 def test_delete(h):
