@@ -166,6 +166,8 @@ def parse_classes(spec: str) -> dict[str, dict[str, Any]]:
         if not m:
             raise SystemExit(f"bad class {item!r}: expected NAME=[APP/]WxHxFRAMES:STEPS, e.g. S=64x64x9:20")
         name, app, w, h, f, steps = m.groups()
+        if name in out:
+            raise SystemExit(f"class {name} is given twice in {spec!r}")
         out[name] = {"size": f"{w}x{h}", "num_frames": int(f), "steps": int(steps), **({"app": app} if app else {})}
     return out
 

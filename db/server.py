@@ -93,7 +93,7 @@ from onepiece.db.placement import order_dbs
 from onepiece.db.protocol import (CONTENT, DATA_SCHEMAS, PROXY_OPS, RPC_SCHEMAS, TERMINAL, CreateArgs, DeleteArgs,
                                   FailedReport, HelloMessage, ListArgs, PurgeMessage, ReplicaMessage, ResultReport,
                                   StatusReport, UidArgs)
-from onepiece.db.store import Change, Gone, InvalidUpdate, NotFound, ResultStore, StoreFull
+from onepiece.db.store import DEADLINE_GRACE_S, Change, Gone, InvalidUpdate, NotFound, ResultStore, StoreFull
 from onepiece.droplog import log_dropped
 from onepiece.events import CANCEL, DONE, event_frames
 from onepiece.schema import checked
@@ -183,7 +183,7 @@ class DbServer:
         peers: Iterable[Mapping[str, str]] = (),
         replication: int = 2,
         sweep_interval_s: float = 0.25,
-        deadline_grace_s: float = 0.5,
+        deadline_grace_s: float = DEADLINE_GRACE_S,
         replication_queue: int = 10_000,
         replication_timeout_s: float = 0.25,
         peer_backoff_s: float = 1.0,

@@ -45,6 +45,7 @@ from onepiece.db.protocol import COMPLETED, FAILED, IN_PROGRESS, QUEUED, TERMINA
 
 STATUSES = (QUEUED, IN_PROGRESS, COMPLETED, FAILED)
 MAX_ERROR_CHARS = 1000  # bounds what a failure adds to a record
+DEADLINE_GRACE_S = 0.5  # a DB's verdict on a deadline waits this long (a peer's result gets here first)
 RECORD_OVERHEAD = 512  # rough Python dict/str overhead per record, on top of its JSON size
 
 

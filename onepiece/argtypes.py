@@ -88,6 +88,31 @@ def numbers(item: Bounded) -> Numbers:
     return Numbers(item)
 
 
+def out_dir(value: str) -> str:
+    """A folder a command writes its results to: made now and written to once, so that a path
+    that cannot be written stops the command before its work, not after it."""
+    import os
+    import tempfile
+
+    try:
+        os.makedirs(value, exist_ok=True)
+        with tempfile.TemporaryFile(dir=value):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write to folder {value!r}: {e.strerror or e}") from None
+    return value
+
+
+def out_file(value: str) -> str:
+    """A file a command writes: its folder as ``out_dir``, and not a folder itself."""
+    import os
+
+    if os.path.isdir(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is a folder; name the file to write")
+    out_dir(os.path.dirname(value) or ".")
+    return value
+
+
 SHARE = Bounded(float, 0.0, 1.0, open_low=True)  # a share of something: above 0, at most 1
 PORT = count(0, 65535)  # 0: any free one
 SEED = count(0)

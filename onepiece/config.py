@@ -237,7 +237,9 @@ class ElasticSpec(_Strict):
 class NmSpec(_Strict):
     address: str = Field("tcp://127.0.0.1:7700", description="the (first) NM's RPC address; with count > 1 the "
                                                              "others take the next ports")
-    heartbeat_s: float = Field(1.0, gt=0, le=60)
+    # At least 0.05: every instance reports at it and the NM re-decides at it; faster only burns
+    # CPU (a simulated NM at 1 µs never finished a trace).
+    heartbeat_s: float = Field(1.0, ge=0.05, le=60)
     dead_after_s: float = Field(4.0, gt=0, le=600, description="embedded NM: silence after which an instance is "
                                                               "dropped (at least 3 heartbeats; silence counts only "
                                                               "while the NM itself ran: nm/liveness.py)")

@@ -16,9 +16,14 @@ def checked(model: type[M], value: Any, prefix: str = "") -> M:
     try:
         return model.model_validate(value)
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(map(str, (prefix, *err["loc"]) if prefix else err["loc"])) or "value"
-        raise ValueError(f"{where}: {err['msg']}") from None
+        raise ValueError(first_error(e, prefix)) from None
+
+
+def first_error(e: ValidationError, prefix: str = "") -> str:
+    """``"<prefix>.<field path>: <reason>"`` of the first field ``e`` rejects."""
+    err = e.errors()[0]
+    where = ".".join(map(str, (prefix, *err["loc"]) if prefix else err["loc"])) or "value"
+    return f"{where}: {err['msg']}"
 
 
 def problem(model: type[BaseModel], value: Any, prefix: str = "") -> str | None:

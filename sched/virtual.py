@@ -49,6 +49,10 @@ class EventLoop:
             raise ValueError(f"at_in_order: {t} is before the last event given so ({self._queue[-1][0]})")
         self._queue.append((t, next(self._seq), fn, args))
 
+    def next_in_order(self) -> tuple[float, int] | None:
+        """The time of the next event given by ``at_in_order``, and how many such are left."""
+        return (self._queue[0][0], len(self._queue)) if self._queue else None
+
     def run(self, until: float = float("inf")) -> None:
         heap, queue, pop, first = self._heap, self._queue, heapq.heappop, self._queue.popleft
         while True:

@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
-from onepiece.argtypes import SEED, SHARE, count, non_negative, numbers, positive
+from onepiece.argtypes import SEED, SHARE, count, non_negative, numbers, out_dir, positive
 from onepiece.bench.trace import Trace, TraceError, load_trace, summarize
 from onepiece.config import ConfigError, ElasticSpec, ProxySpec, Topology, Workflow, load_topology, load_workflow
 from onepiece.sched.costs import TableError
 from onepiece.sched.options import ScheduleSpec
-from onepiece.schema import checked
+from onepiece.schema import checked, first_error
 from onepiece.sim import report
 from onepiece.sim.costs import CostTable
 from onepiece.sim.engine import HOP_S, MOVE_S, OVERHEAD_S, SimInputError, Simulation
@@ -36,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--topology", help="a topology YAML: its sets, their stage counts and its workflow")
     where.add_argument("--workflow", help="a workflow YAML, with --instances")
     p.add_argument("--instances", type=_counts, help="with --workflow: STAGE=N,... instances per set")
-    p.add_argument("--sets", type=count(), default=1, help="with --workflow: how many such sets (default 1)")
+    p.add_argument("--sets", type=count(1, MAX_SETS), default=1,
+                   help=f"with --workflow: how many such sets (default 1, at most {MAX_SETS})")
     p.add_argument("--monitor", action="store_true",
                    help="with --workflow: each set's proxy runs the request monitor (a topology says per set)")
     p.add_argument("--schedule", action="append", default=[], metavar="STAGE.OPTION=VALUE",
@@ -54,21 +56,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "figures with this coefficient of variation (lognormal, mean kept; default 0: each costs "
                         "its figure)")
     p.add_argument("--seed", type=SEED, default=0, help="seed of --step-cv's draws (default 0)")
-    p.add_argument("--out", default="sim-out", help="folder for sim.json, .md, .png, .perfetto.json")
+    p.add_argument("--out", type=out_dir, default="sim-out", help="folder for sim.json, .md, .png, .perfetto.json")
     p.add_argument("--name", default="sim", help="file name stem of the outputs (default sim)")
 
 
+MAX_SETS = 10_000  # 100,000 devices at 10 a set: plan's own bound (sim/plan.py MAX_DEVICES)
+MAX_PER_STAGE = 64  # instances of a stage in a set, as a topology allows
+
+
 def _counts(value: str) -> dict[str, int]:
-    out = {}
+    out: dict[str, int] = {}
     for item in value.split(","):
-        stage, _, n = item.partition("=")
+        stage, _, n = (x.strip() for x in item.partition("="))
         try:
-            out[stage.strip()] = int(n)
+            k = int(n)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"bad {item!r}: expected STAGE=COUNT, e.g. denoise_t2v=2") from None
-        if out[stage.strip()] < 1:
-            raise argparse.ArgumentTypeError(f"bad {item!r}: a stage needs at least one instance")
+            k = None
+        if not stage or k is None:
+            raise argparse.ArgumentTypeError(f"bad {item!r}: expected STAGE=COUNT, e.g. denoise_t2v=2")
+        if stage in out:
+            raise argparse.ArgumentTypeError(f"{stage} is given twice in {value!r}")
+        if not 1 <= k <= MAX_PER_STAGE:
+            raise argparse.ArgumentTypeError(f"bad {item!r}: between 1 and {MAX_PER_STAGE} (as a topology allows)")
+        out[stage] = k
     return out
+
+
+def known_stages(wf: Workflow, counts: dict[str, int], flag: str) -> None:
+    """ConfigError naming the stages of ``counts`` that ``wf`` does not have."""
+    unknown = sorted(set(counts) - set(wf.stages))
+    if unknown:
+        raise ConfigError(f"{flag}: unknown stage(s) {unknown} (known: {sorted(wf.stages)})")
+
+
+def _value(flag: str, item: str, value: str) -> Any:
+    """A flag's VALUE as YAML reads it (a number, a bool, a list...), or ConfigError."""
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{flag} {item!r}: {value!r} is not a value ({str(e).splitlines()[0]})") from None
 
 
 def apply_schedule(wf: Workflow, overrides: list[str]) -> Workflow:
@@ -84,7 +110,7 @@ def apply_schedule(wf: Workflow, overrides: list[str]) -> Workflow:
         spec = wf.stages[stage].schedule.model_dump()
         if option == "policy":
             spec["max_batch"] = None  # the new policy's default, unless a later override sets it
-        spec[option] = yaml.safe_load(value)
+        spec[option] = _value("--schedule", item, value)
         try:
             wf.stages[stage].schedule = checked(ScheduleSpec, spec)
         except ValueError as e:
@@ -120,6 +146,11 @@ def run(args: argparse.Namespace) -> int:
     except (TraceError, TableError) as e:
         raise ConfigError(str(e)) from None
     if args.topology:
+        given = [f for f, v in (("--instances", args.instances), ("--sets", args.sets != 1), ("--monitor", args.monitor))
+                 if v]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: with --topology, the topology gives the sets, their instances "
+                              f"and monitors; use --workflow with them instead")
         topo, wf, _ = load_topology(args.topology)
         sets = {s.name: dict(s.stages) for s in topo.sets}
         proxies = {s.name: s.proxy for s in topo.sets}
@@ -128,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.instances:
             raise ConfigError("--workflow needs --instances STAGE=N,... (how many instances of each stage a set runs)")
         wf = load_workflow(args.workflow)
+        known_stages(wf, args.instances, "--instances")
         sets = {f"set{i}": dict(args.instances) for i in range(args.sets)}
         proxies = {s: ProxySpec(monitor=args.monitor, max_inflight=100_000) for s in sets}
         elastic = None
@@ -180,7 +212,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPUs one device of a stage holds (default 1 each), e.g. denoise_i2v=2")
     p.add_argument("--target", type=SHARE, default=0.99, help="share of requests within their SLO (default 0.99)")
     p.add_argument("--loads", type=numbers(positive()), default="1", help="multiples of the load to plan for, for the curve (default 1)")
-    p.add_argument("--out", default="plan-out", help="folder for plan.json, .md, .png")
+    p.add_argument("--out", type=out_dir, default="plan-out", help="folder for plan.json, .md, .png")
 
 
 def planning_trace(args: argparse.Namespace, wf: Workflow, costs: CostTable) -> Trace:
@@ -190,13 +222,16 @@ def planning_trace(args: argparse.Namespace, wf: Workflow, costs: CostTable) -> 
     from onepiece.sim.plan import priced
 
     if args.trace:
+        if args.rate:
+            raise ConfigError("--rate: a --trace brings its own arrivals (scale them with --loads)")
         return load_trace(args.trace)
     if not args.rate or args.rate <= 0:
         raise ConfigError("plan needs --trace, or --rate (requests per second) for a generated trace")
     classes = parse_classes(args.classes)
     names = list(classes)
     alpha = dict(zip(names, parse_floats(args.alpha, len(names), "--alpha")))
-    phases = [dict(zip(names, parse_floats(m, len(names), "--day phase"))) for m in (args.day or args.mix).split(";")]
+    phases = [dict(zip(names, parse_floats(m, len(names), "--day phase" if args.day else "--mix")))
+              for m in (args.day or args.mix).split(";")]
     one = Trace.model_validate({"version": 1, "classes": classes, "requests": [
         {"at": 0, "app": v.get("app", args.app), "class": c, "size": v["size"], "num_frames": v["num_frames"],
          "steps": v["steps"]} for c, v in classes.items()]})
@@ -218,6 +253,33 @@ def planning_trace(args: argparse.Namespace, wf: Workflow, costs: CostTable) -> 
     return part.model_copy(update={"requests": requests})
 
 
+def hopeless(wf: Workflow, costs: CostTable, trace: Trace, target: float) -> None:
+    """ConfigError if no fleet can meet ``target``: classes without an SLO, or more requests than
+    the target spares that miss their SLO even alone on an idle fleet (known before any search)."""
+    from onepiece.sim.plan import priced
+
+    missing = [c for c, v in trace.classes.items() if not v.slo_s]
+    if missing:
+        raise ConfigError(f"plan: classes {missing} have no slo_s to plan for")
+    try:
+        journeys = priced(wf, costs, trace)
+    except SimInputError as e:
+        raise ConfigError(f"plan: {e}") from None
+    late: dict[str, tuple[int, float]] = {}
+    for j in journeys:
+        alone = sum(j.alone.values()) + HOP_S * len(j.alone)
+        slo = trace.classes[j.req.cls].slo_s
+        if alone > slo:
+            n, worst = late.get(j.req.cls, (0, 0.0))
+            late[j.req.cls] = (n + 1, max(worst, alone))
+    n = sum(k for k, _ in late.values())
+    if n > (1 - target) * len(journeys):
+        which = "; ".join(f"class {c}: {k} requests take {t:.3g} s alone against an SLO of "
+                          f"{trace.classes[c].slo_s:.3g} s" for c, (k, t) in late.items())
+        raise ConfigError(f"plan: {n} of {len(journeys)} requests miss their SLO even alone on an idle fleet "
+                          f"({which}): no fleet meets {target:.1%} (raise --alpha, or the trace's slo_s)")
+
+
 def elastic_spec(options: str) -> ElasticSpec:
     """``threshold=0.7,low=0`` over the NM's defaults, checked by the topology's own schema."""
     fields = {}
@@ -225,7 +287,7 @@ def elastic_spec(options: str) -> ElasticSpec:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"--elastic {options!r}: expected OPTION=VALUE,... (options: {', '.join(ElasticSpec.model_fields)})")
-        fields[key.strip()] = yaml.safe_load(value)
+        fields[key.strip()] = _value("--elastic", item, value)
     try:
         return checked(ElasticSpec, fields)
     except ValueError as e:
@@ -247,13 +309,18 @@ def run_plan(args: argparse.Namespace) -> int:
     except TableError as e:
         raise ConfigError(str(e)) from None
     wf = load_workflow(args.workflow)
+    known_stages(wf, args.gpus, "--gpus")
     try:
         base = planning_trace(args, wf, costs)
         loads = sorted(args.loads)
+    except ValidationError as e:  # of the trace made from the flags
+        raise ConfigError(f"plan: the trace made from --classes, --mix/--day, --rate and --requests: "
+                          f"{first_error(e)}") from None
     except (TraceError, ValueError) as e:
         raise ConfigError(f"plan: {e}") from None
     if not 0 < args.target <= 1:
         raise ConfigError(f"--target {args.target}: expected a share in (0, 1]")
+    hopeless(wf, costs, base, args.target)
     rows = []
     for load in loads:
         trace = scaled(base, load)

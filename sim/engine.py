@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 from onepiece.bench.trace import Trace, TraceRequest
 from onepiece.config import ProxySpec, Topology, Workflow
+from onepiece.db.store import DEADLINE_GRACE_S
 from onepiece.nm.capacity import estimate
 from onepiece.proxy.admission import InflightTracker, admit
 from onepiece.proxy.api import ProxyOptions
@@ -239,6 +240,8 @@ class Simulation:
                     why = next(filter(None, (self.costs.missing(s, at_dop(key, d)) for d in dops(self._ranks(s)))), None)
                     if why:
                         raise SimInputError(f"requests[{i}] ({tr.size}x{tr.num_frames}:{tr.steps}): {why}")
+                if self.elastic is None:  # (elastic moves may fill a stage that starts empty)
+                    self._complete_sets(i, job.app, stages)
                 alone = {s: self.costs.alone_s(s, key, steps) for s, (key, steps, _) in zip(stages, entries)}
                 # the deadline split as the proxy splits it
                 known = priced[(job.app, *entries)] = entries, alone, reserve(stages, alone.get)
@@ -251,6 +254,21 @@ class Simulation:
         self._warm()
         if (self.elastic is not None or any(a is not None for a in self.admission.values())) and self._open:
             self.loop.at(0.0, self._heartbeat)
+
+    def _complete_sets(self, i: int, app: str, stages: list[str]) -> None:
+        """SimInputError unless some set runs ``app``'s first stage and every such set runs all of
+        its stages: otherwise every request of it would be refused or would fail."""
+        serving = self._serving_sets(stages[0])[0]
+        if not serving:
+            raise SimInputError(f"requests[{i}]: no set has an instance of {stages[0]!r}, where application "
+                                f"{app!r} starts")
+        for set_name in serving:
+            for s in stages:
+                if not self.instances[set_name].get(s):
+                    raise SimInputError(
+                        f"requests[{i}]: set {set_name} takes application {app!r} (it runs {stages[0]}) but has "
+                        f"no instance of {s!r}, so every such request it takes would fail: give it one, or let the "
+                        f"NM's elastic moves fill it")
 
     def _warm(self) -> None:
         """A monitored set's instances start as a deployment that has served before (``bench
@@ -288,6 +306,9 @@ class Simulation:
         """The client offers the request to the sets that serve it, from the next one round-robin,
         until one admits it (the proxy's own ``admit``)."""
         serving, place = self._serving_sets(j.stages[0])
+        if not serving:  # every instance of its first stage moved away: no proxy has an entrance
+            self._resolve(j, self.loop.now, "rejected", "no_entrance")
+            return
         first = next(s for s in self._set_rr if s in place)
         start, n = place[first], len(serving)
         for k in range(n):
@@ -305,7 +326,7 @@ class Simulation:
         """The sets that run ``stage`` (in the sets' order), and each one's place among them."""
         got = self._serving.get(stage)
         if got is None:
-            serving = [s for s in self.instances if stage in self.instances[s]]
+            serving = [s for s in self.instances if self.instances[s].get(stage)]  # as a proxy with no entrance refuses
             got = self._serving[stage] = serving, {s: i for i, s in enumerate(serving)}
         return got
 
@@ -323,7 +344,14 @@ class Simulation:
                        for stage, insts in self.instances[set_name].items() for inst in insts]
             adm.observe({"apps": estimate(self.wf, members), "proxies": self.n_proxies[set_name]})
         if self._open:
-            self.loop.at(self.loop.now + self.heartbeat_s, self._heartbeat)
+            beat = self.loop.now + self.heartbeat_s
+            ahead = self.loop.next_in_order()  # the next arrival, and how many are still to come
+            if self.elastic is None and ahead is not None and ahead[1] == self._open and ahead[0] > beat:
+                # Nobody is in the sets, so nothing the view is built from changes until the next
+                # arrival: of the beats in between, only the last before it counts (a trace may
+                # be quiet for days, at two beats a second).
+                beat = self.loop.now + math.floor((ahead[0] - self.loop.now) / self.heartbeat_s) * self.heartbeat_s
+            self.loop.at(beat, self._heartbeat)
 
     def _enter(self, j: Journey) -> None:
         stage = j.stages[j.at_stage]
@@ -351,6 +379,13 @@ class Simulation:
             self._resolve(j, now + self.hop_s, "completed")  # delivered to the DB
 
     def _resolve(self, j: Journey, t: float, outcome: str, error: str | None = None) -> None:
+        verdict = j.deadline + DEADLINE_GRACE_S
+        if t > verdict and outcome != "rejected":
+            # The DB failed it at its deadline, and that is what its client saw: a stage that
+            # noticed later, or a result that came later, finds the client gone. (Its proxy's slot
+            # is freed here, as late as that: a small error, and only with drop_expired off.)
+            at = next((s for s, _, enter, _ in reversed(j.spans) if enter <= j.deadline), j.stages[0])
+            t, outcome, error = verdict, "failed", f"deadline exceeded at stage {at}"
         j.end, j.outcome, j.error = t, outcome, error
         self._open -= 1
         if j.set:

@@ -58,7 +58,9 @@ def attainment(wf: Workflow, counts: dict[str, int], costs: CostTable, trace: Tr
                      gpus=gpus)
     sim.load(trace)
     records = sim.run()
-    summary = summarize(records, {c: v.slo_s or math.inf for c, v in trace.classes.items()})
+    if any(not v.slo_s for v in trace.classes.values()):  # the CLI refuses such a trace; a caller must too
+        raise SimInputError("every class needs an slo_s to plan for")
+    summary = summarize(records, {c: v.slo_s for c, v in trace.classes.items()})
     devices = sum(n * wf.stages[s].workers * (gpus or {}).get(s, 1) for s, n in counts.items())
     return Verdict(devices, dict(counts), summary["all"]["attainment"], sim.utilization(), summary)
 
@@ -154,12 +156,19 @@ def theorem1(wf: Workflow, costs: CostTable, trace: Trace, utilization: float = 
     """Counts in proportion to each stage's offered work (device-seconds per second), each
     stage at ``utilization`` and at least one instance: Theorem 1's balance, so no stage falls
     behind the one before it."""
-    span = max(trace.requests[-1].at - trace.requests[0].at, 1e-9)
+    span = trace.requests[-1].at - trace.requests[0].at
+    if span <= 0:
+        raise SimInputError(f"the trace's {len(trace.requests)} request(s) all arrive at {trace.requests[0].at:g} s: "
+                            f"a load is a rate, which needs arrivals spread over time (more requests, or a trace)")
     work: dict[str, float] = {}
     for j in priced(wf, costs, trace):
         for s, t in j.alone.items():
             work[s] = work.get(s, 0.0) + t
-    return {s: max(1, math.ceil(w / span / utilization / wf.stages[s].workers)) for s, w in sorted(work.items())}
+    counts = {s: max(1, math.ceil(w / span / utilization / wf.stages[s].workers)) for s, w in sorted(work.items())}
+    if sum(counts.values()) > MAX_DEVICES:
+        raise SimInputError(f"the load asks for {sum(counts.values()):,} instances ({counts}) by Theorem 1, more "
+                            f"than the {MAX_DEVICES:,} devices a plan may have")
+    return counts
 
 
 def disaggregated(wf: Workflow, costs: CostTable, trace: Trace, target: float, hop_s: float = HOP_S,

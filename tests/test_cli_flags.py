@@ -71,6 +71,9 @@ def test_every_bounded_flag_refuses_what_is_out_of_its_range(path, action):
      "--hop-ms"),
     (["plan", "--workflow", "w.yaml", "--costs", "c.json", "--rate", "-1"], "--rate"),
     (["bench", "sched", "--loads", "0.5,x"], "--loads"),
+    (["profile", "--batch", "100000"], "--batch"),
+    (["profile", "--shapes", "64x64x10"], "--shapes"),  # frames 4k+1, as a request's
+    (["profile", "-o", "."], "-o/--out"),  # a folder, not a file
 ])
 def test_a_bad_number_stops_the_real_command_at_once(argv, flag, tmp_path):
     t0 = time.monotonic()

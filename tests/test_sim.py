@@ -366,3 +366,70 @@ def test_plan_with_one_class_runs_on_its_defaults(tmp_path):
     assert done.value.code == 0
     doc = json.loads((tmp_path / "plan.json").read_text())
     assert doc["rows"][0]["disaggregated"] >= 5
+
+
+def test_a_late_result_or_a_late_drop_fails_at_the_dbs_deadline_verdict():
+    """The DB fails a request at its deadline (+ its grace), and that is what the client sees:
+    a stage that keeps it (drop_expired off) and finishes later does not make it completed."""
+    from onepiece.db.store import DEADLINE_GRACE_S
+
+    reqs = [{"at": 0.0, "class": "L", "timeout_s": 60}, {"at": 0.01, "class": "S", "timeout_s": 0.5}]
+    wf = apply_schedule(WF, ["denoise_t2v.policy=fcfs", "denoise_t2v.drop_expired=false",
+                             "vae_decode.drop_expired=false"])
+    result, sim = simulate(wf, SET, table(), trace(reqs))
+    late = result["requests"][1]
+    assert late["outcome"] == "failed" and late["error"] == "deadline exceeded at stage denoise_t2v"
+    assert late["latency_s"] == pytest.approx(0.5 + DEADLINE_GRACE_S)
+    assert sim.journeys["r1"].spans[-1][0] == "vae_decode"  # the stages still served it to the end
+
+
+def test_a_set_that_cannot_serve_what_it_takes_is_refused_and_quiet_time_costs_no_beats():
+    reqs = [{"at": 0.0, "class": "S"}]
+    with pytest.raises(SimInputError, match="set b takes application 't2v' .* no instance of 'vae_decode'"):
+        Simulation(WF, {**SET, "b": {"text_encode": 1, "denoise_t2v": 1}}, table()).load(trace(reqs))
+    with pytest.raises(SimInputError, match="no set has an instance of 'text_encode'"):
+        Simulation(WF, {"set0": {**SET["set0"], "text_encode": 0}}, table()).load(trace(reqs))
+    # A set without the entrance takes nothing, as a proxy with no entrance refuses.
+    ok, _ = simulate(WF, {**SET, "b": {"text_encode": 0, "vae_decode": 1}}, table(), trace(reqs))
+    assert ok["requests"][0]["set"] == "set0"
+    # A month of quiet between two requests, with the request monitor's heartbeats: a few beats.
+    from onepiece.config import ProxySpec
+
+    sim = Simulation(WF, SET, table(), proxies={"set0": ProxySpec(monitor=True, max_inflight=10)})
+    beats = []
+    heartbeat = sim._heartbeat
+    sim._heartbeat = lambda: (beats.append(sim.loop.now), heartbeat())
+    sim.load(trace([{"at": 0.0, "class": "S"}, {"at": 30 * 86400.0, "class": "S"}]))
+    records = sim.run()
+    assert [r["outcome"] for r in records] == ["completed", "completed"] and len(beats) < 20
+
+
+def test_sim_and_plan_flags_are_checked_before_any_work(tmp_path, capsys):
+    tr = tmp_path / "t.json"
+    tr.write_bytes(trace([{"at": 0.1 * i, "class": "S", "timeout_s": 30} for i in range(4)]).dump())
+    costs = tmp_path / "c.json"
+    costs.write_text(json.dumps({"version": 1, "stages": {
+        s: {"rows": [{"key": k, "batch": b, "seconds": t} for k, row in rows.items() for b, t in row.items()]}
+        for s, rows in table().rows.items()}}))
+    sim = ["sim", "--trace", str(tr), "--costs", str(costs), "--workflow", str(deploy_dir() / "wan21-scale.yaml")]
+    plan = ["plan", "--workflow", str(deploy_dir() / "wan21-scale.yaml"), "--costs", str(costs),
+            "--classes", "S=64x64x9:10", "--out", str(tmp_path / "p")]
+    for argv, says in (
+            (sim + ["--instances", "text_encode=1,denoise_t2vv=1,vae_decode=1"], "unknown stage(s) ['denoise_t2vv']"),
+            (sim + ["--instances", "denoise_t2v=1,denoise_t2v=3"], "denoise_t2v is given twice"),
+            (sim + ["--instances", "denoise_t2v=1000000000"], "between 1 and 64"),
+            (sim + ["--instances", "=1"], "expected STAGE=COUNT"),
+            (sim + ["--instances", "denoise_t2v=1", "--sets", "1000000000"], "--sets: must be an integer between"),
+            (sim + ["--instances", "denoise_t2v=1", "--schedule", "denoise_t2v.policy={"], "'{' is not a value"),
+            (sim + ["--instances", "denoise_t2v=1", "--out", "/dev/null/x"], "cannot write to folder"),
+            (plan + ["--rate", "1", "--requests", "1"], "all arrive at 0 s"),
+            (plan + ["--rate", "1", "--alpha", "0.9"], "miss their SLO even alone"),
+            (plan + ["--rate", "1", "--gpus", "denoise_t2vv=2"], "--gpus: unknown stage(s)"),
+            (plan + ["--rate", "1", "--elastic", "threshold={"], "'{' is not a value"),
+            (plan + ["--trace", str(tr), "--rate", "1"], "a --trace brings its own arrivals"),
+            (plan + ["--rate", "1", "--classes", "S=64x64x9:0"], "classes.S.steps: Input should be greater")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err, (argv, err)  # a usage or configuration error
+    assert not (tmp_path / "p").exists() or not list((tmp_path / "p").iterdir())
