@@ -21,12 +21,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from onepiece.argtypes import count, non_negative
+from onepiece.argtypes import between, count
 from onepiece.bench.common import T2V_STAGES, cpu_name
 from onepiece.bench.sched import costs_name
 from onepiece.bench.trace import Trace, load_trace, stage_times, summarize
 from onepiece.cli import PROFILE_WORKFLOWS
 from onepiece.config import ProxySpec, deploy_dir, load_workflow
+from onepiece.sched.costs import MAX_STEP_CV
 from onepiece.sim.cli import apply_schedule, simulate
 from onepiece.sim.costs import CostTable
 
@@ -39,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--costs-of", metavar="POLICY",
                    help="price every policy with the costs this policy's run measured under each trace "
                         "(default: each its own)")
-    p.add_argument("--step-cv", type=non_negative(), default=0.0,
+    p.add_argument("--step-cv", type=between(0, MAX_STEP_CV), default=0.0,
                    help="steps vary with this coefficient of variation where a run's table does not say how much "
                         "they varied (its step_cv; onepiece sim --step-cv); default 0: each step its figure")
     p.add_argument("--seeds", type=count(), default=5,

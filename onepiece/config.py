@@ -92,6 +92,9 @@ class Limits(_Strict):
 # Stage functions whose steps a collaboration group can run in parallel (registered with
 # ``parallel=`` in stage/registry.py; a test keeps the two in step).
 PARALLEL_FUNCTIONS = frozenset({"denoise"})
+# Stage functions that step (registered with ``stepped=True``; a test keeps the two in step):
+# what the simulator prices per step, knowing it without importing the functions (torch).
+STEPPED_FUNCTIONS = frozenset({"denoise"})
 
 MAX_GUIDANCE = 100.0
 MAX_IMAGE_PIXELS = 4096 * 4096  # an input image's decoded size (48 MiB as RGB), at the proxy and at every stage

@@ -284,25 +284,69 @@ class TableError(ValueError):
     pass
 
 
+# What a table may say, per level: anything else is a typo (``"overhead": 5`` for ``overhead_s``)
+# that would be dropped without a word. A row's or fixed entry's notes are what the writers add
+# beside the figure (``onepiece profile``, ``bench shares``, a published table's ``source``).
+# The top level is free-form metadata (device, cpu, units, notes, ...) beside version and
+# stages; only the names of a stage's fields are refused there (a stage's figure written once
+# for the whole table would be ignored).
+FIGURES = ("overhead_s", "step_cv")  # a stage's optional figures, each a number >= 0 (``table_figure``)
+STAGE_FIELDS = ("rows", "fixed", *FIGURES)
+ROW_FIELDS = ("key", "batch", "seconds")
+ROW_NOTES = ("dop", "samples", "source", "stepped")
+FIXED_FIELDS = ("key", "seconds")
+FIXED_NOTES = ("source",)
+
+
+def _number(x: Any) -> bool:
+    """A JSON number: not a bool (``true`` is not 1 s), not a string."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _unknown(entry: dict[str, Any], known: Iterable[str], where: str) -> None:
+    known = tuple(known)
+    extra = [k for k in entry if k not in known]
+    if extra:
+        raise TableError(f"{where}: unknown field(s) {', '.join(map(repr, extra))} (known: {', '.join(known)})")
+
+
 def table_rows(doc: Any, stage: str | None = None) -> dict[str, dict[int, float]]:
     """{key: {batch: seconds}} of one stage (or all stages merged) from a parsed table file."""
-    if not isinstance(doc, dict) or doc.get("version") != TABLE_VERSION or not isinstance(doc.get("stages"), dict):
+    version = doc.get("version") if isinstance(doc, dict) else None
+    if not _number(version) or version != TABLE_VERSION or not isinstance(doc.get("stages"), dict):
         raise TableError(f"not a version-{TABLE_VERSION} cost table (expected {{'version': 1, 'stages': {{...}}}})")
+    misplaced = [k for k in doc if k in STAGE_FIELDS]
+    if misplaced:
+        raise TableError(f"{', '.join(map(repr, misplaced))} at the top level: a stage's field, it goes in "
+                         f"stages.<stage> (top level: version, stages and free-form metadata)")
     out: dict[str, dict[int, float]] = {}
     stages = doc["stages"] if stage is None else {stage: doc["stages"].get(stage, {"rows": []})}
     for name, entry in stages.items():
         rows = entry.get("rows") if isinstance(entry, dict) else None
         if not isinstance(rows, list):
             raise TableError(f"stages.{name}.rows must be a list")
+        _unknown(entry, STAGE_FIELDS, f"stages.{name}")
+        seen: set[tuple[str, int]] = set()  # per stage: stages merged share call keys
         for i, r in enumerate(rows):
             try:
-                key, batch, t = r["key"], int(r["batch"]), float(r["seconds"])
-            except (KeyError, TypeError, ValueError):
+                key, batch, t = r["key"], r["batch"], r["seconds"]
+            except (KeyError, TypeError):
                 raise TableError(f"stages.{name}.rows[{i}]: expected {{key, batch, seconds}}, got {r!r}") from None
-            if not isinstance(key, str) or batch < 1 or not MIN_SECONDS <= t <= MAX_SECONDS:
-                raise TableError(f"stages.{name}.rows[{i}]: key must be a string, batch >= 1, "
-                                 f"seconds in [{MIN_SECONDS:g}, {MAX_SECONDS:g}], got {r!r}")
-            out.setdefault(key, {})[batch] = t
+            where = f"stages.{name}.rows[{i}]"
+            _unknown(r, ROW_FIELDS + ROW_NOTES, where)
+            if not isinstance(key, str):
+                raise TableError(f"{where}.key: expected a string, got {key!r}")
+            # a whole number: int() made 1.5 batch 1 and overwrote its figure
+            if not (_number(batch) and (isinstance(batch, int) or batch.is_integer()) and batch >= 1):
+                raise TableError(f"{where}.batch: expected an integer >= 1, got {batch!r}")
+            if not _number(t) or not MIN_SECONDS <= t <= MAX_SECONDS:
+                raise TableError(f"{where}.seconds: expected a number in [{MIN_SECONDS:g}, {MAX_SECONDS:g}], "
+                                 f"got {t!r}")
+            batch = int(batch)
+            if (key, batch) in seen:  # the second silently replaced the first
+                raise TableError(f"{where}: a second row for key {key!r} at batch {batch} in stage {name!r}")
+            seen.add((key, batch))
+            out.setdefault(key, {})[batch] = float(t)
     return out
 
 
@@ -322,28 +366,41 @@ def table_fixed(doc: Any, stage: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for i, r in enumerate(rows):
         try:
-            key, t = r["key"], float(r["seconds"])
-        except (KeyError, TypeError, ValueError):
+            key, t = r["key"], r["seconds"]
+        except (KeyError, TypeError):
             raise TableError(f"stages.{stage}.fixed[{i}]: expected {{key, seconds}}, got {r!r}") from None
-        if not isinstance(key, str) or not 0 <= t <= MAX_SECONDS:
+        _unknown(r, FIXED_FIELDS + FIXED_NOTES, f"stages.{stage}.fixed[{i}]")
+        if not isinstance(key, str) or not _number(t) or not 0 <= t <= MAX_SECONDS:
             raise TableError(f"stages.{stage}.fixed[{i}]: key must be a string, seconds in [0, {MAX_SECONDS:g}], "
                              f"got {r!r}")
-        out[key] = t
+        if key in out:  # the second silently replaced the first
+            raise TableError(f"stages.{stage}.fixed[{i}]: a second entry for key {key!r} in stage {stage!r}")
+        out[key] = float(t)
     return out
 
 
-FIGURES = ("overhead_s", "step_cv")  # a stage's optional figures, each a number >= 0
+# A coefficient of variation of steps beyond this is not a measurement of steps: the lognormal
+# the simulator draws from keeps the mean, so its median falls to 1/sqrt(1 + cv^2) of the
+# figure (a tenth at 10; at 1e10 every step costs ~0 and a rare draw carries the whole mean).
+# Measured steps vary far less (bench sched's tables: under 0.3).
+MAX_STEP_CV = 10.0
 
 
 def table_figure(doc: Any, stage: str, name: str) -> float | None:
     """One of a stage's optional figures in a parsed table, as a run measured it over its trace
-    (None: not given): ``overhead_s``, seconds of decision and IPC per chunk; ``step_cv``, the
-    coefficient of variation of its steps and calls (their spread over their means)."""
+    (None: not given): ``overhead_s``, seconds of decision and IPC per chunk (0, or within a
+    row's bounds); ``step_cv``, the coefficient of variation of its steps and calls (their
+    spread over their means, at most ``MAX_STEP_CV``)."""
     t = _stage_entry(doc, stage).get(name)
     if t is None:
         return None
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
-        raise TableError(f"stages.{stage}.{name}: expected a number >= 0, got {t!r}")
+    if name == "step_cv":
+        ok, want = _number(t) and 0 <= t <= MAX_STEP_CV, f"a number in [0, {MAX_STEP_CV:g}]"
+    else:  # seconds: 0 (none) or what a row may say
+        ok = _number(t) and (t == 0 or MIN_SECONDS <= t <= MAX_SECONDS)
+        want = f"0 or a number in [{MIN_SECONDS:g}, {MAX_SECONDS:g}]"
+    if not ok:
+        raise TableError(f"stages.{stage}.{name}: expected {want}, got {t!r}")
     return float(t)
 
 

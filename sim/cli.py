@@ -19,10 +19,10 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from onepiece.argtypes import SEED, SHARE, count, non_negative, numbers, out_dir, positive
+from onepiece.argtypes import SEED, SHARE, between, count, non_negative, numbers, out_dir, positive
 from onepiece.bench.trace import Trace, TraceError, load_trace, summarize
 from onepiece.config import ConfigError, ElasticSpec, ProxySpec, Topology, Workflow, load_topology, load_workflow
-from onepiece.sched.costs import TableError
+from onepiece.sched.costs import MAX_STEP_CV, TableError
 from onepiece.sched.options import ScheduleSpec
 from onepiece.schema import checked, first_error
 from onepiece.sim import report
@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overhead-ms", type=non_negative(" ms"), default=OVERHEAD_S * 1000,
                    help="decision and IPC per chunk of steps (ms), at the stages whose cost table does not "
                         "say (a table from bench sched has each stage's, measured over its trace)")
-    p.add_argument("--step-cv", type=non_negative(), default=0.0,
+    p.add_argument("--step-cv", type=between(0, MAX_STEP_CV), default=0.0,
                    help="at the stages whose cost table has no step_cv: steps and calls vary around their "
                         "figures with this coefficient of variation (lognormal, mean kept; default 0: each costs "
                         "its figure)")

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from onepiece.bench.trace import Trace, TraceRequest
-from onepiece.config import ProxySpec, Topology, Workflow
+from onepiece.config import STEPPED_FUNCTIONS, ProxySpec, Topology, Workflow
 from onepiece.db.store import DEADLINE_GRACE_S
 from onepiece.nm.capacity import estimate
 from onepiece.proxy.admission import InflightTracker, admit
@@ -41,6 +41,7 @@ from onepiece.proxy.api import ProxyOptions
 from onepiece.proxy.errors import ApiError
 from onepiece.proxy.validation import VideoJob, build_job
 from onepiece.sched.core import Run, SchedCore
+from onepiece.sched.costs import MAX_STEP_CV
 from onepiece.sched.deadlines import reserve, stage_request
 from onepiece.sched.keys import at_dop, call_key, compat_key, shape_key
 from onepiece.sched.ranks import dops
@@ -135,8 +136,12 @@ class Simulation:
         ``step_cv``: at the stages whose table does not say (its ``step_cv``), each step or call
         costs its figure times a factor of mean 1 and this coefficient of variation (lognormal,
         drawn from ``seed``), as measured steps vary; 0: the figure itself."""
-        if not (math.isfinite(step_cv) and step_cv >= 0):
-            raise SimInputError(f"step_cv must be a finite number >= 0 (got {step_cv!r})")
+        if not 0 <= step_cv <= MAX_STEP_CV:  # (a CV past it collapses the steps' median: sched.costs)
+            raise SimInputError(f"step_cv must be a number in [0, {MAX_STEP_CV:g}] (got {step_cv!r})")
+        for stage in workflow.stages:  # the workflow says which stages step, not the table's keys
+            why = costs.wrong_kind(stage, workflow.function_of(stage) in STEPPED_FUNCTIONS)
+            if why:
+                raise SimInputError(why)
         self.wf, self.costs, self.hop_s, self.overhead_s = workflow, costs, hop_s, overhead_s
         self.step_cv, self._rng = step_cv, random.Random(seed)
         self.heartbeat_s = heartbeat_s

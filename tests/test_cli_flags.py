@@ -69,6 +69,9 @@ def test_every_bounded_flag_refuses_what_is_out_of_its_range(path, action):
      "--sets"),
     (["sim", "--trace", "t.json", "--costs", "c.json", "--workflow", "w.yaml", "--instances", "a=1", "--hop-ms", "-5"],
      "--hop-ms"),
+    # a lognormal's median collapses at such a CV: every step cost ~0
+    (["sim", "--trace", "t.json", "--costs", "c.json", "--workflow", "w.yaml", "--instances", "a=1", "--step-cv",
+      "1e10"], "--step-cv"),
     (["plan", "--workflow", "w.yaml", "--costs", "c.json", "--rate", "-1"], "--rate"),
     (["bench", "sched", "--loads", "0.5,x"], "--loads"),
     (["profile", "--batch", "100000"], "--batch"),

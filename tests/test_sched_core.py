@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from onepiece.sched.core import Drop, Part, Run, SchedCore
-from onepiece.sched.costs import CostModel, TableError, make_table, table_fixed, table_rows
+from onepiece.sched.costs import CostModel, TableError, make_table, table_figure, table_fixed, table_rows
 from onepiece.sched.keys import compat_key, volume
 from onepiece.sched.options import POLICIES, ScheduleSpec
 from onepiece.sched.policies import make_policy
@@ -497,6 +497,74 @@ def test_cost_tables_round_trip_and_bad_ones_are_refused() -> None:
                 {"version": 1, "stages": {"d": {"rows": [{"key": S, "batch": 1, "seconds": 1e9}]}}}):
         with pytest.raises(TableError):
             table_rows(bad)
+
+
+def _one(entry: dict | None = None, **row) -> dict:
+    """A table of one stage ``d``: one row (``row`` over a valid one) and ``entry``'s fields."""
+    return {"version": 1, "stages": {"d": {"rows": [{"key": S, "batch": 1, "seconds": 0.5, **row}], **(entry or {})}}}
+
+
+def test_a_second_row_for_one_key_and_batch_is_refused_not_left_to_replace_the_first() -> None:
+    doc = _one()
+    doc["stages"]["d"]["rows"].append({"key": S, "batch": 1, "seconds": 0.9})
+    with pytest.raises(TableError, match=r"stages.d.rows\[1\]: a second row for key '64x64x9/cfg/L64' at batch 1 "
+                                         r"in stage 'd'"):
+        table_rows(doc)
+    with pytest.raises(TableError, match=r"stages.d.fixed\[1\]: a second entry for key"):
+        table_fixed(_one({"fixed": [{"key": S, "seconds": 0.1}, {"key": S, "seconds": 0.2}]}), "d")
+    # one key in two stages is no duplicate (a whole table's rows merged: call keys recur)
+    two = {"version": 1, "stages": {"a": _one()["stages"]["d"], "b": _one(seconds=0.7)["stages"]["d"]}}
+    assert table_rows(two) == {S: {1: 0.7}}
+
+
+def test_a_batch_is_a_whole_number_not_truncated() -> None:
+    assert table_rows(_one(batch=2.0)) == {S: {2: 0.5}}  # a whole float is that integer
+    for bad in (1.5, 2.7, 0, -1, "2", None, True):  # int() made 1.5 batch 1, overwriting its figure
+        with pytest.raises(TableError, match=r"stages.d.rows\[0\].batch: expected an integer >= 1"):
+            table_rows(_one(batch=bad))
+
+
+def test_booleans_are_not_numbers_anywhere_in_a_table() -> None:
+    for doc in (_one(seconds=True), _one(batch=True), {"version": True, "stages": {}}, _one(seconds="0.5")):
+        with pytest.raises(TableError):  # (``true`` was read as 1 s, batch 1, version 1)
+            table_rows(doc)
+    with pytest.raises(TableError, match=r"stages.d.fixed\[0\]"):
+        table_fixed(_one({"fixed": [{"key": S, "seconds": True}]}), "d")
+    for name in ("overhead_s", "step_cv"):
+        with pytest.raises(TableError, match=rf"stages.d.{name}: expected"):
+            table_figure(_one({name: True}), "d", name)
+
+
+def test_unknown_fields_are_refused_naming_the_known_ones() -> None:
+    with pytest.raises(TableError, match=r"stages.d: unknown field\(s\) 'overhead' \(known: rows, fixed, "
+                                         r"overhead_s, step_cv\)"):
+        table_rows(_one({"overhead": 5}))
+    with pytest.raises(TableError, match=r"stages.d.rows\[0\]: unknown field\(s\) 'secs' \(known: key, batch, "
+                                         r"seconds, "):
+        table_rows(_one(secs=3))
+    with pytest.raises(TableError, match=r"stages.d.fixed\[0\]: unknown field\(s\) 'sec'"):
+        table_fixed(_one({"fixed": [{"key": S, "seconds": 0.1, "sec": 1}]}), "d")
+    with pytest.raises(TableError, match=r"'overhead_s' at the top level: a stage's field"):
+        table_rows({**_one(), "overhead_s": 0.002})
+    # what the writers put beside the figures, and free-form metadata at the top, still read
+    notes = _one(source="published", samples=5, stepped=True, dop=1)
+    assert table_rows({**notes, "device": "H100", "notes": ["batch 1 only"]}) == {S: {1: 0.5}}
+
+
+def test_a_stages_overhead_is_bounded_as_its_rows_are() -> None:
+    assert table_figure(_one({"overhead_s": 0}), "d", "overhead_s") == 0.0  # none
+    assert table_figure(_one({"overhead_s": 0.002}), "d", "overhead_s") == 0.002
+    for bad in (1e300, 86_401, 1e-9, -0.001):
+        with pytest.raises(TableError, match=r"stages.d.overhead_s: expected 0 or a number in \[1e-06, 86400\]"):
+            table_figure(_one({"overhead_s": bad}), "d", "overhead_s")
+
+
+def test_a_stages_step_cv_is_bounded() -> None:
+    """A CV of 1e10 priced every step at ~0 (a lognormal's median collapses as its mean is kept)."""
+    assert table_figure(_one({"step_cv": 10}), "d", "step_cv") == 10.0
+    for bad in (1e10, 10.5, -0.1):
+        with pytest.raises(TableError, match=r"stages.d.step_cv: expected a number in \[0, 10\]"):
+            table_figure(_one({"step_cv": bad}), "d", "step_cv")
 
 
 def test_the_model_keeps_sums_beside_its_medians_and_a_tables_per_request_costs() -> None:

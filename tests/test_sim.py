@@ -282,6 +282,37 @@ def test_steps_vary_as_a_run_measured_them_and_keep_their_mean():
         Simulation(WF, SET, table(), step_cv=-0.1)
 
 
+def test_a_step_cv_past_any_measured_spread_is_refused():
+    """At 1e10 a lognormal of mean 1 has a median of ~1e-10: every step cost ~0."""
+    Simulation(WF, SET, table(), step_cv=10)
+    for bad in (1e10, float("inf"), float("nan")):
+        with pytest.raises(SimInputError, match=r"step_cv must be a number in \[0, 10\]"):
+            Simulation(WF, SET, table(), step_cv=bad)
+
+
+def test_the_workflow_not_the_tables_keys_says_which_stages_step():
+    """Denoise rows keyed by call keys priced 10 denoising steps as one call; text_encode rows
+    keyed by step keys charged text encoding per step."""
+    with pytest.raises(SimInputError, match=r"t.json: stages.denoise_t2v: the workflow's stage steps, so its rows "
+                                            r"need step keys, not call keys \(step keys WxHxF/cfg\|nocfg/L<text "
+                                            r"length>, e.g. '64x64x9/cfg/L64'; call keys WxHxF, e.g. '64x64x9'\)"):
+        Simulation(WF, SET, table({S: {1: 0.02}}))
+    doc = {"version": 1, "stages": {s: {"rows": [{"key": k, "batch": b, "seconds": t} for k, row in rows.items()
+                                                  for b, t in row.items()]} for s, rows in table().rows.items()}}
+    doc["stages"]["text_encode"]["rows"] = [{"key": f"{S}/cfg/L64", "batch": 1, "seconds": 0.01}]
+    with pytest.raises(SimInputError, match=r"stages.text_encode: the workflow's stage is called once, so its rows "
+                                            r"need call keys, not step keys .*e.g. '64x64x9/cfg/L64'.*e.g. '64x64x9'"):
+        Simulation(WF, SET, CostTable(doc, "t.json"))
+
+
+def test_the_stepped_functions_the_simulator_knows_are_the_registrys():
+    from onepiece.config import STEPPED_FUNCTIONS
+    from onepiece.stage import registry
+
+    registry.is_stepped("denoise", "t2v")  # (loads the built-in functions)
+    assert {name for name, kind in registry._functions if registry.is_stepped(name, kind)} == STEPPED_FUNCTIONS
+
+
 def test_a_monitored_set_starts_measured_as_a_deployment_that_has_served_before():
     """bench sched warms its deployment up with every class before a trace, so the real NM
     knows each shape's service time at the first arrival; the simulated one must too. Two
