@@ -91,7 +91,8 @@ def fresh_version() -> int:
 
 
 class ClusterState:
-    def __init__(self, topology: Topology, workflow: Workflow, first_version: int = 1) -> None:
+    def __init__(self, topology: Topology, workflow: Workflow, first_version: int = 1,
+                 incarnation: str | None = None) -> None:
         self.topology, self.workflow = topology, workflow
         self.sets = {s.name: s for s in topology.sets}
         self.instances: dict[str, Instance] = {}
@@ -103,7 +104,8 @@ class ClusterState:
         # instance is unknown here and registers again. The start time in milliseconds differs
         # between incarnations where a random tag would collide now and then; the random byte
         # tells apart NMs started in the same ms.
-        self._incarnation = f"{time.time_ns() // 1_000_000:x}{secrets.token_hex(1)}"
+        # (A simulation names its own, so that a replay gives the same ids.)
+        self._incarnation = incarnation or f"{time.time_ns() // 1_000_000:x}{secrets.token_hex(1)}"
         self.events: list[str] = []  # recent decisions, shown by `onepiece status`
         self.dirty: set[str] = set()  # sets whose instance records changed since last saved
         # Per set, named stage instances that were moved: name -> the stage (None: idle pool) they

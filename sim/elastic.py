@@ -39,7 +39,7 @@ class Member:
 class SimElastic:
     def __init__(self, sim: "Simulation", topology: Topology, move_s: float, gpus: dict[str, int]) -> None:
         self.sim, self.move_s = sim, move_s
-        self.state = ClusterState(topology, sim.wf)
+        self.state = ClusterState(topology, sim.wf, incarnation="sim")  # no clock: a replay gives the same ids
         self.policy = Elastic(topology.nm.elastic, {s: spec.workers * gpus.get(s, 1) for s, spec in sim.wf.stages.items()})
         self.members: dict[str, Member] = {}
         self.moves: list[dict[str, Any]] = []  # what `onepiece sim` reports

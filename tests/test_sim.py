@@ -360,6 +360,10 @@ def test_the_nm_moves_an_idle_stage_s_instance_to_the_saturated_one():
     assert moves[0]["serving_at"] - moves[0]["at"] >= 3.0  # drained, then loaded
     assert len(sim.instances["set0"]["denoise_t2v"]) == 2 and len(sim.instances["set0"]["vae_decode"]) == 1
     assert all(r["outcome"] == "completed" for r in recs)
+    again = Simulation(WF, sets, table(), keep_chunks=False, elastic=topo, move_s=3.0)
+    again.load(tr)
+    again.run()
+    assert again.elastic.moves == moves  # the same, ids too: the simulated NM reads no clock
     static = Simulation(WF, sets, table(), keep_chunks=False)
     static.load(tr)
     mean = lambda rs: sum(r["latency_s"] for r in rs) / len(rs)  # noqa: E731

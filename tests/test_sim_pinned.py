@@ -116,7 +116,7 @@ def scenarios(n: int) -> Iterator[tuple[str, Workflow, dict[str, dict[str, int]]
 
 def figures(result: dict[str, Any], sim: Simulation) -> dict[str, Any]:
     """Everything a run computed; instance ids lose the NM's incarnation."""
-    moves = [{**m, "instance": re.sub(r"^stage-[0-9a-f]+-", "stage-", m["instance"])} for m in result["moves"]]
+    moves = [{**m, "instance": re.sub(r"^stage-(sim|[0-9a-f]+)-", "stage-", m["instance"])} for m in result["moves"]]
     cores = [[stage, vi.name, born, retired, vi.busy_s, asdict(vi.core.stats), list(vi.core.rejections)]
              for stage, vi, born, retired in sim.lifetimes]
     chunks = [[c.instance, c.worker, c.start, c.end, list(c.uids), c.steps] for c in sim.chunks]
