@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from onepiece.schema import Name, problem
 
@@ -44,7 +44,8 @@ STATUS_FIELDS = frozenset(
 )
 
 
-Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False, strict=False)]
+# A time since the epoch: bounded (year 2286), so that no peer can make a record live for ever.
+Seconds = Annotated[float, Field(ge=0, le=1e10, allow_inf_nan=False, strict=False)]
 
 
 class RecordSchema(BaseModel):
@@ -54,7 +55,7 @@ class RecordSchema(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    uid: StrictStr = Field(min_length=1, max_length=128)
+    uid: Name
     status: Literal["queued", "in_progress", "completed", "failed"]
     app: StrictStr | None = None
     set: StrictStr | None = None
@@ -177,6 +178,12 @@ class ReplicaMessage(BaseModel):
     kind: Literal["replica"]
     uid: Uid
     record: RecordSchema
+
+    @model_validator(mode="after")
+    def _one_uid(self) -> "ReplicaMessage":
+        if self.record.uid != self.uid:  # the header routes it, the record is stored: one request
+            raise ValueError(f"record.uid {self.record.uid!r} is not the message's uid {self.uid!r}")
+        return self
 
 
 class PurgeMessage(BaseModel):

@@ -24,6 +24,7 @@ import time
 from collections import OrderedDict, deque
 from typing import Any, Callable
 
+from onepiece.schema import is_name
 from onepiece.transport.message import Message
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,9 @@ class TrackingReceiver:
     def recv(self, timeout: float) -> Message | None:
         """The next message (None: none within ``timeout``, or one that was fenced and dropped)."""
         msg = self._inner.recv(timeout)
-        if msg is not None and isinstance(msg.header.get("uid"), str):
+        # Only a uid the stage will take (it drops the others): one it never hands on would be
+        # held for good, and poison every heartbeat's list.
+        if msg is not None and is_name(msg.header.get("uid")):
             if self._holdings.fenced(msg.header["uid"]):
                 # Sent before the NM declared us dead, and reported failed since: nobody waits for it.
                 log.info("uid=%s dropped on arrival: reported failed when this instance was declared dead",

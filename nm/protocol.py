@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from onepiece.schema import Name
 
-Address = Annotated[StrictStr, Field(max_length=512)]
+# scheme://rest (the scheme picks the transport, transport/registry.py): a member registered at
+# "not an address" made every sender to it raise.
+Address = Annotated[StrictStr, Field(max_length=512, pattern=r"^[A-Za-z][A-Za-z0-9+.-]*://\S+$")]
 Uid = Name
 # onepiece.deployment.FIELD; its format is checked where it is compared (deployment.refusal).
 DeploymentId = Annotated[StrictStr, Field(max_length=64)]

@@ -37,7 +37,7 @@ from onepiece.nm.elastic import Elastic, Move
 from onepiece.nm.liveness import Liveness, LivenessSpec
 from onepiece.nm.protocol import SCHEMAS, HeartbeatArgs, Holdings, InstanceArgs, MoveArgs, RegisterArgs, SetArgs
 from onepiece.nm.reaper import MAX_UIDS, Reaper
-from onepiece.schema import problem as problem_of
+from onepiece.schema import is_name, problem as problem_of
 from onepiece.nm.state import ClusterState, Instance, fresh_version
 from onepiece.supervise import stop_on_signals
 from onepiece.transport.rpc import RpcServer
@@ -251,6 +251,11 @@ class NodeManager:
             return {"fenced": fence.reply()}
         stats = dict(req.stats)
         holding = stats.pop("holding", None)  # kept apart: status shows only its length
+        if isinstance(holding, list) and not all(map(is_name, holding)):
+            # One bad entry must not cost the others: they are what the NM fails if the instance dies.
+            log_dropped(log, f"nm at {self.rpc.address}", "holding entry", "heartbeat of %s: %d bad uid(s) "
+                        "dropped from its holding", req.instance, sum(not is_name(u) for u in holding))
+            holding = [u for u in holding if is_name(u)]
         if holding is not None and (problem := problem_of(Holdings, {"holding": holding}, "stats")) is not None:
             log_dropped(log, f"nm at {self.rpc.address}", f"holding {problem}", "heartbeat of %s: holding dropped: %s",
                         req.instance, problem)

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, Field, StrictStr, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
-# A uid or a name in any message: a non-empty string, bounded (what every role's schemas share).
-Name = Annotated[StrictStr, Field(min_length=1, max_length=128)]
+# A uid or a name in any message: a non-empty string, bounded, with no control characters (a
+# newline in a uid split log lines) (what every role's schemas share).
+MAX_NAME = 128
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+Name = Annotated[StrictStr, Field(min_length=1, max_length=MAX_NAME, pattern=r"^[^\x00-\x1f\x7f]+$")]
+
+
+def is_name(value: Any) -> bool:
+    """Whether ``value`` is a ``Name`` (checked without pydantic: on every message's path)."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_NAME and not _CONTROL.search(value)
 
 
 def checked(model: type[M], value: Any, prefix: str = "") -> M:

@@ -242,7 +242,10 @@ class ResultDeliver:
             self._prune(routes)
         sender = self.senders.get(addr)
         if sender is None:
-            sender = self.senders[addr] = registry.connect(addr)
+            try:
+                sender = self.senders[addr] = registry.connect(addr)
+            except (ValueError, OSError) as e:  # a route to nowhere fails this send, not the deliverer
+                raise TransportError(f"cannot connect to {addr!r}: {e}") from None
         return sender
 
     def _prune(self, routes: dict[str, Any]) -> None:

@@ -39,7 +39,7 @@ from onepiece.sched.costs import CostModel
 from onepiece.sched.deadlines import stage_request
 from onepiece.sched.keys import at_dop, call_key, compat_key, shape_key
 from onepiece.sched.policy import Request
-from onepiece.schema import checked
+from onepiece.schema import checked, is_name
 from onepiece.stage.reports import REPORTS, Admitted, Failed, Idle, Progress, Ready
 from onepiece.stage.service_times import ServiceTimes
 from onepiece.stage.stats import SchedulerStats
@@ -196,7 +196,7 @@ class RequestScheduler:
             uid, app = msg.header.get("uid"), msg.header.get("app")
             why = f"malformed request at stage {self.stage}: {e}"
             receiver = f"stage {self.stage} at {self.receiver.address}"
-            if isinstance(uid, str) and 0 < len(uid) <= 128:  # a uid the DB takes: the client learns why
+            if is_name(uid):  # a uid the DB takes: the client learns why
                 log_dropped(log, receiver, str(e), "uid=%s failed at %s: %s (sent by %s)", uid, self.stage, why,
                             msg.sender or "?")
                 self._fail(uid, app if isinstance(app, str) else "", why, logged=True)

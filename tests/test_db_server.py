@@ -316,6 +316,11 @@ def test_malformed_data_and_rpc_are_dropped_with_a_log_line(start_dbs, caplog) -
         # Stored, this one broke every later expiry sweep and so the DB's loop.
         send(db.server.data_address, {"uid": "u5", "kind": "replica",
                                       "record": {"uid": "u5", "status": "queued", "expires_at": "x"}})
+        # A peer is trusted no further: one request per message, and no record that lives for ever.
+        send(db.server.data_address, {"uid": "u6", "kind": "replica",
+                                      "record": {"uid": "u7", "status": "completed"}})
+        send(db.server.data_address, {"uid": "u8", "kind": "replica",
+                                      "record": {"uid": "u8", "status": "queued", "expires_at": 1e300}})
         dealer.send_multipart([b"", b"not json"])
         dealer.send_multipart([b"", b"[1, 2]"])
         dealer.send_multipart([b"only-one-frame"])
@@ -337,17 +342,18 @@ def test_malformed_data_and_rpc_are_dropped_with_a_log_line(start_dbs, caplog) -
             rpc.close()
         assert not dealer.poll(100)  # malformed requests got no reply
         # Each socket is its own connection: wait until every bad message has been seen.
-        wait_for(lambda: db.server.counts["malformed"] == 5 and db.server.receiver.rejected == 2
+        wait_for(lambda: db.server.counts["malformed"] == 7 and db.server.receiver.rejected == 2
                  and "dropped malformed request" in caplog.text, what="all malformed input seen")
     finally:
         push.close()
         dealer.close()
     text = caplog.text
     assert "dropped malformed message" in text  # transport-level rejects
-    for u in ("u1", "u2", "u3", "u4", "u5"):
+    for u in ("u1", "u2", "u3", "u4", "u5", "u6", "u8"):
         assert f"uid={u} dropped a malformed" in text  # one line naming the field and the sender
     assert "'status' message from 127.0.0.1: status.progress:" in text
-    assert "expires_at" in text
+    assert "expires_at" in text and "record.uid 'u7' is not the message's uid 'u6'" in text
+    assert get_from(db, "u7") is None and get_from(db, "u8") is None
     # Three sweeps past the bad replica (each replaces the server's snapshot): still serving.
     seen = [db.server.snapshot]
     wait_for(lambda: (s := db.server.snapshot) is not seen[-1] and seen.append(s) is None and len(seen) > 3,

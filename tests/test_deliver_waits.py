@@ -102,3 +102,42 @@ def test_the_requests_waiting_for_a_route_are_bounded(running, monkeypatch):
     rec = wait_for(lambda: (r := record(third)) and r["status"] == "failed" and r, 5, "the third failed")
     assert "2 requests already wait for one" in rec["error"]
     assert d.waiting == 2 and sorted(holdings.snapshot()) == sorted(first)
+
+
+def test_a_route_that_cannot_be_reached_fails_the_send_not_the_deliverer(running):
+    """An address with a scheme no transport has (the NM refuses one without any): the send
+    fails over to the next instance, and alone it fails the request with the reason."""
+    routes, holdings, d, send, record, _ = running
+    receiver = registry.listen("tcp://127.0.0.1:0")
+    try:
+        routes["stages"]["denoise_t2v"] = ["nope://somewhere", receiver.address]
+        routes["version"] = 2
+        uids = [send(), send()]  # round-robin: one of them is tried at the bad one first
+        got = {wait_for(lambda: receiver.recv(0.1), 5, "a request at the next stage").uid for _ in uids}
+        assert got == set(uids)
+        routes["stages"]["denoise_t2v"], routes["version"] = ["nope://somewhere"], 3
+        alone = send()
+        rec = wait_for(lambda: (r := record(alone)) and r["status"] == "failed" and r, 5, "it failed")
+        assert "cannot connect to 'nope://somewhere'" in rec["error"], rec
+        assert holdings.snapshot() == []
+    finally:
+        receiver.close()
+
+
+def test_only_a_uid_the_stage_takes_is_held():
+    """A message whose uid no DB takes is dropped by the stage: held, it would stay for good."""
+    from onepiece.nm.holdings import TrackingReceiver
+
+    holdings = Holdings()
+    receiver = TrackingReceiver(registry.listen("tcp://127.0.0.1:0"), holdings)
+    sender = registry.connect(receiver.address)
+    try:
+        good = new_uid()
+        for uid in ("x" * 129, "bad\nuid", good):
+            sender.send(Message({"uid": uid, "kind": "task"}), timeout=5)
+        for _ in range(3):
+            assert wait_for(lambda: receiver.recv(0.1), 5, "a message") is not None
+        assert holdings.snapshot() == [good]
+    finally:
+        sender.close()
+        receiver.close()

@@ -347,7 +347,8 @@ def test_a_real_nm_refills_a_stage_that_lost_its_last_instance_from_the_idle_poo
 def test_bad_moves_get_clear_errors_and_the_nm_keeps_serving(nm):
     client = NmClient(nm.address)
     try:
-        m = Membership(nm.address, "db", "set0", {"data": "tcp://127.0.0.1:9401", "control": "c", "events": "e"})
+        m = Membership(nm.address, "db", "set0", {"data": "tcp://127.0.0.1:9401", "control": "tcp://127.0.0.1:9402",
+                                                      "events": "tcp://127.0.0.1:9403"})
         m.register()
         for args, match in (({"instance": "stage-99", "stage": "vae_decode"}, "no stage instance 'stage-99'"),
                             ({"instance": m.id, "stage": "vae_decode"}, f"no stage instance '{m.id}'"),

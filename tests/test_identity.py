@@ -130,7 +130,7 @@ def test_a_restarted_nm_knows_every_instance_under_the_id_it_had(topology):
     pins = ["text_encode", "denoise_t2v", "vae_decode", "denoise_i2v"]
     members = [Membership(address, "stage", "set0", {"data": f"tcp://127.0.0.1:{9400 + i}"}, stage=s,
                           name=f"set0-{s}0") for i, s in enumerate(pins)]
-    unnamed = Membership(address, "db", "set0", {"data": "tcp://127.0.0.1:9500", "control": "c", "events": "e"})
+    unnamed = Membership(address, "db", "set0", {"data": "tcp://127.0.0.1:9500", "control": "tcp://127.0.0.1:9501", "events": "tcp://127.0.0.1:9502"})
     assigned: dict[int, list] = {i: [] for i in range(len(members))}
     try:
         for i, m in enumerate(members):

@@ -49,13 +49,15 @@ def test_register_reply_carries_workflow_and_pin(nm):
     assert reply["stage"] == "vae_decode"
     assert set(reply["workflow"]["applications"]) == {"t2v", "i2v"}
     with pytest.raises(RpcError, match="unknown stage"):
-        Membership(nm.address, "stage", "set0", {"data": "x"}, stage="nope").register(timeout=1)
+        Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:1"}, stage="nope").register(timeout=1)
+    with pytest.raises(RpcError, match=r"addresses.data: String should match pattern"):  # no scheme://: no sender
+        Membership(nm.address, "stage", "set0", {"data": "not an address"}, stage="vae_decode").register(timeout=1)
     with pytest.raises(RpcError, match="unknown set"):
-        Membership(nm.address, "proxy", "set9", {"http": "x"}).register(timeout=1)
+        Membership(nm.address, "proxy", "set9", {"http": "http://127.0.0.1:1"}).register(timeout=1)
     # an instance that leaves out an address its peers need is refused, and the set's
     # route table stays intact for everyone else
     with pytest.raises(RpcError, match="a db must register its control, events address"):
-        Membership(nm.address, "db", "set0", {"data": "x"}).register(timeout=1)
+        Membership(nm.address, "db", "set0", {"data": "tcp://127.0.0.1:1"}).register(timeout=1)
     client = NmClient(nm.address)
     assert client.routes("set0")["stages"]["vae_decode"] == []
     client.close()
@@ -92,7 +94,7 @@ def test_a_restarted_instance_returns_where_it_was_moved(nm):
             client.call("deregister", instance=m.id, key=KEY)
         assert len(nm.state.moved["set0"]) == nm_state.MAX_MOVED_NAMES and "set0-vae_decode0" not in nm.state.moved["set0"]
         with pytest.raises(RpcError, match=r"register.name: Input should be a valid string"):
-            client.call("register", role="stage", set="set0", addresses={"data": "x"}, name=7)
+            client.call("register", role="stage", set="set0", addresses={"data": "tcp://127.0.0.1:1"}, name=7)
     finally:
         client.close()
 
@@ -101,7 +103,7 @@ def test_only_ready_live_instances_are_routed(nm):
     ready = {"v": False}
     stage = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9200"}, stage="denoise_t2v",
                        ready=lambda: ready["v"])
-    db = Membership(nm.address, "db", "set0", {"data": "tcp://127.0.0.1:9201", "control": "c", "events": "e"})
+    db = Membership(nm.address, "db", "set0", {"data": "tcp://127.0.0.1:9201", "control": "tcp://127.0.0.1:9202", "events": "tcp://127.0.0.1:9203"})
     proxy = Membership(nm.address, "proxy", "set0", {"http": "http://127.0.0.1:8123"})
     for m in (stage, db, proxy):
         m.register()
@@ -128,7 +130,7 @@ def test_only_ready_live_instances_are_routed(nm):
 
 
 def test_nm_forgetting_an_instance_makes_it_register_again(nm):
-    m = Membership(nm.address, "db", "set0", {"data": "tcp://127.0.0.1:9300", "control": "c", "events": "e"})
+    m = Membership(nm.address, "db", "set0", {"data": "tcp://127.0.0.1:9300", "control": "tcp://127.0.0.1:9301", "events": "tcp://127.0.0.1:9302"})
     m.register()
     first = m.id
     nm.state.deregister(first, "test forgets it")
@@ -241,3 +243,21 @@ def test_only_the_primary_exports_the_cluster_state(nm):
     nm.primary = False  # as nm/ha.py's backups are
     assert names() == {"onepiece_nm_primary"}
     assert next(iter(NmMetrics(nm).collect())).samples[0].value == 0
+
+
+def test_a_bad_uid_in_a_holding_list_costs_only_itself(nm):
+    """What a dead instance held is what the NM fails for it: a uid no DB takes (too long, a
+    newline) must not make the NM drop the whole list."""
+    from onepiece.nm.protocol import Holdings
+    from onepiece.schema import problem
+
+    assert "should match pattern" in problem(Holdings, {"holding": ["bad\nuid"]})  # a Name has no control characters
+    good = ["a" * 32, "b" * 32]
+    m = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9700"}, stage="vae_decode",
+                   stats=lambda: {"holding": [good[0], "x" * 129, "bad\nuid", good[1]]})
+    m.register()
+    m.start()
+    try:
+        wait_for(lambda: nm.state.instances[m.id].holding == good, what="the good uids held")
+    finally:
+        m.stop()
