@@ -96,6 +96,22 @@ PARALLEL_FUNCTIONS = frozenset({"denoise"})
 # what the simulator prices per step, knowing it without importing the functions (torch).
 STEPPED_FUNCTIONS = frozenset({"denoise"})
 
+# The stage functions (stage/registry.py, a test keeps the two in step): per function, the
+# application kinds it serves and the components it uses, so that a workflow naming another
+# function, a component it lacks, or its stages out of order is refused before anything starts
+# (each started, crash-looped its workers, and `onepiece up` waited out its ready timeout).
+FUNCTIONS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "text_encode": (frozenset({"t2v", "i2v"}), frozenset({"text_encoder", "tokenizer"})),
+    "image_encode": (frozenset({"i2v"}), frozenset({"image_encoder", "image_processor"})),
+    "vae_encode": (frozenset({"i2v"}), frozenset({"vae"})),
+    "denoise": (frozenset({"t2v", "i2v"}), frozenset({"transformer", "scheduler"})),
+    "vae_decode": (frozenset({"t2v", "i2v"}), frozenset({"vae"})),
+}
+# What an application of a kind runs, by function: its encoders in any order, then denoise and
+# vae_decode (each function reads what the ones before it added to the message).
+PIPELINES = {"t2v": frozenset({"text_encode"}), "i2v": frozenset({"text_encode", "image_encode", "vae_encode"})}
+LAST = ("denoise", "vae_decode")
+
 MAX_GUIDANCE = 100.0
 MAX_IMAGE_PIXELS = 4096 * 4096  # an input image's decoded size (48 MiB as RGB), at the proxy and at every stage
 MAX_SEED = 2**32 - 1  # what numpy and torch generators both accept
@@ -124,6 +140,25 @@ class AppSpec(_Strict):
     stages: list[str] = Field(min_length=1)
     defaults: Defaults = Defaults()
     limits: Limits = Limits()
+
+    @model_validator(mode="after")
+    def _defaults_fit(self) -> "AppSpec":
+        """A request that leaves a field out gets the default: one the proxy would refuse blames
+        the client for the YAML (``'size' 1024x64 exceeds the limit``)."""
+        d, lim = self.defaults, self.limits
+        for field, v, ok, want in (
+                ("width", d.width, d.width % 16 == 0 and d.width <= lim.max_width, f"a multiple of 16 <= {lim.max_width}"),
+                ("height", d.height, d.height % 16 == 0 and d.height <= lim.max_height,
+                 f"a multiple of 16 <= {lim.max_height}"),
+                ("num_frames", d.num_frames, d.num_frames <= lim.max_frames, f"<= limits.max_frames {lim.max_frames}"),
+                ("steps", d.steps, d.steps <= lim.max_steps, f"<= limits.max_steps {lim.max_steps}"),
+                ("guidance", d.guidance, d.guidance <= MAX_GUIDANCE, f"<= {MAX_GUIDANCE:g}"),
+                ("negative_prompt", len(d.negative_prompt), len(d.negative_prompt) <= lim.max_prompt_chars,
+                 f"at most limits.max_prompt_chars {lim.max_prompt_chars} characters")):
+            if not ok:
+                raise ValueError(f"defaults.{field}: {v!r} is what a request without it would ask for, and it "
+                                 f"must be {want}")
+        return self
 
     def check_params(self, params: Any) -> JobParams:
         """``params`` checked against their schema and this application's limits, so that a
@@ -175,6 +210,14 @@ class Workflow(_Strict):
         for name, st in self.stages.items():
             if st.model not in self.models:
                 raise ValueError(f"stages.{name}.model: unknown model {st.model!r} (known: {sorted(self.models)})")
+            fn = self.function_of(name)
+            if fn not in FUNCTIONS:
+                raise ValueError(f"stages.{name}.function: unknown stage function {fn!r} (known: {sorted(FUNCTIONS)})"
+                                 + ("" if st.function else f"; a stage named {name!r} needs its function: set"))
+            lacking = FUNCTIONS[fn][1] - set(st.components)
+            if lacking:
+                raise ValueError(f"stages.{name}.components: function {fn!r} needs {sorted(FUNCTIONS[fn][1])}, "
+                                 f"lacks {sorted(lacking)}")
             if st.mode == "collaboration" and self.function_of(name) not in PARALLEL_FUNCTIONS:
                 raise ValueError(f"stages.{name}.mode: collaboration needs a stage function that steps in parallel "
                                  f"({', '.join(sorted(PARALLEL_FUNCTIONS))}), not {self.function_of(name)!r}")
@@ -186,6 +229,17 @@ class Workflow(_Strict):
                 if app not in ("t2v", "i2v"):
                     raise ValueError(f"applications.{app}.kind: expected 't2v' or 'i2v' for an app named {app!r}")
                 spec.kind = app  # type: ignore[assignment]
+            if len(set(spec.stages)) < len(spec.stages):  # next_stage would send a request round for ever
+                raise ValueError(f"applications.{app}.stages: a stage is listed twice ({spec.stages})")
+            fns = [self.function_of(st) for st in spec.stages]
+            for st, fn in zip(spec.stages, fns):
+                if spec.kind not in FUNCTIONS[fn][0]:
+                    raise ValueError(f"applications.{app}.stages: stage {st!r} runs {fn!r}, which serves "
+                                     f"{sorted(FUNCTIONS[fn][0])}, not {spec.kind}")
+            if set(fns[:-2]) != PIPELINES[spec.kind] or tuple(fns[-2:]) != LAST or len(fns) != len(set(fns)):
+                raise ValueError(f"applications.{app}.stages: a {spec.kind} application runs "
+                                 f"{' and '.join(sorted(PIPELINES[spec.kind]))} (any order), then denoise, then "
+                                 f"vae_decode, each once; its stages run {fns}")
         return self
 
     def function_of(self, stage: str) -> str:
@@ -263,6 +317,8 @@ class NmSpec(_Strict):
     def _address(cls, v: str) -> str:
         from onepiece.transport.registry import ZMQ_SCHEMES, checked
 
+        if re.match(r"^tcp://.*:0+$", v):  # every member is told this address: it must be the one bound
+            raise ValueError(f"{v!r}: the node manager needs a fixed port (every member is pointed at it), not 0")
         return checked(v, ZMQ_SCHEMES)
 
     @field_validator("zk")
@@ -381,6 +437,13 @@ class SetSpec(_Strict):
                 raise ValueError(f"{k}: expected an instance count between 0 and 64, got {n!r}")
         return v
 
+    @model_validator(mode="after")
+    def _something(self) -> "SetSpec":
+        if not any(self.stages.values()) and not self.idle:  # `up` said it served, and it refused every create
+            raise ValueError(f"set {self.name!r} starts no instance: give its stages counts (or idle instances "
+                             f"for the node manager to assign)")
+        return self
+
     def min_of(self, stage: str) -> int:
         return self.min.get(stage, 1 if self.stages.get(stage, 0) > 0 else 0)
 
@@ -452,9 +515,24 @@ def _read_yaml(path: Path) -> object:
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeys)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """safe_load, refusing a key given twice in one mapping (YAML takes the last, silently:
+    ``denoise_t2v: 1`` then ``denoise_t2v: 0`` started none)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 _SECRET_KEYS = {"zk_auth"}

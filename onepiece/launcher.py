@@ -84,8 +84,6 @@ class Deployment:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"the log folder {self.log_dir}: cannot be made: {e.strerror}") from None
-        # ipc socket paths must stay short (108 bytes), so the runtime folder lives in /tmp.
-        self.runtime = Path(tempfile.mkdtemp(prefix="onepiece-", dir=runtime_dir))
         self.children: list[Child] = []
         self.nm_addresses = self.topo.nm.addresses()
         self.nm_address = ",".join(self.nm_addresses)  # every role finds the primary among them
@@ -93,7 +91,13 @@ class Deployment:
         self.nm_count = len(self.nm_addresses)
         # Every process of this run carries it; the NM refuses members of another deployment.
         self.deployment = self.topo.deployment or deployment.new_id()
-        self.curve_keys = self._curve_keys()
+        # ipc socket paths must stay short (108 bytes), so the runtime folder lives in /tmp.
+        self.runtime = Path(tempfile.mkdtemp(prefix="onepiece-", dir=runtime_dir))
+        try:
+            self.curve_keys = self._curve_keys()
+        except BaseException:  # refused: nothing of this run is left behind
+            shutil.rmtree(self.runtime, ignore_errors=True)
+            raise
         self.curve_dir = None if self.curve_keys is None else self.curve_keys.folder
 
     def _curve_keys(self) -> curve.CurveKeys | None:

@@ -68,6 +68,23 @@ SCHED = "schedule: {policy: slo, max_batch: 4}"  # the shipped denoise stages' l
          "stages.denoise_t2v.schedule.chunk_stepz: Extra inputs are not permitted"),
         (lambda t: t.replace(SCHED, "schedule: {costs: no-such-table.json}", 1), "stages.denoise_t2v.schedule.costs:"),
         (lambda t: "just a string\n", "(top level)"),
+        # what only showed at run time (workers crash-looping while `up` waited out its timeout)
+        (lambda t: t.replace("function: denoise\n    model: wan-t2v", "function: frobnicate\n    model: wan-t2v", 1),
+         "stages.denoise_t2v.function: unknown stage function 'frobnicate'"),
+        (lambda t: t.replace("components: [transformer, scheduler]", "components: [transformer, flux]", 1),
+         "stages.denoise_t2v.components: function 'denoise' needs ['scheduler', 'transformer'], lacks ['scheduler']"),
+        (lambda t: t.replace("stages: [text_encode, denoise_t2v, vae_decode]",
+                             "stages: [text_encode, denoise_t2v, text_encode, vae_decode]"),
+         "applications.t2v.stages: a stage is listed twice"),
+        (lambda t: t.replace("stages: [text_encode, denoise_t2v, vae_decode]", "stages: [denoise_t2v, text_encode, vae_decode]"),
+         "applications.t2v.stages: a t2v application runs text_encode (any order), then denoise, then vae_decode"),
+        (lambda t: t.replace("stages: [text_encode, denoise_t2v, vae_decode]", "stages: [text_encode, denoise_t2v, vae_encode]"),
+         "stage 'vae_encode' runs 'vae_encode', which serves ['i2v'], not t2v"),
+        (lambda t: t.replace("defaults: {width: 64,", "defaults: {width: 1024,", 1),
+         "applications.t2v: defaults.width: 1024 is what a request without it would ask for"),
+        (lambda t: t.replace("defaults: {width: 64,", "defaults: {width: 60,", 1), "must be a multiple of 16"),
+        (lambda t: t.replace("  vae_decode:\n    model: wan-t2v\n", "  vae_decode:\n    model: wan-t2v\n    model: wan-i2v\n", 1),
+         "key 'model' is given twice"),
     ],
 )
 def test_bad_workflow_names_file_key_and_expectation(tmp_path, mutate, expected):
@@ -108,16 +125,17 @@ def test_cli_reports_config_errors_and_bad_flags(tmp_path):
 @pytest.mark.parametrize(
     "sets, expected",
     [
-        ("  - {name: a, stages: {}}\n  - {name: a, stages: {}}\n", r"sets\.1\.name: set name 'a' is already used by sets\.0"),
-        ("  - {name: a, proxy: {port: 8000, count: 2}, stages: {}}\n  - {name: b, proxy: {port: 8001}, stages: {}}\n",
+        ("  - {name: a, stages: {vae_decode: 1}}\n  - {name: a, stages: {vae_decode: 1}}\n", r"sets\.1\.name: set name 'a' is already used by sets\.0"),
+        ("  - {name: a, proxy: {port: 8000, count: 2}, stages: {vae_decode: 1}}\n  - {name: b, proxy: {port: 8001}, stages: {vae_decode: 1}}\n",
          r"sets\.b\.proxy\.port: proxy port 8001 \(ports 8001-8001\) is also taken by set 'a'"),
-        ("  - {name: a, stages: {}}\n  - {name: b, stages: {}}\n",  # both on the default port 8000
+        ("  - {name: a, stages: {vae_decode: 1}}\n  - {name: b, stages: {vae_decode: 1}}\n",  # both on the default port 8000
          r"sets\.b\.proxy\.port: proxy port 8000"),
-        ("  - {name: a, proxy: {port: 65535, count: 2}, stages: {}}\n", r"sets\.a\.proxy\.port: 2 proxies from port 65535"),
-        ("  - {name: a, proxy: {port: 7699, count: 2}, stages: {}}\n",  # the default nm.address: tcp://127.0.0.1:7700
+        ("  - {name: a, proxy: {port: 65535, count: 2}, stages: {vae_decode: 1}}\n", r"sets\.a\.proxy\.port: 2 proxies from port 65535"),
+        ("  - {name: a, proxy: {port: 7699, count: 2}, stages: {vae_decode: 1}}\n",  # the default nm.address: tcp://127.0.0.1:7700
          r"sets\.a\.proxy\.port: proxy port 7700 \(ports 7699-7700\) is the node manager's \(tcp://127\.0\.0\.1:7700\)"),
-        ("  - {name: 'a/b', stages: {}}\n", r"sets\.0\.name: String should match pattern"),
-        ("  - {name: a, db: {replication: 0}, stages: {}}\n", r"sets\.0\.db\.replication: Input should be greater than 0"),
+        ("  - {name: 'a/b', stages: {vae_decode: 1}}\n", r"sets\.0\.name: String should match pattern"),
+        ("  - {name: a, db: {replication: 0}, stages: {vae_decode: 1}}\n", r"sets\.0\.db\.replication: Input should be greater than 0"),
+        ("  - {name: a, stages: {vae_decode: 0}}\n", r"sets\.0: set 'a' starts no instance"),
     ],
 )
 def test_bad_sets_name_the_key(tmp_path, sets, expected):
@@ -130,10 +148,10 @@ def test_bad_sets_name_the_key(tmp_path, sets, expected):
 def test_several_sets_with_ports_apart_or_any_free_port_load(tmp_path):
     write(tmp_path, GOOD)
     path = write(tmp_path, "workflow: wf.yaml\nsets:\n"
-                 "  - {name: a, proxy: {port: 8000, count: 2}, db: {count: 1, replication: 3}, stages: {}}\n"
-                 "  - {name: b, proxy: {port: 8002}, stages: {}}\n"
-                 "  - {name: c, proxy: {port: 0, count: 3}, stages: {}}\n"
-                 "  - {name: d, proxy: {port: 0}, stages: {}}\n", "topo.yaml")
+                 "  - {name: a, proxy: {port: 8000, count: 2}, db: {count: 1, replication: 3}, stages: {vae_decode: 1}}\n"
+                 "  - {name: b, proxy: {port: 8002}, stages: {vae_decode: 1}}\n"
+                 "  - {name: c, proxy: {port: 0, count: 3}, stages: {vae_decode: 1}}\n"
+                 "  - {name: d, proxy: {port: 0}, stages: {vae_decode: 1}}\n", "topo.yaml")
     topo, _, _ = load_topology(path)
     assert [s.name for s in topo.sets] == ["a", "b", "c", "d"]
     assert topo.sets[0].db.replication == 3 and topo.sets[1].db.replication == 2  # capped at count when run
@@ -212,3 +230,21 @@ def test_a_set_serves_the_applications_it_is_laid_out_for():
     assert SetSpec(stages={**t2v, "denoise_t2v": 0}, min={"denoise_t2v": 1}).serves(wf) == ["t2v"]  # kept by a minimum
     assert sorted(SetSpec(stages={s: 1 for s in wf.stages}).serves(wf)) == sorted(wf.applications)
     assert sorted(SetSpec(stages={}, idle=3).serves(wf)) == sorted(wf.applications)  # the NM lays it out
+
+
+def test_the_node_manager_needs_a_fixed_port(tmp_path):
+    write(tmp_path, GOOD)
+    path = write(tmp_path, "workflow: wf.yaml\nnm: {address: 'tcp://127.0.0.1:0'}\nsets:\n  - {stages: {vae_decode: 1}}\n",
+                 "topo.yaml")
+    with pytest.raises(ConfigError, match="nm.address: .*needs a fixed port"):
+        load_topology(path)
+
+
+def test_the_functions_the_config_knows_are_the_registrys():
+    """What a workflow may name (onepiece/config.py FUNCTIONS, known without importing torch) is
+    what stage/registry.py runs, for the same application kinds."""
+    from onepiece.config import FUNCTIONS
+    from onepiece.stage import registry
+
+    registry.lookup("denoise", "t2v")  # (loads the built-in functions)
+    assert {(name, kind) for name, (kinds, _) in FUNCTIONS.items() for kind in kinds} == set(registry._functions)

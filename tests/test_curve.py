@@ -113,6 +113,24 @@ def test_unusable_key_folders_are_refused_by_name(tmp_path):
         curve.load(folder)
 
 
+def test_a_deployment_refused_for_its_keys_leaves_nothing_behind(tmp_path):
+    import yaml
+
+    from onepiece.config import ConfigError, deploy_dir
+    from onepiece.launcher import Deployment
+
+    folder = curve.make(tmp_path / "k")
+    os.chmod(folder / curve.SECRET, 0o644)  # readable by others: refused
+    topo = yaml.safe_load((deploy_dir() / "local.yaml").read_text())
+    topo.update(workflow=str(deploy_dir() / "wan21.yaml"), auth="curve", curve_dir=str(folder))
+    (tmp_path / "topo.yaml").write_text(yaml.safe_dump(topo))
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(ConfigError, match="chmod 600"):
+        Deployment(tmp_path / "topo.yaml", tmp_path / "logs", runtime_dir=run)
+    assert not list(run.iterdir())  # no runtime folder left
+
+
 def test_a_role_beyond_loopback_without_keys_does_not_start(tmp_path):
     """Refused before it binds, with a message saying how to make keys."""
     env = {k: v for k, v in os.environ.items() if k != curve.ENV}

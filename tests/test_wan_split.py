@@ -291,8 +291,10 @@ def test_build_is_deterministic_and_ensure_models_builds_only_missing(tiny_model
             "wan-i2v": {"path": "sub/i2v", "tiny": "i2v"},
             "real": {"path": "no/such/dir"},  # no `tiny`: never built
         },
-        "stages": {"s": {"model": "wan-t2v", "components": ["vae"]}},
-        "applications": {"t2v": {"stages": ["s"]}},
+        "stages": {"text_encode": {"model": "wan-t2v", "components": ["text_encoder", "tokenizer"]},
+                   "denoise": {"model": "wan-t2v", "components": ["transformer", "scheduler"]},
+                   "vae_decode": {"model": "wan-t2v", "components": ["vae"]}},
+        "applications": {"t2v": {"stages": ["text_encode", "denoise", "vae_decode"]}},
     })
     built = ensure_models(wf, tmp_path)
     assert built == [tmp_path / "sub" / "i2v"] and is_built(built[0])
