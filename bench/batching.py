@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from onepiece.argtypes import count, numbers, positive
-from onepiece.bench.common import PROMPT, cpu_name, model_dirs, parse_shape, percentile
+from onepiece.bench.common import PROMPT, cpu_name, model_dirs, parse_shape, percentile, shape_flag
 from onepiece.bench.overload import SET, Target, _run_async
 from onepiece.bench.sched import Session, _body, log, session_arguments
 from onepiece.bench.trace import poisson_trace, replay
@@ -37,10 +37,11 @@ TARGETS = {"throughput_ratio_min": 1.5}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=numbers(count()), default="1,2,4,8", help="max_batch values, 1 first (default %(default)s)")
-    p.add_argument("--shape", default="64x64x9:50", help="every request's WxHxFRAMES:STEPS (default %(default)s)")
+    p.add_argument("--shape", type=shape_flag, default="64x64x9:50", help="every request's WxHxFRAMES:STEPS (default %(default)s)")
     p.add_argument("--requests", type=count(), default=40, help="requests per trace (default %(default)s)")
     p.add_argument("--saturate", type=positive(), default=3.0, help="the saturating load, x C1 (default %(default)s)")
-    p.add_argument("--calibrate", type=count(), default=16, help="closed-loop requests measuring C1")
+    # closed_loop skips the pipeline's filling and needs two completions after it: 3 at least
+    p.add_argument("--calibrate", type=count(3), default=16, help="closed-loop requests measuring C1, at least 3")
     session_arguments(p, request_timeout=300.0, out="batching.json, .md and the traces")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 from pathlib import Path
 
@@ -27,13 +28,76 @@ def model_dirs(base: Path | None, profile: str) -> dict[str, Path]:
 
 
 def parse_shape(item: str) -> tuple[int, int, int, int]:
-    """``WxHxFRAMES:STEPS`` -> (w, h, frames, steps)."""
+    """``WxHxFRAMES:STEPS`` -> (w, h, frames, steps), checked as the proxy checks a request
+    (proxy/validation.py) against the shipped workflows' limits: a shape no deployment serves is
+    refused as the flag is read, not after one started (ArgumentTypeError, for argparse)."""
+    from onepiece.config import Limits
+
+    lim = Limits()  # wan21.yaml and wan21-scale.yaml, what the benchmarks deploy, keep these defaults
     try:
         size, steps = item.split(":")
         w, h, f = (int(x) for x in size.lower().split("x"))
-        return w, h, f, int(steps)
+        s = int(steps)
     except ValueError:
-        raise SystemExit(f"bad shape {item!r}: expected WxHxFRAMES:STEPS, e.g. 64x64x9:10") from None
+        raise argparse.ArgumentTypeError(f"bad shape {item!r}: expected WxHxFRAMES:STEPS, e.g. 64x64x9:10") from None
+    if not (0 < w <= lim.max_width and 0 < h <= lim.max_height) or w % 16 or h % 16:
+        raise argparse.ArgumentTypeError(f"bad shape {item!r}: width and height must be multiples of 16 from 16 "
+                                         f"to {lim.max_width}x{lim.max_height}")
+    if not 1 <= f <= lim.max_frames or (f - 1) % 4:
+        raise argparse.ArgumentTypeError(f"bad shape {item!r}: frames must be 4k+1 (1, 5, 9, ...) up to "
+                                         f"{lim.max_frames}")
+    if not 1 <= s <= lim.max_steps:
+        raise argparse.ArgumentTypeError(f"bad shape {item!r}: steps must be between 1 and {lim.max_steps}")
+    return w, h, f, s
+
+
+def shape_flag(value: str) -> str:
+    """An argparse type: one ``WxHxFRAMES:STEPS`` (``parse_shape``), kept as written (the results
+    name it so)."""
+    parse_shape(value)
+    return value
+
+
+def shapes_flag(value: str) -> str:
+    """An argparse type: comma-separated ``WxHxFRAMES:STEPS``, each checked; kept as written."""
+    for item in value.split(","):
+        parse_shape(item.strip())
+    return value
+
+
+# torch's thread pools: `bench shares --threads 100000` crashed it (a segfault), and no machine
+# the benchmarks run on has more cores than this.
+MAX_THREADS = 1024
+# The largest video a shipped workflow serves (deploy/wan21-real.yaml's limits): a benchmark's
+# videos stay within it (`bench mp4 --shapes 100000x100000x1` asked for 149 GiB of frames).
+MAX_VIDEO = (1280, 1280, 81)
+
+
+class VideoShapes:
+    """An argparse type: comma-separated ``WxHxFRAMES`` -> [(w, h, frames)], width and height
+    multiples of ``multiple`` and frames 4k+1 where ``requests`` (as a request's: what a cost
+    row prices), all within ``MAX_VIDEO``."""
+
+    def __init__(self, multiple: int = 16, requests: bool = True) -> None:
+        self.multiple, self.requests = multiple, requests
+        self.__name__ = "list"
+
+    def __call__(self, value: str) -> list[tuple[int, int, int]]:
+        mw, mh, mf = MAX_VIDEO
+        out = []
+        for item in value.split(","):
+            try:
+                w, h, f = (int(x) for x in item.lower().split("x"))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"bad shape {item!r}: expected WxHxFRAMES, e.g. 64x64x9") from None
+            if not (0 < w <= mw and 0 < h <= mh) or w % self.multiple or h % self.multiple:
+                raise argparse.ArgumentTypeError(f"bad shape {item!r}: width and height must be multiples of "
+                                                 f"{self.multiple} up to {mw}x{mh}")
+            if not 1 <= f <= mf or (self.requests and (f - 1) % 4):
+                raise argparse.ArgumentTypeError(f"bad shape {item!r}: frames must be "
+                                                 f"{'4k+1 (1, 5, 9, ...) ' if self.requests else ''}from 1 to {mf}")
+            out.append((w, h, f))
+        return out
 
 
 def percentile(xs: list[float], q: float) -> float | None:

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from onepiece.argtypes import count, positive
-from onepiece.bench.common import cpu_name, tiny_models
+from onepiece.argtypes import count, out_dir, positive
+from onepiece.bench.common import cpu_name, shape_flag, tiny_models
 
 WARMUP = 15
 
@@ -31,9 +31,9 @@ WARMUP = 15
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=count(), default=40, help="requests measured, one after another (default 40)")
     p.add_argument("--idle-s", type=positive(" seconds"), default=5.0, help="seconds measured at idle (default 5)")
-    p.add_argument("--size", default="64x64x9:10", help="WxHxFRAMES:STEPS of every request (default %(default)s)")
+    p.add_argument("--size", type=shape_flag, default="64x64x9:10", help="WxHxFRAMES:STEPS of every request (default %(default)s)")
     p.add_argument("--models", help="folder for the tiny models (default: a temporary one)")
-    p.add_argument("--out", default="bench/results", help="folder for cpu.json and cpu.md")
+    p.add_argument("--out", type=out_dir, default="bench/results", help="folder for cpu.json and cpu.md")
 
 
 def role_of(cmdline: list[str]) -> str:

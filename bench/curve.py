@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from onepiece.argtypes import count, numbers
+from onepiece.argtypes import count, numbers, out_dir
 from onepiece.bench.common import cpu_name
 from onepiece.bench.transport import size_label
 from onepiece.transport import curve
@@ -37,11 +37,12 @@ LATENCY_SAMPLES = 200  # per mode and round, of the smallest size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", type=numbers(count()), default=DEFAULT_SIZES, help="message sizes in bytes, comma-separated")
+    # at most 1 GiB a message (bench transport's MAX_SIZE): 99999999999 was a MemoryError
+    p.add_argument("--sizes", type=numbers(count(1, 1 << 30)), default=DEFAULT_SIZES, help="message sizes in bytes, comma-separated")
     p.add_argument("--rounds", type=count(), default=7, help="rounds; each measures both modes at every size")
     p.add_argument("--bytes-per-batch", type=count(), default=256 * MB,
                    help="bytes sent per measurement (at least 16 messages, at most 20,000)")
-    p.add_argument("--out", default="bench/results", help="folder for curve.json and curve.md")
+    p.add_argument("--out", type=out_dir, default="bench/results", help="folder for curve.json and curve.md")
 
 
 def _receiver(keys_folder: str | None, conn) -> None:

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from onepiece.argtypes import SEED, count, numbers, positive
+from onepiece.argtypes import SEED, count, numbers, out_dir, positive
 from onepiece.bench.common import cpu_name
 from onepiece.bench.trace import parse_classes, parse_floats, poisson_trace
 from onepiece.config import ProxySpec, deploy_dir, load_workflow
@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--static-policies", default="edf,srtf",
                    help="DoP-blind policies for static DoP, each a baseline (default %(default)s)")
     p.add_argument("--seed", type=SEED, default=0)
-    p.add_argument("--out", default="bench/results", help="folder for dop.json and dop.md")
+    p.add_argument("--out", type=out_dir, default="bench/results", help="folder for dop.json and dop.md")
 
 
 def _workflow(policy: str, ranks: int, costs: CostTable, classes: dict[str, Any]) -> Any:
@@ -72,6 +72,34 @@ def _workflow(policy: str, ranks: int, costs: CostTable, classes: dict[str, Any]
     lim = wf.applications["t2v"].limits
     lim.max_width = lim.max_height = max(max(int(x) for x in c["size"].split("x")) for c in classes.values())
     return wf
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """Why the flags cannot run, naming the flag (cli.py's cmd_bench refuses it before any
+    simulation), or None: a class or a group DoP the cost table has no row for was a KeyError
+    or a SimInputError traceback, a fleet that is no multiple of a group refused after others ran."""
+    try:
+        costs = CostTable.load(args.costs)
+    except TableError as e:
+        return f"argument --costs: {e}"
+    try:
+        classes = parse_classes(args.classes)
+        for flag in ("--mix", "--alpha"):
+            parse_floats(getattr(args, flag[2:]), len(classes), flag)
+    except SystemExit as e:  # what they say names no flag
+        return f"argument --classes/--mix/--alpha: {e}"
+    known = sorted(costs.rows.get("denoise_t2v", {}))
+    for flag, sizes in (("--classes", [GROUP]), ("--groups", args.groups)):
+        for size in sizes:
+            for c, v in classes.items():
+                for d in dops(size):
+                    key = at_dop(f"{v['size']}x{v['num_frames']}/cfg/L512", d)
+                    if key not in known:
+                        return (f"argument {flag}: {c}={v['size']}x{v['num_frames']} at DoP {d} (groups of {size}): "
+                                f"{args.costs} has no denoise_t2v row {key!r} (it has {', '.join(known)})")
+    if bad := [g for g in args.gpus if g % GROUP]:
+        return f"argument --gpus: {bad[0]} is no multiple of {GROUP} (the static DoPs' group)"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,6 +154,15 @@ def _att(s: dict[str, Any]) -> float:
     return s.get("attainment") or 0.0
 
 
+def _pct(s: dict[str, Any]) -> str:
+    # a class the trace drew no request of has no attainment: "—", not 0.0% (none missed)
+    return f"{s['attainment']:.1%}" if s.get("n") and s.get("attainment") is not None else "—"
+
+
+def _mean(s: dict[str, Any]) -> str:
+    return f"{s['mean_s']:.1f}" if s.get("n") and s.get("mean_s") is not None else "—"
+
+
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (fleet, load): the best static and the best elastic configuration by attainment."""
     out = []
@@ -151,10 +188,9 @@ def markdown(r: dict[str, Any]) -> str:
              "|---|---|---|---|" + "---|" * (2 * len(names) + 1)]
     for row in r["rows"]:
         s = row["summary"]
-        lines.append(f"| {row['gpus']} | {row['load']} | {row['config']} | {_att(s['all']):.1%} | "
-                     + " | ".join(f"{_att(s.get(c, {})):.1%}" for c in names)
-                     + f" | {s['all'].get('mean_s') or 0:.1f} | "
-                     + " | ".join(f"{s.get(c, {}).get('mean_s') or 0:.1f}" for c in names) + " |")
+        lines.append(f"| {row['gpus']} | {row['load']} | {row['config']} | {_pct(s['all'])} | "
+                     + " | ".join(_pct(s.get(c, {})) for c in names)
+                     + f" | {_mean(s['all'])} | " + " | ".join(_mean(s.get(c, {})) for c in names) + " |")
     lines += ["", "Target: the best elastic policy beats the best static DoP on overall SLO attainment at every "
               "load.", "", "| GPUs | load | best static | attainment | best elastic | attainment | met |",
               "|---|---|---|---|---|---|---|"]

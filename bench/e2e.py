@@ -36,8 +36,9 @@ from typing import Any
 
 import zmq
 
-from onepiece.argtypes import count, torch_device
-from onepiece.bench.common import PROMPT, T2V_STAGES, cpu_name, parse_shape, tiny_models
+from onepiece.argtypes import count, out_dir, torch_device
+from onepiece.bench.common import (MAX_THREADS, PROMPT, T2V_STAGES, cpu_name, parse_shape, shapes_flag,
+                                   tiny_models)
 from onepiece.stage.threads import TRIALS
 from onepiece.transport import curve
 
@@ -49,14 +50,14 @@ WARMUP = 1 + 2 * TRIALS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cases", default=DEFAULT_CASES, help="comma-separated WxHxFRAMES:STEPS")
+    p.add_argument("--cases", type=shapes_flag, default=DEFAULT_CASES, help="comma-separated WxHxFRAMES:STEPS")
     p.add_argument("--requests", type=count(), default=20, help="measured requests per case (after the warm-up rounds)")
     p.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
     p.add_argument("--device", default="cpu", type=torch_device, help="torch device of every stage and of the monolithic pipeline (cpu, cuda)")
-    p.add_argument("--threads", type=count(0), default=0,
+    p.add_argument("--threads", type=count(0, MAX_THREADS), default=0,
                    help="torch threads of every stage worker (default 0: the workflow's own, 1 or all cores per shape)")
     p.add_argument("--models", help="folder for the tiny models (default: a temporary one)")
-    p.add_argument("--out", default="bench/results", help="folder for e2e.json and e2e.md")
+    p.add_argument("--out", type=out_dir, default="bench/results", help="folder for e2e.json and e2e.md")
 
 
 def _cases(spec: str) -> list[tuple[int, int, int, int]]:

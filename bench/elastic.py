@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from onepiece.argtypes import SHARE, count, positive
-from onepiece.bench.common import PROMPT, parse_shape, percentile, tiny_models
+from onepiece.argtypes import SHARE, count, out_dir, positive
+from onepiece.bench.common import PROMPT, parse_shape, percentile, shape_flag, tiny_models
 
 STAGES = {"text_encode": 1, "denoise_t2v": 1, "vae_decode": 2}
 
@@ -48,11 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=SHARE, default=0.85, help="utilization that counts as saturated")
     p.add_argument("--heartbeat", type=positive(" seconds"), default=0.25, help="instances' heartbeat period, seconds")
     p.add_argument("--clients", type=count(), default=4, help="closed-loop clients")
-    p.add_argument("--shape", default="32x32x5:100", help="the load's requests, WxHxFRAMES:STEPS")
+    p.add_argument("--shape", type=shape_flag, default="32x32x5:100", help="the load's requests, WxHxFRAMES:STEPS")
     p.add_argument("--round-timeout", type=positive(" seconds"), default=120.0, help="bound on one round, seconds")
     p.add_argument("--models", help="folder for the tiny models (default: a temporary one)")
     p.add_argument("--logs", help="keep the deployment's logs in this folder (default: dropped with the run)")
-    p.add_argument("--out", default="bench/results", help="folder for elastic.json and elastic.md")
+    p.add_argument("--out", type=out_dir, default="bench/results", help="folder for elastic.json and elastic.md")
 
 
 def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, window_s: float,

@@ -41,8 +41,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from onepiece.argtypes import between, count, positive
-from onepiece.bench.common import T2V_STAGES, parse_shape, percentile, tiny_models
+from onepiece.argtypes import between, count, out_dir, positive
+from onepiece.bench.common import (MAX_THREADS, T2V_STAGES, parse_shape, percentile, shape_flag,
+                                   tiny_models)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,13 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session", type=between(1, 600, " seconds"), default=2.0, help="ZooKeeper session timeout, seconds")
     p.add_argument("--heartbeat", type=positive(" seconds"), default=0.25, help="instances' heartbeat period, seconds")
     p.add_argument("--load", type=count(0), default=2, help="clients sending requests back to back (0: no load)")
-    p.add_argument("--shape", default="32x32x5:2", help="the load's requests, WxHxFRAMES:STEPS")
-    p.add_argument("--threads", type=count(0), default=1,
+    p.add_argument("--shape", type=shape_flag, default="32x32x5:2", help="the load's requests, WxHxFRAMES:STEPS")
+    p.add_argument("--threads", type=count(0, MAX_THREADS), default=1,
                    help="torch threads of every stage worker (0: the workflow's own, 1 or all cores per shape)")
     p.add_argument("--zk", help="use this ZooKeeper (host:port,...) instead of starting three servers")
     p.add_argument("--models", help="folder for the tiny models (default: a temporary one)")
     p.add_argument("--logs", help="keep the deployment's logs in this folder (default: dropped with the run)")
-    p.add_argument("--out", default="bench/results", help="folder for failover.json and failover.md")
+    p.add_argument("--out", type=out_dir, default="bench/results", help="folder for failover.json and failover.md")
 
 
 def _zk_harness():

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from onepiece.argtypes import count, non_negative, numbers, positive
+from onepiece.argtypes import count, non_negative, numbers, out_dir, positive
 from onepiece.bench.trace import Trace, parse_classes, poisson_trace
 from onepiece.config import ElasticSpec, Topology, Workflow, deploy_dir, load_workflow
 from onepiece.sim.costs import CostTable
@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle", type=count(0), default=2, help="instances in the idle pool (default 2)")
     p.add_argument("--requests", type=count(), default=3000, help="requests per simulation (default %(default)s)")
     p.add_argument("--move-s", type=non_negative(" seconds"), default=60.0, help="seconds a move takes to load models (default 60)")
-    p.add_argument("--out", default="bench/results", help="folder for moves.json and moves.md")
+    p.add_argument("--out", type=out_dir, default="bench/results", help="folder for moves.json and moves.md")
 
 
 def one(wf: Workflow, costs: CostTable, trace: Trace, elastic: ElasticSpec, args: argparse.Namespace) -> dict[str, Any]:

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from onepiece.argtypes import count
-from onepiece.bench.common import cpu_name
+from onepiece.argtypes import count, out_dir
+from onepiece.bench.common import VideoShapes, cpu_name
 
 # None: the stage's own settings (X264_OPTIONS), read when the benchmark runs: every `onepiece`
 # command builds its parser from this module, and the stage functions would load torch for it.
@@ -37,22 +37,11 @@ SHAPES = "256x256x17,832x480x81"  # bench e2e's larger case; Wan2.1 480p, 5 s at
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shapes", default=SHAPES, help="WxHxFRAMES, comma-separated (default %(default)s)")
+    # even sides: what yuv420p takes (x264's 4:2:0)
+    p.add_argument("--shapes", type=VideoShapes(2, requests=False), default=SHAPES,
+                   help="WxHxFRAMES, comma-separated (default %(default)s)")
     p.add_argument("--repeats", type=count(), default=3, help="runs per shape and setting, the median kept (default 3)")
-    p.add_argument("--out", default="bench/results", help="folder for mp4.json and mp4.md")
-
-
-def _shapes(spec: str) -> list[tuple[int, int, int]]:
-    out = []
-    for item in spec.split(","):
-        try:
-            w, h, f = (int(x) for x in item.lower().split("x"))
-        except ValueError:
-            raise SystemExit(f"--shapes: bad shape {item!r}: expected WxHxFRAMES, e.g. 256x256x17") from None
-        if w <= 0 or h <= 0 or f <= 0 or w % 2 or h % 2:
-            raise SystemExit(f"--shapes: {item!r} needs positive frames and an even width and height")
-        out.append((w, h, f))
-    return out
+    p.add_argument("--out", type=out_dir, default="bench/results", help="folder for mp4.json and mp4.md")
 
 
 def synthetic(w: int, h: int, frames: int, seed: int = 0) -> np.ndarray:
@@ -94,7 +83,7 @@ def measure(frames: np.ndarray, options: dict[str, str] | None, repeats: int) ->
 def run(args: argparse.Namespace) -> int:
     from onepiece.stage.wan.functions import X264_OPTIONS, stream_mp4
 
-    shapes = _shapes(args.shapes)
+    shapes = args.shapes
     stream_mp4([synthetic(16, 16, 1)], 16)  # loads PyAV and x264 once, outside every timing
     rows = []
     for w, h, f in shapes:

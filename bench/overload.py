@@ -66,8 +66,9 @@ from typing import Any
 
 import orjson
 
-from onepiece.argtypes import SEED, count, non_negative, numbers, positive, torch_device
-from onepiece.bench.common import PROMPT, T2V_STAGES, cpu_name, parse_shape, percentile, tiny_models
+from onepiece.argtypes import SEED, count, non_negative, numbers, out_dir, positive, torch_device
+from onepiece.bench.common import (MAX_THREADS, PROMPT, T2V_STAGES, cpu_name, parse_shape, percentile,
+                                   shape_flag, tiny_models)
 from onepiece.bench.trace import stage_spans
 from onepiece.transport import curve
 
@@ -91,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests at the 1x level; level x sends round(x*N), at least 1 (default %(default)s)")
     p.add_argument("--max-duration", type=positive(" seconds"), default=20.0,
                    help="bound on a level's arrival window in seconds; later arrivals are not sent (default %(default)s)")
-    p.add_argument("--shape", default=DEFAULT_SHAPE, help="request WxHxFRAMES:STEPS (default %(default)s)")
+    p.add_argument("--shape", type=shape_flag, default=DEFAULT_SHAPE, help="request WxHxFRAMES:STEPS (default %(default)s)")
     p.add_argument("--runs", default="on,off", help="monitor on, off, or both in that order (default %(default)s)")
     p.add_argument("--capacity", type=positive(" requests/s"), help="base rate C of the 1x level in requests/s (default: measured)")
     p.add_argument("--capacity-source", choices=["nm", "closed-loop"], default="nm",
@@ -108,7 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pause", type=non_negative(" seconds"), default=2.0, help="rest between levels, after the set drained (s)")
     p.add_argument("--max-inflight", type=count(), default=1000,
                    help="the proxy's in-flight bound, high so that only the monitor admits (default %(default)s)")
-    p.add_argument("--threads", type=count(0), default=1,
+    p.add_argument("--threads", type=count(0, MAX_THREADS), default=1,
                    help="torch threads of every stage worker (0: the workflow's own, 1 or all cores per shape). 1 keeps the "
                         "three stage workers from oversubscribing a small machine's cores (default %(default)s)")
     p.add_argument("--heartbeat", type=positive(" seconds"), default=0.5, help="NM heartbeat (s)")
@@ -117,7 +118,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=SEED, default=0, help="seed of the arrival times")
     p.add_argument("--models", help="folder for the tiny models (default: a temporary one)")
     p.add_argument("--logs", help="keep the deployments' logs here (default: a temporary folder)")
-    p.add_argument("--out", default="bench/results", help="folder for overload.json, .md and .png")
+    p.add_argument("--out", type=out_dir, default="bench/results", help="folder for overload.json, .md and .png")
 
 
 def monitor_switch() -> bool:
@@ -672,6 +673,16 @@ def plot(rows: list[dict[str, Any]], slo: float | None, path: Path, title: str) 
 
 
 # --- the command ----------------------------------------------------------------------------------
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """Flags bad together (cli.py's cmd_bench refuses them before any work), or None."""
+    # warm_up's closed-loop throughput skips the pipeline's filling and needs two completions
+    # after it: fewer than 3 warm-up requests measure none, and a closed-loop C has nothing to be.
+    if args.capacity is None and args.capacity_source == "closed-loop" and args.warmup < 3:
+        return (f"argument --warmup: {args.warmup} warm-up requests measure no closed-loop throughput; "
+                "--capacity-source closed-loop needs --warmup 3 or more (or give --capacity)")
+    return None
+
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

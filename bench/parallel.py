@@ -28,22 +28,25 @@ from typing import Any
 
 import orjson
 
-from onepiece.argtypes import count, numbers, torch_device
-from onepiece.bench.common import cpu_name, model_dirs
+from onepiece.argtypes import count, numbers, out_dir, torch_device
+from onepiece.bench.common import VideoShapes, cpu_name, model_dirs
+
+MAX_DOP = 8
 
 TEXT_LEN = 64  # the workflow's default max_sequence_length
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shapes", default="64x64x9,128x128x17,192x192x17",
+    p.add_argument("--shapes", type=VideoShapes(), default="64x64x9,128x128x17,192x192x17",
                    help="WxHxFRAMES per request, comma-separated (default %(default)s: bench sched's S, M, L)")
-    p.add_argument("--dops", type=numbers(count()), help="degrees of parallelism (default: 1, 2, and 4 where the machine has "
+    # one rank a process (a GPU each with cuda): a collaboration group is 2, 4 or 8 at most
+    p.add_argument("--dops", type=numbers(count(1, MAX_DOP)), help="degrees of parallelism (default: 1, 2, and 4 where the machine has "
                                               "4 cores or GPUs)")
     p.add_argument("--steps", type=count(), default=6, help="timed steps per point, after 2 untimed (default 6)")
     p.add_argument("--device", default="cpu", type=torch_device, help="cpu or cuda (one GPU per rank)")
     p.add_argument("--model", type=Path, default=None, help="a Wan2.1 T2V pipeline folder (default: the scale "
                                                             "models, built where missing)")
-    p.add_argument("--out", default="bench/results", help="folder for parallel.json and parallel.md")
+    p.add_argument("--out", type=out_dir, default="bench/results", help="folder for parallel.json and parallel.md")
 
 
 def _dops(args: argparse.Namespace) -> list[int]:
@@ -68,7 +71,7 @@ def _world(config: dict[str, Any], size: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
+    shapes = args.shapes
     dops = _dops(args)
     model_dir = args.model or model_dirs(None, "scale")["t2v"]
     base = {"model_dir": str(model_dir), "device": args.device, "shapes": shapes, "steps": args.steps}
@@ -101,13 +104,15 @@ def markdown(r: dict[str, Any]) -> str:
     dops = r["dops"]
     lines = [f"`onepiece bench parallel` — {r['when']}, {r['cpu']}, {r['cores']} cores, device {r['device']}, "
              f"{r['threads_per_rank']} torch thread per rank, {r['steps']} timed steps per point, transformer of `{Path(r['model']).name}`.",
-             "", "| shape | CFG | tokens | " + " | ".join(f"DoP {d} ms" for d in dops) + " | "
-             + " | ".join(f"speedup {d}" for d in dops[1:]) + " |",
-             "|---|---|---|" + "---|" * (2 * len(dops) - 1)]
+             ""]
+    # Rows built as lists of cells: with DoP 1 alone (no speedup column) a joined "" left an
+    # empty header cell that the delimiter row lacked.
+    head = ["shape", "CFG", "tokens", *(f"DoP {d} ms" for d in dops), *(f"speedup {d}" for d in dops[1:])]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in r["rows"]:
-        lines.append(f"| {row['shape']} | {'on' if row['cfg'] else 'off'} | {row['tokens']} | "
-                     + " | ".join(f"{row['step_ms'][d]:.1f}" for d in dops) + " | "
-                     + " | ".join(f"{row['speedup'][d]:.2f}×" for d in dops[1:]) + " |")
+        cells = [row["shape"], "on" if row["cfg"] else "off", row["tokens"], *(f"{row['step_ms'][d]:.1f}" for d in dops),
+                 *(f"{row['speedup'][d]:.2f}×" for d in dops[1:])]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     o = r["overhead"]
     if o:
         lines += ["", "In a world of 2:", "",

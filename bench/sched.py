@@ -49,8 +49,8 @@ from typing import Any
 
 import orjson
 
-from onepiece.argtypes import SEED, count, non_negative, numbers, positive, torch_device
-from onepiece.bench.common import PROMPT, T2V_STAGES, cpu_name, model_dirs
+from onepiece.argtypes import SEED, count, non_negative, numbers, out_dir, positive, torch_device
+from onepiece.bench.common import MAX_THREADS, PROMPT, T2V_STAGES, cpu_name, model_dirs
 from onepiece.bench.overload import SET, Target, _run_async
 from onepiece.bench.trace import Trace, load_trace, parse_classes, parse_floats, poisson_trace, replay, summarize
 
@@ -90,12 +90,12 @@ def session_arguments(p: argparse.ArgumentParser, request_timeout: float, out: s
     p.add_argument("--request-timeout", type=positive(" seconds"), default=request_timeout,
                    help="seconds a request is awaited at most (default %(default)s)")
     p.add_argument("--profile", choices=["tiny", "scale"], default="scale", help="model profile (default scale)")
-    p.add_argument("--threads", type=count(), default=1, help="torch threads per stage worker")
+    p.add_argument("--threads", type=count(1, MAX_THREADS), default=1, help="torch threads per stage worker")
     p.add_argument("--device", default="cpu", type=torch_device, help="torch device of every stage (cpu, cuda)")
     p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--models", help="folder for the models (default: ~/.cache/onepiece/models)")
     p.add_argument("--logs", help="keep the deployments' logs here")
-    p.add_argument("--out", default="bench/results", help=f"folder for {out}")
+    p.add_argument("--out", type=out_dir, default="bench/results", help=f"folder for {out}")
 
 
 def log(msg: str) -> None:
@@ -313,17 +313,21 @@ def check_targets(rows: dict[str, dict[str, dict]], top: str, classes: list[str]
     if "fcfs" not in at or len(at) < 2:
         return {}
     fcfs = at["fcfs"]["all"]
-    best = max((p for p in at if p != "fcfs"), key=lambda p: (at[p]["all"]["attainment"], -at[p]["all"]["mean_s"]))
+    best = max((p for p in at if p != "fcfs"),
+               key=lambda p: (at[p]["all"]["attainment"] or 0.0, -(at[p]["all"]["mean_s"] or math.inf)))
     b = at[best]["all"]
     large = classes[-1]
     out = {"best": best, "load": top}
-    out["mean_ratio"] = {"value": b["mean_s"] / fcfs["mean_s"], "target": f"≤ {TARGETS['mean_ratio_max']}",
-                         "met": b["mean_s"] / fcfs["mean_s"] <= TARGETS["mean_ratio_max"]}
+    mean_ratio = b["mean_s"] / fcfs["mean_s"] if b["mean_s"] is not None and fcfs["mean_s"] else None
+    out["mean_ratio"] = {"value": mean_ratio, "target": f"≤ {TARGETS['mean_ratio_max']}",
+                         "met": mean_ratio is not None and mean_ratio <= TARGETS["mean_ratio_max"]}
     out["attainment"] = {"value": b["attainment"], "target": f"≥ {TARGETS['attainment_min']:.0%}",
                          "met": b["attainment"] >= TARGETS["attainment_min"]}
-    ratio = b["attainment"] / fcfs["attainment"] if fcfs["attainment"] else float("inf")
+    # fcfs meeting no SLO leaves no ratio: None (JSON null, "n/a"), never met; an inf was written
+    # as `Infinity` (not JSON) and called the target met at 0% against 0%.
+    ratio = b["attainment"] / fcfs["attainment"] if fcfs["attainment"] else None
     out["attainment_ratio"] = {"value": ratio, "target": f"≥ {TARGETS['attainment_ratio_min']}",
-                               "met": ratio >= TARGETS["attainment_ratio_min"]}
+                               "met": ratio is not None and ratio >= TARGETS["attainment_ratio_min"]}
     lc = at[best].get(large, {})
     out["large_completed"] = {"value": f"{lc.get('completed', 0)}/{lc.get('n', 0)}", "target": "all",
                               "met": lc.get("completed") == lc.get("n")}
@@ -417,6 +421,61 @@ def plot(rows: dict[str, dict[str, dict]], path: Path, title: str) -> None:
 
 
 # --- the command ----------------------------------------------------------------------------------
+def check_args(args: argparse.Namespace) -> str | None:
+    """Why the classes or the trace cannot be run, naming the flag (cli.py's cmd_bench refuses it
+    before any deployment starts), or None. A request the deployment answers with a 400 (an
+    application it does not deploy, a size beyond its limits) was counted as neither completed,
+    failed nor refused, and a trace class without ``slo_s`` failed after the whole run: each
+    request is checked as the proxy checks it (``build_job``, as the simulator does)."""
+    from onepiece.bench.trace import TraceError
+    from onepiece.config import deploy_dir, load_workflow
+    from onepiece.proxy.errors import ApiError
+    from onepiece.proxy.validation import build_job
+
+    wf = load_workflow(deploy_dir() / "wan21.yaml")  # the workflow write_topology deploys, T2V_STAGES only
+    served = sorted(a for a, spec in wf.applications.items() if set(spec.stages) <= set(T2V_STAGES))
+
+    def unserved(body: dict[str, Any]) -> str | None:
+        if body["model"] not in served:
+            return f"application {body['model']!r} is not deployed by this benchmark (only {', '.join(served)})"
+        try:
+            build_job(wf, body, None)
+        except ApiError as e:
+            return e.message
+        return None
+
+    if args.trace:
+        try:
+            trace = load_trace(args.trace)
+        except TraceError as e:
+            return f"argument --trace: {e}"
+        if lacking := sorted(c for c, v in trace.classes.items() if v.slo_s is None):
+            return f"argument --trace: {args.trace}: classes {', '.join(lacking)} have no slo_s (attainment is judged on it)"
+        seen: set[bytes] = set()
+        for i, r in enumerate(trace.requests):
+            body = r.body(PROMPT)
+            key = orjson.dumps({k: v for k, v in body.items() if k not in ("prompt", "seed")})
+            if key not in seen and (why := unserved(body)):
+                return f"argument --trace: {args.trace}: requests[{i}] (class {r.cls}): {why}"
+            seen.add(key)
+        return None
+    try:
+        classes = parse_classes(args.classes)
+    except SystemExit as e:  # what it says names the class, not the flag
+        return f"argument --classes: {e}"
+    for name, c in classes.items():
+        body = {"prompt": PROMPT, "model": c.get("app", "t2v"), "size": c["size"], "num_frames": c["num_frames"],
+                "steps": c["steps"]}
+        if why := unserved(body):
+            return f"argument --classes: class {name} ({c['size']}x{c['num_frames']}:{c['steps']}): {why}"
+    for flag in ("--mix", "--alpha"):
+        try:
+            parse_floats(getattr(args, flag[2:]), len(classes), flag)
+        except SystemExit as e:
+            return f"argument {flag}: {e}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -536,7 +595,7 @@ def report(outdir: Path, args: argparse.Namespace, t_start: float, classes: dict
                "| target | value | wanted | met |", "|---|---|---|---|"]
         for k in ("mean_ratio", "attainment", "attainment_ratio", "large_completed"):
             v = targets[k]
-            val = v["value"] if isinstance(v["value"], str) else f"{v['value']:.3f}"
+            val = v["value"] if isinstance(v["value"], str) else "n/a" if v["value"] is None else f"{v['value']:.3f}"
             md.append(f"| {k.replace('_', ' ')} | {val} | {v['target']} | {'yes' if v['met'] else 'NO'} |")
         if targets.get("order_bound") is not None:
             md += ["", f"What an order alone can do on the {targets['load']} trace (`order_bound`): preemptive "

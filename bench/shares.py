@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from onepiece.argtypes import count, numbers, torch_device
+from onepiece.argtypes import count, numbers, out_dir, torch_device
+from onepiece.bench.common import MAX_THREADS, VideoShapes
 
 SIZES = ("tiny", "scale", "wan2.1")  # stage/wan/tiny.py's PROFILES and REAL
 
@@ -34,25 +35,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--app", choices=["t2v", "i2v"], default="t2v", help="the application timed (default %(default)s)")
     p.add_argument("--size", choices=SIZES, default="scale", help="model size (default %(default)s; wan2.1: the real "
                    "T2V-1.3B or I2V-14B-480P architecture, for a GPU)")
-    p.add_argument("--shapes", default="64x64x9", help="comma-separated WxHxFRAMES (default %(default)s)")
+    p.add_argument("--shapes", type=VideoShapes(), default="64x64x9", help="comma-separated WxHxFRAMES (default %(default)s)")
     p.add_argument("--steps", type=count(), default=50, help="denoising steps of a request (default %(default)s)")
-    p.add_argument("--text-length", type=count(), default=512, help="max_sequence_length (default %(default)s, Wan2.1's)")
+    # the workflow's bound on max_sequence_length (onepiece/config.py); 1e8 would fill memory
+    p.add_argument("--text-length", type=count(1, 4096), default=512, help="max_sequence_length (default %(default)s, Wan2.1's)")
     p.add_argument("--batch", type=numbers(count()), default="1,2,4",
                    help="batch sizes of a step; 1 is always timed (default %(default)s)")
     p.add_argument("--repeat", type=count(), default=3, help="timed runs per figure (median taken)")
     p.add_argument("--warmup", type=count(0), default=1, help="untimed runs before them")
     p.add_argument("--device", default="cpu", type=torch_device, help="torch device (cpu, cuda)")
-    p.add_argument("--threads", type=count(), help="torch threads (default: torch's)")
-    p.add_argument("--out", default="bench/results", help="folder for shares.json, .md and costs.json")
-
-
-def _shapes(text: str) -> list[tuple[int, int, int]]:
-    from onepiece.profile import video_shape
-
-    try:
-        return [video_shape(x) for x in text.split(",")]
-    except argparse.ArgumentTypeError as e:
-        raise SystemExit(f"--shapes: {e}") from None
+    p.add_argument("--threads", type=count(1, MAX_THREADS), help="torch threads (default: torch's)")
+    p.add_argument("--out", type=out_dir, default="bench/results", help="folder for shares.json, .md and costs.json")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from onepiece.stage.wan.tiny import REAL, components
     from onepiece.transport.message import Message, new_uid
 
-    shapes = _shapes(args.shapes)
+    shapes = args.shapes
     if args.size == REAL and args.device == "cpu":
         raise SystemExit(f"--size {REAL} is for a GPU (--device cuda): its billions of parameters in float32 are "
                          f"29 GB (T2V) and 91 GB (I2V)")

@@ -20,7 +20,7 @@ import pstats
 import time
 from pathlib import Path
 
-from onepiece.argtypes import count, positive
+from onepiece.argtypes import count, out_dir, positive
 from onepiece.bench.common import cpu_name
 from onepiece.bench.trace import parse_classes, poisson_trace
 from onepiece.config import deploy_dir, load_workflow
@@ -37,12 +37,13 @@ TABLE = {"version": 1, "stages": {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=count(), default=100_000, help="requests simulated (default %(default)s)")
+    # 10^7: ten times the target's 10^6, minutes of simulation; 1e23 would never end (or fill memory)
+    p.add_argument("--requests", type=count(1, 10**7), default=100_000, help="requests simulated (default %(default)s)")
     p.add_argument("--sets", type=count(), default=100, help="workflow sets (default %(default)s)")
     p.add_argument("--devices-per-set", type=count(3), default=10, help="devices per set, at least 3 (default 10)")
     p.add_argument("--load", type=positive(), default=0.7, help="share of the fleet's denoise capacity (default 0.7)")
     p.add_argument("--profile", action="store_true", help="also profile (slower) and list where the time goes")
-    p.add_argument("--out", default="bench/results", help="folder for simspeed.json and simspeed.md")
+    p.add_argument("--out", type=out_dir, default="bench/results", help="folder for simspeed.json and simspeed.md")
 
 
 def run(args: argparse.Namespace) -> int:

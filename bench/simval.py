@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from onepiece.argtypes import between, count
+from onepiece.argtypes import between, count, out_dir
 from onepiece.bench.common import T2V_STAGES, cpu_name
 from onepiece.bench.sched import costs_name
 from onepiece.bench.trace import Trace, load_trace, stage_times, summarize
@@ -34,9 +34,28 @@ from onepiece.sim.costs import CostTable
 TARGETS = {"attainment_points": 5.0, "mean_rel": 0.10}
 
 
+def sched_results(value: str) -> str:
+    """An argparse type: a folder whose sched.json a `bench sched` run wrote (a missing or
+    malformed one was a traceback)."""
+    path = Path(value) / "sched.json"
+    try:
+        run = json.loads(path.read_text())
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:  # not JSON, or not text
+        raise argparse.ArgumentTypeError(f"{path} is not JSON: {e}") from None
+    shapes = {"settings": dict, "rows": dict, "requests": dict}
+    if not isinstance(run, dict) or (bad := [k for k, t in shapes.items() if not isinstance(run.get(k), t)]):
+        raise argparse.ArgumentTypeError(f"{path} is not a `bench sched` result: "
+                                         f"{'no object' if not isinstance(run, dict) else 'no ' + ', '.join(bad)}")
+    if "max_duration" not in run["settings"]:
+        raise argparse.ArgumentTypeError(f"{path} is not a `bench sched` result: its settings lack max_duration")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--results", default="bench/results", help="folder of a bench sched run (sched.json, traces, costs)")
-    p.add_argument("--out", default="bench/results", help="folder for simval.json and simval.md")
+    p.add_argument("--results", type=sched_results, default="bench/results", help="folder of a bench sched run (sched.json, traces, costs)")
+    p.add_argument("--out", type=out_dir, default="bench/results", help="folder for simval.json and simval.md")
     p.add_argument("--costs-of", metavar="POLICY",
                    help="price every policy with the costs this policy's run measured under each trace "
                         "(default: each its own)")

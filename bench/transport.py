@@ -84,7 +84,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from onepiece.argtypes import count, positive
+from onepiece.argtypes import count, out_dir, positive
 from onepiece.bench.common import cpu_name, percentile
 
 TRANSPORTS = {
@@ -141,9 +141,9 @@ def size_label(n: int) -> str:
 
 
 def _sizes(value: str) -> list[int]:
-    items = [x for x in value.split(",") if x.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("no sizes given (e.g. 1K,64K,1M)")
+    items = [x for x in value.split(",")]
+    if not all(x.strip() for x in items):  # `1K,,2K` is a typo, not two sizes
+        raise argparse.ArgumentTypeError(f"expected comma-separated sizes, e.g. 1K,64K,1M (got {value!r})")
     return sorted({parse_size(x) for x in items})
 
 
@@ -201,7 +201,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 1; on a noisy machine, 3 or 5)")
     p.add_argument("--ring-bytes", type=_power_of_two(_bytes_flag), help="ring buffer bytes, a power of two (default: > 2x the largest size, at least 16M)")
     p.add_argument("--ring-slots", type=_power_of_two(count()), default=1024, help="ring size slots, a power of two (default %(default)s)")
-    p.add_argument("--out", default="bench/results", help="folder for transport.json and transport.md")
+    p.add_argument("--out", type=out_dir, default="bench/results", help="folder for transport.json and transport.md")
 
 
 def settings_of(args: argparse.Namespace) -> dict[str, Any]:

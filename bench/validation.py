@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import zmq
 
-from onepiece.argtypes import count
+from onepiece.argtypes import count, out_dir
 from onepiece.bench.common import cpu_name
 from onepiece.config import deploy_dir, load_workflow
 from onepiece.db.protocol import DATA_SCHEMAS, RPC_SCHEMAS
@@ -174,7 +174,7 @@ def measure(n: int, repeats: int) -> dict[str, dict[str, float]]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=count(), default=5000, help="messages per timed batch (default %(default)s)")
     p.add_argument("--repeats", type=count(), default=5, help="batches; the best counts (default %(default)s)")
-    p.add_argument("--out", default="bench/results", help="folder for validation.json and validation.md")
+    p.add_argument("--out", type=out_dir, default="bench/results", help="folder for validation.json and validation.md")
 
 
 def run(args: argparse.Namespace) -> int:

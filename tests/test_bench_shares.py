@@ -56,10 +56,11 @@ def test_the_real_size_is_wan21(app, billions):
             for k, v in comps.items() if hasattr(v, "parameters")} == billions
 
 
-@pytest.mark.parametrize("shapes", ["64x64", "65x64x5", "axbxc"])
-def test_bad_shapes_are_refused(tmp_path, shapes):
-    with pytest.raises(SystemExit, match="--shapes"):
+@pytest.mark.parametrize("shapes", ["64x64", "65x64x5", "axbxc", "64x64x10", "100000x100000x1"])
+def test_bad_shapes_are_refused(tmp_path, capsys, shapes):
+    with pytest.raises(SystemExit) as done:
         main(["bench", "shares", "--shapes", shapes, "--out", str(tmp_path)])
+    assert done.value.code == 2 and "argument --shapes: " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, said", [

@@ -34,7 +34,7 @@ def test_sizes_and_labels() -> None:
 
 
 @pytest.mark.parametrize("flags", [
-    ["--sizes", "3Q"], ["--sizes", "0"], ["--sizes", ""], ["--transports", "shm,udp"], ["--senders", "0"],
+    ["--sizes", "3Q"], ["--sizes", "0"], ["--sizes", ""], ["--sizes", "1K,,2K"], ["--transports", "shm,udp"], ["--senders", "0"],
     ["--senders", "a"], ["--seconds", "-1"], ["--ring-bytes", "3M"], ["--ring-slots", "1000"],
     ["--max-messages", "0"],
 ])

@@ -77,6 +77,27 @@ def test_every_bounded_flag_refuses_what_is_out_of_its_range(path, action):
     (["profile", "--batch", "100000"], "--batch"),
     (["profile", "--shapes", "64x64x10"], "--shapes"),  # frames 4k+1, as a request's
     (["profile", "-o", "."], "-o/--out"),  # a folder, not a file
+    # benchmarks: a bad flag is refused before a deployment starts (these started one, then failed)
+    (["bench", "cpu", "--out", "/proc/onepiece-bench"], "--out"),  # unwritable: refused before the work
+    (["bench", "e2e", "--cases", "64x64x9:10,63x64x9:10"], "--cases"),
+    (["bench", "e2e", "--cases", "0x64x9:10"], "--cases"),
+    (["bench", "e2e", "--cases", "64x64x9:0"], "--cases"),
+    (["bench", "cpu", "--size", "64x64x9:0"], "--size"),
+    (["bench", "overload", "--shape", "48x48x8:1"], "--shape"),  # frames 4k+1
+    (["bench", "batching", "--calibrate", "2"], "--calibrate"),  # a closed loop needs 3
+    (["bench", "overload", "--warmup", "0", "--capacity-source", "closed-loop"], "--warmup"),
+    (["bench", "shares", "--threads", "100000"], "--threads"),  # segfaulted
+    (["bench", "shares", "--text-length", "100000000"], "--text-length"),
+    (["bench", "curve", "--sizes", "99999999999"], "--sizes"),  # MemoryError
+    (["bench", "mp4", "--shapes", "100000x100000x1"], "--shapes"),  # 149 GiB
+    (["bench", "simspeed", "--requests", "100000000"], "--requests"),
+    (["bench", "parallel", "--dops", "64"], "--dops"),
+    (["bench", "transport", "--sizes", "1K,,2K"], "--sizes"),
+    (["bench", "dop", "--groups", "3"], "--groups"),  # no cost row at DoP 3: a SimInputError traceback
+    (["bench", "dop", "--classes", "X=512x512x2:50", "--mix", "1", "--alpha", "2"], "--classes"),  # KeyError
+    (["bench", "simval", "--results", "no-such-run"], "--results"),
+    (["bench", "sched", "--trace", "no-such-trace.json"], "--trace"),
+    (["bench", "sched", "--classes", "S=i2v/64x64x9:2", "--mix", "1", "--alpha", "2"], "--classes"),  # not deployed
 ])
 def test_a_bad_number_stops_the_real_command_at_once(argv, flag, tmp_path):
     t0 = time.monotonic()

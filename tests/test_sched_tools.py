@@ -261,3 +261,65 @@ def test_bench_sched_saves_what_has_run_as_each_policy_ends(tmp_path):
     saved = json.loads((tmp_path / "sched.json").read_text())
     assert list(saved["rows"]) == ["fcfs", "srtf", "srtf (monitor on)"]
     assert targets["best"] == "srtf" and saved["targets"]["attainment"]["value"] == 1.0
+
+
+def test_bench_sched_refuses_a_trace_it_cannot_run_before_any_deployment(tmp_path, capsys):
+    """A malformed trace, a class without slo_s (a KeyError after the whole run) or a request the
+    deployment answers with a 400 (counted as nothing: n=1, completed/failed/refused 0) is a
+    usage error naming --trace and what is wrong, before a deployment starts."""
+    from onepiece.bench import sched
+    from onepiece.cli import build_parser, main
+
+    classes = parse_classes("S=64x64x9:2")
+    classes["S"]["slo_s"] = 5.0
+    doc = json.loads(poisson_trace(classes, {"S": 1.0}, rate=1.0, n=3, seed=0).dump())
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    args = build_parser().parse_args(["bench", "sched", "--trace", str(path), "--out", str(tmp_path)])
+    assert sched.check_args(args) is None  # a trace it can run
+    for mutate, said in ((lambda d: d["classes"]["S"].pop("slo_s"), "classes S have no slo_s"),
+                         (lambda d: d["requests"][1].update(app="i2v"), "requests[1] (class S): application 'i2v' is not"),
+                         (lambda d: d["requests"][2].update(size="1024x1024"), "exceeds the limit 512x512"),
+                         (lambda d: d["requests"][0].update({"class": "X"}), "'X' is not in classes"),
+                         (lambda d: d.clear(), "version")):
+        bad = json.loads(json.dumps(doc))
+        mutate(bad)
+        path.write_text(json.dumps(bad))
+        with pytest.raises(SystemExit) as done:
+            main(["bench", "sched", "--trace", str(path), "--out", str(tmp_path)])
+        err = capsys.readouterr().err
+        assert done.value.code == 2 and f"argument --trace: {path}: " in err and said in err, err
+        assert "Traceback" not in err
+
+
+def test_sched_targets_with_fcfs_meeting_no_slo_are_null_and_not_met():
+    """fcfs at 0% gave an attainment ratio of inf: `Infinity` in sched.json (not JSON) and "met"
+    in sched.md while both policies met no SLO."""
+    from onepiece.bench.sched import check_targets
+
+    def cell(att: float, mean: float) -> dict:
+        one = {"n": 4, "completed": 4, "attainment": att, "mean_s": mean}
+        return {"all": one, "S": one}
+
+    t = check_targets({"fcfs": {"1x": cell(0.0, 9.0)}, "edf": {"1x": cell(0.0, 8.0)}}, "1x", ["S"])
+    assert t["attainment_ratio"]["value"] is None and t["attainment_ratio"]["met"] is False
+    json.dumps(t, allow_nan=False)  # valid JSON: null, no Infinity
+
+
+def test_bench_dop_and_parallel_tables_are_well_formed():
+    """dop: a class that drew no request is "—", not 0.0% and a mean of 0.0; parallel: with DoP 1
+    alone, the delimiter row has as many cells as the header."""
+    from onepiece.bench.dop import markdown as dop_md
+    from onepiece.bench.parallel import markdown as parallel_md
+
+    one = {"n": 3, "attainment": 1.0, "mean_s": 2.0}
+    md = dop_md({"when": "now", "costs": "c.json", "capacity_work_s": 1.0, "targets": [],
+                 "classes": {c: {"size": "512x512", "num_frames": 1, "steps": 50, "slo_s": 1.0} for c in "SL"},
+                 "rows": [{"gpus": 4, "load": 0.5, "config": "elastic slo", "summary": {"all": one, "S": one}}]})
+    row = next(line for line in md.splitlines() if "elastic slo" in line)
+    assert row.split(" | ")[4:] == ["100.0%", "—", "2.0", "2.0", "— |"], row
+    md = parallel_md({"when": "now", "cpu": "x", "cores": 2, "device": "cpu", "threads_per_rank": 1, "steps": 1,
+                      "model": "m", "dops": [1], "overhead": None,
+                      "rows": [{"shape": "64x64x9", "cfg": True, "tokens": 10, "step_ms": {1: 1.0}, "speedup": {1: 1.0}}]})
+    table = [line for line in md.splitlines() if line.startswith("|")]
+    assert len(table) == 3 and len({line.count("|") for line in table}) == 1, table
