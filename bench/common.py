@@ -13,12 +13,17 @@ T2V_STAGES = {"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1}
 def tiny_models(base: Path, profile: str = "tiny") -> dict[str, Path]:
     """The random-weight Wan2.1 pipelines (seed 0) of ``profile`` under ``base``, built where
     missing: {"t2v": dir, "i2v": dir} (the workflow names both, so both must exist)."""
+    from onepiece.stage.loader import is_built
     from onepiece.stage.wan.tiny import build_tiny
 
     out = {}
     for kind in ("t2v", "i2v"):
         path = Path(base) / f"wan2.1-{kind}-{profile}"
-        out[kind] = path if (path / "model_index.json").exists() else build_tiny(kind, path, 0, profile=profile)
+        try:  # a folder it cannot write, or one holding something else: one line, not a traceback
+            out[kind] = path if is_built(path) else build_tiny(kind, path, 0, overwrite=False, profile=profile)
+        except OSError as e:
+            where = f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
+            raise SystemExit(f"onepiece bench: cannot build the tiny models under {base}: {where}") from None
     return out
 
 

@@ -235,33 +235,52 @@ def cmd_move(args: argparse.Namespace) -> int:
     return 0
 
 
+def _os_error(e: OSError) -> str:
+    """One line for an OSError: the path and what is wrong with it, else its message."""
+    return f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from onepiece.config import load_workflow
-    from onepiece.stage.wan.tiny import build_tiny, ensure_models
+    from onepiece.stage.loader import model_problems
+    from onepiece.stage.wan.tiny import MARKER, build_tiny, ensure_models
 
     wf_path = Path(args.workflow) if args.workflow else deploy_dir() / PROFILE_WORKFLOWS[args.profile]
     wf = load_workflow(wf_path)
-    if args.action == "build":
+    paths = {name: wf.model_path(name, wf_path.parent) for name in wf.models}
+    if args.action == "list":
+        for name, spec in wf.models.items():
+            problems = model_problems(paths[name])
+            state = "present" if not problems else \
+                "broken" if (paths[name] / "model_index.json").is_file() else "missing"
+            print(f"{name:12s} {state:8s} {paths[name]}"
+                  + (f"  ({spec.profile} {spec.tiny}, seed {spec.seed})" if spec.tiny else ""))
+            if state == "broken":  # which component, which file
+                for p in problems:
+                    print(f"{'':12s}   {p}")
+        return 0
+    try:  # a folder it cannot write, or one holding something else: one line, not a traceback
+        for name, spec in wf.models.items():
+            if spec.tiny and (paths[name] / MARKER).is_file() and (why := model_problems(paths[name])):
+                print(f"{paths[name]}: incomplete ({why[0]}); rebuilding it")
         if args.force:
-            built = []
-            for name, spec in wf.models.items():
-                if spec.tiny:
-                    built.append(build_tiny(spec.tiny, wf.model_path(name, wf_path.parent), spec.seed,
-                                            profile=spec.profile))
+            built = [build_tiny(spec.tiny, paths[name], spec.seed, profile=spec.profile)
+                     for name, spec in wf.models.items() if spec.tiny]
         else:
             built = ensure_models(wf, wf_path.parent)
-        for p in built:
-            print(f"built {p}")
-        if not built:
-            print("all models present (use --force to rebuild the tiny ones)")
-    else:
-        from onepiece.stage.loader import is_built
-
-        for name, spec in wf.models.items():
-            path = wf.model_path(name, wf_path.parent)
-            print(f"{name:12s} {'present' if is_built(path) else 'missing':8s} {path}"
-                  + (f"  ({spec.profile} {spec.tiny}, seed {spec.seed})" if spec.tiny else ""))
-    return 0
+    except OSError as e:
+        print(f"onepiece models build: {_os_error(e)}", file=sys.stderr)
+        return 1
+    for p in built:
+        print(f"built {p}")
+    # Models without `tiny` are never built here: say which of them cannot be loaded.
+    bad = [f"{name}: {p}" for name in wf.models for p in model_problems(paths[name])]
+    for line in bad:
+        print(f"onepiece models build: {line}; put the complete model there (remove the broken copy first)",
+              file=sys.stderr)
+    if not built and not bad:
+        print("all models present (use --force to rebuild the tiny ones)")
+    return 1 if bad else 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -225,13 +225,29 @@ class Deployment:
             raise RuntimeError("; ".join(taken) + ". Is another deployment running? Stop it, or give this "
                                "topology other ports (nm.address, proxy.port).")
 
+    def _used_stages(self) -> set[str]:
+        """The stages this deployment may run (an idle instance may serve any stage)."""
+        if any(s.idle for s in self.topo.sets):
+            return set(self.workflow.stages)
+        return {stage for s in self.topo.sets for stage in s.stages}
+
+    def check_models(self) -> None:
+        """Refuse models a stage could not load (a missing component, a truncated weights file):
+        its workers would crash-loop, with the cause only in a log, until the ready timeout."""
+        from onepiece.stage.loader import model_problems
+
+        used = self._used_stages()
+        broken = [f"stage {stage}: {p}" for stage, spec in self.workflow.stages.items() if stage in used
+                  for p in model_problems(self.workflow.model_path(spec.model, self.base_dir), spec.components)]
+        if broken:
+            raise RuntimeError("; ".join(broken) + " (`onepiece models list` shows the models, `onepiece models "
+                               "build` rebuilds tiny ones)")
+
     def check_devices(self) -> None:
         """Refuse a stage whose device this host lacks (an idle instance may serve any stage)."""
         from onepiece.stage.gpu import lacking
 
-        used = {stage for s in self.topo.sets for stage in s.stages}
-        if any(s.idle for s in self.topo.sets):
-            used = set(self.workflow.stages)
+        used = self._used_stages()
         missing = [f"stage {stage} runs on {spec.device}, but {why}" for stage, spec in self.workflow.stages.items()
                    if stage in used and (why := lacking(spec.device, spec.workers))]
         if missing:
@@ -245,8 +261,13 @@ class Deployment:
         self.check_devices()
         for s in self.topo.sets:
             s.proxy.keys()  # refuse now, not as a proxy that dies at every restart
-        for path in ensure_models(self.workflow, self.base_dir):
-            print(f"built tiny random-weight model at {path}", flush=True)
+        try:
+            for path in ensure_models(self.workflow, self.base_dir):
+                print(f"built tiny random-weight model at {path}", flush=True)
+        except OSError as e:  # a folder it cannot write or that holds something else: `up` says so
+            raise RuntimeError(f"cannot build the tiny models: {e.filename}: {e.strerror}"
+                               if e.filename and e.strerror else str(e)) from None
+        self.check_models()
         self.children = self.plan()
         if self.curve_keys is not None:  # this process asks the NM whether the deployment is ready
             curve.use(self.curve_keys)

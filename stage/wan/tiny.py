@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -202,6 +203,55 @@ def _cast(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 MARKER = "onepiece-tiny.json"
 
 
+# The temporary folders build_tiny makes beside ``path``: ``.{name}.building-*`` (the new build)
+# and ``.{name}.old-*`` (the build it replaces). A killed build leaves them; a later build of the
+# same path removes those that nothing has written to for STALE_S. By age, not by the builder's
+# pid: the models folder may be shared by hosts or containers whose pids mean nothing here, and a
+# live build writes into its folder within seconds of making it.
+BUILDING, ASIDE = "building", "old"
+STALE_S = 3600.0
+
+
+def remove_stale(path: Path, now: float | None = None, stale_s: float = STALE_S) -> list[Path]:
+    """Remove the temporary folders of killed builds of ``path``; return those removed."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        entries = list(Path(path).parent.iterdir())
+    except OSError:
+        return removed
+    prefixes = tuple(f".{Path(path).name}.{tag}-" for tag in (BUILDING, ASIDE))
+    for d in entries:
+        if d.name.startswith(prefixes) and d.is_dir() and not d.is_symlink() and now - _last_write(d) > stale_s:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+def _last_write(root: Path) -> float:
+    """The latest mtime of ``root`` and anything in it (a build writes files deep in it)."""
+    latest = 0.0
+    for d, _dirs, files in os.walk(root):
+        for p in (d, *(os.path.join(d, f) for f in files)):
+            try:
+                latest = max(latest, os.lstat(p).st_mtime)
+            except OSError:  # removed meanwhile
+                pass
+    return latest
+
+
+def _umask_modes(root: Path) -> None:
+    """Give ``root``'s folders and files the modes the umask gives (MARKER's, just written, with
+    x on folders): not mkdtemp's 0700 nor the 0600 the weights are saved with, which no other
+    user could read (so a models folder could not be shared)."""
+    file_mode = (root / MARKER).stat().st_mode & 0o666
+    dir_mode = file_mode | (file_mode & 0o444) >> 2
+    for d, _dirs, files in os.walk(root):
+        os.chmod(d, dir_mode)
+        for f in files:
+            os.chmod(os.path.join(d, f), file_mode)
+
+
 def build_tiny(kind: Literal["t2v", "i2v"], path: Path, seed: int = 0, *, overwrite: bool = True,
                profile: str = "tiny") -> Path:
     """Build a small random-weight Wan2.1 ``kind`` pipeline of size ``profile`` at ``path``
@@ -209,8 +259,9 @@ def build_tiny(kind: Literal["t2v", "i2v"], path: Path, seed: int = 0, *, overwr
 
     Deterministic: the same seed gives byte-identical files. The directory appears atomically
     (built beside ``path``, then renamed), so a half-built one is never mistaken for a model.
-    An existing tiny build (one with ``MARKER``) is replaced when ``overwrite``, else returned as
-    is; any other non-empty ``path`` (real weights, unrelated files) raises FileExistsError.
+    An existing tiny build (one with ``MARKER``) is replaced when ``overwrite`` or incomplete
+    (``loader.model_problems``), else returned as is; any other non-empty ``path`` (real weights,
+    unrelated files) raises FileExistsError. Folders and files get the umask's modes.
     """
     if kind not in ("t2v", "i2v"):
         raise ValueError(f"tiny pipeline kind must be 't2v' or 'i2v', got {kind!r}")
@@ -218,24 +269,35 @@ def build_tiny(kind: Literal["t2v", "i2v"], path: Path, seed: int = 0, *, overwr
         raise ValueError(f"model profile must be one of {PROFILES}, got {profile!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(path)
     if path.exists() and any(path.iterdir()):
-        built = (path / "model_index.json").is_file()
-        if built and not overwrite:
-            return path
-        if not (built and (path / MARKER).is_file()):
-            what = "a pipeline not built by build_tiny" if built else "not empty and not a diffusers pipeline"
-            raise FileExistsError(f"{path}: {what}; refusing to build a tiny model there")
+        from onepiece.stage.loader import model_problems
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.building-", dir=path.parent))
+        problems = model_problems(path)
+        if not problems and not overwrite:
+            return path
+        if not (path / MARKER).is_file():  # not ours: never replaced, even when broken
+            if not (path / "model_index.json").is_file():
+                what = "not empty and not a diffusers pipeline"
+            elif problems:
+                what = f"an incomplete pipeline not built by build_tiny ({problems[0]}); remove or repair it"
+            else:
+                what = "a pipeline not built by build_tiny"
+            raise FileExistsError(f"{path}: {what}; refusing to build a tiny model there")
+        # Our own tiny build: replaced when asked to, or when broken (a truncated copy, a lost file).
+
+    pipe = _pipeline(kind, seed, profile)  # before the temp folder: it is written to from the start
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{BUILDING}-", dir=path.parent))
     aside: Path | None = None
     try:
-        _pipeline(kind, seed, profile).save_pretrained(tmp, safe_serialization=True)
+        pipe.save_pretrained(tmp, safe_serialization=True)
         (tmp / MARKER).write_text(json.dumps({"kind": kind, "seed": seed, "profile": profile}, sort_keys=True) + "\n")
+        _umask_modes(tmp)
         try:
             if path.exists() and any(path.iterdir()):
                 # Replacing an older tiny build: move it aside first (rename cannot replace a
                 # non-empty directory), then swap the new one in.
-                aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+                aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.{ASIDE}-", dir=path.parent))
                 os.rename(path, aside / "old")
             elif path.exists():
                 path.rmdir()
@@ -254,7 +316,7 @@ def build_tiny(kind: Literal["t2v", "i2v"], path: Path, seed: int = 0, *, overwr
 
 
 def ensure_models(workflow: "Workflow", base_dir: Path) -> list[Path]:
-    """Build the tiny pipelines a workflow asks for whose directories are not built yet.
+    """Build the tiny pipelines a workflow asks for whose directories are not built yet or broken.
 
     ``base_dir`` resolves relative model paths (the workflow file's directory). Returns the
     paths that were built (empty when everything was already there).
