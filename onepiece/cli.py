@@ -4,7 +4,6 @@ and `bench`. Bad flags get argparse's usage error; bad files a ConfigError namin
 from __future__ import annotations
 
 import argparse
-import functools
 import re
 import sys
 from pathlib import Path
@@ -289,14 +288,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+def cmd_bench(args: argparse.Namespace) -> int:
     # Flags that are bad only together (`bench overload --warmup 0 --capacity-source closed-loop`)
     # are refused as a usage error before any work, like a bad flag alone: the benchmark's
     # ``check_args`` says why, naming the flags, or None.
     check = getattr(args.bench, "check_args", None)
     why = check(args) if check is not None else None
-    if why and parser is not None:
-        parser.error(why)
+    if why:
+        args.bench_parser.error(why)
     return args.bench.run(args)
 
 
@@ -560,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         bp = benches.add_parser(module.__name__.rsplit(".", 1)[1], help=help_text)
         module.add_arguments(bp)
-        bp.set_defaults(fn=functools.partial(cmd_bench, parser=bp), bench=module)
+        bp.set_defaults(fn=cmd_bench, bench=module, bench_parser=bp)
     return p
 
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from onepiece.argtypes import DEVICE
 from onepiece.sched.options import ScheduleSpec
-from onepiece.schema import checked
+from onepiece.schema import SET_NAME, checked
 
 if TYPE_CHECKING:
     from onepiece.nm.zk import ZkSettings
@@ -420,8 +420,7 @@ class ProxySpec(_Strict):
 
 
 class SetSpec(_Strict):
-    # Names end up in process names, log files and ipc socket paths: keep them plain and short.
-    name: str = Field("set0", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
+    name: str = Field("set0", pattern=SET_NAME)
     proxy: ProxySpec = ProxySpec()
     db: DbSpec = DbSpec()
     stages: dict[str, int] = Field(description="instances per stage")

@@ -15,6 +15,11 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 Name = Annotated[StrictStr, Field(min_length=1, max_length=MAX_NAME, pattern=r"^[^\x00-\x1f\x7f]+$")]
 
 
+# A workflow set's name: it ends up in process names, log files, ipc socket paths and key file
+# names (proxy-SET.key), so plain and short.
+SET_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$"
+
+
 def is_name(value: Any) -> bool:
     """Whether ``value`` is a ``Name`` (checked without pydantic: on every message's path)."""
     return isinstance(value, str) and 0 < len(value) <= MAX_NAME and not _CONTROL.search(value)

@@ -111,6 +111,20 @@ def test_unusable_key_folders_are_refused_by_name(tmp_path):
     os.replace(other / curve.SECRET, folder / curve.SECRET)  # a secret that is not deployment.key's half
     with pytest.raises(curve.CurveKeysError, match="not the public half"):
         curve.load(folder)
+    # Who is admitted is what the *.key files say: none of them, nor the folder, writable by others.
+    fine = curve.make(tmp_path / "fine")
+    os.chmod(fine / curve.PUBLIC, 0o666)
+    with pytest.raises(curve.CurveKeysError, match="other users may write .*deployment.key"):
+        curve.load(fine)
+    os.chmod(fine / curve.PUBLIC, 0o644)
+    os.chmod(fine, 0o777)
+    with pytest.raises(curve.CurveKeysError, match="chmod go-w"):
+        curve.load(fine)
+    os.chmod(fine, 0o755)
+    assert curve.load(fine).folder == fine
+    with pytest.raises(curve.CurveKeysError, match=r"set names \['a/b'\]"):
+        curve.make(tmp_path / "sets", ["a/b"])
+    assert not (tmp_path / "sets").exists()  # refused before anything was written
 
 
 def test_a_deployment_refused_for_its_keys_leaves_nothing_behind(tmp_path):

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from onepiece.cli import main
 from onepiece.stage.loader import is_built, load_components, model_problems, safetensors_problem
 from onepiece.stage.wan.tiny import MARKER, build_tiny, ensure_models, remove_stale
+from workflows import t2v_only
 
 WEIGHTS = "transformer/diffusion_pytorch_model.safetensors"
 
@@ -81,11 +82,7 @@ def test_broken_model_is_named_refused_and_rebuilt(tiny_models, tmp_path) -> Non
 def _workflow(t2v: Path) -> "Workflow":  # noqa: F821
     from onepiece.config import Workflow
 
-    return Workflow.model_validate({
-        "models": {"wan-t2v": {"path": str(t2v), "tiny": "t2v"}},
-        "stages": {"s": {"model": "wan-t2v", "components": ["transformer"]}},
-        "applications": {"t2v": {"stages": ["s"]}},
-    })
+    return Workflow.model_validate(t2v_only({"wan-t2v": {"path": str(t2v), "tiny": "t2v"}}, "wan-t2v"))
 
 
 def _models(argv: list[str]) -> int:
@@ -97,11 +94,7 @@ def _models(argv: list[str]) -> int:
 def test_models_command_says_what_is_wrong(tiny_models, tmp_path, capsys) -> None:
     def workflow(model_path: Path, tiny: bool = True) -> str:
         f = tmp_path / "wf.yaml"
-        f.write_text(yaml.safe_dump({
-            "models": {"m": {"path": str(model_path), **({"tiny": "t2v"} if tiny else {})}},
-            "stages": {"s": {"model": "m", "components": ["vae"]}},
-            "applications": {"t2v": {"stages": ["s"]}},
-        }))
+        f.write_text(yaml.safe_dump(t2v_only({"m": {"path": str(model_path), **({"tiny": "t2v"} if tiny else {})}}, "m")))
         return str(f)
 
     assert _models(["models", "build", "--workflow", workflow(Path("/proc/nope/m"))]) == 1

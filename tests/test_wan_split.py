@@ -14,6 +14,7 @@ from onepiece.stage.registry import StageContext, SteppedTask, lookup
 from onepiece.stage.wan.functions import decode_frames
 from onepiece.stage.wan.tiny import MARKER, build_tiny, ensure_models
 from onepiece.transport.message import Message, decode, encode, new_uid
+from workflows import t2v_only
 
 SIZE, FRAMES, STEPS, SEED, GUIDANCE = 32, 9, 4, 1234, 5.0
 PROMPT, NEGATIVE = "a cat surfing a wave at sunset", "blurry, low quality"
@@ -285,17 +286,11 @@ def test_build_is_deterministic_and_ensure_models_builds_only_missing(tiny_model
     assert files == _files(tiny_models["t2v"])
     assert [p.name for p in tmp_path.iterdir()] == ["t2v-again"]  # no temp dir left behind
 
-    wf = Workflow.model_validate({
-        "models": {
-            "wan-t2v": {"path": str(tiny_models["t2v"]), "tiny": "t2v"},
-            "wan-i2v": {"path": "sub/i2v", "tiny": "i2v"},
-            "real": {"path": "no/such/dir"},  # no `tiny`: never built
-        },
-        "stages": {"text_encode": {"model": "wan-t2v", "components": ["text_encoder", "tokenizer"]},
-                   "denoise": {"model": "wan-t2v", "components": ["transformer", "scheduler"]},
-                   "vae_decode": {"model": "wan-t2v", "components": ["vae"]}},
-        "applications": {"t2v": {"stages": ["text_encode", "denoise", "vae_decode"]}},
-    })
+    wf = Workflow.model_validate(t2v_only({
+        "wan-t2v": {"path": str(tiny_models["t2v"]), "tiny": "t2v"},
+        "wan-i2v": {"path": "sub/i2v", "tiny": "i2v"},
+        "real": {"path": "no/such/dir"},  # no `tiny`: never built
+    }, "wan-t2v"))
     built = ensure_models(wf, tmp_path)
     assert built == [tmp_path / "sub" / "i2v"] and is_built(built[0])
     assert _files(built[0]) == _files(tiny_models["i2v"])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from onepiece.schema import SET_NAME
 from onepiece.secret_file import SecretFileError, read_secret_file
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,10 @@ def make(folder: str | Path, sets: Iterable[str] = DEFAULT_SETS) -> Path:
     pair, which would lock out every process that holds it: refuses when all are there, or half
     of one."""
     folder = Path(folder)
+    sets = list(sets)
+    bad = [s for s in sets if not re.match(SET_NAME, s)]
+    if bad:  # checked before anything is written: "a/b" made a pair, then failed half-way
+        raise CurveKeysError(f"set names {bad}: a set name is letters, digits, '_', '.', '-' (as a topology's)")
     files = {name: [n for n in (f"{name}.key", f"{name}.key_secret") if (folder / n).exists()]
              for name in (NAME, *map(proxy_pair, sets))}
     half = [n for held in files.values() if len(held) == 1 for n in held]
@@ -107,6 +113,12 @@ def load(folder: str | Path, pair: str = NAME) -> CurveKeys:
         read_secret_file(secret_path, "CURVE secret key")  # mode 0600, owner, not a link
     except SecretFileError as e:
         raise CurveKeysError(f"{e} (make the pairs with: onepiece keys curve {folder})") from None
+    # The *.key files say who is admitted (as a member, or as a proxy that reads users' records):
+    # one anybody may write to, or add to the folder of, admits anybody.
+    open_to = [p for p in (folder, *sorted(folder.glob("*.key"))) if p.stat().st_mode & 0o022]
+    if open_to:
+        raise CurveKeysError(f"CURVE keys folder {folder}: other users may write {', '.join(map(str, open_to))}, "
+                             f"and so admit their own keys; run: chmod go-w {' '.join(map(str, open_to))}")
     try:
         public, secret = zmq.auth.load_certificate(secret_path)
         server, _ = zmq.auth.load_certificate(folder / PUBLIC)
