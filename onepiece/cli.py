@@ -214,10 +214,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(orjson.dumps(status, option=orjson.OPT_INDENT_2).decode() if args.json else render(status))
     nm = status.get("nm") or {}
     if not args.json and nm.get("mode") == "zookeeper":
-        backups = [c for c in nm.get("contenders", []) if c != nm.get("address")]
-        print(f"node manager: primary {nm.get('address')} (epoch {nm.get('epoch')}) on ZooKeeper "
-              f"{nm.get('zookeeper')}{nm.get('root')}; backups: {', '.join(backups) or 'none'}")
+        print(ha_line(nm))
     return 0
+
+
+def ha_line(nm: dict) -> str:
+    """`onepiece status`'s line on the node managers of an HA deployment."""
+    backups = [c for c in nm.get("contenders", []) if c != nm.get("address")]
+    return (f"node manager: primary {nm.get('address')} (epoch {nm.get('epoch')}) on ZooKeeper "
+            f"{nm.get('zookeeper')}{nm.get('root')}; backups: {', '.join(backups) or 'none'}"
+            + ("; ZooKeeper unreachable: serving what it holds, saving nothing, moving nothing"
+               if nm.get("suspended") else ""))
 
 
 def cmd_move(args: argparse.Namespace) -> int:

@@ -94,3 +94,13 @@ def test_up_refuses_a_stage_whose_device_this_host_lacks_before_starting_anythin
     assert out.returncode == 1 and "onepiece up failed: stage denoise_t2v " in out.stderr, out.stderr
     assert "cuda" in out.stderr.lower() and "text_encode" not in out.stderr.split("failed:")[1], out.stderr
     assert time.monotonic() - t0 < 30 and not list((tmp_path / "logs").glob("*.log"))  # nothing started
+
+
+def test_status_says_when_the_primary_cannot_reach_zookeeper():
+    from onepiece.cli import ha_line
+
+    nm = {"mode": "zookeeper", "address": "tcp://a:1", "epoch": 2, "zookeeper": "zk:2181", "root": "/op",
+          "contenders": ["tcp://a:1", "tcp://b:1"]}
+    assert ha_line(nm) == "node manager: primary tcp://a:1 (epoch 2) on ZooKeeper zk:2181/op; backups: tcp://b:1"
+    assert ha_line({**nm, "suspended": True}).endswith("; ZooKeeper unreachable: serving what it holds, saving "
+                                                       "nothing, moving nothing")
