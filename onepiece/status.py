@@ -105,7 +105,10 @@ def render(status: dict[str, Any]) -> str:
             insts = info["instances"]
             ready = sum(1 for i in insts if i["ready"])
             missed = late.get(name, {}).get(stage)
-            lines.append(f"  stage {stage}: {ready}/{info['want']} ready, busy {_pct(util.get(name, {}).get(stage))}"
+            # Of the instances assigned now: moves change them, the topology's count stays.
+            start = "" if info["want"] == len(insts) else f" (the topology starts {info['want']})"
+            lines.append(f"  stage {stage}: {ready}/{len(insts)} ready{start}, busy "
+                         f"{_pct(util.get(name, {}).get(stage))}"
                          + ("" if missed is None else f", {missed:.0%} of its requests late"))
             lines += [_instance(i) for i in insts]
         for label, key in (("idle pool", "idle"), ("dbs", "dbs"), ("proxies", "proxies")):

@@ -501,6 +501,14 @@ def test_heartbeat_stats_count_accepted_and_rejected():
                  "addresses": {"http": h.url}}
         line = render({"sets": {"set0": {"stages": {}, "idle": [], "dbs": [], "proxies": [proxy]}}})
         assert "inflight 1/1 accepted 1 rejected 2" in line
+        # A stage counts the instances assigned to it now (a move changes them), not the topology's.
+        moved = {"id": "stage-1", "role": "stage", "ready": True, "silent_s": 0.1, "stats": {}, "stage": "vae_decode",
+                 "addresses": {"data": "tcp://127.0.0.1:1"}}
+        text = render({"sets": {"set0": {"stages": {"vae_decode": {"want": 1, "instances": [moved, moved]},
+                                                    "text_encode": {"want": 1, "instances": []}},
+                                         "idle": [], "dbs": [], "proxies": []}}})
+        assert "stage vae_decode: 2/2 ready (the topology starts 1)" in text
+        assert "stage text_encode: 0/0 ready (the topology starts 1)" in text
     finally:
         h.close()
 
