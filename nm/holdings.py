@@ -132,7 +132,8 @@ class TrackingReceiver:
 
 class TrackingMailbox(queue.Queue):
     """The scheduler-to-deliverer mailbox; a UID stops being held when the deliverer takes its
-    ``("result", msg)``, ``("forward", msg)`` or ``("failed", uid, ...)`` item. ``_get`` is Queue's documented
+    ``("result", msg)``, ``("forward", msg)``, ``("failed", uid, ...)`` or ``("gone", uid)`` (cancelled, or
+    expired while it ran: nothing to hand on) item. ``_get`` is Queue's documented
     extension point (called with the queue's lock held). A forwarded message leaves too: the
     instance it goes to holds it next."""
 
@@ -144,6 +145,6 @@ class TrackingMailbox(queue.Queue):
         item = super()._get()
         if item[0] in ("result", "forward"):
             self._holdings.discard(item[1].header.get("uid"))
-        elif item[0] == "failed":
+        elif item[0] in ("failed", "gone"):
             self._holdings.discard(item[1])
         return item

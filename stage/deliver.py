@@ -46,6 +46,7 @@ class _Parked(NamedTuple):
     stage: str
     since: float  # monotonic
     until: float  # monotonic: ROUTE_WAIT_S or its deadline, the earlier
+    tried: frozenset[str] = frozenset()  # addresses that failed it: it waits for one it has not tried
 
 
 class ResultDeliver:
@@ -101,6 +102,9 @@ class ResultDeliver:
     def _handle(self, item: tuple) -> None:
         what = item[0]
         if what == "wake":
+            return
+        if what == "gone":  # forgotten where it was (cancelled): nothing to hand on (the mailbox released it)
+            self._last_progress.pop(item[1], None)
             return
         self._settle()
         uid = item[1] if what in ("progress", "failed") else item[1].uid
@@ -170,7 +174,9 @@ class ResultDeliver:
                 return
             except TransportError as e:
                 errors.append(str(e))
-        self._fail(msg, f"no instance of stage {stage} took the request: {'; '.join(errors)}")
+        # Every route failed: the instances may have just died, their restarts not routed yet
+        # (over ring+tcp a restart listens on a new port). Wait for a route not tried yet.
+        self._park(msg, stage, tried=frozenset(targets), why="; ".join(errors))
 
     def _fail(self, msg: Message, error: str) -> None:
         log.warning("uid=%s failed after %s: %s", msg.uid, self.stage, error)
@@ -182,24 +188,25 @@ class ResultDeliver:
         """Requests waiting for an instance of their next stage (read from other threads: a hint)."""
         return len(self._parked)
 
-    def _park(self, msg: Message, stage: str) -> None:
+    def _park(self, msg: Message, stage: str, tried: frozenset[str] = frozenset(), why: str = "") -> None:
         now = time.monotonic()
         deadline = msg.header.get("deadline")
         left = (deadline - time.time_ns()) / 1e9 if isinstance(deadline, int) else ROUTE_WAIT_S
         if left <= 0 or len(self._parked) >= MAX_PARKED:
-            why = "its deadline passed" if left <= 0 else f"{MAX_PARKED} requests already wait for one"
-            self._fail(msg, f"no live instance of stage {stage} ({why})")
+            full = "its deadline passed" if left <= 0 else f"{MAX_PARKED} requests already wait for one"
+            self._fail(msg, f"no live instance of stage {stage} ({full})" + (f": {why}" if why else ""))
             return
-        log.info("uid=%s waits for an instance of stage %s (up to %.0fs)", msg.uid, stage, min(left, ROUTE_WAIT_S))
+        log.info("uid=%s waits for an instance of stage %s (up to %.0fs)%s", msg.uid, stage, min(left, ROUTE_WAIT_S),
+                 f": {why}" if why else "")
         self._hold(msg.uid)
-        self._parked.append(_Parked(msg, stage, now, now + min(left, ROUTE_WAIT_S)))
+        self._parked.append(_Parked(msg, stage, now, now + min(left, ROUTE_WAIT_S), tried))
 
     def _retry_parked(self, now: float) -> None:
         """Send on the waiting requests whose stage has an instance now; fail those out of time."""
         stages = self._routes()["stages"]
         for _ in range(len(self._parked)):
             p = self._parked.popleft()
-            if stages.get(p.stage):
+            if set(stages.get(p.stage) or ()) - p.tried:
                 self._release(p.msg.uid)
                 self._to_stage(p.msg, p.stage)
             elif now >= p.until:

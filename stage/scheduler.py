@@ -115,7 +115,7 @@ class RequestScheduler:
         try:
             self.outbox.put(item, timeout=30.0)
         except queue.Full:  # the deliverer is wedged; the DB's deadline sweep reports the request
-            uid = item[1] if item[0] == "failed" else item[1].uid
+            uid = item[1] if item[0] in ("failed", "gone") else item[1].uid
             log.error("deliver mailbox full for 30s; dropped %s for uid=%s", item[0], uid)
 
     def _fail(self, uid: str, app: str, error: str, logged: bool = False) -> None:
@@ -207,6 +207,7 @@ class RequestScheduler:
         if h.uid in self.cancelled:
             self.cancelled_on_arrival += 1
             log.info("uid=%s dropped on arrival: cancelled", h.uid)
+            self._emit(("gone", h.uid))
             return
         t_ns = now_ns()
         msg.header["deadline"] = h.deadline = h.held_to(t_ns, limits.timeout_s)
@@ -344,6 +345,7 @@ class RequestScheduler:
             return
         r = self.core.finished(msg.uid, time.monotonic())
         if r is None:  # cancelled or expired while it ran: nobody wants it
+            self._emit(("gone", msg.uid))
             return
         self.stats.completed += 1
         self.sample_later.setdefault(wid, []).append(r)  # once its chunk's step times are known
@@ -448,15 +450,16 @@ class RequestScheduler:
         self.cancelled[uid] = None
         while len(self.cancelled) > MAX_CANCELLED:
             self.cancelled.popitem(last=False)
+        known = uid in self.core.requests or uid in self.msgs
         self.msgs.pop(uid, None)
         self.shapes.pop(uid, None)
         self.fixed.pop(uid, None)
-        known = uid in self.core.requests
         cmd = self.core.cancel(uid)
         if cmd is not None:
             self._send(cmd.worker, [b"drop", orjson.dumps({"uids": list(cmd.uids)})])
         if known:
             log.info("uid=%s cancelled at %s", uid, self.stage)
+            self._emit(("gone", uid))  # no longer held here (every cancel event reaches every stage: only ours)
 
     # --- hung workers -----------------------------------------------------------------------
     def _reclaim_hung(self, now: float | None = None) -> None:

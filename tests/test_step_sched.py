@@ -131,6 +131,9 @@ def test_cancelled_in_flight_request_stops_at_a_step_boundary_and_frees_its_stat
                      5, "its state freed and the worker idle")
         freed = time.monotonic() - t0
         assert after["cancelled"] == before["cancelled"] + 1
+        # ... and it is no longer held: a stage that died would have it reported for nothing, and
+        # a move to the idle pool waited for its holdings to empty.
+        wait_for(lambda: denoise(up)["holding"] == 0, 5, "no longer held")
         assert after["completed"] == before["completed"] and after["failed"] == before["failed"]
         with pytest.raises(RequestFailed) as e:
             c.status(v["id"])
