@@ -168,7 +168,8 @@ class StageInstance:
             self._forwarder.close()
 
     def _start(self, stage: str) -> None:
-        log.info("%s serves stage %s, data at %s", self.member.id, stage, self.receiver.address)
+        # Not "serves": its workers load the models first; the NM routes to it once one is ready.
+        log.info("%s starts stage %s (loading its models), data at %s", self.member.id, stage, self.receiver.address)
         spec = self.workflow.stages[stage]
         self.runtime = StageRuntime(self.member.id, stage, self.workflow, self.base_dir, self.receiver, self.rdir,
                                     self.holdings, lambda: self.member.routes, self.stop.set,
