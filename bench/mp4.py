@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from onepiece.argtypes import count, out_dir
-from onepiece.bench.common import VideoShapes, cpu_name
+from onepiece.argtypes import VideoShapes, count, out_dir
+from onepiece.bench.common import cpu_name
 
 # None: the stage's own settings (X264_OPTIONS), read when the benchmark runs: every `onepiece`
 # command builds its parser from this module, and the stage functions would load torch for it.

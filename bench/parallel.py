@@ -28,8 +28,8 @@ from typing import Any
 
 import orjson
 
-from onepiece.argtypes import count, numbers, out_dir, torch_device
-from onepiece.bench.common import VideoShapes, cpu_name, model_dirs
+from onepiece.argtypes import VideoShapes, count, numbers, out_dir, torch_device
+from onepiece.bench.common import cpu_name, model_dirs
 
 MAX_DOP = 8
 

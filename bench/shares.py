@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from onepiece.argtypes import count, numbers, out_dir, torch_device
-from onepiece.bench.common import MAX_THREADS, VideoShapes
+from onepiece.argtypes import VideoShapes, count, numbers, out_dir, torch_device
+from onepiece.bench.common import MAX_THREADS
 
 SIZES = ("tiny", "scale", "wan2.1")  # stage/wan/tiny.py's PROFILES and REAL
 

@@ -113,6 +113,38 @@ def out_file(value: str) -> str:
     return value
 
 
+# The largest video a shipped workflow serves (deploy/wan21-real.yaml's limits): a shape a command
+# times or encodes stays within it (`bench mp4 --shapes 100000x100000x1` asked for 149 GiB of frames).
+MAX_VIDEO = (1280, 1280, 81)
+
+
+class VideoShapes:
+    """An argparse type: comma-separated ``WxHxFRAMES`` -> [(w, h, frames)], width and height
+    multiples of ``multiple`` and frames 4k+1 where ``requests`` (as a request's: what a cost
+    row prices), all within ``MAX_VIDEO``."""
+
+    def __init__(self, multiple: int = 16, requests: bool = True) -> None:
+        self.multiple, self.requests = multiple, requests
+        self.__name__ = "list"
+
+    def __call__(self, value: str) -> list[tuple[int, int, int]]:
+        mw, mh, mf = MAX_VIDEO
+        out = []
+        for item in value.split(","):
+            try:
+                w, h, f = (int(x) for x in item.lower().split("x"))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"bad shape {item!r}: expected WxHxFRAMES, e.g. 64x64x9") from None
+            if not (0 < w <= mw and 0 < h <= mh) or w % self.multiple or h % self.multiple:
+                raise argparse.ArgumentTypeError(f"bad shape {item!r}: width and height must be multiples of "
+                                                 f"{self.multiple} up to {mw}x{mh}")
+            if not 1 <= f <= mf or (self.requests and (f - 1) % 4):
+                raise argparse.ArgumentTypeError(f"bad shape {item!r}: frames must be "
+                                                 f"{'4k+1 (1, 5, 9, ...) ' if self.requests else ''}from 1 to {mf}")
+            out.append((w, h, f))
+        return out
+
+
 SHARE = Bounded(float, 0.0, 1.0, open_low=True)  # a share of something: above 0, at most 1
 PORT = count(0, 65535)  # 0: any free one
 SEED = count(0)

@@ -24,21 +24,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from onepiece.argtypes import count, numbers, out_file, torch_device
+from onepiece.argtypes import VideoShapes, count, numbers, out_file, torch_device
 from onepiece.config import Workflow, load_workflow
-
-
-def video_shape(item: str) -> tuple[int, int, int]:
-    """``WxHxFRAMES`` (an argparse type): width and height multiples of 16."""
-    try:
-        w, h, f = (int(x) for x in item.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad shape {item!r}: expected WxHxFRAMES, e.g. 64x64x9") from None
-    if min(w, h, f) < 1 or w % 16 or h % 16:
-        raise argparse.ArgumentTypeError(f"bad shape {item!r}: width and height must be positive multiples of 16")
-    if (f - 1) % 4:  # what a request may ask for (proxy/validation.py): another row prices nothing
-        raise argparse.ArgumentTypeError(f"bad shape {item!r}: frames must be 4k+1 (1, 5, 9, ...), as a request's are")
-    return w, h, f
 
 
 def timed(fn: Callable[[], Any], sync: Callable[[], None], warmup: int, repeat: int) -> float:
@@ -58,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workflow", help="workflow YAML (default: the shipped one of --profile)")
     p.add_argument("--profile", choices=["tiny", "scale"], default="tiny", help="without --workflow: which shipped one")
     p.add_argument("--stage", action="append", help="a stage to profile (repeatable; default: every stage)")
-    p.add_argument("--shapes", type=lambda v: [video_shape(x) for x in v.split(",")], default=[(64, 64, 9)],
+    p.add_argument("--shapes", type=VideoShapes(), default=[(64, 64, 9)],
                    help="comma-separated WxHxFRAMES (default 64x64x9)")
     p.add_argument("--batch", type=numbers(count(1, 64)), default=[1, 2, 4, 8],
                    help="batch sizes of stepped stages, each at most 64 as a schedule's max_batch (default 1,2,4,8)")
