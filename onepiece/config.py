@@ -419,12 +419,16 @@ class ProxySpec(_Strict):
         return keys
 
 
+MAX_INSTANCES = 64  # of one stage in one set (and in its idle pool)
+
+
 class SetSpec(_Strict):
     name: str = Field("set0", pattern=SET_NAME)
     proxy: ProxySpec = ProxySpec()
     db: DbSpec = DbSpec()
     stages: dict[str, int] = Field(description="instances per stage")
-    idle: int = Field(0, ge=0, le=64, description="instances started in the idle pool, for the NM to assign")
+    idle: int = Field(0, ge=0, le=MAX_INSTANCES, description="instances started in the idle pool, for the NM to "
+                                                             "assign")
     min: dict[str, int] = Field(default_factory=dict, description="instances a stage keeps when the NM moves "
                                                                    "some away (default 1 if it starts with any)")
 
@@ -432,8 +436,8 @@ class SetSpec(_Strict):
     @classmethod
     def _counts(cls, v: dict[str, int]) -> dict[str, int]:
         for k, n in v.items():
-            if not isinstance(n, int) or n < 0 or n > 64:
-                raise ValueError(f"{k}: expected an instance count between 0 and 64, got {n!r}")
+            if not isinstance(n, int) or n < 0 or n > MAX_INSTANCES:
+                raise ValueError(f"{k}: expected an instance count between 0 and {MAX_INSTANCES}, got {n!r}")
         return v
 
     @model_validator(mode="after")

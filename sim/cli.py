@@ -21,7 +21,8 @@ from pydantic import ValidationError
 
 from onepiece.argtypes import SEED, SHARE, between, count, non_negative, numbers, out_dir, positive
 from onepiece.bench.trace import Trace, TraceError, load_trace, summarize
-from onepiece.config import ConfigError, ElasticSpec, ProxySpec, Topology, Workflow, load_topology, load_workflow
+from onepiece.config import (MAX_INSTANCES, ConfigError, ElasticSpec, ProxySpec, Topology, Workflow, load_topology,
+                              load_workflow)
 from onepiece.sched.costs import MAX_STEP_CV, TableError
 from onepiece.sched.options import ScheduleSpec
 from onepiece.schema import checked, first_error
@@ -61,7 +62,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 MAX_SETS = 10_000  # 100,000 devices at 10 a set: plan's own bound (sim/plan.py MAX_DEVICES)
-MAX_PER_STAGE = 64  # instances of a stage in a set, as a topology allows
 
 
 def _counts(value: str) -> dict[str, int]:
@@ -76,8 +76,8 @@ def _counts(value: str) -> dict[str, int]:
             raise argparse.ArgumentTypeError(f"bad {item!r}: expected STAGE=COUNT, e.g. denoise_t2v=2")
         if stage in out:
             raise argparse.ArgumentTypeError(f"{stage} is given twice in {value!r}")
-        if not 1 <= k <= MAX_PER_STAGE:
-            raise argparse.ArgumentTypeError(f"bad {item!r}: between 1 and {MAX_PER_STAGE} (as a topology allows)")
+        if not 1 <= k <= MAX_INSTANCES:
+            raise argparse.ArgumentTypeError(f"bad {item!r}: between 1 and {MAX_INSTANCES} (as a topology allows)")
         out[stage] = k
     return out
 

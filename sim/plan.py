@@ -24,14 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from onepiece.bench.trace import Trace, summarize
-from onepiece.config import ElasticSpec, NmSpec, SetSpec, StageSpec, Topology, Workflow
+from onepiece.config import MAX_INSTANCES, ElasticSpec, NmSpec, SetSpec, StageSpec, Topology, Workflow
 from onepiece.sched.keys import call_key
 from onepiece.sched.options import ScheduleSpec
 from onepiece.sim.costs import CostTable
 from onepiece.sim.engine import HOP_S, MOVE_S, Journey, SimInputError, Simulation
 
 MAX_DEVICES = 100_000
-MAX_ELASTIC = 64  # instances of a stage in one set, as a topology allows
 
 
 @dataclass
@@ -50,8 +49,8 @@ def attainment(wf: Workflow, counts: dict[str, int], costs: CostTable, trace: Tr
     them); SLO attainment over all requests, and the GPUs the set holds."""
     topo = None
     if elastic is not None:
-        if max(counts.values()) > MAX_ELASTIC:
-            raise SimInputError(f"with elastic moves a set holds at most {MAX_ELASTIC} instances of a stage "
+        if max(counts.values()) > MAX_INSTANCES:
+            raise SimInputError(f"with elastic moves a set holds at most {MAX_INSTANCES} instances of a stage "
                                 f"(asked for {counts}); plan several sets, or without --elastic")
         topo = Topology(workflow="(planned)", nm=NmSpec(elastic=elastic), sets=[SetSpec(name="set0", stages=counts)])
     sim = Simulation(wf, {"set0": counts}, costs, hop_s=hop_s, keep_chunks=False, elastic=topo, move_s=move_s,
