@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -100,12 +100,17 @@ STEPPED_FUNCTIONS = frozenset({"denoise"})
 # application kinds it serves and the components it uses, so that a workflow naming another
 # function, a component it lacks, or its stages out of order is refused before anything starts
 # (each started, crash-looped its workers, and `onepiece up` waited out its ready timeout).
-FUNCTIONS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
-    "text_encode": (frozenset({"t2v", "i2v"}), frozenset({"text_encoder", "tokenizer"})),
-    "image_encode": (frozenset({"i2v"}), frozenset({"image_encoder", "image_processor"})),
-    "vae_encode": (frozenset({"i2v"}), frozenset({"vae"})),
-    "denoise": (frozenset({"t2v", "i2v"}), frozenset({"transformer", "scheduler"})),
-    "vae_decode": (frozenset({"t2v", "i2v"}), frozenset({"vae"})),
+class Function(NamedTuple):
+    kinds: frozenset[str]  # the application kinds it serves
+    components: frozenset[str]  # what it loads
+
+
+FUNCTIONS: dict[str, Function] = {
+    "text_encode": Function(frozenset({"t2v", "i2v"}), frozenset({"text_encoder", "tokenizer"})),
+    "image_encode": Function(frozenset({"i2v"}), frozenset({"image_encoder", "image_processor"})),
+    "vae_encode": Function(frozenset({"i2v"}), frozenset({"vae"})),
+    "denoise": Function(frozenset({"t2v", "i2v"}), frozenset({"transformer", "scheduler"})),
+    "vae_decode": Function(frozenset({"t2v", "i2v"}), frozenset({"vae"})),
 }
 # What an application of a kind runs, by function: its encoders in any order, then denoise and
 # vae_decode (each function reads what the ones before it added to the message).
@@ -214,9 +219,9 @@ class Workflow(_Strict):
             if fn not in FUNCTIONS:
                 raise ValueError(f"stages.{name}.function: unknown stage function {fn!r} (known: {sorted(FUNCTIONS)})"
                                  + ("" if st.function else f"; a stage named {name!r} needs its function: set"))
-            lacking = FUNCTIONS[fn][1] - set(st.components)
+            lacking = FUNCTIONS[fn].components - set(st.components)
             if lacking:
-                raise ValueError(f"stages.{name}.components: function {fn!r} needs {sorted(FUNCTIONS[fn][1])}, "
+                raise ValueError(f"stages.{name}.components: function {fn!r} needs {sorted(FUNCTIONS[fn].components)}, "
                                  f"lacks {sorted(lacking)}")
             if st.mode == "collaboration" and self.function_of(name) not in PARALLEL_FUNCTIONS:
                 raise ValueError(f"stages.{name}.mode: collaboration needs a stage function that steps in parallel "
@@ -233,9 +238,9 @@ class Workflow(_Strict):
                 raise ValueError(f"applications.{app}.stages: a stage is listed twice ({spec.stages})")
             fns = [self.function_of(st) for st in spec.stages]
             for st, fn in zip(spec.stages, fns):
-                if spec.kind not in FUNCTIONS[fn][0]:
+                if spec.kind not in FUNCTIONS[fn].kinds:
                     raise ValueError(f"applications.{app}.stages: stage {st!r} runs {fn!r}, which serves "
-                                     f"{sorted(FUNCTIONS[fn][0])}, not {spec.kind}")
+                                     f"{sorted(FUNCTIONS[fn].kinds)}, not {spec.kind}")
             if set(fns[:-2]) != PIPELINES[spec.kind] or tuple(fns[-2:]) != LAST or len(fns) != len(set(fns)):
                 raise ValueError(f"applications.{app}.stages: a {spec.kind} application runs "
                                  f"{' and '.join(sorted(PIPELINES[spec.kind]))} (any order), then denoise, then "
