@@ -11,8 +11,9 @@ M = TypeVar("M", bound=BaseModel)
 # A uid or a name in any message: a non-empty string, bounded, with no control characters (a
 # newline in a uid split log lines) (what every role's schemas share).
 MAX_NAME = 128
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-Name = Annotated[StrictStr, Field(min_length=1, max_length=MAX_NAME, pattern=r"^[^\x00-\x1f\x7f]+$")]
+_CONTROL_CHARS = r"\x00-\x1f\x7f"
+_CONTROL = re.compile(f"[{_CONTROL_CHARS}]")
+Name = Annotated[StrictStr, Field(min_length=1, max_length=MAX_NAME, pattern=f"^[^{_CONTROL_CHARS}]+$")]
 
 
 # A workflow set's name: it ends up in process names, log files, ipc socket paths and key file
