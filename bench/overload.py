@@ -429,7 +429,10 @@ async def session(t: Target, mode: str, cfg: argparse.Namespace, levels: list[fl
                 source = "closed-loop" if cfg.capacity_source == "closed-loop" else \
                     "closed-loop (the NM had no estimate)"
             else:
-                raise RuntimeError("no capacity: the NM has no estimate and the warm-up measured no throughput")
+                # A fact of this run, not a bad flag: one line, not a traceback (the deployment still stops).
+                raise SystemExit(f"onepiece bench overload: no capacity: the NM has no estimate after {2 + cfg.warmup} "
+                                 "warm-up requests and the warm-up measured no throughput; give --capacity, "
+                                 "or --warmup 3 or more")
             log(f"[monitor {mode}] base capacity C = {base:.2f} req/s ({source})")
         else:
             source = None  # set by an earlier run

@@ -255,6 +255,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     wf = load_workflow(wf_path)
     paths = {name: wf.model_path(name, wf_path.parent) for name in wf.models}
     if args.action == "list":
+        # Exit 1 when a model is not whole: a script can check with it before `onepiece up`.
+        whole = True
         for name, spec in wf.models.items():
             problems = model_problems(paths[name])
             state = "present" if not problems else \
@@ -264,7 +266,8 @@ def cmd_models(args: argparse.Namespace) -> int:
             if state == "broken":  # which component, which file
                 for p in problems:
                     print(f"{'':12s}   {p}")
-        return 0
+            whole = whole and not problems
+        return 0 if whole else 1
     try:  # a folder it cannot write, or one holding something else: one line, not a traceback
         for name, spec in wf.models.items():
             if spec.tiny and (paths[name] / MARKER).is_file() and (why := model_problems(paths[name])):
@@ -507,7 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     _curve_flags(sp, auth=False)
     sp.set_defaults(fn=cmd_move)
 
-    sp = sub.add_parser("models", help="build or list the models of a workflow")
+    sp = sub.add_parser("models", help="build or list the models of a workflow (list exits 1 if one is not whole)")
     sp.add_argument("action", choices=["build", "list"])
     sp.add_argument("--workflow", help="workflow YAML (default: the shipped one of --profile)")
     sp.add_argument("--profile", choices=sorted(PROFILE_WORKFLOWS), default="tiny",

@@ -304,9 +304,13 @@ class Deployment:
         for s in self.topo.sets:
             st = status["sets"].get(s.name, {})
             for stage, want in s.stages.items():
-                ready = sum(1 for i in st.get("stages", {}).get(stage, {}).get("instances", []) if i["ready"])
+                instances = st.get("stages", {}).get(stage, {}).get("instances", [])
+                ready = sum(1 for i in instances if i["ready"])
                 if ready < want:
-                    out.append(f"{s.name}/{stage} {ready}/{want}")
+                    # A worker that cannot load its models says why (stage/worker.py): so does this.
+                    why = {e for i in instances if (e := (i.get("stats") or {}).get("worker_error"))}
+                    out.append(f"{s.name}/{stage} {ready}/{want}"
+                               + "".join(f" (a worker cannot load its models: {e})" for e in sorted(why)))
             if len(st.get("idle", [])) < s.idle:
                 out.append(f"{s.name}/idle pool {len(st.get('idle', []))}/{s.idle}")
             if len(st.get("dbs", [])) < s.db.count:
@@ -326,6 +330,7 @@ class Deployment:
         client = NmClient(self.nm_address, timeout=1.0, retries=0)
         deadline = time.monotonic() + timeout
         lacking: list[str] = ["node manager"]
+        told: set[str] = set()
         try:
             while time.monotonic() < deadline and not (stop and stop.is_set()):
                 for c in self.children:
@@ -337,6 +342,11 @@ class Deployment:
                         return client.proxies()
                 except RpcError:
                     pass
+                # A cause known now is said now, not at the timeout (its worker keeps retrying).
+                for line in lacking:
+                    if "cannot load" in line and line not in told:
+                        told.add(line)
+                        print(f"onepiece: waiting for {line}; logs in {self.log_dir}", file=sys.stderr, flush=True)
                 time.sleep(0.2)
         finally:
             client.close()

@@ -23,6 +23,10 @@ class Ready(_Report):
     ranks: Annotated[int, Field(ge=1, le=1024, strict=True)] = 1  # a collaboration group's size
 
 
+class Broken(_Report):
+    error: Annotated[StrictStr, Field(max_length=1 << 16)]  # why its models failed to load
+
+
 class Admitted(_Report):
     uid: Uid
     nbytes: Annotated[int, Field(ge=0, strict=True)]
@@ -44,5 +48,5 @@ class Idle(_Report):
     exec_s: Seconds
 
 
-REPORTS: dict[bytes, type[_Report]] = {b"ready": Ready, b"admitted": Admitted, b"progress": Progress,
-                                       b"failed": Failed, b"idle": Idle}
+REPORTS: dict[bytes, type[_Report]] = {b"ready": Ready, b"broken": Broken, b"admitted": Admitted,
+                                       b"progress": Progress, b"failed": Failed, b"idle": Idle}

@@ -40,7 +40,7 @@ from onepiece.sched.deadlines import stage_request
 from onepiece.sched.keys import at_dop, call_key, compat_key, shape_key
 from onepiece.sched.policy import Request
 from onepiece.schema import checked, is_name
-from onepiece.stage.reports import REPORTS, Admitted, Failed, Idle, Progress, Ready
+from onepiece.stage.reports import REPORTS, Admitted, Broken, Failed, Idle, Progress, Ready
 from onepiece.stage.service_times import ServiceTimes
 from onepiece.stage.stats import SchedulerStats
 from onepiece.task_header import TaskHeader
@@ -303,6 +303,10 @@ class RequestScheduler:
             self.born[ident] = time.monotonic()
             self.running.pop(ident, None)
             self.stats.serving = True
+            self.stats.worker_error = ""
+        elif isinstance(info, Broken):  # it exits: its death is handled as any other
+            log.error("worker %s of %s cannot load its models: %s", wid, self.stage, info.error)
+            self.stats.worker_error = info.error
         elif isinstance(info, Admitted):
             self.core.admitted(wid, info.uid, info.nbytes)
         elif isinstance(info, Progress):

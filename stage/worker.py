@@ -14,7 +14,7 @@ resident and does what the scheduler (sched/core.py, through stage/scheduler.py)
 It talks to the scheduler over a ZMQ DEALER socket:
 
 - worker → scheduler: ``[b"ready", {stepped: {app: bool}, ranks}]`` (ranks: a collaboration
-  group's size, else 1), ``[b"admitted", {uid, nbytes}]``,
+  group's size, else 1), ``[b"broken", {error}]`` (its models failed to load; it exits), ``[b"admitted", {uid, nbytes}]``,
   ``[b"progress", {uid, fraction}]``, ``[b"done", *message frames]``, ``[b"failed", {uid,
   error}]`` and, when a ``run`` ends, ``[b"idle", {steps: [[uids, seconds], ...], fixed: {uid:
   seconds preparing and finishing}, exec_s}]``;
@@ -54,6 +54,7 @@ PROGRESS_EVERY_S = 0.2  # progress reports are throttled; the DB only needs a fe
 # waking (a nice value alone still lets a busy worker finish its time slice first).
 NICE = 10
 GROUP_TIMEOUT_S = 30.0  # a collective that waits longer: a rank is gone (its instance restarts the group)
+BROKEN_CHARS = 2000  # of a load error told to the scheduler (the whole traceback is in the log)
 TICK_S = 1.0  # a group's rank 0 hands on an empty command at least this often while idle
 
 
@@ -321,7 +322,15 @@ def main(config: dict[str, Any]) -> None:
         sock.connect(config["scheduler"])
 
     t0 = time.monotonic()
-    components = load_components(Path(config["model_dir"]), config["components"], config["device"])
+    try:
+        components = load_components(Path(config["model_dir"]), config["components"], config["device"])
+    except Exception as e:
+        # Said to the scheduler too (the NM's status and `onepiece up` show it): otherwise the
+        # cause of a stage that never gets ready is only in this log. The traceback follows there.
+        if sock is not None:
+            sock.send_multipart([b"broken", orjson.dumps({"error": f"{type(e).__name__}: {e}"[:BROKEN_CHARS]})])
+            zmq.Context.instance().destroy(linger=1000)  # delivered before the exit
+        raise
     ctx = StageContext(components, config["device"])
     log.info("loaded %s for stage %s in %.1fs (%s torch threads)", config["components"], stage,
              time.monotonic() - t0, torch.get_num_threads() if threads is None else f"1 or {torch.get_num_threads()}")

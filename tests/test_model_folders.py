@@ -108,7 +108,9 @@ def test_models_command_says_what_is_wrong(tiny_models, tmp_path, capsys) -> Non
     real = shutil.copytree(tiny_models["t2v"], tmp_path / "real")  # no MARKER, no `tiny:`: real weights
     (real / MARKER).unlink()
     os.truncate(real / WEIGHTS, 1000)
-    assert _models(["models", "list", "--workflow", workflow(real, tiny=False)]) == 0
+    assert _models(["models", "list", "--workflow", workflow(tiny_models["t2v"])]) == 0
+    assert "present" in capsys.readouterr().out
+    assert _models(["models", "list", "--workflow", workflow(real, tiny=False)]) == 1
     out = capsys.readouterr().out
     assert "broken" in out and WEIGHTS in out
     assert _models(["models", "build", "--workflow", workflow(real, tiny=False)]) == 1

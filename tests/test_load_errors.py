@@ -1,0 +1,57 @@
+"""A stage whose worker cannot load its models says why where the user looks: `onepiece up`'s
+output (at once, not at its ready timeout), `onepiece status`, and the NM's status. Real
+processes: a deployment whose transformer's config disagrees with its weights, which passes the
+file check before start (every file is whole) and fails in diffusers' own loading."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from deployment import Up
+from onepiece.launcher import free_tcp_address
+from onepiece.nm.client import NmClient
+from waiting import wait_for
+from workflows import t2v_only
+
+pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+
+
+def test_a_worker_that_cannot_load_its_models_says_why(tiny_models, tmp_path) -> None:
+    model = shutil.copytree(tiny_models["t2v"], tmp_path / "model")
+    config = model / "transformer" / "config.json"
+    doc = json.loads(config.read_text())
+    doc["ffn_dim"] += 16  # the weights' shapes no longer match: diffusers refuses them
+    config.write_text(json.dumps(doc))
+    (tmp_path / "wf.yaml").write_text(yaml.safe_dump(t2v_only({"m": {"path": str(model)}}, "m")))
+    nm = free_tcp_address()
+    (tmp_path / "topology.yaml").write_text(yaml.safe_dump({
+        "workflow": "wf.yaml", "nm": {"address": nm, "heartbeat_s": 0.25},
+        "sets": [{"name": "set0", "proxy": {"count": 1, "port": 0}, "db": {"count": 1},
+                  "stages": {"text_encode": 1, "denoise": 1, "vae_decode": 1}}]}))
+    up = Up(tmp_path / "topology.yaml", tmp_path / "logs", nm)
+    try:
+        line = up.wait_for(r"waiting for set0/denoise 0/1 \(a worker cannot load its models", timeout=180)
+        assert "ValueError: Cannot load" in line.string and "ffn" in line.string, line.string
+
+        client = NmClient(nm, timeout=2.0)
+        try:
+            def denoise() -> dict | None:
+                (i,) = client.status()["sets"]["set0"]["stages"]["denoise"]["instances"]
+                return i if i["stats"].get("worker_error") else None
+
+            instance = wait_for(denoise, timeout=30, what="the NM's status to carry the load error")
+            assert not instance["ready"] and instance["stats"]["worker_error"].startswith("ValueError: Cannot load")
+        finally:
+            client.close()
+        shown = subprocess.run([sys.executable, "-m", "onepiece", "status", "--nm", nm],
+                               capture_output=True, text=True, timeout=60)
+        assert "worker cannot load its models: ValueError: Cannot load" in shown.stdout, shown.stdout + shown.stderr
+        assert up.proc.poll() is None  # it keeps waiting (the worker retries): a fixed file is picked up
+    finally:
+        up.stop()
