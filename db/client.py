@@ -173,6 +173,21 @@ class _Failover:
                 return merge_pages(pages, limit, order == "desc")
         raise DbUnavailable(f"list: no DB answered: {'; '.join(errors)}")
 
+    def _running(self, before: float) -> Plan:
+        """Every answering DB's records not finished yet, created before ``before``, by uid
+        (a record several hold is listed once); a DB that does not answer is passed over."""
+        out: dict[str, dict[str, Any]] = {}
+        for address in self.addresses:
+            try:
+                reply, _ = yield address, "running", {"before": before}
+            except RpcTimeout:
+                continue
+            except RpcError as e:
+                raise DbError(_reason(e, "running")) from None
+            for rec in reply["records"]:
+                out.setdefault(rec["uid"], rec)
+        return out
+
     def _stats(self) -> Plan:
         out: dict[str, dict[str, Any]] = {}
         for address in self.addresses:
@@ -244,6 +259,11 @@ class DbClient(_Failover):
         """Mark the record: its proxy handed it over (proxy/idempotency.py); the record, None
         where no DB has it."""
         return self._run(self._get(uid, owner, op="handed"))
+
+    def running(self, before: float) -> dict[str, dict[str, Any]]:
+        """uid -> where it is (uid, app, status, stage), for the requests not finished yet that
+        were created before ``before`` (seconds since the epoch), as the DBs that answer see them."""
+        return self._run(self._running(before))
 
     def state(self, uid: str) -> dict[str, Any] | None:
         """As ``get``, but only where the request is (uid, app, status, stage): what a member

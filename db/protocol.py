@@ -13,7 +13,8 @@ Writes arrive on the DB's data address (any transport) as messages whose header 
   the records placement gives it (``db/server.py``), as ``replica`` messages.
 
 Reads and the proxy's synchronous ``create`` go to the DB's control address (RPC ops, see
-``db/server.py``): ``create``, ``get``, ``content``, ``delete``, ``list``, ``stats``. Reads,
+``db/server.py``): ``create``, ``get``, ``content``, ``delete``, ``list``, ``stats``, and ``state`` and ``running`` (where
+requests are, for the NM). Reads,
 deletes and lists may name an ``owner`` (the key tag the record was created with): a record of
 another owner is then "not found", so its id leaks nothing.
 Terminal transitions are published on the DB's events address as ``[b"done", json]``.
@@ -129,9 +130,20 @@ class NoArgs(_Args):
     """``stats`` and ``ping``."""
 
 
+MAX_RUNNING = 4096  # records one ``running`` answer lists (the NM looks again soon)
+
+
+class RunningArgs(_Args):
+    """``running``: the records not finished yet that were created before ``before`` (seconds
+    since the epoch), oldest first: what the NM's sweep for unheld requests reads (nm/orphans.py)."""
+
+    before: Seconds
+    limit: Annotated[StrictInt, Field(ge=1, le=MAX_RUNNING)] = MAX_RUNNING
+
+
 RPC_SCHEMAS: dict[str, type[BaseModel]] = {
     "create": CreateArgs, "get": UidArgs, "content": UidArgs, "delete": DeleteArgs, "list": ListArgs,
-    "state": UidArgs, "stats": NoArgs, "ping": NoArgs, "handed": UidArgs,
+    "state": UidArgs, "stats": NoArgs, "ping": NoArgs, "handed": UidArgs, "running": RunningArgs,
 }
 # What only the proxies of the DB's set may do (with CURVE, by the key a client proved;
 # transport/rpc.py): users' records hold their prompts and results. Other members see where a

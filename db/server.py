@@ -92,7 +92,7 @@ from prometheus_client import Counter, Gauge
 from onepiece.db.placement import order_dbs
 from onepiece.db.protocol import (CONTENT, DATA_SCHEMAS, PROXY_OPS, RPC_SCHEMAS, TERMINAL, CreateArgs, DeleteArgs,
                                   FailedReport, HelloMessage, ListArgs, PurgeMessage, ReplicaMessage, ResultReport,
-                                  StatusReport, UidArgs)
+                                  RunningArgs, StatusReport, UidArgs)
 from onepiece.db.store import DEADLINE_GRACE_S, Change, Gone, InvalidUpdate, NotFound, ResultStore, StoreFull
 from onepiece.droplog import log_dropped
 from onepiece.events import CANCEL, DONE, event_frames
@@ -239,7 +239,7 @@ class DbServer:
             self.rpc = RpcServer(control_address, {
                 "create": self._op_create, "get": self._op_get, "content": self._op_content, "handed": self._op_handed,
                 "delete": self._op_delete, "list": self._op_list, "state": self._op_state, "stats": self._op_stats,
-                "ping": self._op_ping,
+                "ping": self._op_ping, "running": self._op_running,
             }, RPC_SCHEMAS, {op: readers for op in PROXY_OPS})
             self.control_address = self.rpc.address
             self.pub = zmq.Context.instance().socket(zmq.PUB)
@@ -517,6 +517,11 @@ class DbServer:
         if rec is None:
             raise NotFound(f"not found: {req.uid}")
         return {"record": {k: rec.get(k) for k in ("uid", "app", "status", "stage")}}
+
+    def _op_running(self, req: RunningArgs, blobs: list) -> dict:
+        """The requests not finished yet, where they are (any member may ask, as for ``state``)."""
+        READS.labels(self.name, "running").inc()
+        return {"records": self.store.running(req.before, req.limit)}
 
     def _op_content(self, req: UidArgs, blobs: list) -> tuple[dict, list]:
         uid, rec = self._owned(req)

@@ -162,6 +162,15 @@ class ResultStore:
         uids, more = self._index.page(owner, after, limit, descending)
         return [{k: v for k, v in self._records[uid].items() if k != "trace"} for uid in uids], more
 
+    def running(self, before: float, limit: int) -> list[dict[str, Any]]:
+        """Up to ``limit`` records not finished yet and created before ``before``, oldest first:
+        where each is (uid, app, status, stage), whether an ``Idempotency-Key`` made it and
+        whether its proxy marked it handed over (proxy/idempotency.py), nothing of what it holds."""
+        recs = sorted((r for r in self._records.values()
+                       if r["status"] not in TERMINAL and r["created_at"] < before), key=lambda r: r["created_at"])
+        return [{**{k: r.get(k) for k in ("uid", "app", "status", "stage")},
+                 "idempotent": bool(r.get("request_hash")), "handed": bool(r.get("handed"))} for r in recs[:limit]]
+
     def __contains__(self, uid: object) -> bool:
         return uid in self._records
 

@@ -182,6 +182,8 @@ class HaNodeManager(NodeManager):
                 self._saved()
             except NotPrimary as e:  # what is unsaved stays in state.dirty; saved on a later turn
                 log.warning("%s", e)
+        if self.primary and not self.suspended:
+            self._look_for_orphans()  # once every stage instance has heartbeated to this primary
         if self.primary and not self.suspended and time.monotonic() >= self._next_audit:
             # A safety net under the members watch: compare with the member nodes now and then.
             self._next_audit = time.monotonic() + AUDIT_S

@@ -46,6 +46,7 @@ class Job:
     uids: list[str]
     dbs: list[dict[str, str]]
     reason: str
+    error: str | None = None  # the failure's text, when not that of an instance's death
 
 
 class Reaper:
@@ -57,12 +58,13 @@ class Reaper:
         self._thread.start()
 
     def submit(self, instance: str, stage: str | None, uids: list[str], dbs: list[dict[str, str]],
-               reason: str) -> bool:
-        """Queue a dead instance's last known UIDs; False if there is nothing to do or no room."""
+               reason: str, error: str | None = None) -> bool:
+        """Queue a dead instance's last known UIDs; False if there is nothing to do or no room.
+        ``error``: the failure's text (default: that ``instance`` died holding them)."""
         if not uids or not stage or not dbs:
             return False
         try:
-            self._jobs.put_nowait(Job(instance, stage, list(uids)[:MAX_UIDS], list(dbs), reason))
+            self._jobs.put_nowait(Job(instance, stage, list(uids)[:MAX_UIDS], list(dbs), reason, error))
             return True
         except queue.Full:
             log.error("reaper queue full: the %d requests %s held are left to the deadline sweep",
@@ -114,7 +116,7 @@ class Reaper:
                 rec = self._read(reader, uid, job.instance)
                 if rec is None or self._moved_on(rec, job.stage):
                     continue
-                error = f"{job.reason}: instance {job.instance} of stage {job.stage} died while holding the request"
+                error = job.error or f"{job.reason}: instance {job.instance} of stage {job.stage} died while holding the request"
                 msg = Message({"uid": uid, "kind": "failed", "stage": job.stage, "error": error})
                 for db in order_dbs(uid, job.dbs):
                     try:

@@ -35,6 +35,7 @@ from onepiece.nm.fencing import Fences
 from onepiece.nm import identity
 from onepiece.nm.elastic import Elastic, Move
 from onepiece.nm.liveness import Liveness, LivenessSpec
+from onepiece.nm.orphans import REASON as UNHELD, Look, OrphanSweep
 from onepiece.nm.protocol import SCHEMAS, HeartbeatArgs, Holdings, InstanceArgs, MoveArgs, RegisterArgs, SetArgs
 from onepiece.nm.reaper import MAX_UIDS, Reaper
 from onepiece.schema import is_name, problem as problem_of
@@ -75,10 +76,15 @@ class NodeManager:
         # a member backing off after failed heartbeats on a loaded machine). Until then members
         # keep the routes they hold, and proxies get no capacity view.
         self._settle_until: float | None = time.monotonic() + self.liveness.spec.limit_s
+        # Requests that a stage took with it while no NM heard it (nm/orphans.py): two looks
+        # this far apart, much wider than a heartbeat and a hand-over between stages.
+        self.orphans = OrphanSweep(self.liveness.spec.limit_s, self._orphaned)
+        self._next_look = 0.0
         try:
             self.rpc = RpcServer(address or topology.nm.address, self._handlers(), SCHEMAS)
         except BaseException:  # (the address is taken): no reaper thread left behind
             self.reaper.close()
+            self.orphans.close()
             raise
         self.address = self.rpc.address
 
@@ -152,6 +158,38 @@ class NodeManager:
                 self._dropped(inst, why)
         self.elastic.tick(self.state)
         self._saved()
+        if not self._settling():
+            self._look_for_orphans()
+
+    def _look_for_orphans(self) -> None:
+        """Hand the sweep each set's DBs and holdings now and then (nm/orphans.py), once every
+        live member could have registered and while every stage instance has reported what it
+        holds to this NM (not one that has yet to heartbeat after a restart or a takeover)."""
+        now = time.monotonic()
+        if now < self._next_look:
+            return
+        self._next_look = now + self.orphans.gap_s / 2
+        fresh_s = 2 * self.topology.nm.heartbeat_s
+        for set_name in self.state.sets:
+            stages = self.state.stage_instances(set_name)
+            dbs = self.state.routes(set_name)["dbs"]
+            if dbs and all(i.heard for i in stages):
+                blind = any(_queue_full(i.stats) or now - i.last_seen > fresh_s for i in stages)
+                # Only requests old enough to be held by now (a proxy's hand-over retries last seconds).
+                self.orphans.submit(Look(set_name, dbs, {u for i in stages for u in i.holding},
+                                         time.time() - 2 * self.orphans.gap_s, blind=blind))
+
+    def _orphaned(self, set_name: str, dbs: list[dict[str, str]], records: dict[str, dict]) -> None:
+        """(The sweep's thread.) Report failed, through the reaper, requests no live instance held."""
+        by_stage: dict[str, list[str]] = {}
+        for uid, rec in records.items():
+            app = self.workflow.applications.get(rec.get("app") or "")
+            stage = rec.get("stage") or (app.stages[0] if app is not None else "")
+            by_stage.setdefault(stage, []).append(uid)
+        for stage, uids in by_stage.items():
+            error = (f"{UNHELD}: the request was at stage {stage} when the instance that held it was lost "
+                     "while no node manager heard it")
+            self.reaper.submit("(unknown)", stage, uids, dbs, UNHELD, error)
 
     def _dropped(self, inst: Instance, reason: str) -> None:
         """An instance died (it did not leave): report as failed what it held at its last
@@ -331,6 +369,13 @@ class NodeManager:
     def close(self) -> None:
         self.rpc.close()
         self.reaper.close()
+        self.orphans.close()
+
+
+def _queue_full(stats: dict[str, Any]) -> bool:
+    """Whether a stage's last heartbeat reported its queue full (it then reads no more messages)."""
+    q, cap = stats.get("queue"), stats.get("capacity")
+    return isinstance(q, int) and isinstance(cap, int) and q >= cap
 
 
 class NmMetrics:

@@ -1,0 +1,131 @@
+"""Requests that no live stage instance holds are reported failed (nm/orphans.py): a stage that
+died while no NM heard it (the embedded NM restarting) left its requests `in_progress` until
+their deadline, because the NM that knew its holdings died with them. The decision is tested
+directly; the whole path with real processes: `onepiece up`, its NM and then its denoise stage
+SIGKILLed while the stage holds a request."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import psutil
+import pytest
+
+from onepiece.client import Client
+from onepiece.db.store import ResultStore
+from onepiece.launcher import free_tcp_address
+from onepiece.nm.orphans import Unheld
+
+from deployment import Up
+from waiting import wait_for
+
+pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+
+
+def test_a_request_unheld_at_two_looks_a_gap_apart_is_reported_once() -> None:
+    u = Unheld(gap_s=2.0)
+    running = {"a": {}, "b": {}, "c": {}}
+    assert u.look(0.0, running, {"c"}) == []
+    assert u.look(1.0, running, {"b", "c"}) == []  # too soon for a; b is held again
+    assert u.look(2.5, running, {"c"}) == ["a"]  # a: unheld since 0.0; b: only since 2.5
+    assert u.look(3.0, {"b": {}, "c": {}}, {"c"}) == []  # a was reported: forgotten
+    assert u.look(4.0, {"b": {}, "c": {}}, {"c"}) == []  # b: since 2.5, 1.5 s
+    assert u.look(4.6, {"b": {}, "c": {}}, {"c"}) == ["b"]
+    # One that finished meanwhile (no longer running) starts again if it shows up unheld later.
+    assert u.look(5.0, {"d": {}}, set()) == [] and u.look(6.0, {}, set()) == [] and u.look(7.0, {"d": {}}, set()) == []
+    assert u.look(9.0, {"d": {}}, set()) == ["d"]
+    # An idempotent create never handed over waits for its client's retry, which hands it over.
+    idem = {"e": {"status": "queued", "idempotent": True, "handed": False},
+            "f": {"status": "queued", "idempotent": True, "handed": True}}
+    assert u.look(10.0, idem, set()) == [] and u.look(13.0, idem, set()) == ["f"]
+
+
+def test_the_store_lists_the_unfinished_requests_oldest_first(tmp_path) -> None:
+    now = [100.0]
+    store = ResultStore(ttl_s=60, max_bytes=1 << 20, clock=lambda: now[0])
+    for uid in ["u3", "u1", "u2", "u4"]:  # created at 100, 101, 102, 103
+        store.create({"uid": uid, "app": "t2v"})
+        now[0] += 1
+    store.set_status("u1", "in_progress", stage="denoise_t2v")
+    store.fail("u2", "denoise_t2v", "boom")
+    assert store.running(before=103.0, limit=10) == [
+        {"uid": "u3", "app": "t2v", "status": "queued", "stage": "", "idempotent": False, "handed": False},
+        {"uid": "u1", "app": "t2v", "status": "in_progress", "stage": "denoise_t2v", "idempotent": False,
+         "handed": False}]
+    assert [r["uid"] for r in store.running(before=1e9, limit=1)] == ["u3"]
+
+
+def _child(up: Up, *words: str) -> psutil.Process:
+    for p in psutil.Process(up.proc.pid).children(recursive=True):
+        cmd = p.cmdline()
+        if all(w in cmd for w in words):
+            return p
+    raise AssertionError(f"no process {words} under onepiece up")
+
+
+@pytest.mark.slow
+def test_a_stage_that_died_while_the_nm_was_down_has_its_request_failed_long_before_the_deadline(
+        tiny_models, tmp_path, make_topology) -> None:
+    nm = free_tcp_address()
+    topology = make_topology(tmp_path, tiny_models, nm, dbs=2, heartbeat_s=0.25, threads=1,
+                             nm={"elastic": {"enabled": False}})
+    up = Up(topology, tmp_path / "logs", nm)
+    try:
+        url = up.wait_for(r"serves the API at (http://\S+)", timeout=300).group(1)
+        stage = _child(up, "stage", "denoise_t2v")
+        (worker,) = stage.children()
+        with Client(url) as c:
+            # Held at the denoise stage for good: its worker is stopped (not dead: nothing notices).
+            worker.send_signal(signal.SIGSTOP)
+            video = c.submit("held", model="t2v", size="32x32", num_frames=5, steps=2, timeout_s=300)
+            wait_for(lambda: c.status(video["id"]).get("status") == "in_progress", timeout=60,
+                     what="the request at the denoise stage")
+            # The NM dies, and while nobody has restarted it yet, the stage that holds the request.
+            nm_process = _child(up, "nm")
+            nm_process.send_signal(signal.SIGKILL)
+            for p in (worker, stage):
+                p.send_signal(signal.SIGKILL)
+            nm_process.wait(10)
+            t0 = time.monotonic()
+            failed = wait_for(lambda: (v := c.status(video["id"]))["status"] == "failed" and v, timeout=90,
+                              what="the request failed", interval=0.2)
+            assert "held by no live instance" in failed["error"]["message"], failed
+            assert time.monotonic() - t0 < 90  # its deadline was 300 s away
+            # The restarted deployment serves again.
+            again = c.submit("after", model="t2v", size="32x32", num_frames=5, steps=2)
+            assert c.wait(again["id"], timeout=120)["status"] == "completed"
+    finally:
+        up.stop()
+
+
+@pytest.mark.slow
+def test_requests_waiting_in_a_full_stage_s_buffer_are_not_taken_for_lost(tiny_models, tmp_path, make_topology) -> None:
+    """A stage whose queue is full reads no more: what is handed to it waits in its transport's
+    buffer, held by nobody, as long as the queue takes to drain. None of it may be failed."""
+    nm = free_tcp_address()
+    topology = make_topology(tmp_path, tiny_models, nm, dbs=1, heartbeat_s=0.25, threads=1,
+                             nm={"elastic": {"enabled": False}}, stage_options={"denoise_t2v": {"queue": 1}},
+                             proxy={"monitor": False})
+    up = Up(topology, tmp_path / "logs", nm)
+    try:
+        url = up.wait_for(r"serves the API at (http://\S+)", timeout=300).group(1)
+        (worker,) = _child(up, "stage", "denoise_t2v").children()
+        with Client(url) as c:
+            worker.send_signal(signal.SIGSTOP)
+            try:
+                videos = [c.submit(f"wait {i}", model="t2v", size="32x32", num_frames=5, steps=2) for i in range(4)]
+                # One at the stopped worker, one in the queue, two in the buffer: for well over the
+                # two looks a dead limit (1.5 s) apart that would fail an unheld request.
+                wait_for(lambda: c.status(videos[0]["id"])["status"] == "in_progress", timeout=60,
+                         what="the first request at the worker")
+                end = time.monotonic() + 8
+                while time.monotonic() < end:
+                    assert all(c.status(v["id"])["status"] != "failed" for v in videos)
+                    time.sleep(0.5)
+            finally:
+                worker.send_signal(signal.SIGCONT)
+            assert [c.wait(v["id"], timeout=120)["status"] for v in videos] == ["completed"] * 4
+    finally:
+        up.stop()
+
