@@ -166,11 +166,13 @@ def build_batches(view: View, order: Iterable[Request], may_join: Callable[[View
     taken: set[str] = set()
     out: list[Batch] = []
 
-    def fits(r: Request, wid: str) -> bool:
+    def fits(r: Request, wid: str, joining: bool = False) -> bool:
         if r.worker is not None:
             return r.worker == wid
         # An empty worker takes any one request: a request never waits for memory it cannot get.
-        return view.est_bytes(r) <= free[wid] or not idle[wid].resident and not any(
+        # Those joining it take only what is left (else the core refuses the batch at every turn,
+        # and the stage runs nothing until the requests expire).
+        return view.est_bytes(r) <= free[wid] or not joining and not idle[wid].resident and not any(
             b.worker == wid for b in out)
 
     for lead in order[:leaders]:
@@ -188,10 +190,11 @@ def build_batches(view: View, order: Iterable[Request], may_join: Callable[[View
                                           for u in idle[w].resident), free[w]), default=None)
         if wid is None:
             continue
-        members = _gather(view, order, lead, taken, lambda r: fits(r, wid), lambda ms, r: may_join(view, ms, r),
-                          lambda r: free.__setitem__(wid, free[wid] - view.est_bytes(r)))
         if lead.worker is None:
             free[wid] -= view.est_bytes(lead)
+        members = _gather(view, order, lead, taken, lambda r: fits(r, wid, joining=True),
+                          lambda ms, r: may_join(view, ms, r),
+                          lambda r: free.__setitem__(wid, free[wid] - view.est_bytes(r)))
         dop = idle[wid].ranks
         left = max(r.left for r in members) if len(members) > 1 else lead.left
         steps = left if whole else view.chunk(at_dop(lead.key, dop), len(members))
@@ -222,10 +225,11 @@ def build_dop_batches(view: View, order: Iterable[Request], choose: ChooseDop, m
     placed: list[list] = []  # [worker, members, dop], most urgent first
     taken: set[str] = set()
 
-    def fits(r: Request, wid: str) -> bool:
+    def fits(r: Request, wid: str, joining: bool = False) -> bool:
         if r.worker is not None:
             return r.worker == wid
-        return view.est_bytes(r) <= free[wid] or not workers[wid].resident and not any(p[0] == wid for p in placed)
+        return view.est_bytes(r) <= free[wid] or not joining and not workers[wid].resident and not any(
+            p[0] == wid for p in placed)
 
     def usable(wid: str, extra: list[int] = ()) -> list[int]:
         have = [p[2] for p in placed if p[0] == wid] + list(extra)
@@ -244,11 +248,11 @@ def build_dop_batches(view: View, order: Iterable[Request], choose: ChooseDop, m
         d = choose(view, lead, usable(wid))
         if d is None:
             continue
-        members = [lead] if may_join is None else _gather(
-            view, order, lead, taken, lambda r: fits(r, wid), lambda ms, r: may_join(view, ms, r, d),
-            lambda r: free.__setitem__(wid, free[wid] - view.est_bytes(r)))
         if lead.worker is None:
             free[wid] -= view.est_bytes(lead)
+        members = [lead] if may_join is None else _gather(
+            view, order, lead, taken, lambda r: fits(r, wid, joining=True), lambda ms, r: may_join(view, ms, r, d),
+            lambda r: free.__setitem__(wid, free[wid] - view.est_bytes(r)))
         placed.append([wid, members, d])
         free_ranks[wid] -= d
         taken.update(r.uid for r in members)

@@ -361,6 +361,25 @@ def test_resident_memory_bound_makes_new_requests_wait() -> None:
     assert c.schedule(0.0).commands[0].admit == ("c",)
 
 
+@pytest.mark.parametrize("policy", ["fcfs-batched", "srtf", "edf", "slo"])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_an_empty_worker_batches_only_the_new_requests_that_fit(policy, ranks) -> None:
+    """The empty worker's exemption (any one request, whatever its size) is the lead's alone: a
+    batch of new requests that all claimed it needed more than was free, the core refused it at
+    every turn, and the stage ran nothing until the requests expired."""
+    c = core(policy, max_batch=3, chunk_steps=1, resident_bytes=1500)
+    c.worker_up("w0", ranks)
+    c.add(request("a", S, steps=5))
+    c.schedule(0.0)
+    c.admitted("w0", "a", 1000)  # each state now takes 1000 bytes
+    c.finished("a")
+    c.idle("w0")
+    for u in ("b", "c", "d"):
+        c.add(request(u, S, steps=5))
+    (run,) = c.schedule(0.0).commands
+    assert run.admit == ("b",) and not c.rejections
+
+
 def test_a_bad_plan_is_refused_and_nothing_runs() -> None:
     class Bad(Policy):
         name = "bad"
