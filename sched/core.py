@@ -408,7 +408,9 @@ class SchedCore:
         if len(new) < len(rs) and any(r.worker is not None and r.worker != b.worker for r in rs):
             return "a request resident on another worker"
         need = sum(self.est_bytes(r) for r in new)
-        if need > free_bytes and (w.resident or taken or len(new) > 1):
+        # Only admitting takes memory: a worker over its bound (it took one request larger than
+        # what was free, or a state came out larger than estimated) still runs what it holds.
+        if new and need > free_bytes and (w.resident or taken or len(new) > 1):
             return f"admitting needs {need} bytes, worker has {free_bytes} free"
         return None
 

@@ -380,6 +380,22 @@ def test_an_empty_worker_batches_only_the_new_requests_that_fit(policy, ranks) -
     assert run.admit == ("b",) and not c.rejections
 
 
+@pytest.mark.parametrize("policy", ["fcfs-batched", "srtf", "edf", "slo"])
+def test_a_worker_over_its_memory_bound_still_runs_what_it_holds(policy) -> None:
+    """An empty worker takes one request whatever its size, so its free memory can go below 0;
+    the requests it then holds must still run (they were refused at every turn: 'admitting
+    needs 0 bytes, worker has -N free', and stayed resident until they expired)."""
+    c = core(policy, max_batch=3, chunk_steps=1, resident_bytes=500)
+    c.worker_up("w0")
+    c.add(request("a", S, steps=5))
+    c.schedule(0.0)
+    c.admitted("w0", "a", 1000)  # larger than the whole bound
+    c.idle("w0")
+    c.add(request("b", S, steps=5))  # does not fit: waits
+    (run,) = c.schedule(0.0).commands
+    assert run.uids == ("a",) and run.admit == () and not c.rejections
+
+
 def test_a_bad_plan_is_refused_and_nothing_runs() -> None:
     class Bad(Policy):
         name = "bad"
