@@ -43,7 +43,9 @@ def _scheduling(s: dict[str, Any]) -> str:
     return (f"\n{'':17s}{s['policy']} (batch <= {s.get('max_batch', 1)}): resident {s.get('resident', 0)},"
             f" mean batch {batch}, step {ms}, chunk overhead {s.get('overhead_ms', 0):.1f} ms;"
             f" preempted {s.get('preempted', 0)} cancelled {s.get('cancelled', 0)} expired {s.get('expired', 0)}"
-            f" aged {s.get('aged', 0)}")
+            f" aged {s.get('aged', 0)}"
+            + (f"\n{'':17s}refused {s['refused']} plan(s) of its policy, the last: {s.get('last_refused')}"
+               if s.get("refused") else ""))
 
 
 def _rate(r: float | None) -> str:

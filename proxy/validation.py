@@ -80,7 +80,7 @@ class VideoJob:
     timeout_s: float
     image_bytes: bytes | None = None
     timeout_given: bool = False  # the client set timeout_s (else: the app's limit, and admission's default)
-    priority: int = 0  # stage policies serve higher first among requests they would otherwise tie
+    priority: int = 0  # higher first under srtf and edf; slo breaks ties with it (README, API)
     # The latency the client aims for, within timeout_s: what the stages schedule for and the
     # monitor admits against. A request that misses it still completes; timeout_s is where it fails.
     slo_s: float | None = None

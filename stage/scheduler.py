@@ -499,6 +499,10 @@ class RequestScheduler:
         s.preempted, s.expired, s.aged, s.left, s.late = c.preempted, c.expired, c.aged, c.left, c.late
         s.cancelled = c.cancelled + self.cancelled_on_arrival
         s.batches, s.batched = c.batches, c.batched
+        if c.rejected != s.refused:  # a policy's plan the core refused: a policy bug, said where one looks
+            s.refused, s.last_refused = c.rejected, self.core.rejections[-1]
+            log_dropped(log, f"scheduler of {self.stage}", "refused plan", "scheduler of %s refused a plan (%d so far): %s",
+                        self.stage, c.rejected, s.last_refused)
         s.overhead_ms = self.core.overhead_s * 1000
         s.overhead_total = [round(self.core.overhead_total[0], 6), self.core.overhead_total[1]]
         s.rejected_frames = getattr(self.receiver, "rejected", 0)

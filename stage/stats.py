@@ -67,6 +67,8 @@ class SchedulerStats:
     aged: int = 0
     left: int = 0  # requests that left (finished or expired) and, of those, late ones (sched.core.CoreStats)
     late: int = 0
+    refused: int = 0  # plans of its policy that the core refused (sched/core.py), and why the last one
+    last_refused: str = ""
     batches: int = 0
     batched: int = 0  # requests over all batches: batched / batches is the mean batch size
     overhead_ms: float = 0.0  # decision + IPC per chunk (measured)

@@ -93,3 +93,33 @@ def test_a_report_the_scheduler_cannot_learn_from_still_frees_its_worker(tmp_pat
         assert [c.worker for c in s.core.schedule(time.monotonic()).commands] == ["w0"]  # it runs again
     finally:
         close(s)
+
+
+def test_a_plan_the_core_refuses_is_shown_to_the_operator(tmp_path) -> None:
+    """A policy's plan that the core refuses runs nothing (a policy bug: two such froze a stage
+    until its requests expired, while `onepiece status` showed only an idle worker and a full
+    queue). The stage's stats count it with the last reason, and `onepiece status` shows them."""
+    from onepiece.sched.policy import Batch, Policy
+    from onepiece.status import render
+
+    class Bad(Policy):
+        name = "bad"
+
+        def plan(self, view):
+            return [Batch("w0", ("nobody",), 1)]
+
+    s = scheduler(tmp_path)
+    try:
+        s.core.policy = Bad()
+        now = time.monotonic()
+        s.core.add(stage_request(new_uid(), "t2v", KEY, 10, now, now + 60, None, 0.0))
+        assert s.core.schedule(now).commands == []
+        s._update_stats()
+        assert s.stats.refused == 1 and "unknown" in s.stats.last_refused
+        inst = {"id": "set0-denoise_t2v0", "role": "stage", "stage": "denoise_t2v", "serving": "denoise_t2v",
+                "ready": True, "silent_s": 0.1, "addresses": {"data": "ipc://x"}, "stats": s.stats.report()}
+        text = render({"sets": {"set0": {"stages": {"denoise_t2v": {"want": 1, "instances": [inst]}}, "idle": [],
+                                          "dbs": [], "proxies": []}}})
+        assert "refused 1 plan(s) of its policy, the last: bad:" in text, text
+    finally:
+        close(s)
