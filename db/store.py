@@ -330,8 +330,12 @@ class ResultStore:
             del self._deadline_at[uid]
             rec = self._records[uid]
             if rec["status"] not in TERMINAL:
-                stage = rec.get("stage") or "(not started)"
-                change = self.fail(uid, rec.get("stage"), f"deadline exceeded at stage {stage}")
+                # Where a stage last reported it: it may have left that stage since (a stage
+                # reports a request as its worker takes it, not while it waits in the queue).
+                stage = rec.get("stage")
+                why = f"deadline exceeded; last reported at stage {stage}" if stage else \
+                    "deadline exceeded before any stage reported it"
+                change = self.fail(uid, stage, why)
                 if change is not None:
                     out.failed.append(change)
         heap = self._expiry_heap

@@ -251,7 +251,7 @@ def test_deadline_sweep_fails_stuck_request_with_a_visible_error(start_dbs) -> N
         send(db.server.data_address, {"uid": uid, "kind": "status", "status": "in_progress",
                                       "stage": "dit", "progress": 55})
         rec = wait_for(lambda: (r := client.get(uid)) and r["status"] == "failed" and r, what="deadline failure")
-    assert rec["error"] == "deadline exceeded at stage dit" and rec["progress"] == 55
+    assert rec["error"] == "deadline exceeded; last reported at stage dit" and rec["progress"] == 55
     assert REGISTRY.get_sample_value("onepiece_db_deadline_failed_total", {"db": db.server.name}) == 1
 
 

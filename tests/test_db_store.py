@@ -182,9 +182,9 @@ def test_deadline_sweep_fails_stuck_requests() -> None:
     failed = s.sweep().failed
     assert sorted(c.record["uid"] for c in failed) == ["never", "stuck"]
     assert all(c.terminal for c in failed)
-    assert s.get("stuck")["error"] == "deadline exceeded at stage dit"
+    assert s.get("stuck")["error"] == "deadline exceeded; last reported at stage dit"
     assert s.get("stuck")["progress"] == 40
-    assert s.get("never")["error"] == "deadline exceeded at stage (not started)"
+    assert s.get("never")["error"] == "deadline exceeded before any stage reported it"
     assert s.get("fine")["status"] == "completed"
     assert s.sweep().failed == []  # once
 
