@@ -346,9 +346,12 @@ class NodeManager:
             # The elastic policy's own rule (nm/elastic.py ``can_spare``): an operator who moved a
             # stage's last instance took its application down until someone moved one back
             # (the floor rule refills from the idle pool only, and undid a move there at once).
+            # Ready by its last heartbeat is ready however late that came (it is routed until it is
+            # dropped): a heartbeat late under load let an operator take a stage's only instance.
             load = self.elastic.loads(self.state, inst.set, now)[src]
-            if iid in load.live and not load.can_spare():
-                raise ValueError(f"moving {iid} would leave stage {src} {len(load.live) - 1} ready instance(s), "
+            stay = [i for i in load.live if i != iid]
+            if inst.ready and len(stay) < load.floor:
+                raise ValueError(f"moving {iid} would leave stage {src} {len(stay)} ready instance(s), "
                                  f"below its minimum {load.floor}: move another instance to {src} first")
         self.elastic.apply(self.state, Move(iid, src, stage, "asked by an operator"), now)
         self._saved()

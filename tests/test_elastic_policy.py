@@ -344,6 +344,47 @@ def test_a_real_nm_refills_a_stage_that_lost_its_last_instance_from_the_idle_poo
         server.close()
 
 
+def test_an_operator_cannot_take_a_stages_only_instance_while_its_heartbeat_is_late(tmp_path, tiny_models):
+    """Ready by its last heartbeat is ready however late that came (the NM routes it until it
+    drops it): a heartbeat late under load, past the policy's freshness but within the dead
+    limit, let `onepiece move` take a stage's only instance and leave the stage empty."""
+    import time
+
+    from onepiece.launcher import free_tcp_address, write_topology
+    from onepiece.nm.server import NodeManager
+
+    topo, wf, base = load_topology(write_topology(tmp_path, tiny_models, free_tcp_address(), heartbeat_s=0.1,
+                                                  nm={"elastic": {"enabled": False}, "dead_after_s": 60}))
+    nm = NodeManager(topo, wf, base)
+    stop = threading.Event()
+    t = threading.Thread(target=nm.run, args=(stop,), daemon=True)
+    t.start()
+    only = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9410"}, stage="vae_decode",
+                      serving=lambda: "vae_decode")
+    twin = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9411"}, stage="vae_decode",
+                      serving=lambda: "vae_decode")
+    client = NmClient(nm.address)
+    try:
+        only.register()
+        only._beat()  # one heartbeat says it serves (ready); no other follows: a stalled process
+        assert nm.state.instances[only.id].ready
+        nm.state.instances[only.id].last_seen -= 40  # late past the policy's freshness, not dead yet
+        with pytest.raises(RpcError, match=f"moving {only.id} would leave stage vae_decode 0 ready instance"):
+            client.move(only.id, None)
+        assert nm.state.instances[only.id].stage == "vae_decode"
+        # with a twin that serves, the late one may go
+        twin.register()
+        twin.start()
+        wait_for(lambda: nm.state.instances[twin.id].ready, what="the twin to serve")
+        assert client.move(only.id, None)["to"] is None
+    finally:
+        client.close()
+        twin.stop()
+        stop.set()
+        t.join(5)
+        nm.close()
+
+
 def test_bad_moves_get_clear_errors_and_the_nm_keeps_serving(nm):
     client = NmClient(nm.address)
     try:
