@@ -307,13 +307,7 @@ def main(config: dict[str, Any]) -> None:
 
     # A collaboration group (config "group": rank, size, address): every rank loads the models
     # and keeps every state; rank 0 alone talks to the scheduler and hands each command on.
-    coll = None
-    if config.get("group"):
-        from onepiece.stage.collective import Collective
-
-        g = config["group"]
-        coll = Collective(int(g["rank"]), int(g["size"]), g["address"], config["device"], GROUP_TIMEOUT_S)
-    leader = coll is None or coll.rank == 0
+    leader = not config.get("group") or int(config["group"]["rank"]) == 0
     sock = None
     if leader:
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -321,15 +315,29 @@ def main(config: dict[str, Any]) -> None:
         sock.setsockopt(zmq.LINGER, 1000)
         sock.connect(config["scheduler"])
 
+    def broken(error: str) -> None:
+        """Said to the scheduler too (the NM's status and `onepiece up` show it): otherwise the
+        cause of a stage that never gets ready is only in this log. The traceback follows there."""
+        if sock is not None:
+            sock.send_multipart([b"broken", orjson.dumps({"error": error[:BROKEN_CHARS]})])
+            zmq.Context.instance().destroy(linger=1000)  # delivered before the exit
+
+    coll = None
+    if config.get("group"):
+        from onepiece.stage.collective import Collective
+
+        g = config["group"]
+        try:
+            coll = Collective(int(g["rank"]), int(g["size"]), g["address"], config["device"], GROUP_TIMEOUT_S)
+        except Exception as e:  # a group that cannot form restarts forever: say why, as a load error does
+            broken(f"collaboration group cannot form: {type(e).__name__}: {e}")
+            raise
+
     t0 = time.monotonic()
     try:
         components = load_components(Path(config["model_dir"]), config["components"], config["device"])
     except Exception as e:
-        # Said to the scheduler too (the NM's status and `onepiece up` show it): otherwise the
-        # cause of a stage that never gets ready is only in this log. The traceback follows there.
-        if sock is not None:
-            sock.send_multipart([b"broken", orjson.dumps({"error": f"{type(e).__name__}: {e}"[:BROKEN_CHARS]})])
-            zmq.Context.instance().destroy(linger=1000)  # delivered before the exit
+        broken(f"{type(e).__name__}: {e}")
         raise
     ctx = StageContext(components, config["device"])
     log.info("loaded %s for stage %s in %.1fs (%s torch threads)", config["components"], stage,

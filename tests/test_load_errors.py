@@ -55,3 +55,23 @@ def test_a_worker_that_cannot_load_its_models_says_why(tiny_models, tmp_path) ->
         assert up.proc.poll() is None  # it keeps waiting (the worker retries): a fixed file is picked up
     finally:
         up.stop()
+
+
+def test_a_collaboration_group_that_cannot_form_says_why(tiny_models, tmp_path, make_topology, monkeypatch) -> None:
+    """A group whose ranks cannot open their world (here gloo told to use an interface that does
+    not exist) restarts forever: `onepiece up` and the status say why, as for a load error."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "bogus0")  # the ranks inherit it through `up` (a user's setting wins)
+    nm = free_tcp_address()
+    topo = make_topology(tmp_path, tiny_models, nm, stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1},
+                         proxy={"count": 1, "port": 0}, threads=1,
+                         stage_options={"denoise_t2v": {"mode": "collaboration", "workers": 2}})
+    up = Up(topo, tmp_path / "logs", nm)
+    try:
+        line = up.wait_for(r"waiting for set0/denoise_t2v 0/1 \(a worker cannot load its models: collaboration group "
+                           r"cannot form", timeout=180)
+        assert "bogus0" in line.string, line.string
+        shown = subprocess.run([sys.executable, "-m", "onepiece", "status", "--nm", nm],
+                               capture_output=True, text=True, timeout=60)
+        assert "collaboration group cannot form: RuntimeError" in shown.stdout, shown.stdout + shown.stderr
+    finally:
+        up.stop()
