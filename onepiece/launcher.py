@@ -307,10 +307,10 @@ class Deployment:
                 instances = st.get("stages", {}).get(stage, {}).get("instances", [])
                 ready = sum(1 for i in instances if i["ready"])
                 if ready < want:
-                    # A worker that cannot load its models says why (stage/worker.py): so does this.
+                    # A worker that cannot start says why (stage/worker.py): so does this.
                     why = {e for i in instances if (e := (i.get("stats") or {}).get("worker_error"))}
                     out.append(f"{s.name}/{stage} {ready}/{want}"
-                               + "".join(f" (a worker cannot load its models: {e})" for e in sorted(why)))
+                               + "".join(f" (a worker fails to start: {e})" for e in sorted(why)))
             if len(st.get("idle", [])) < s.idle:
                 out.append(f"{s.name}/idle pool {len(st.get('idle', []))}/{s.idle}")
             if len(st.get("dbs", [])) < s.db.count:
@@ -344,7 +344,7 @@ class Deployment:
                     pass
                 # A cause known now is said now, not at the timeout (its worker keeps retrying).
                 for line in lacking:
-                    if "cannot load" in line and line not in told:
+                    if "fails to start" in line and line not in told:
                         told.add(line)
                         print(f"onepiece: waiting for {line}; logs in {self.log_dir}", file=sys.stderr, flush=True)
                 time.sleep(0.2)

@@ -21,7 +21,7 @@ def _instance(i: dict[str, Any]) -> str:
                  f" done {s.get('completed', 0)} failed {s.get('failed', 0)}"
                  + (f" gpu {s['gpu_util']:.0%}" if isinstance(s.get("gpu_util"), (int, float)) else "")
                  + _scheduling(s)
-                 + (f"\n{'':17s}worker cannot load its models: {s['worker_error']}" if s.get("worker_error") else ""))
+                 + (f"\n{'':17s}a worker fails to start: {s['worker_error']}" if s.get("worker_error") else ""))
     elif i["role"] == "db":
         extra = f" records {s.get('records', 0)} bytes {s.get('bytes', 0)}"
     elif i["role"] == "proxy":

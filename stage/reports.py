@@ -24,7 +24,7 @@ class Ready(_Report):
 
 
 class Broken(_Report):
-    error: Annotated[StrictStr, Field(max_length=1 << 16)]  # why its models failed to load
+    error: Annotated[StrictStr, Field(max_length=1 << 16)]  # why it cannot start (it exits)
 
 
 class Admitted(_Report):

@@ -305,7 +305,7 @@ class RequestScheduler:
             self.stats.serving = True
             self.stats.worker_error = ""
         elif isinstance(info, Broken):  # it exits: its death is handled as any other
-            log.error("worker %s of %s cannot load its models: %s", wid, self.stage, info.error)
+            log.error("worker %s of %s fails to start: %s", wid, self.stage, info.error)
             self.stats.worker_error = info.error
         elif isinstance(info, Admitted):
             self.core.admitted(wid, info.uid, info.nbytes)

@@ -52,7 +52,7 @@ class SchedulerStats:
     # Set once a worker first loaded, and kept while workers restart, so the NM keeps routing
     # here: requests wait in the bounded queue for the restart instead of failing upstream.
     serving: bool = False
-    worker_error: str = ""  # why a worker last failed to load its models ("" once one is ready)
+    worker_error: str = ""  # why a worker last failed to start ("" once one is ready)
     received: int = 0
     completed: int = 0
     failed: int = 0

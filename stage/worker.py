@@ -14,7 +14,7 @@ resident and does what the scheduler (sched/core.py, through stage/scheduler.py)
 It talks to the scheduler over a ZMQ DEALER socket:
 
 - worker → scheduler: ``[b"ready", {stepped: {app: bool}, ranks}]`` (ranks: a collaboration
-  group's size, else 1), ``[b"broken", {error}]`` (its models failed to load; it exits), ``[b"admitted", {uid, nbytes}]``,
+  group's size, else 1), ``[b"broken", {error}]`` (it cannot start: its models do not load, or its group does not form; it exits), ``[b"admitted", {uid, nbytes}]``,
   ``[b"progress", {uid, fraction}]``, ``[b"done", *message frames]``, ``[b"failed", {uid,
   error}]`` and, when a ``run`` ends, ``[b"idle", {steps: [[uids, seconds], ...], fixed: {uid:
   seconds preparing and finishing}, exec_s}]``;
@@ -330,14 +330,14 @@ def main(config: dict[str, Any]) -> None:
         try:
             coll = Collective(int(g["rank"]), int(g["size"]), g["address"], config["device"], GROUP_TIMEOUT_S)
         except Exception as e:  # a group that cannot form restarts forever: say why, as a load error does
-            broken(f"collaboration group cannot form: {type(e).__name__}: {e}")
+            broken(f"its collaboration group does not form: {type(e).__name__}: {e}")
             raise
 
     t0 = time.monotonic()
     try:
         components = load_components(Path(config["model_dir"]), config["components"], config["device"])
     except Exception as e:
-        broken(f"{type(e).__name__}: {e}")
+        broken(f"its models do not load: {type(e).__name__}: {e}")
         raise
     ctx = StageContext(components, config["device"])
     log.info("loaded %s for stage %s in %.1fs (%s torch threads)", config["components"], stage,

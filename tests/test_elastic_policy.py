@@ -348,13 +348,12 @@ def test_an_operator_cannot_take_a_stages_only_instance_while_its_heartbeat_is_l
     """Ready by its last heartbeat is ready however late that came (the NM routes it until it
     drops it): a heartbeat late under load, past the policy's freshness but within the dead
     limit, let `onepiece move` take a stage's only instance and leave the stage empty."""
-    import time
-
     from onepiece.launcher import free_tcp_address, write_topology
     from onepiece.nm.server import NodeManager
 
+    # Live to the policy: heard within half the dead limit (3 s); dropped after 6 s of silence.
     topo, wf, base = load_topology(write_topology(tmp_path, tiny_models, free_tcp_address(), heartbeat_s=0.1,
-                                                  nm={"elastic": {"enabled": False}, "dead_after_s": 60}))
+                                                  nm={"elastic": {"enabled": False}, "dead_after_s": 6}))
     nm = NodeManager(topo, wf, base)
     stop = threading.Event()
     t = threading.Thread(target=nm.run, args=(stop,), daemon=True)
@@ -368,7 +367,11 @@ def test_an_operator_cannot_take_a_stages_only_instance_while_its_heartbeat_is_l
         only.register()
         only._beat()  # one heartbeat says it serves (ready); no other follows: a stalled process
         assert nm.state.instances[only.id].ready
-        nm.state.instances[only.id].last_seen -= 40  # late past the policy's freshness, not dead yet
+        def silent_s() -> float:
+            (inst,) = [i for i in client.status()["sets"]["set0"]["stages"]["vae_decode"]["instances"]
+                       if i["id"] == only.id]
+            return inst["silent_s"]
+        wait_for(lambda: silent_s() > 3.2, timeout=10, interval=0.1, what="late past the policy's freshness")
         with pytest.raises(RpcError, match=f"moving {only.id} would leave stage vae_decode 0 ready instance"):
             client.move(only.id, None)
         assert nm.state.instances[only.id].stage == "vae_decode"

@@ -36,7 +36,7 @@ def test_a_worker_that_cannot_load_its_models_says_why(tiny_models, tmp_path) ->
                   "stages": {"text_encode": 1, "denoise": 1, "vae_decode": 1}}]}))
     up = Up(tmp_path / "topology.yaml", tmp_path / "logs", nm)
     try:
-        line = up.wait_for(r"waiting for set0/denoise 0/1 \(a worker cannot load its models", timeout=180)
+        line = up.wait_for(r"waiting for set0/denoise 0/1 \(a worker fails to start: its models do not load", timeout=180)
         assert "ValueError: Cannot load" in line.string and "ffn" in line.string, line.string
 
         client = NmClient(nm, timeout=2.0)
@@ -46,12 +46,12 @@ def test_a_worker_that_cannot_load_its_models_says_why(tiny_models, tmp_path) ->
                 return i if i["stats"].get("worker_error") else None
 
             instance = wait_for(denoise, timeout=30, what="the NM's status to carry the load error")
-            assert not instance["ready"] and instance["stats"]["worker_error"].startswith("ValueError: Cannot load")
+            assert not instance["ready"] and instance["stats"]["worker_error"].startswith("its models do not load: ValueError: Cannot load")
         finally:
             client.close()
         shown = subprocess.run([sys.executable, "-m", "onepiece", "status", "--nm", nm],
                                capture_output=True, text=True, timeout=60)
-        assert "worker cannot load its models: ValueError: Cannot load" in shown.stdout, shown.stdout + shown.stderr
+        assert "a worker fails to start: its models do not load: ValueError: Cannot load" in shown.stdout, shown.stdout + shown.stderr
         assert up.proc.poll() is None  # it keeps waiting (the worker retries): a fixed file is picked up
     finally:
         up.stop()
@@ -67,11 +67,11 @@ def test_a_collaboration_group_that_cannot_form_says_why(tiny_models, tmp_path, 
                          stage_options={"denoise_t2v": {"mode": "collaboration", "workers": 2}})
     up = Up(topo, tmp_path / "logs", nm)
     try:
-        line = up.wait_for(r"waiting for set0/denoise_t2v 0/1 \(a worker cannot load its models: collaboration group "
-                           r"cannot form", timeout=180)
+        line = up.wait_for(r"waiting for set0/denoise_t2v 0/1 \(a worker fails to start: its collaboration group "
+                           r"does not form", timeout=180)
         assert "bogus0" in line.string, line.string
         shown = subprocess.run([sys.executable, "-m", "onepiece", "status", "--nm", nm],
                                capture_output=True, text=True, timeout=60)
-        assert "collaboration group cannot form: RuntimeError" in shown.stdout, shown.stdout + shown.stderr
+        assert "its collaboration group does not form: RuntimeError" in shown.stdout, shown.stdout + shown.stderr
     finally:
         up.stop()
