@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from onepiece.argtypes import PORT, between, count, positive
-from onepiece.config import ConfigError, deploy_dir
+from onepiece.config import IDLE, ConfigError, deploy_dir
 
 if TYPE_CHECKING:
     from onepiece.config import NmSpec
@@ -234,7 +234,7 @@ def cmd_move(args: argparse.Namespace) -> int:
     _curve(args, args.nm.split(","))
     client = NmClient(args.nm, timeout=2.0, retries=0)
     try:  # an NM's refusal or silence: one line from main
-        reply = client.move(args.instance, None if args.stage == "idle" else args.stage, key=key or "")
+        reply = client.move(args.instance, None if args.stage == IDLE else args.stage, key=key or "")
     finally:
         client.close()
     print(f"moving {reply['instance']} from {reply['from'] or 'the idle pool'} to {reply['to'] or 'the idle pool'}")

@@ -203,6 +203,9 @@ class DbDataSpec(_Strict):
     data: Literal["zmq", "ring"] = Field("zmq", description="how the DBs receive results and progress")
 
 
+IDLE = "idle"  # what `onepiece move` calls the idle pool: no stage may be named so
+
+
 class Workflow(_Strict):
     models: dict[str, ModelSpec]
     stages: dict[str, StageSpec]
@@ -213,6 +216,8 @@ class Workflow(_Strict):
     @model_validator(mode="after")
     def _references(self) -> "Workflow":
         for name, st in self.stages.items():
+            if name == IDLE:
+                raise ValueError(f"stages.{IDLE}: the name is taken by the idle pool (`onepiece move X {IDLE}`)")
             if st.model not in self.models:
                 raise ValueError(f"stages.{name}.model: unknown model {st.model!r} (known: {sorted(self.models)})")
             fn = self.function_of(name)

@@ -18,7 +18,11 @@ def _instance(i: dict[str, Any]) -> str:
     if i["role"] == "stage":
         extra = (f" queue {s.get('queue', 0)}/{s.get('capacity', '?')}"
                  f" busy {s.get('busy', 0)}/{s.get('workers', '?')}"
-                 f" done {s.get('completed', 0)} failed {s.get('failed', 0)}"
+                 # Still routed while its workers restart (requests wait in its queue): say so.
+                 + (f" (workers up {s['ready']}/{s['workers']})"
+                    if isinstance(s.get("ready"), int) and isinstance(s.get("workers"), int) and s["ready"] < s["workers"]
+                    else "")
+                 + f" done {s.get('completed', 0)} failed {s.get('failed', 0)}"
                  + (f" gpu {s['gpu_util']:.0%}" if isinstance(s.get("gpu_util"), (int, float)) else "")
                  + _scheduling(s)
                  + (f"\n{'':17s}a worker fails to start: {s['worker_error']}" if s.get("worker_error") else ""))

@@ -85,6 +85,9 @@ SCHED = "schedule: {policy: slo, max_batch: 4}"  # the shipped denoise stages' l
         (lambda t: t.replace("defaults: {width: 64,", "defaults: {width: 60,", 1), "must be a multiple of 16"),
         (lambda t: t.replace("  vae_decode:\n    model: wan-t2v\n", "  vae_decode:\n    model: wan-t2v\n    model: wan-i2v\n", 1),
          "key 'model' is given twice"),
+        # `onepiece move X idle` means the idle pool: a stage so named could never be moved to
+        (lambda t: t.replace("  vae_decode:\n    model: wan-t2v\n", "  idle:\n    function: vae_decode\n"
+                             "    model: wan-t2v\n", 1), "stages.idle: the name is taken by the idle pool"),
     ],
 )
 def test_bad_workflow_names_file_key_and_expectation(tmp_path, mutate, expected):

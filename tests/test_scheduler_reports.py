@@ -121,5 +121,10 @@ def test_a_plan_the_core_refuses_is_shown_to_the_operator(tmp_path) -> None:
         text = render({"sets": {"set0": {"stages": {"denoise_t2v": {"want": 1, "instances": [inst]}}, "idle": [],
                                           "dbs": [], "proxies": []}}})
         assert "refused 1 plan(s) of its policy, the last: bad:" in text, text
+        assert "workers up" not in text  # its one worker is up
+        inst["stats"] = {**inst["stats"], "workers": 1, "ready": 0}  # its worker restarting: still routed
+        text = render({"sets": {"set0": {"stages": {"denoise_t2v": {"want": 1, "instances": [inst]}}, "idle": [],
+                                          "dbs": [], "proxies": []}}})
+        assert "busy 0/1 (workers up 0/1)" in text, text
     finally:
         close(s)
