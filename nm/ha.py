@@ -307,7 +307,7 @@ class HaNodeManager(NodeManager):
         self._adopt_config(epoch, snap)
         self.state.restore(snap.records, snap.version, snap.moved)
         gone = [i for i in self.state.instances if i not in snap.members]
-        for iid in gone:  # died while no primary watched: their held requests are unknown here
+        for iid in gone:  # died while no primary watched: what they held is failed by nm/orphans.py
             self.state.deregister(iid, "its ZooKeeper session ended while no primary was serving")
         # Utilization is soft state: the new primary judges moves on windows of its own, and
         # not before a cooldown (a move the old primary started may still be under way).
