@@ -203,11 +203,13 @@ class NodeManager:
         held = {u for i in self.state.stage_instances(inst.set) for u in i.holding}
         uids = [u for u in dict.fromkeys([*inst.holding, *self.deliveries.sent_to(address, since)]) if u not in held]
         uids = uids[:MAX_UIDS]  # what the reaper takes
-        if self.reaper.submit(inst.id, inst.stage, uids, self.state.routes(inst.set)["dbs"], reason):
+        # The stage it held them for: the one it served, even when a move had reassigned it.
+        stage = inst.serving or inst.stage
+        if self.reaper.submit(inst.id, stage, uids, self.state.routes(inst.set)["dbs"], reason):
             self._fence(inst.process, inst.id, reason, uids)
         if not any(i.addresses.get("data") == address for i in self.state.instances.values()):
             # Nobody took its address over yet: a delivery there reported later was lost with it.
-            self.deliveries.bury(address, Grave(inst.id, inst.stage, inst.set, since,
+            self.deliveries.bury(address, Grave(inst.id, stage, inst.set, since,
                                                 now + self.deliveries.horizon_s, reason, set(uids), inst.process))
 
     def _fence(self, process: str, instance: str, reason: str, uids: list[str]) -> None:

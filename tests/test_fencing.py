@@ -71,11 +71,13 @@ class Reaper:
 
     def __init__(self) -> None:
         self.jobs: list[tuple[str, list[str], str]] = []
+        self.stages: list[str] = []
 
-    def submit(self, instance, stage, uids, dbs, reason) -> bool:
+    def submit(self, instance, stage, uids, dbs, reason, error=None) -> bool:
         if not (uids and stage and dbs):
             return False
         self.jobs.append((instance, list(uids), reason))
+        self.stages.append(stage)
         return True
 
     def close(self, timeout: float = 2.0) -> None:
@@ -138,6 +140,25 @@ def test_a_reaped_process_is_answered_with_the_fence_alone_then_registers_again(
         assert len(server.fences) == 0
         assert "fenced" not in _register(server, "p1", serving="denoise_t2v")
         assert server.state.instances[NAME].ready and "fenced" not in _beat(server, "p1", holding=[])
+    finally:
+        server.close()
+
+
+def test_what_a_moved_instance_held_is_failed_for_the_stage_it_served(topology):
+    """An instance the NM moved still serves its old stage while it drains: what it held when
+    it died was held for that stage, not for the one it was on its way to."""
+    from onepiece.nm.elastic import Move
+
+    server = _nm(topology)
+    try:
+        _register(server, "p1")
+        _beat(server, "p1", holding=["u1"])
+        server.elastic.apply(server.state, Move(NAME, "denoise_t2v", "denoise_i2v", "a test's move"),
+                             time.monotonic())
+        assert server.state.instances[NAME].stage == "denoise_i2v"
+        _beat(server, "p1", holding=["u1"])  # draining: it still says it serves denoise_t2v
+        _silent(server)
+        assert server.reaper.jobs[0][1] == ["u1"] and server.reaper.stages == ["denoise_t2v"]
     finally:
         server.close()
 

@@ -223,14 +223,18 @@ def test_onepiece_up_keeps_the_operator_key_in_a_private_file_never_on_a_command
 
 
 def test_an_nm_that_cannot_bind_leaves_no_thread_behind(nm):
-    """A second NM at a taken address fails to start, and takes its reaper thread with it."""
+    """A second NM at a taken address fails to start, and takes its threads (the reaper, the
+    sweep for unheld requests) with it."""
     import zmq
 
     topo, wf, base = load_topology(deploy_dir() / "local.yaml")
-    reapers = sum(t.name == "nm-reaper" for t in threading.enumerate())
+
+    def threads() -> int:
+        return sum(t.name in ("nm-reaper", "nm-orphans") for t in threading.enumerate())
+    before = threads()
     with pytest.raises(zmq.ZMQError):
         NodeManager(topo, wf, base, nm.address)
-    wait_for(lambda: sum(t.name == "nm-reaper" for t in threading.enumerate()) == reapers, 5, "its reaper gone")
+    wait_for(lambda: threads() == before, 5, "its threads gone")
 
 
 def test_only_the_primary_exports_the_cluster_state(nm):
