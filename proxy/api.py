@@ -42,7 +42,7 @@ from onepiece.proxy.dispatch import Dispatcher, NoEntrance, SendFailed
 from onepiece.proxy.errors import ApiError, JsonResponse, bad_request
 from onepiece.proxy.idempotency import HEADER as IDEM_HEADER, check_same, gone, handing, \
     idempotency_key, idempotent_uid, request_hash
-from onepiece.proxy.images import decode_base64_image, decode_image
+from onepiece.proxy.images import check_image, decode_base64_image, decode_image
 from onepiece.proxy.keys import ANYONE, ApiKeys, Caller
 from onepiece.proxy.listing import Cursors, list_object, parse_query
 from onepiece.proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
@@ -259,8 +259,12 @@ class ProxyState:
                     return video_object(held), True
             raise error
 
-        def give_back() -> None:  # an admission this create turned out not to need
-            if adm is not None:
+        given_back = False
+
+        def give_back() -> None:  # an admission this create turned out not to need (once)
+            nonlocal given_back
+            if adm is not None and not given_back:
+                given_back = True
                 adm.give_back(job.app, shape_key(params))
 
         if idem is not None and uid in self.tracker:  # its first create is being stored or handed over here
@@ -270,6 +274,8 @@ class ProxyState:
             return await replay_or(ApiError(
                 503, f"no instance of stage {first_stage!r} (entrance of model {job.app!r}) is up; "
                      f"try again later or another set", code="no_entrance", headers=self._retry()))
+        if job.image_bytes is not None:  # no image at all: a 400 now, not a 429 that says come back
+            check_image(job.image_bytes, IMAGE_FIELD)
         # Admission, all in memory: a refusal waits on no DB, stage or NM (but for a create with
         # an Idempotency-Key, whose UID is read then: a retry of an accepted one gets its video
         # even while the set refuses new work).
@@ -344,7 +350,8 @@ class ProxyState:
                 what = "no entrance instance is up" if isinstance(e, NoEntrance) else str(e)
                 raise ApiError(503, f"model {job.app!r}: the request could not be handed to the pipeline: {what}",
                                code="entrance_unavailable", headers=self._retry()) from None
-        except BaseException:
+        except BaseException:  # not stored or not handed over: its admission goes back too
+            give_back()
             self.release(uid)
             raise
         self.cluster.delivered(addr, uid)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import io
 import re
 import warnings
+from typing import Iterator
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -73,31 +75,14 @@ def _too_large(param: str, what: str) -> ApiError:
                        param=param, code="image_too_large")
 
 
-def decode_image(data: bytes, need: tuple[int, int] | None = None, param: str = "input_reference") -> np.ndarray:
-    """The image as uint8 HxWx3 RGB, upright (EXIF), reduced to cover ``need`` = (width, height)
-    when it is larger (see the module doc). 400 ``image_too_large`` for more than MAX_IMAGE_PIXELS,
-    400 ``invalid_image`` for data that is no image. CPU-bound: callers run it off the event loop."""
+@contextlib.contextmanager
+def _image_errors(param: str) -> Iterator[None]:
+    """Whatever Pillow raises on bad data, as the 400 that names ``param``."""
     try:
         with warnings.catch_warnings():
             # PIL's own bomb check (at 89 Mpx) would otherwise only warn, and decode.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data), formats=FORMATS)
-            w, h = img.size  # read from the header, before any pixel is decoded
-            if w < 1 or h < 1:
-                raise bad_request(f"'{param}' is {w}x{h} pixels", param=param, code="invalid_image")
-            if w * h > MAX_IMAGE_PIXELS:
-                raise _too_large(param, f"is {w}x{h}")
-            if need is not None:
-                # JPEG decodes at 1/2, 1/4 or 1/8 scale for free; ask for what covers the need.
-                nw, nh = need[::-1] if img.getexif().get(_EXIF_ORIENTATION) in _TRANSPOSED else need
-                img.draft(img.mode, cover_size(w, h, nw, nh))
-            img = ImageOps.exif_transpose(img)  # phone photos store rotation in EXIF
-            img = img.convert("RGB")
-            if need is not None:
-                size = cover_size(img.width, img.height, *need)
-                if size != img.size:
-                    img = img.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
-            arr = np.asarray(img, dtype=np.uint8)
+            yield
     except ApiError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
@@ -107,4 +92,42 @@ def decode_image(data: bytes, need: tuple[int, int] | None = None, param: str = 
                           code="invalid_image") from None
     except (OSError, ValueError, SyntaxError, TypeError, EOFError, MemoryError) as e:  # truncated or corrupt data
         raise bad_request(f"'{param}' could not be decoded as an image: {e}", param=param, code="invalid_image") from None
+
+
+def _open(data: bytes, param: str) -> Image.Image:
+    """The image, its header read and checked, no pixel decoded yet (inside ``_image_errors``)."""
+    img = Image.open(io.BytesIO(data), formats=FORMATS)
+    w, h = img.size  # read from the header, before any pixel is decoded
+    if w < 1 or h < 1:
+        raise bad_request(f"'{param}' is {w}x{h} pixels", param=param, code="invalid_image")
+    if w * h > MAX_IMAGE_PIXELS:
+        raise _too_large(param, f"is {w}x{h}")
+    return img
+
+
+def check_image(data: bytes, param: str = "input_reference") -> None:
+    """What the file's header allows to check, without decoding a pixel (microseconds): a request
+    that can never succeed is told so before admission, not refused as if the set were busy."""
+    with _image_errors(param):
+        _open(data, param)
+
+
+def decode_image(data: bytes, need: tuple[int, int] | None = None, param: str = "input_reference") -> np.ndarray:
+    """The image as uint8 HxWx3 RGB, upright (EXIF), reduced to cover ``need`` = (width, height)
+    when it is larger (see the module doc). 400 ``image_too_large`` for more than MAX_IMAGE_PIXELS,
+    400 ``invalid_image`` for data that is no image. CPU-bound: callers run it off the event loop."""
+    with _image_errors(param):
+        img = _open(data, param)
+        w, h = img.size
+        if need is not None:
+            # JPEG decodes at 1/2, 1/4 or 1/8 scale for free; ask for what covers the need.
+            nw, nh = need[::-1] if img.getexif().get(_EXIF_ORIENTATION) in _TRANSPOSED else need
+            img.draft(img.mode, cover_size(w, h, nw, nh))
+        img = ImageOps.exif_transpose(img)  # phone photos store rotation in EXIF
+        img = img.convert("RGB")
+        if need is not None:
+            size = cover_size(img.width, img.height, *need)
+            if size != img.size:
+                img = img.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
+        arr = np.asarray(img, dtype=np.uint8)
     return np.ascontiguousarray(arr)

@@ -552,6 +552,21 @@ def test_full_set_gets_429_and_capacity_returns_on_done():
         h.close()
 
 
+def test_a_file_that_is_no_image_gets_400_even_from_a_full_set():
+    """A request that can never succeed is told so, not refused with 429 as if the set were
+    busy (its client would retry it for ever): the image's header is read before admission."""
+    h = Harness(max_inflight=1)
+    try:
+        assert h.create(prompt="a").status_code == 200  # the set is full now
+        r = h.http.post("/v1/videos", content=('{"prompt": "x", "model": "i2v", "input_reference": "%s"}'
+                                               % _b64(b"plain text")).encode(),
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_image", r.text
+        assert h.create(prompt="b").json()["error"]["code"] == "inflight_full"
+    finally:
+        h.close()
+
+
 def test_deadline_frees_the_slot_and_fails_the_request():
     h = Harness(max_inflight=1)
     try:
