@@ -468,8 +468,16 @@ class SetSpec(_Strict):
         return apps or list(workflow.applications)
 
 
+class LogSpec(_Strict):
+    """How large each role's log under `onepiece up` grows (onepiece/logrotate.py)."""
+
+    max_mb: float = Field(32.0, gt=0, le=1_000_000, description="a role's log is rotated past this size")
+    keep: int = Field(3, ge=0, le=100, description="rotated parts kept per role (name.log.1 the newest)")
+
+
 class Topology(_Strict):
     workflow: str = Field(description="workflow YAML, relative to this file")
+    logs: LogSpec = LogSpec()
     deployment: str | None = Field(None, description="the deployment's id, which every member carries and the NM "
                                                      "checks (default: onepiece up makes a fresh one per run)")
     nm: NmSpec = NmSpec()

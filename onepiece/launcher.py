@@ -27,6 +27,7 @@ from typing import Any
 from onepiece import deployment, operator_key
 from onepiece.config import ConfigError, SetSpec, load_topology
 from onepiece.curve_policy import AuthPolicyError, curve_on
+from onepiece.logrotate import rotate
 from onepiece.nm.client import NmClient
 from onepiece.nm.zk_auth import child_env
 from onepiece.ports import free_port
@@ -355,10 +356,14 @@ class Deployment:
         raise RuntimeError(f"not ready after {timeout:.0f}s; waiting for {', '.join(lacking)}; logs in {self.log_dir}")
 
     def supervise(self, stop: threading.Event) -> None:
-        """Restart role processes that die, with bounded backoff, until ``stop``."""
+        """Restart role processes that die, with bounded backoff, and keep their logs within
+        their bound (onepiece/logrotate.py), until ``stop``."""
+        logs = self.topo.logs
         while not stop.wait(0.5):
             now = time.monotonic()
             for c in self.children:
+                if rotate(c.log_path, int(logs.max_mb * 2**20), logs.keep):
+                    log.info("rotated %s (over %g MB)", c.log_path, logs.max_mb)
                 if c.proc is not None and c.proc.poll() is not None:
                     log.warning("%s exited with %s; restarting (log: %s)", c.name, c.proc.returncode, c.log_path)
                     c.proc = None
