@@ -201,7 +201,6 @@ class ProxyState:
         return {"Retry-After": str(self.opts.retry_after_s)}
 
     def _refuse(self, r: Refusal) -> ApiError:
-        self.metrics.rejected.labels(r.code).inc()
         return ApiError(429, f"set {self.cluster.set_name!r}: {r.message}; retry later or use another set",
                         code=r.code, headers={"Retry-After": str(r.retry_after_s)})
 
@@ -257,6 +256,8 @@ class ProxyState:
                 what, held = await self._held(uid, caller, idem[1], here=uid in self.tracker)
                 if what == "replay":
                     return video_object(held), True
+            if error.status == 429:  # counted once answered: a retry that gets its video was not refused
+                self.metrics.rejected.labels(error.code).inc()
             raise error
 
         given_back = False

@@ -170,6 +170,25 @@ def test_a_retry_gets_its_video_while_the_set_refuses_new_work():
         harness.close()
 
 
+def test_a_retry_that_gets_its_video_from_a_full_proxy_is_not_counted_refused():
+    """The retry of an accepted create, refused by a full proxy's admission, answers 200 with its
+    video: onepiece_proxy_rejected counts the create that got its 429, not that retry too."""
+    harness = H.Harness(max_inflight=1, keys=ApiKeys([ALICE]))
+    second = ProxyServer(harness.cluster, max_inflight=1, keys=ApiKeys([ALICE]), refresh_s=0.05)
+    second.start()
+    try:
+        with httpx.Client(base_url=second.url, timeout=10.0) as other:
+            assert post(harness.http, "order-40").status_code == 200
+            assert post(other, "order-41").status_code == 200  # the second proxy's one slot
+            assert post(other, None).status_code == 429
+            again = post(other, "order-40")
+            assert again.status_code == 200 and again.headers.get("idempotent-replayed") == "true"
+            assert 'onepiece_proxy_rejected_total{reason="inflight_full"} 1.0' in other.get("/metrics").text
+    finally:
+        second.stop()
+        harness.close()
+
+
 def test_a_record_its_proxy_stored_and_never_handed_over_is_handed_over_by_a_retry(h):
     """A proxy that died between storing a create and handing it over leaves a ``queued`` record
     that is not marked handed. Dying at that instant cannot be timed in a test, so the record is
