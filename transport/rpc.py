@@ -223,6 +223,8 @@ class AsyncRpcClient:
         if self._reader is None:
             self._reader = asyncio.ensure_future(self._read_loop())
         for _ in range(self.retries + 1):
+            if self.sock.closed:  # closed by another caller meanwhile (AsyncDbClient drops one that timed out)
+                break
             rid = next(self._ids)
             fut = asyncio.get_running_loop().create_future()
             self._pending[rid] = fut
@@ -251,6 +253,8 @@ class AsyncRpcClient:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # one bad reply must not end every later call
+                if self.sock.closed:  # nothing more can come, and each recv fails at once without yielding
+                    return
                 log.warning("rpc client %s: ignored a malformed reply: %r", self.address, e)
                 continue
             if fut is not None and not fut.done():
