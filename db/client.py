@@ -319,9 +319,11 @@ class AsyncDbClient(_Failover):
             # The outer bound also covers the send, which AsyncRpcClient does not time.
             out = await asyncio.wait_for(client.call(op, **args), self.timeout + 0.5)
         except (RpcTimeout, asyncio.TimeoutError) as e:
-            stale = self._clients.pop(address, None)
-            if stale is not None:
-                stale.close()
+            # This client only: another call may have put a fresh one there meanwhile (and it
+            # closed this one when it took it out).
+            if self._clients.get(address) is client:
+                del self._clients[address]
+                client.close()
             self._mark(address, ok=False)
             raise e if isinstance(e, RpcTimeout) else RpcTimeout(f"{op}: no answer from {address}") from None
         except RpcError:

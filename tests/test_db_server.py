@@ -394,6 +394,50 @@ def test_a_call_on_a_closed_db_rpc_client_is_no_answer_and_leaves_the_loop_free(
     assert "malformed reply" not in run.stderr
 
 
+def test_a_timed_out_call_closes_its_own_rpc_client_not_the_one_that_replaced_it(tmp_path) -> None:
+    """Two calls shared one DB's RPC client; the first timed out and replaced it; the second,
+    timing out later, closed the replacement under a third call that was being answered."""
+    import asyncio
+
+    from onepiece.db.client import AsyncDbClient
+    from onepiece.transport.rpc import RpcServer
+
+    address = f"ipc://{tmp_path}/db-ctl.sock"  # nobody there at first: the first two calls time out
+
+    def slow_stats(req, blobs):
+        time.sleep(0.6)  # the third call is still waiting when the second one times out
+        return {"stats": {"records": 7}}
+
+    async def scenario() -> list:
+        client = AsyncDbClient([address], timeout=1.0)
+        try:
+            first = asyncio.create_task(client.stats())  # t = 0: times out at 1.0
+            await asyncio.sleep(0.3)
+            second = asyncio.create_task(client.stats())  # same RPC client: times out at 1.3
+            await first
+            server = RpcServer(address, {"stats": slow_stats})
+            stop = threading.Event()
+
+            def serve() -> None:
+                while not stop.is_set():
+                    if server.sock.poll(50):
+                        server.handle()
+            serving = threading.Thread(target=serve, daemon=True)
+            serving.start()
+            try:
+                third = await client.stats()  # a fresh RPC client, answered at about 1.7
+                return [(await second)[address], third[address]]
+            finally:
+                stop.set()
+                serving.join(5)
+                server.close()
+        finally:
+            client.close()
+
+    second, third = asyncio.run(scenario())
+    assert "error" in second and third == {"records": 7}, (second, third)
+
+
 def test_replication_to_a_dead_peer_is_dropped_and_counted(start_dbs) -> None:
     (db,) = start_dbs(1, mesh=False)
     db.server.set_peers([{"data": "tcp://127.0.0.1:1", "control": "tcp://127.0.0.1:2"}])  # nobody listens there
