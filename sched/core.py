@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from onepiece.sched.costs import CostModel
 from onepiece.sched.keys import at_dop
-from onepiece.sched.options import ScheduleSpec
+from onepiece.sched.options import DEADLINE_ORDERED, ScheduleSpec
 from onepiece.sched.policies import make_policy
 from onepiece.sched.policy import Batch, Policy, RankedPolicy, Request, View, Worker, build_batches
 from onepiece.sched.ranks import Ranks, dops, place
@@ -342,13 +342,19 @@ class SchedCore:
                 if r.worker is not None:
                     out.commands.append(Drop(r.worker, (r.uid,)))
         aging, memo = self.spec.aging, self._memo_valid()
+        # A deadline-first policy serves a request by its deadline (target) while it can still make
+        # it: aged before then, a request with a far deadline overtook those with near ones, which
+        # the request monitor had admitted against their deadlines (most of them then failed).
+        by_deadline = self.policy.name in DEADLINE_ORDERED
         free = []  # what may advance: not in a chunk now
         for r in requests.values():
             if not r.aged:
                 alone = memo.get((r.key, r.steps), memo)  # standalone_s(r), without a call when known
                 if alone is memo:
                     alone = self.standalone_s(r)
-                if now - r.arrival > aging * (alone or UNKNOWN_STANDALONE_S):
+                alone = alone or UNKNOWN_STANDALONE_S
+                if now - r.arrival > aging * alone and not (
+                        by_deadline and r.deadline is not None and now + alone <= r.deadline):
                     r.aged = True
                     self.stats.aged += 1
             if not r.running:

@@ -260,6 +260,22 @@ def test_no_policy_starves_a_long_request_under_a_sustained_short_stream(policy:
     assert out["long"].end <= 4 * 2.0 + 2.0 + 0.2 + 1e-6
 
 
+@pytest.mark.parametrize("policy", ["edf", "slo"])
+def test_under_a_deadline_first_policy_a_far_deadline_does_not_age_past_a_near_one(policy: str) -> None:
+    """A backlog of requests with far deadlines waits past its aging bound; one with a near
+    deadline arrives. The backlog can still make its deadlines, so it is served by them: aged,
+    it went first, oldest first, and the near one (admitted by the request monitor against its
+    deadline) missed it."""
+    st = stage(policy, max_batch=1, chunk_steps=1, aging=4.0)
+    for i in range(30):  # 3 s of work, each 0.1 s alone, due in 100 s
+        st.submit(0.0, request(f"far{i}", S, steps=10, deadline=100.0))
+    st.submit(1.0, request("near", S, steps=10, deadline=1.5))
+    out = st.run()
+    assert out["near"].status == "completed" and out["near"].end <= 1.3, out["near"]
+    assert all(out[f"far{i}"].status == "completed" for i in range(30))
+    assert st.core.stats.aged == 0
+
+
 def test_aging_is_what_saves_the_long_request() -> None:
     """The same stream with aging effectively off: srtf leaves the long request unfinished."""
     st = stage("srtf", max_batch=1, chunk_steps=1, aging=1000)
