@@ -171,6 +171,7 @@ class Refusal:
     code: str  # "over_capacity" | "deadline" | "no_capacity" | "inflight_full"
     message: str
     retry_after_s: int  # whole seconds (HTTP Retry-After), at least 1
+    hint: str = "retry later or use another set"  # what the client can do about it
 
 
 class TokenBucket:
@@ -320,6 +321,10 @@ def deadline_refusal(app_estimate: dict[str, Any], shape: str, timeout_s: float,
     if predicted <= deadline:
         return None
     # The queue ahead must drain by the excess before a request like this one fits.
+    if alone is not None and alone > deadline:  # an idle set would miss it too: no wait helps
+        p, d = _apart(alone, deadline)
+        return Refusal("deadline", f"even an idle set takes {p}s for this request, beyond its deadline of {d}s",
+                       1, "give it a longer deadline (timeout_s, slo_s) or use a faster set")
     p, d = _apart(predicted, deadline)
     return Refusal("deadline", f"predicted completion in {p}s exceeds the deadline of {d}s",
                    max(1, math.ceil(predicted - deadline)))

@@ -201,7 +201,7 @@ class ProxyState:
         return {"Retry-After": str(self.opts.retry_after_s)}
 
     def _refuse(self, r: Refusal) -> ApiError:
-        return ApiError(429, f"set {self.cluster.set_name!r}: {r.message}; retry later or use another set",
+        return ApiError(429, f"set {self.cluster.set_name!r}: {r.message}; {r.hint}",
                         code=r.code, headers={"Retry-After": str(r.retry_after_s)})
 
     def reserve(self, app: str, shape: str) -> dict[str, float]:

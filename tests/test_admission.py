@@ -197,6 +197,15 @@ def test_explicit_timeout_is_the_deadline():
     assert "2.56s" in r.message and "1.00s" in r.message
 
 
+def test_a_deadline_no_idle_set_meets_says_that_no_wait_helps():
+    """Shorter than the request takes on an idle set: "retry later" would never help."""
+    est = view(denoise_s=0.5, queue=4)["apps"]["t2v"]  # alone 0.56 s, predicted 2.56 s
+    r = deadline_refusal(est, SHAPE, 0.05, True, factor=1.0)
+    assert r.code == "deadline" and "even an idle set takes 0.56s" in r.message and "0.05s" in r.message
+    assert "longer deadline" in r.hint
+    assert "retry later" in deadline_refusal(est, SHAPE, 1.0, True, factor=1.0).hint  # this one can wait
+
+
 def test_a_near_miss_reads_as_one():
     """Ties admit; a prediction just past the deadline is shown to the digit that tells them apart."""
     est = view(denoise_s=0.5, queue=4)["apps"]["t2v"]  # predicted 2.56 s
