@@ -13,10 +13,10 @@ Writes arrive on the DB's data address (any transport) as messages whose header 
   the records placement gives it (``db/server.py``), as ``replica`` messages.
 
 Reads and the proxy's synchronous ``create`` go to the DB's control address (RPC ops, see
-``db/server.py``): ``create``, ``get``, ``content``, ``delete``, ``list``, ``stats``, and ``state`` and ``running`` (where
-requests are, for the NM). Reads,
-deletes and lists may name an ``owner`` (the key tag the record was created with): a record of
-another owner is then "not found", so its id leaks nothing.
+``db/server.py``): ``create``, ``get``, ``content``, ``delete``, ``list``, ``stats``, and ``state``
+and ``running`` (where requests are, for the NM). Reads, deletes and lists may name an
+``owner`` (the key tag the record was created with): a record of another owner is then "not
+found", so its id leaks nothing.
 Terminal transitions are published on the DB's events address as ``[b"done", json]``.
 
 A record is a JSON object; ``merge`` makes replicas converge whatever order updates arrive in.

@@ -167,7 +167,8 @@ class ResultStore:
         where each is (uid, app, status, stage), whether an ``Idempotency-Key`` made it and
         whether its proxy marked it handed over (proxy/idempotency.py), nothing of what it holds."""
         recs = sorted((r for r in self._records.values()
-                       if r["status"] not in TERMINAL and r["created_at"] < before), key=lambda r: r["created_at"])
+                       if r["status"] not in TERMINAL and (r.get("created_at") or 0.0) < before),
+                      key=lambda r: r.get("created_at") or 0.0)
         return [{**{k: r.get(k) for k in ("uid", "app", "status", "stage")},
                  "idempotent": bool(r.get("request_hash")), "handed": bool(r.get("handed"))} for r in recs[:limit]]
 

@@ -14,7 +14,8 @@ resident and does what the scheduler (sched/core.py, through stage/scheduler.py)
 It talks to the scheduler over a ZMQ DEALER socket:
 
 - worker → scheduler: ``[b"ready", {stepped: {app: bool}, ranks}]`` (ranks: a collaboration
-  group's size, else 1), ``[b"broken", {error}]`` (it cannot start: its models do not load, or its group does not form; it exits), ``[b"admitted", {uid, nbytes}]``,
+  group's size, else 1), ``[b"broken", {error}]`` (it cannot start: its models do not load, or
+  its group does not form; it exits), ``[b"admitted", {uid, nbytes}]``,
   ``[b"progress", {uid, fraction}]``, ``[b"done", *message frames]``, ``[b"failed", {uid,
   error}]`` and, when a ``run`` ends, ``[b"idle", {steps: [[uids, seconds], ...], fixed: {uid:
   seconds preparing and finishing}, exec_s}]``;
@@ -54,7 +55,7 @@ PROGRESS_EVERY_S = 0.2  # progress reports are throttled; the DB only needs a fe
 # waking (a nice value alone still lets a busy worker finish its time slice first).
 NICE = 10
 GROUP_TIMEOUT_S = 30.0  # a collective that waits longer: a rank is gone (its instance restarts the group)
-BROKEN_CHARS = 2000  # of a load error told to the scheduler (the whole traceback is in the log)
+BROKEN_CHARS = 2000  # of why it cannot start, told to the scheduler (the whole traceback is in the log)
 TICK_S = 1.0  # a group's rank 0 hands on an empty command at least this often while idle
 
 
