@@ -187,7 +187,9 @@ class NodeManager:
             stage = rec.get("stage") or (app.stages[0] if app is not None else "")
             by_stage.setdefault(stage, []).append(uid)
         for stage, uids in by_stage.items():
-            error = (f"{UNHELD}: the request was at stage {stage} when the instance that held it was lost "
+            # Where a stage last reported it (db/store.py's deadline verdict says the same): a
+            # request waiting in the next stage's queue has not been reported there yet.
+            error = (f"{UNHELD}: last reported at stage {stage}; the instance that held it was lost "
                      "while no node manager heard it")
             self.reaper.submit("(unknown)", stage, uids, dbs, UNHELD, error)
 

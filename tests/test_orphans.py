@@ -129,3 +129,27 @@ def test_requests_waiting_in_a_full_stage_s_buffer_are_not_taken_for_lost(tiny_m
     finally:
         up.stop()
 
+
+
+def test_an_unheld_verdict_names_the_stage_that_last_reported_the_request(tmp_path, tiny_models) -> None:
+    """A request that text_encode handed on and that waits in denoise_t2v's queue is still shown
+    at text_encode by the DB (a stage reports a request as its worker takes it): the verdict must
+    not say it was at text_encode when the instance that held it (denoise_t2v's) was lost."""
+    from onepiece.config import load_topology
+    from onepiece.launcher import write_topology
+    from onepiece.nm.server import NodeManager
+
+    topo, wf, base = load_topology(write_topology(tmp_path, tiny_models, free_tcp_address(),
+                                                  nm={"elastic": {"enabled": False}}))
+    nm = NodeManager(topo, wf, base)
+    try:
+        jobs = []
+        nm.reaper.submit = lambda *args: jobs.append(args) or True
+        nm._orphaned("set0", [{"control": "x", "data": "y"}],
+                     {"u1": {"uid": "u1", "app": "t2v", "status": "in_progress", "stage": "text_encode"}})
+        ((_, stage, uids, _, reason, error),) = jobs
+        assert (stage, uids, reason) == ("text_encode", ["u1"], "held by no live instance")
+        assert error.startswith("held by no live instance: last reported at stage text_encode;"), error
+        assert "was at stage" not in error
+    finally:
+        nm.close()
