@@ -9,7 +9,8 @@ looks at least ``gap_s`` apart (wider than a heartbeat and a hand-over between s
 request is in flight between two holders) is reported failed through the reaper, which reads
 its record once more first. The NM cannot see every request a live stage has: one handed to a
 stage whose queue is full waits unheld in its transport's buffer (the stage reads on only as its
-queue drains), and one received since a late heartbeat is in no list yet. While a stage of the
+queue drains; one that still loads its workers reads nothing), and one received since a late
+heartbeat is in no list yet. While a stage of the
 set is like that, the set is not looked at, and what earlier looks found unheld starts over. An
 idempotent create that its proxy never marked handed over is left to the client's retry, which
 hands it over (proxy/idempotency.py): its proxy died before the hand-over, nobody ever held it. ``Unheld`` is that decision, with no sockets and no clocks

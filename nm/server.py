@@ -174,7 +174,11 @@ class NodeManager:
             stages = self.state.stage_instances(set_name)
             dbs = self.state.routes(set_name)["dbs"]
             if dbs and all(i.heard for i in stages):
-                blind = any(_queue_full(i.stats) or now - i.last_seen > fresh_s for i in stages)
+                # A stage instance that does not serve its stage yet (its workers load, after a
+                # restart or a move) reads nothing either: what reached its address on the routes
+                # of before (`onepiece up` restarts it at the same one) waits in its buffer.
+                blind = any(_queue_full(i.stats) or now - i.last_seen > fresh_s or (i.stage is not None and not i.ready)
+                            for i in stages)
                 # Only requests old enough to be held by now (a proxy's hand-over retries last seconds).
                 self.orphans.submit(Look(set_name, dbs, {u for i in stages for u in i.holding},
                                          time.time() - 2 * self.orphans.gap_s, blind=blind))
