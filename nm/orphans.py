@@ -7,15 +7,18 @@ Now and then the NM asks its DBs which requests are not finished yet (``running`
 and compares them with what its live stage instances say they hold. A request unheld at two
 looks at least ``gap_s`` apart (wider than a heartbeat and a hand-over between stages, when a
 request is in flight between two holders) is reported failed through the reaper, which reads
-its record once more first. The NM cannot see every request a live stage has: one handed to a
-stage whose queue is full waits unheld in its transport's buffer (the stage reads on only as its
-queue drains; one that still loads its workers reads nothing), and one received since a late
-heartbeat is in no list yet. While a stage of the
-set is like that, the set is not looked at, and what earlier looks found unheld starts over. An
+its record once more first.
+
+The NM cannot see every request a live stage has: one handed to a stage whose queue is full
+waits unheld in its transport's buffer (the stage reads on only as its queue drains; one that
+still loads its workers reads nothing), and one received since a late heartbeat is in no list
+yet. While a stage of the set is like that, the set is not looked at, and what earlier looks
+found unheld starts over; so it does after a pause in the looks (no DB routes, no primacy). An
 idempotent create that its proxy never marked handed over is left to the client's retry, which
-hands it over (proxy/idempotency.py): its proxy died before the hand-over, nobody ever held it. ``Unheld`` is that decision, with no sockets and no clocks
-(nm/elastic.py's pattern); ``OrphanSweep`` is its thread, so DB round trips never hold up the
-NM's loop.
+hands it over (proxy/idempotency.py): its proxy died before the hand-over, nobody ever held it.
+
+``Unheld`` is that decision, with no sockets and no clocks (nm/elastic.py's pattern);
+``OrphanSweep`` is its thread, so DB round trips never hold up the NM's loop.
 """
 
 from __future__ import annotations
@@ -38,11 +41,17 @@ class Unheld:
     gap_s: float
     # uid -> when a look first found it running and unheld (only those of the latest look)
     since: dict[str, float] = field(default_factory=dict)
+    last: float | None = None  # the latest look
 
-    def look(self, now: float, running: Mapping[str, Any], held: Container[str]) -> list[str]:
+    def look(self, now: float, running: Mapping[str, Mapping[str, Any]], held: Container[str]) -> list[str]:
         """``running``: the requests the DBs show unfinished, created before the holdings
-        ``held`` were reported; returns those unheld at this look and at one ``gap_s`` or more
-        before it (each once: it is forgotten then)."""
+        ``held`` were reported; returns those unheld at every look for ``gap_s`` or more (each
+        once: it is forgotten then). Looks come every half gap: after a longer pause, two looks
+        far apart would judge a request by two moments, and a request in a hand-over is briefly
+        unheld at each, so what was found unheld starts over."""
+        if self.last is not None and now - self.last > self.gap_s:
+            self.since = {}
+        self.last = now
         since, out = {}, []
         for uid, rec in running.items():
             if uid in held or awaits_retry(rec):

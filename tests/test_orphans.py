@@ -41,7 +41,10 @@ def test_a_request_unheld_at_two_looks_a_gap_apart_is_reported_once() -> None:
     # An idempotent create never handed over waits for its client's retry, which hands it over.
     idem = {"e": {"status": "queued", "idempotent": True, "handed": False},
             "f": {"status": "queued", "idempotent": True, "handed": True}}
-    assert u.look(10.0, idem, set()) == [] and u.look(13.0, idem, set()) == ["f"]
+    assert u.look(10.0, idem, set()) == [] and u.look(11.0, idem, set()) == [] and u.look(12.0, idem, set()) == ["f"]
+    # After a pause in the looks (longer than the gap), what was found unheld starts over.
+    assert u.look(20.0, {"g": {}}, set()) == [] and u.look(30.0, {"g": {}}, set()) == []
+    assert u.look(31.0, {"g": {}}, set()) == [] and u.look(32.0, {"g": {}}, set()) == ["g"]
 
 
 def test_the_store_lists_the_unfinished_requests_oldest_first(tmp_path) -> None:
