@@ -274,10 +274,11 @@ class DbServer:
                 continue
             out.setdefault(control, {"data": data, "control": control})
         with self._peers_lock:
-            self._peers = list(out.values())
+            before, self._peers = self._peers, list(out.values())
         self._peers_changed.set()
-        log.info("db %s: replication peers %s (factor %d)", self.name, [p["data"] for p in out.values()],
-                 self.replication)
+        if self._peers != before:  # every route update brings the list: said when it changes
+            log.info("db %s: replication peers %s (factor %d)", self.name, [p["data"] for p in out.values()],
+                     self.replication)
 
     def advertise_as(self, data: str, control: str) -> None:
         """The addresses peers know this DB by, when not the bound ones (a DB bound to 0.0.0.0

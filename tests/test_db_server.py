@@ -618,3 +618,13 @@ def test_db_does_not_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", "import sys, onepiece.db.server, onepiece.db.client;"
                           "print('torch' in sys.modules)"], capture_output=True, text=True, timeout=30)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_replication_peers_are_logged_when_they_change_not_at_every_route_update(start_dbs, caplog) -> None:
+    (db,) = start_dbs(1, mesh=False)
+    peer = {"data": "tcp://127.0.0.1:1", "control": "tcp://127.0.0.1:2"}
+    with caplog.at_level(logging.INFO, logger="onepiece.db"):
+        for _ in range(3):  # as every route update hands them over again
+            db.server.set_peers([peer])
+        db.server.set_peers([])
+    assert caplog.text.count("replication peers") == 2, caplog.text
