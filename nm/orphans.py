@@ -89,7 +89,6 @@ class OrphanSweep:
         self.gap_s, self.report, self.timeout = gap_s, report, timeout
         self._unheld: dict[str, Unheld] = {}
         self._looks: queue.Queue[Look | None] = queue.Queue(maxsize=16)
-        self.found = 0  # requests reported (for tests and status)
         self._thread = threading.Thread(target=self._run, name="nm-orphans", daemon=True)
         self._thread.start()
 
@@ -122,7 +121,6 @@ class OrphanSweep:
         if lost:
             log.warning("%d request(s) of set %s are running in the DBs but held by no live instance: "
                         "reporting them failed", len(lost), look.set)
-            self.found += len(lost)
             self.report(look.set, look.dbs, {u: running[u] for u in lost})
 
     def close(self, timeout: float = 2.0) -> None:

@@ -177,8 +177,8 @@ class NodeManager:
                 # A stage instance that does not serve its stage yet (its workers load, after a
                 # restart or a move) reads nothing either: what reached its address on the routes
                 # of before (`onepiece up` restarts it at the same one) waits in its buffer.
-                blind = any(_queue_full(i.stats) or now - i.last_seen > fresh_s or (i.stage is not None and not i.ready)
-                            for i in stages)
+                blind = any(_queue_full(i.stats) or now - i.last_seen > fresh_s
+                            or (i.stage is not None and not i.ready) for i in stages)
                 # Only requests old enough to be held by now (a proxy's hand-over retries last seconds).
                 self.orphans.submit(Look(set_name, dbs, {u for i in stages for u in i.holding},
                                          time.time() - 2 * self.orphans.gap_s, blind=blind))
