@@ -78,7 +78,10 @@ class CostTable:
         return at_batch(self.rows[stage][key], batch)
 
     def alone_s(self, stage: str, key: str, steps: int) -> float:
-        return self.step_s(stage, key, 1) * steps
+        """Seconds a request of ``key`` takes at ``stage`` alone: its steps and its ``fixed``
+        preparing and finishing, which a worker spends on it as surely (a running stage's
+        standalone time, what the proxy's deadline split reads, includes it too)."""
+        return self.step_s(stage, key, 1) * steps + self.fixed.get(stage, {}).get(key, 0.0)
 
     def pricer(self, stage: str) -> Callable[[str, int], float]:
         """(key, batch) -> seconds, for a virtual instance of ``stage``."""

@@ -212,6 +212,30 @@ def test_the_planner_finds_the_fewest_devices_that_meet_the_target():
         plan.monolithic(WF, table(), mixed)
 
 
+def test_a_plan_prices_a_request_alone_with_its_tables_preparing_and_finishing():
+    """A table's ``fixed`` seconds are a request's as surely as its steps: a whole-pipeline
+    device spends them too, Theorem 1 counts them as work, and the standalone time an SLO is
+    set from includes them (without, a monolithic device cost 4 s where its stages cost 14 s,
+    and --alpha 2 set an SLO that no request could make even alone)."""
+    from onepiece.sim import plan
+
+    doc = {"version": 1, "stages": {
+        "text_encode": {"rows": [{"key": S, "batch": 1, "seconds": 1.0}]},
+        "denoise_t2v": {"rows": [{"key": f"{S}/cfg/L64", "batch": 1, "seconds": 1.0}],
+                        "fixed": [{"key": f"{S}/cfg/L64", "seconds": 10.0}]},
+        "vae_decode": {"rows": [{"key": S, "batch": 1, "seconds": 1.0}]}}}
+    costs = CostTable(doc, "t.json")
+    tr = trace([{"at": 2.0 * i, "class": "S", "steps": 2} for i in range(10)],
+               {"S": {"size": "64x64", "num_frames": 9, "steps": 2, "slo_s": 30.0}})
+    (j, *_) = plan.priced(WF, costs, tr)
+    assert j.alone == {"text_encode": 1.0, "denoise_t2v": 12.0, "vae_decode": 1.0}
+    assert j.reserve == {"text_encode": 13.0, "denoise_t2v": 1.0}  # as the proxy splits a deadline
+    _, mono, _ = plan.monolithic(WF, costs, tr)
+    assert mono.step_s(plan.pipeline("t2v"), S, 1) == pytest.approx(14.0)
+    # 10 x 12 s of denoising over the trace's 18 s, at 70% busy: 9.5, so 10 instances
+    assert plan.theorem1(WF, costs, tr)["denoise_t2v"] == 10
+
+
 def test_the_request_monitor_refuses_what_the_set_cannot_absorb_and_the_client_tries_the_next_set():
     """Three times what one set can do: with the proxy's own monitor on (against the NM's own
     capacity view of the simulated stages), requests are refused at once and what is admitted
