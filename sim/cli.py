@@ -294,6 +294,13 @@ def elastic_spec(options: str) -> ElasticSpec:
         raise ConfigError(f"--elastic {options!r}: {e}") from None
 
 
+def rate(trace: Trace) -> float:
+    """Requests per second over the trace's arrivals: its gaps over its span (a trace need not
+    start at 0, and n requests have n - 1 gaps; Theorem 1 refuses a trace of no span)."""
+    span = trace.requests[-1].at - trace.requests[0].at
+    return (len(trace.requests) - 1) / span if span > 0 else 0.0
+
+
 def scaled(trace: Trace, factor: float) -> Trace:
     """The same requests arriving ``factor`` times as fast."""
     return trace.model_copy(update={"requests": [r.model_copy(update={"at": r.at / factor}) for r in trace.requests]})
@@ -327,7 +334,7 @@ def run_plan(args: argparse.Namespace) -> int:
         try:
             mono = plan.fewest_monolithic(wf, costs, trace, args.target, args.gpus)
             dis = plan.disaggregated(wf, costs, trace, args.target, gpus=args.gpus)
-            row = {"load": load, "rate_rps": len(trace.requests) / max(trace.requests[-1].at, 1e-9),
+            row = {"load": load, "rate_rps": rate(trace),
                    "monolithic": mono.devices, "mono_counts": mono.counts, "mono_attainment": mono.attainment,
                    "disaggregated": dis.devices, "counts": dis.counts, "dis_attainment": dis.attainment}
             if args.elastic is not None:

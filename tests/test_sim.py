@@ -427,6 +427,25 @@ def test_plan_with_one_class_runs_on_its_defaults(tmp_path):
     assert doc["rows"][0]["disaggregated"] >= 5
 
 
+def test_plan_reports_the_traces_own_rate_wherever_it_starts(tmp_path):
+    """A request every 2 s is 0.5 requests/s in plan's table and curve, whether the trace starts
+    at 0 or 1000 s into a day (it printed 40 / 78 s = 0.513, and 40 / 1078 s = 0.037)."""
+    doc = {"version": 1, "stages": {
+        "text_encode": {"rows": [{"key": S, "batch": 1, "seconds": 0.01}]},
+        "denoise_t2v": {"rows": [{"key": f"{S}/cfg/L64", "batch": 1, "seconds": 0.02}]},
+        "vae_decode": {"rows": [{"key": S, "batch": 1, "seconds": 0.05}]}}}
+    (tmp_path / "c.json").write_text(json.dumps(doc))
+    for start in (0.0, 1000.0):
+        tr = trace([{"at": start + 2.0 * i, "class": "S"} for i in range(40)])
+        (tmp_path / "t.json").write_bytes(tr.dump())
+        with pytest.raises(SystemExit) as done:
+            main(["plan", "--workflow", str(deploy_dir() / "wan21-scale.yaml"), "--costs", str(tmp_path / "c.json"),
+                  "--trace", str(tmp_path / "t.json"), "--loads", "1,2", "--out", str(tmp_path / "out")])
+        assert done.value.code == 0
+        rows = json.loads((tmp_path / "out" / "plan.json").read_text())["rows"]
+        assert [r["rate_rps"] for r in rows] == [pytest.approx(0.5), pytest.approx(1.0)]
+
+
 def test_a_late_result_or_a_late_drop_fails_at_the_dbs_deadline_verdict():
     """The DB fails a request at its deadline (+ its grace), and that is what the client sees:
     a stage that keeps it (drop_expired off) and finishes later does not make it completed."""
