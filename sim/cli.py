@@ -345,8 +345,12 @@ def run_plan(args: argparse.Namespace) -> int:
                 row.update(elastic=el.devices, elastic_counts=el.counts, elastic_attainment=el.attainment)
             apps = sorted({r.app for r in trace.requests})
             if len(apps) > 1:  # the stages shared by the applications, against a deployment of each
-                row["separate"] = sum(plan.disaggregated(wf, costs, plan.only(trace, a), args.target,
-                                                         gpus=args.gpus).devices for a in apps)
+                # (each application's requests come over the whole trace's span: one of them may
+                # have a single request, which alone spans no time)
+                span = trace.requests[-1].at - trace.requests[0].at
+                row["separate"] = sum(plan.disaggregated(wf, costs, sub, args.target, gpus=args.gpus,
+                                                         start=plan.theorem1(wf, costs, sub, span=span)).devices
+                                      for sub in (plan.only(trace, a) for a in apps))
         except SimInputError as e:
             raise ConfigError(f"plan: {e}") from None
         rows.append(row)

@@ -151,11 +151,14 @@ def fewest(verdict_of: Callable[[int], Verdict], target: float) -> Verdict:
 
 
 # --- disaggregated ------------------------------------------------------------------------------
-def theorem1(wf: Workflow, costs: CostTable, trace: Trace, utilization: float = 0.7) -> dict[str, int]:
+def theorem1(wf: Workflow, costs: CostTable, trace: Trace, utilization: float = 0.7,
+             span: float | None = None) -> dict[str, int]:
     """Counts in proportion to each stage's offered work (device-seconds per second), each
     stage at ``utilization`` and at least one instance: Theorem 1's balance, so no stage falls
-    behind the one before it."""
-    span = trace.requests[-1].at - trace.requests[0].at
+    behind the one before it. ``span``: the seconds the work is offered over (default: from the
+    trace's first arrival to its last; a part of a trace, one application's requests, is
+    offered over the whole trace's)."""
+    span = trace.requests[-1].at - trace.requests[0].at if span is None else span
     if span <= 0:
         raise SimInputError(f"the trace's {len(trace.requests)} request(s) all arrive at {trace.requests[0].at:g} s: "
                             f"a load is a rate, which needs arrivals spread over time (more requests, or a trace)")

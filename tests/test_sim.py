@@ -446,6 +446,33 @@ def test_plan_reports_the_traces_own_rate_wherever_it_starts(tmp_path):
         assert [r["rate_rps"] for r in rows] == [pytest.approx(0.5), pytest.approx(1.0)]
 
 
+def test_plan_takes_a_trace_with_one_request_of_an_application(tmp_path):
+    """The deployment per application is planned from Theorem 1 on that application's
+    requests over the whole trace: one i2v request among 40 t2v ones spans no time alone, and
+    plan refused the whole trace for it ("the trace's 1 request(s) all arrive at 41 s")."""
+    from onepiece.sim import plan
+
+    calls = ("text_encode", "image_encode", "vae_encode", "vae_decode")
+    doc = {"version": 1, "stages": {
+        **{s: {"rows": [{"key": S, "batch": 1, "seconds": 0.1}]} for s in calls},
+        **{s: {"rows": [{"key": f"{S}/cfg/L64", "batch": 1, "seconds": 0.1}]} for s in ("denoise_t2v", "denoise_i2v")}}}
+    (tmp_path / "c.json").write_text(json.dumps(doc))
+    reqs = [{"at": 2.0 * i, "class": "S"} for i in range(40)]
+    reqs.insert(21, {"at": 41.0, "class": "S", "app": "i2v"})
+    tr = trace(reqs, {"S": {"size": "64x64", "num_frames": 9, "steps": 10, "slo_s": 40.0}})
+    (tmp_path / "t.json").write_bytes(tr.dump())
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--workflow", str(deploy_dir() / "wan21-scale.yaml"), "--costs", str(tmp_path / "c.json"),
+              "--trace", str(tmp_path / "t.json"), "--out", str(tmp_path / "out")])
+    assert done.value.code == 0
+    (row,) = json.loads((tmp_path / "out" / "plan.json").read_text())["rows"]
+    assert row["separate"] == 3 + 5  # a stage of each, for each application
+    # 1 s of denoising over the trace's 78 s: one instance
+    assert plan.theorem1(WF, CostTable(doc), plan.only(tr, "i2v"), span=78.0)["denoise_i2v"] == 1
+    with pytest.raises(SimInputError, match="all arrive at 41 s"):
+        plan.theorem1(WF, CostTable(doc), plan.only(tr, "i2v"))
+
+
 def test_a_late_result_or_a_late_drop_fails_at_the_dbs_deadline_verdict():
     """The DB fails a request at its deadline (+ its grace), and that is what the client sees:
     a stage that keeps it (drop_expired off) and finishes later does not make it completed."""
