@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 from onepiece.sched.costs import (FIGURES, CostModel, TableError, at_batch, read_table, table_figure, table_fixed,
                                   table_rows)
-from onepiece.sched.keys import variant
+from onepiece.sched.keys import at_dop, variant
+from onepiece.sched.ranks import dops
 
 
 class CostTable:
@@ -77,11 +78,14 @@ class CostTable:
         between batch sizes, and no gain assumed past the largest (``sched.costs``' rule)."""
         return at_batch(self.rows[stage][key], batch)
 
-    def alone_s(self, stage: str, key: str, steps: int) -> float:
+    def alone_s(self, stage: str, key: str, steps: int, ranks: int = 1) -> float:
         """Seconds a request of ``key`` takes at ``stage`` alone: its steps and its ``fixed``
         preparing and finishing, which a worker spends on it as surely (a running stage's
-        standalone time, what the proxy's deadline split reads, includes it too)."""
-        return self.step_s(stage, key, 1) * steps + self.fixed.get(stage, {}).get(key, 0.0)
+        standalone time, what the proxy's deadline split reads, includes it too). ``ranks``: a
+        worker's (a collaboration group's), whose steps run at its fastest DoP alone, as the
+        core's standalone time has it (DoP 1: the device-seconds of the work)."""
+        step = min(self.step_s(stage, at_dop(key, d), 1) for d in dops(ranks))
+        return step * steps + self.fixed.get(stage, {}).get(key, 0.0)
 
     def pricer(self, stage: str) -> Callable[[str, int], float]:
         """(key, batch) -> seconds, for a virtual instance of ``stage``."""

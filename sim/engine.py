@@ -82,7 +82,7 @@ class Journey:
     stages: list[str]
     deadline: float  # absolute, virtual seconds
     target: float | None
-    alone: dict[str, float]  # seconds each stage takes for it alone
+    alone: dict[str, float]  # seconds each stage takes for it alone (a collaboration group: at its fastest DoP)
     reserve: dict[str, float]  # per stage, what the stages after it need alone (sched.deadlines.reserve)
     # per stage, in order: its key there, its steps there, whether it batches there
     entries: list[tuple[str, int, bool]] = field(default_factory=list)
@@ -247,7 +247,8 @@ class Simulation:
                         raise SimInputError(f"requests[{i}] ({tr.size}x{tr.num_frames}:{tr.steps}): {why}")
                 if self.elastic is None:  # (elastic moves may fill a stage that starts empty)
                     self._complete_sets(i, job.app, stages)
-                alone = {s: self.costs.alone_s(s, key, steps) for s, (key, steps, _) in zip(stages, entries)}
+                alone = {s: self.costs.alone_s(s, key, steps, self._ranks(s))
+                         for s, (key, steps, _) in zip(stages, entries)}
                 # the deadline split as the proxy splits it
                 known = priced[(job.app, *entries)] = entries, alone, reserve(stages, alone.get)
             uid = f"r{i}"

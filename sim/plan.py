@@ -76,6 +76,12 @@ def priced(wf: Workflow, costs: CostTable, trace: Trace) -> list[Journey]:
     return sorted(sim.journeys.values(), key=lambda j: j.index)
 
 
+def device_s(costs: CostTable, j: Journey) -> dict[str, float]:
+    """Device-seconds each stage of ``j``'s spends on it alone: at DoP 1, a rank's (``j.alone``
+    is at a collaboration group's fastest DoP, on all its ranks)."""
+    return {s: costs.alone_s(s, key, steps) for s, (key, steps, _) in zip(j.stages, j.entries)}
+
+
 def only(trace: Trace, app: str) -> Trace:
     """``trace``'s requests of ``app``."""
     return trace.model_copy(update={"requests": [r for r in trace.requests if r.app == app]})
@@ -89,7 +95,7 @@ def monolithic(wf: Workflow, costs: CostTable, trace: Trace,
     application's pipeline, so each application has its own pool."""
     rows: dict[str, dict[str, float]] = {}
     for j in priced(wf, costs, trace):
-        key, t = call_key(j.params), sum(j.alone.values())
+        key, t = call_key(j.params), sum(device_s(costs, j).values())
         mine = rows.setdefault(pipeline(j.app), {})
         if key in mine and not math.isclose(mine[key], t):
             raise SimInputError(f"requests[{j.index}]: shape {key} of {j.app} comes with another cost too (other step "
@@ -164,7 +170,7 @@ def theorem1(wf: Workflow, costs: CostTable, trace: Trace, utilization: float = 
                             f"a load is a rate, which needs arrivals spread over time (more requests, or a trace)")
     work: dict[str, float] = {}
     for j in priced(wf, costs, trace):
-        for s, t in j.alone.items():
+        for s, t in device_s(costs, j).items():
             work[s] = work.get(s, 0.0) + t
     counts = {s: max(1, math.ceil(w / span / utilization / wf.stages[s].workers)) for s, w in sorted(work.items())}
     if sum(counts.values()) > MAX_DEVICES:

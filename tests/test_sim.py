@@ -236,6 +236,36 @@ def test_a_plan_prices_a_request_alone_with_its_tables_preparing_and_finishing()
     assert plan.theorem1(WF, costs, tr)["denoise_t2v"] == 10
 
 
+def test_a_collaboration_group_s_standalone_time_is_at_its_fastest_dop():
+    """A request alone on a group of 2 ranks runs its steps at DoP 2 (a DoP-blind policy on
+    all its ranks, a DoP-aware one at its fastest), as a running stage's standalone time says:
+    so its SLO can be met where DoP 1 alone would miss it, and plan must not call such a load
+    hopeless (it priced every stage at DoP 1 and refused a load that `onepiece sim` met in
+    full). A monolithic device and Theorem 1's work stay at DoP 1: one rank's device-seconds."""
+    from onepiece.sim import plan
+    from onepiece.sim.cli import hopeless
+
+    wf = WF.model_copy(deep=True)
+    wf.stages["denoise_t2v"].workers, wf.stages["denoise_t2v"].mode = 2, "collaboration"
+    doc = {"version": 1, "stages": {
+        "text_encode": {"rows": [{"key": S, "batch": 1, "seconds": 0.01}]},
+        "denoise_t2v": {"rows": [{"key": f"{S}/cfg/L64", "batch": 1, "seconds": 0.02},
+                                 {"key": f"{S}/cfg/L64@2", "batch": 1, "seconds": 0.012}]},
+        "vae_decode": {"rows": [{"key": S, "batch": 1, "seconds": 0.05}]}}}
+    costs = CostTable(doc, "t.json")
+    # alone: 0.01 + 10 x 0.012 + 0.05 and 3 hops = 0.1845 s at DoP 2; 0.2645 s at DoP 1
+    tr = trace([{"at": 1.0 * i, "class": "S"} for i in range(10)],
+               {"S": {"size": "64x64", "num_frames": 9, "steps": 10, "slo_s": 0.25}})
+    (j, *_) = plan.priced(wf, costs, tr)
+    assert j.alone["denoise_t2v"] == pytest.approx(0.12)
+    assert j.reserve["text_encode"] == pytest.approx(0.17)  # as the proxy splits it, from the stages' standalone
+    hopeless(wf, costs, tr, 0.99)  # no error: every request makes it alone
+    result, _ = simulate(wf, {"set0": {"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1}}, costs, tr)
+    assert result["summary"]["all"]["attainment"] == 1.0
+    _, mono, _ = plan.monolithic(wf, costs, tr)
+    assert mono.step_s(plan.pipeline("t2v"), S, 1) == pytest.approx(0.26)
+
+
 def test_the_request_monitor_refuses_what_the_set_cannot_absorb_and_the_client_tries_the_next_set():
     """Three times what one set can do: with the proxy's own monitor on (against the NM's own
     capacity view of the simulated stages), requests are refused at once and what is admitted
