@@ -176,11 +176,7 @@ def run(args: argparse.Namespace) -> int:
                                seed=args.seed)
     except SimInputError as e:
         raise ConfigError(f"{args.trace}: {e}") from None
-    workers: dict[str, int] = {}
-    for by_stage in sets.values():
-        for stage, n in by_stage.items():
-            workers[stage] = workers.get(stage, 0) + n * wf.stages[stage].workers
-    paths = report.write(Path(args.out), args.name, result, sim.chunks, workers)
+    paths = report.write(Path(args.out), args.name, result, sim.chunks, sim.lifetimes)
     print(report.markdown(result))
     print("saved " + ", ".join(str(p) for p in paths))
     return 0

@@ -27,27 +27,39 @@ def perfetto(chunks: list[Chunk], records: list[dict[str, Any]]) -> dict[str, An
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def utilization_over_time(chunks: list[Chunk], workers: dict[str, int], bin_s: float) -> dict[str, list[float]]:
-    """Per stage, the share of its workers busy in each ``bin_s`` window."""
+def utilization_over_time(chunks: list[Chunk], lifetimes: list[tuple[str, Any, float, float | None]],
+                          bin_s: float) -> dict[str, list[float]]:
+    """Per stage, the share of its workers busy in each ``bin_s`` window: over the workers its
+    instances had then (``Simulation.lifetimes``: a collaboration group is one worker, as in
+    ``Simulation.utilization``, and an elastic move changes a stage's count mid-run)."""
     end = max((c.end for c in chunks), default=0.0)
     n = max(1, int(end / bin_s) + 1)
-    out = {s: [0.0] * n for s in workers}
+
+    def spread(row: list[float], start: float, stop: float, weight: float) -> None:
+        for b in range(int(start / bin_s), min(n - 1, int(stop / bin_s)) + 1):
+            row[b] += weight * max(0.0, min(stop, (b + 1) * bin_s) - max(start, b * bin_s))
+
+    slots: dict[str, list[float]] = {}
+    for stage, vi, born, retired in lifetimes:
+        spread(slots.setdefault(stage, [0.0] * n), born, end if retired is None else min(retired, end),
+               len(vi.core.workers))
+    busy = {s: [0.0] * n for s in slots}
     for c in chunks:
-        row, share = out[c.stage], bin_s * workers[c.stage]
-        for b in range(int(c.start / bin_s), min(n - 1, int(c.end / bin_s)) + 1):
-            row[b] += max(0.0, min(c.end, (b + 1) * bin_s) - max(c.start, b * bin_s)) / share
-    return out
+        spread(busy.setdefault(c.stage, [0.0] * n), c.start, c.end, 1.0)
+    return {s: [b / w if w > 0 else 0.0 for b, w in zip(row, slots.get(s, [0.0] * n))] for s, row in busy.items()}
 
 
-def write(out: Path, name: str, result: dict[str, Any], chunks: list[Chunk] | None, workers: dict[str, int]) -> list[Path]:
-    """``name``.json, .md, .png and (with chunks) .perfetto.json under ``out``."""
+def write(out: Path, name: str, result: dict[str, Any], chunks: list[Chunk] | None,
+          lifetimes: list[tuple[str, Any, float, float | None]]) -> list[Path]:
+    """``name``.json, .md, .png and (with chunks) .perfetto.json under ``out``; ``lifetimes``:
+    the simulation's instances (``Simulation.lifetimes``), what the plot's shares are of."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.json", out / f"{name}.md"]
     paths[0].write_text(json.dumps(result, indent=1))
     paths[1].write_text(markdown(result) + "\n")
     if chunks:
         bin_s = max(0.5, max(c.end for c in chunks) / 200)
-        plot(out / f"{name}.png", result, utilization_over_time(chunks, workers, bin_s), bin_s)
+        plot(out / f"{name}.png", result, utilization_over_time(chunks, lifetimes, bin_s), bin_s)
         (out / f"{name}.perfetto.json").write_text(json.dumps(perfetto(chunks, result["requests"])))
         paths += [out / f"{name}.png", out / f"{name}.perfetto.json"]
     return paths

@@ -424,6 +424,34 @@ def test_the_nm_moves_an_idle_stage_s_instance_to_the_saturated_one():
     assert mean(recs) < mean(static.run())
 
 
+def test_the_plot_s_busy_share_is_of_the_workers_a_stage_has_then():
+    """sim.png's workers busy per stage: a collaboration group busy is one worker busy (100%,
+    as sim.json's utilization says, not 1 of its 2 ranks' 50%), and a stage that gained
+    instances by elastic moves is busy over all of them (its share was of its starting count:
+    up to 140% on the pinned elastic scenario)."""
+    from onepiece.sim.report import utilization_over_time
+
+    wf = WF.model_copy(deep=True)
+    wf.stages["denoise_t2v"].workers, wf.stages["denoise_t2v"].mode = 2, "collaboration"
+    doc = {"version": 1, "stages": {
+        "text_encode": {"rows": [{"key": S, "batch": 1, "seconds": 1.0}]},
+        "denoise_t2v": {"rows": [{"key": f"{S}/cfg/L64", "batch": 1, "seconds": 1.0},
+                                 {"key": f"{S}/cfg/L64@2", "batch": 1, "seconds": 0.5}]},
+        "vae_decode": {"rows": [{"key": S, "batch": 1, "seconds": 1.0}]}}}
+    sim = Simulation(wf, SET, CostTable(doc, "t.json"), hop_s=0.0, overhead_s=0.0)
+    sim.load(trace([{"at": 0.0, "class": "S", "steps": 4}],
+                   {"S": {"size": "64x64", "num_frames": 9, "steps": 4, "slo_s": 10.0}}))
+    sim.run()  # text 0-1 s, denoise 1-3 s at DoP 2, vae 3-4 s
+    assert utilization_over_time(sim.chunks, sim.lifetimes, 1.0)["denoise_t2v"] == [0.0, 1.0, 1.0, 0.0, 0.0]
+    topo, sets, tr = saturated_denoise(300)
+    moved = Simulation(WF, sets, table(), elastic=topo, move_s=3.0)
+    moved.load(tr)
+    moved.run()
+    assert moved.elastic.moves
+    busy = utilization_over_time(moved.chunks, moved.lifetimes, 1.0)
+    assert max(busy["denoise_t2v"]) == pytest.approx(1.0)  # saturated: both instances busy, not 200%
+
+
 def test_a_move_never_takes_an_instance_to_a_stage_that_needs_more_gpus_than_it_holds():
     """The same saturation with denoise_t2v on 2 GPUs per worker: a 1-GPU vae_decode instance
     must stay (the planner counts the devices a set starts with, so a move that grew an instance
