@@ -12,6 +12,9 @@ judged by the simulator running the real policies.
   every simulation (``sim/elastic.py``), so a load whose mix shifts over the day is met by
   moving instances rather than by holding each stage's peak at once.
 
+Every plan is held to the target in each application (``Verdict.worst``), as a monolithic pool
+of one application must be.
+
 A device is one worker of one instance (``workers`` of a stage in the workflow YAML is kept at
 what it says), and it holds ``gpus[stage]`` GPUs (1 unless said: e.g. a 14B transformer that
 runs sequence-parallel on 2). A monolithic device holds what the largest of its stages needs.
@@ -37,9 +40,13 @@ MAX_DEVICES = 100_000
 class Verdict:
     devices: int
     counts: dict[str, int]
-    attainment: float
+    attainment: float  # over all requests
     utilization: dict[str, float]
     summary: dict[str, Any] = field(repr=False, default_factory=dict)
+    # What the search holds to the target: the least attainment of any application. A monolithic
+    # pool serves one application, so each pool must meet it; a shared plan held only overall
+    # could starve a small application and still count as meeting it.
+    worst: float = 1.0
 
 
 def attainment(wf: Workflow, counts: dict[str, int], costs: CostTable, trace: Trace, hop_s: float = HOP_S,
@@ -59,9 +66,12 @@ def attainment(wf: Workflow, counts: dict[str, int], costs: CostTable, trace: Tr
     records = sim.run()
     if any(not v.slo_s for v in trace.classes.values()):  # the CLI refuses such a trace; a caller must too
         raise SimInputError("every class needs an slo_s to plan for")
-    summary = summarize(records, {c: v.slo_s for c, v in trace.classes.items()})
+    slo = {c: v.slo_s for c, v in trace.classes.items()}
+    summary = summarize(records, slo)
+    worst = min(summarize([r for r in records if r["app"] == app], slo)["all"]["attainment"]
+                for app in {r["app"] for r in records})
     devices = sum(n * wf.stages[s].workers * (gpus or {}).get(s, 1) for s, n in counts.items())
-    return Verdict(devices, dict(counts), summary["all"]["attainment"], sim.utilization(), summary)
+    return Verdict(devices, dict(counts), summary["all"]["attainment"], sim.utilization(), summary, worst)
 
 
 # --- monolithic ---------------------------------------------------------------------------------
@@ -129,27 +139,42 @@ def fewest_monolithic(wf: Workflow, costs: CostTable, trace: Trace, target: floa
     pools = []
     for app in sorted({r.app for r in trace.requests}):
         sub = only(trace, app)
-        pools.append((fewest(lambda n: attainment(mono_wf, {pipeline(app): n}, mono_costs, sub, gpus=mono_gpus),
-                             target), len(sub.requests)))
+        n = len(sub.requests)
+        try:  # past a device for each request nothing waits: more cannot help
+            v = fewest(lambda k: attainment(mono_wf, {pipeline(app): k}, mono_costs, sub, gpus=mono_gpus), target,
+                       most=min(n, MAX_DEVICES))
+        except Infeasible as e:
+            raise Infeasible(f"no monolithic fleet meets {target:.1%} for {app}: with a device for each of its {n} "
+                             f"request(s), {e.best:.1%} make their SLO (a whole pipeline on one device takes "
+                             f"longer than the SLO allows)", e.best) from None
+        pools.append((v, n))
     met = sum(v.attainment * n for v, n in pools) / len(trace.requests)
     return Verdict(sum(v.devices for v, _ in pools), {k: c for v, _ in pools for k, c in v.counts.items()}, met,
-                   {k: u for v, _ in pools for k, u in v.utilization.items()})
+                   {k: u for v, _ in pools for k, u in v.utilization.items()}, worst=min(v.worst for v, _ in pools))
 
 
-def fewest(verdict_of: Callable[[int], Verdict], target: float) -> Verdict:
-    """The smallest n whose verdict meets ``target`` (attainment grows with n: doubling, then
-    bisection)."""
+class Infeasible(SimInputError):
+    """No fleet meets the target; ``best``: the attainment of the largest one tried."""
+
+    def __init__(self, message: str, best: float) -> None:
+        super().__init__(message)
+        self.best = best
+
+
+def fewest(verdict_of: Callable[[int], Verdict], target: float, most: int = MAX_DEVICES) -> Verdict:
+    """The smallest n up to ``most`` whose verdict meets ``target`` (attainment grows with n:
+    doubling, then bisection)."""
     lo, hi = 0, 1
     best = verdict_of(hi)
-    while best.attainment < target:
-        if hi >= MAX_DEVICES:
-            raise SimInputError(f"no fleet of up to {MAX_DEVICES} devices meets {target:.1%}")
-        lo, hi = hi, min(MAX_DEVICES, hi * 2)
+    while best.worst < target:
+        if hi >= most:
+            raise Infeasible(f"no fleet of up to {most} devices meets {target:.1%}", best.worst)
+        lo, hi = hi, min(most, hi * 2)
         best = verdict_of(hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         v = verdict_of(mid)
-        if v.attainment >= target:
+        if v.worst >= target:
             hi, best = mid, v
         else:
             lo = mid
@@ -197,7 +222,7 @@ def disaggregated(wf: Workflow, costs: CostTable, trace: Trace, target: float, h
         return attainment(wf, c, costs, trace, hop_s, gpus, elastic, move_s)
 
     v = judge(counts)
-    while v.attainment < target:
+    while v.worst < target:
         busiest = max(stages, key=lambda s: v.utilization.get(s, 0.0))
         counts = {**counts, busiest: counts[busiest] + 1}
         v = judge(counts)
@@ -207,7 +232,7 @@ def disaggregated(wf: Workflow, costs: CostTable, trace: Trace, target: float, h
         for s in sorted(stages, key=lambda s: v.utilization.get(s, 0.0)):
             if counts[s] > 1:
                 trial = judge({**counts, s: counts[s] - 1})
-                if trial.attainment >= target:
+                if trial.worst >= target:
                     counts, v, improved = trial.counts, trial, True
                     break
     return v

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from onepiece.bench.trace import Trace, parse_classes, poisson_trace
 from onepiece.cli import main
@@ -264,6 +265,53 @@ def test_a_collaboration_group_s_standalone_time_is_at_its_fastest_dop():
     assert result["summary"]["all"]["attainment"] == 1.0
     _, mono, _ = plan.monolithic(wf, costs, tr)
     assert mono.step_s(plan.pipeline("t2v"), S, 1) == pytest.approx(0.26)
+
+
+def test_a_shared_plan_meets_the_target_for_each_application_as_a_monolithic_pool_must():
+    """Two i2v requests at once among 100 t2v ones: one denoise_i2v instance makes the second
+    wait past its SLO, which overall is still 99% (101 of 102). A monolithic i2v pool must meet
+    99% of its own requests, so the shared plan is held to the same (it reported one instance,
+    and so a saving that starved the small application)."""
+    from onepiece.sim import plan
+
+    calls = ("text_encode", "image_encode", "vae_encode", "vae_decode")
+    costs = CostTable({"version": 1, "stages": {
+        **{s: {"rows": [{"key": S, "batch": 1, "seconds": 0.1}]} for s in calls},
+        **{s: {"rows": [{"key": f"{S}/cfg/L64", "batch": 1, "seconds": 0.1}]} for s in ("denoise_t2v", "denoise_i2v")}}})
+    reqs = [{"at": 2.0 * i, "class": "S"} for i in range(100)]
+    reqs[21:21] = [{"at": 41.0, "class": "I", "app": "i2v"}, {"at": 41.0, "class": "I", "app": "i2v"}]
+    tr = trace(reqs, {"S": {"size": "64x64", "num_frames": 9, "steps": 10, "slo_s": 40.0},
+                      "I": {"size": "64x64", "num_frames": 9, "steps": 10, "slo_s": 2.0}})
+    one = plan.attainment(WF, {s: 1 for s in (*calls, "denoise_t2v", "denoise_i2v")}, costs, tr)
+    assert one.attainment == pytest.approx(101 / 102) and one.worst == 0.5
+    v = plan.disaggregated(WF, costs, tr, 0.99)
+    assert v.counts["denoise_i2v"] == 2 and v.worst == 1.0
+
+
+def test_plan_answers_for_the_stages_where_no_monolithic_fleet_meets_the_target(tmp_path):
+    """A denoise group of 2 ranks at DoP 2 makes an SLO that the whole pipeline on one device
+    (DoP 1) misses even alone: plan says so in the monolithic column, and still plans the
+    stages (it searched up to 100,000 devices, then stopped with no answer at all)."""
+    wf = WF.model_copy(deep=True)
+    wf.stages["denoise_t2v"].workers, wf.stages["denoise_t2v"].mode = 2, "collaboration"
+    (tmp_path / "w.yaml").write_text(yaml.safe_dump(wf.model_dump(mode="json", exclude_none=True)))
+    (tmp_path / "c.json").write_text(json.dumps({"version": 1, "stages": {
+        "text_encode": {"rows": [{"key": S, "batch": 1, "seconds": 0.01}]},
+        "denoise_t2v": {"rows": [{"key": f"{S}/cfg/L64", "batch": 1, "seconds": 0.02},
+                                 {"key": f"{S}/cfg/L64@2", "batch": 1, "seconds": 0.012}]},
+        "vae_decode": {"rows": [{"key": S, "batch": 1, "seconds": 0.05}]}}}))
+    tr = trace([{"at": 1.0 * i, "class": "S"} for i in range(10)],
+               {"S": {"size": "64x64", "num_frames": 9, "steps": 10, "slo_s": 0.25}})
+    (tmp_path / "t.json").write_bytes(tr.dump())
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--workflow", str(tmp_path / "w.yaml"), "--costs", str(tmp_path / "c.json"),
+              "--trace", str(tmp_path / "t.json"), "--out", str(tmp_path / "out")])
+    assert done.value.code == 0
+    (row,) = json.loads((tmp_path / "out" / "plan.json").read_text())["rows"]
+    assert row["monolithic"] is None and row["mono_attainment"] == 0.0
+    assert "no monolithic fleet meets 99.0% for t2v: with a device for each of its 10" in row["monolithic_why"]
+    assert row["disaggregated"] == 4 and row["dis_attainment"] == 1.0  # a group of 2 and a device each side
+    assert "| none meets it |" in (tmp_path / "out" / "plan.md").read_text()
 
 
 def test_the_request_monitor_refuses_what_the_set_cannot_absorb_and_the_client_tries_the_next_set():
