@@ -11,6 +11,12 @@ that stage's, i.e. with N_i ≥ N_{i-1}·T_i/T_{i-1} instances (equal workers pe
 ``needed`` is that count, summed over the applications flowing into a shared stage, and shown
 by `onepiece status`.
 
+Stages that share a GPU (instances reporting the same device in ``stats.gpus``: every stage of a
+small deployment on one card) do not run side by side: the device time a request takes there is
+the sum of its stages' on it, and the set completes no more than one over that a second. The
+stage rates alone read 1.8x what such a set served (35.9 against 19.6 requests/s closed-loop on
+an H200, `bench/results/h200/overload-path/`). CPU stages sharing a host's cores are not modelled.
+
 Everything here is a pure function of instance views, so it is tested without processes.
 """
 
@@ -73,6 +79,30 @@ def stage_state(workflow: Workflow, stage: str, members: list[dict[str, Any]]) -
             "policy": policies.most_common(1)[0][0] if policies else ""}
 
 
+def shared_gpus(workflow: Workflow, members: list[dict[str, Any]], app: str,
+                service: dict[str, float | None]) -> dict[str, dict[str, float]]:
+    """Per GPU (``stats.gpus``) that serves ``app``'s stages, the device seconds each of them
+    spends on it per request of ``app``: an instance takes its share of the stage's requests
+    (its ready workers over the stage's), spread over its workers' GPUs, or on every rank's GPU
+    at once for a collaboration group (its ranks compute each request together). ``service``:
+    each stage's seconds per request of ``app``."""
+    out: dict[str, dict[str, float]] = {}
+    for st in workflow.applications[app].stages:
+        t, views = service.get(st), _stage_views(members, st)
+        total = sum(int(v["stats"].get("ready", 0)) for v in views)
+        if not t or not total:
+            continue
+        together = workflow.stages[st].mode == "collaboration"
+        for v in views:
+            gpus = [g for g in (v["stats"].get("gpus") or []) if isinstance(g, str)]
+            if not gpus:
+                continue
+            each = int(v["stats"].get("ready", 0)) / total * t / (1 if together else len(gpus))
+            for g in gpus:
+                out.setdefault(g, {})[st] = out.get(g, {}).get(st, 0.0) + each
+    return out
+
+
 def estimate(workflow: Workflow, members: list[dict[str, Any]]) -> dict[str, Any]:
     """Per application of one set: capacity (requests/s, None until every stage has been
     measured), bottleneck, predicted latency, and per stage its rate and Theorem 1's count."""
@@ -80,6 +110,11 @@ def estimate(workflow: Workflow, members: list[dict[str, Any]]) -> dict[str, Any
     out: dict[str, Any] = {}
     # Theorem 1 on a shared stage counts the flow of every application through it.
     demand: dict[str, float] = {}
+    # Each application's device seconds per request on each GPU, and its share of the arrivals
+    # (its share of its first stage's mix, as the stage rates split a shared stage).
+    gpu_load = {app: shared_gpus(workflow, members, app, {st: stages[st]["service_s"][app] for st in spec.stages})
+                for app, spec in workflow.applications.items()}
+    mix = {app: stages[spec.stages[0]]["mix"][app] for app, spec in workflow.applications.items()}
     for app, spec in workflow.applications.items():
         rows, prev_rate = {}, None
         for st in spec.stages:
@@ -94,11 +129,21 @@ def estimate(workflow: Workflow, members: list[dict[str, Any]]) -> dict[str, Any
                         "per_instance": per_instance}
             prev_rate = rate
         rates = [(r["rate"], st) for st, r in rows.items()]
+        shared = None
         if any(r is None for r, _ in rates):
             capacity, bottleneck = None, None  # not every stage measured yet: no estimate
         else:
             capacity, bottleneck = min(rates)
-        out[app] = {"capacity": capacity, "bottleneck": bottleneck, "stages": rows}
+            for gpu, busy in gpu_load.get(app, {}).items():
+                # Per second the card is busy R * sum_a m_a * (seconds a request of a takes there),
+                # R the set's requests a second and m the applications' mix: at most 1. (An
+                # application whose time there is not measured yet adds none.)
+                per = sum(mix[a] * sum(by_app.get(gpu, {}).values()) for a, by_app in gpu_load.items())
+                if per > 0 and mix[app] / per < capacity * (1 - 1e-9):
+                    capacity, bottleneck = mix[app] / per, max(busy, key=busy.get)
+                    shared = {"gpu": gpu, "stages": sorted({st for by_app in gpu_load.values()
+                                                            for st in by_app.get(gpu, {})})}
+        out[app] = {"capacity": capacity, "bottleneck": bottleneck, "stages": rows, "shared_gpu": shared}
     for est in out.values():
         for st, row in est["stages"].items():
             per_instance = row.pop("per_instance")

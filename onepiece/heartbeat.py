@@ -56,6 +56,9 @@ class StageStats(BaseModel):
     left: Count = 0
     late: Count = 0
     service: Annotated[dict[str, AppService], Field(max_length=256)] = Field(default_factory=dict)
+    # The GPUs its workers run on (NVML UUIDs): stages that share one share its time.
+    gpus: Annotated[list[Annotated[str, Field(min_length=1, max_length=96)]], Field(max_length=64)] = \
+        Field(default_factory=list)
 
 
 def stage_stats_problem(stats: Any) -> str | None:

@@ -55,9 +55,13 @@ def synchronizer(device: Any) -> Callable[[], None]:
 
 
 class GpuUtilization:
+    """NVML's view of a stage's GPUs: their utilization, and their UUIDs (``uuids``), by which
+    the NM finds the stages that share a card (nm/capacity.py)."""
+
     def __init__(self, indices: list[int]) -> None:
         self._nvml: Any = None
         self._handles: list[Any] = []
+        self.uuids: list[str] = []
         if not indices:
             return
         try:
@@ -66,7 +70,8 @@ class GpuUtilization:
             pynvml.nvmlInit()
             self._handles = [self._handle(pynvml, i) for i in indices]
             self._nvml = pynvml
-        except Exception as e:  # no driver, no library, a bad index: the figure is just absent
+            self.uuids = [_text(pynvml.nvmlDeviceGetUUID(h)) for h in self._handles]
+        except Exception as e:  # no driver, no library, a bad index: the figures are just absent
             log.info("no GPU utilization from NVML: %s", e)
 
     @staticmethod
@@ -89,3 +94,7 @@ class GpuUtilization:
             log.warning("NVML utilization failed: %s", e)
             return None
         return sum(rates) / (100.0 * len(rates))
+
+
+def _text(v: str | bytes) -> str:
+    return v.decode() if isinstance(v, bytes) else v  # older NVML bindings answer bytes

@@ -76,6 +76,7 @@ class SchedulerStats:
     busy_s: float = 0.0  # cumulative seconds workers ran a chunk, summed over workers
     slot_s: float = 0.0  # cumulative seconds of worker slots (workers x wall time)
     gpu_util: float | None = None  # NVML, where the workers run on GPUs (stage/gpu.py)
+    gpus: list[str] = field(default_factory=list)  # their NVML UUIDs: the NM sees which stages share one
     # measured service times: {app: {"mean_s", "recent", "shapes": {shape: standalone s}, "shares": {shape: share s}}}
     service: dict[str, dict] = field(default_factory=dict)
     costs: dict[str, dict[str, float]] = field(default_factory=dict)  # {key: {batch: seconds per step}}

@@ -62,6 +62,7 @@ class TaskManager:
         self.group = spec.mode == "collaboration" and spec.workers > 1
         scheduler.stats.workers = 1 if self.group else spec.workers
         self.gpu = GpuUtilization(cuda_indices(spec.device, spec.workers))
+        scheduler.stats.gpus = self.gpu.uuids
 
     def _start(self, slot: WorkerSlot, group: dict | None = None) -> None:
         config = dict(self.config, identity=slot.identity, group=group,

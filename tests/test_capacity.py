@@ -161,3 +161,61 @@ def test_standalone_times_and_shares_follow_the_cost_model_not_the_estimates_mad
     after = st.report()["t2v"]  # none finished since
     assert after["shapes"]["64x64x9:10"] == pytest.approx(1.0, rel=0.01)
     assert after["mean_s"] == after["shares"]["64x64x9:10"] == pytest.approx(1.0, rel=0.01)
+
+
+def on_gpus(view, *gpus):
+    view["stats"]["gpus"] = list(gpus)
+    return view
+
+
+def test_stages_that_share_a_gpu_pass_one_request_per_their_summed_device_time():
+    """Every stage of a set on one card (the H200 runs): the card passes a request per the sum
+    of their times, not per the slowest stage's (which read 1.8x what such a set served)."""
+    members = [on_gpus(v, "GPU-a") for v in t2v_only(text_encode=0.1, denoise_t2v=0.5, vae_decode=0.2)]
+    est = estimate(WF, members)["t2v"]
+    assert est["capacity"] == pytest.approx(1 / 0.8)  # (not 1 / 0.5: the slowest stage's)
+    assert est["bottleneck"] == "denoise_t2v"  # the stage that takes most of the card
+    assert est["shared_gpu"] == {"gpu": "GPU-a", "stages": ["denoise_t2v", "text_encode", "vae_decode"]}
+    from onepiece.status import render
+
+    text = render({"sets": {"set0": {"stages": {}, "idle": [], "dbs": [], "proxies": [], "capacity": {"t2v": est}}}})
+    assert "capacity t2v: 1.25/s, bottleneck denoise_t2v (on a GPU it shares with text_encode, vae_decode)" in text
+    # a card each: the slowest stage, as before
+    members = [on_gpus(v, f"GPU-{i}") for i, v in enumerate(t2v_only(text_encode=0.1, denoise_t2v=0.5, vae_decode=0.2))]
+    est = estimate(WF, members)["t2v"]
+    assert est["capacity"] == pytest.approx(1 / 0.5) and est["shared_gpu"] is None
+    # no GPUs reported (CPU stages): as before
+    assert estimate(WF, t2v_only(text_encode=0.1))["t2v"]["capacity"] == pytest.approx(1 / 0.5)
+
+
+def test_a_shared_gpu_counts_each_instance_by_its_share_of_the_stage():
+    """Two denoise instances, one on the card the light stages use and one on its own: the
+    shared card does half the denoising (0.25 s a request) beside 0.3 s of the rest."""
+    members = [on_gpus(stage("text_encode", t2v=(0.1, 10)), "GPU-a"), on_gpus(stage("vae_decode", t2v=(0.2, 10)), "GPU-a"),
+               on_gpus(stage("denoise_t2v", t2v=(0.5, 10)), "GPU-a"), on_gpus(stage("denoise_t2v", t2v=(0.5, 10)), "GPU-b")]
+    est = estimate(WF, members)["t2v"]
+    assert est["capacity"] == pytest.approx(1 / 0.55)
+    # an instance of two workers on two cards puts half of its share on each
+    members[2:] = [on_gpus(stage("denoise_t2v", workers=2, t2v=(0.5, 10)), "GPU-a", "GPU-b")]
+    assert estimate(WF, members)["t2v"]["capacity"] == pytest.approx(1 / 0.55)
+    # a collaboration group's ranks compute each request together: each card the whole time
+    wf = WF.model_copy(deep=True)
+    wf.stages["denoise_t2v"].mode, wf.stages["denoise_t2v"].workers = "collaboration", 2
+    members[2:] = [on_gpus(stage("denoise_t2v", workers=1, t2v=(0.5, 10)), "GPU-a", "GPU-b")]
+    assert estimate(wf, members)["t2v"]["capacity"] == pytest.approx(1 / 0.8)
+
+
+def test_a_shared_gpu_counts_every_application_that_runs_on_it():
+    """t2v and i2v share the card of text_encode and vae_decode: the card's time per second is
+    each application's rate times what its requests take there."""
+    i2v = ["text_encode", "image_encode", "vae_encode", "denoise_i2v", "vae_decode"]
+    members = [on_gpus(stage("text_encode", t2v=(0.1, 30), i2v=(0.1, 10)), "GPU-a"),
+               on_gpus(stage("vae_decode", t2v=(0.2, 30), i2v=(0.2, 10)), "GPU-a")]
+    members += [on_gpus(stage(s, t2v=(0.5, 30)), f"GPU-{s}") for s in ("denoise_t2v",)]
+    members += [on_gpus(stage(s, i2v=(0.05, 10)), f"GPU-{s}") for s in i2v[1:4]]
+    est = estimate(WF, members)
+    m_t2v, m_i2v = 31 / 42, 11 / 42  # text_encode's mix
+    per_request = m_t2v * 0.3 + m_i2v * 0.3  # card seconds per request of the set
+    assert est["i2v"]["capacity"] == pytest.approx(m_i2v / per_request)  # (vae_decode alone: m_i2v / 0.2)
+    assert est["i2v"]["shared_gpu"]["stages"] == ["text_encode", "vae_decode"]
+    assert est["t2v"]["capacity"] == pytest.approx(1 / 0.5)  # its own card's denoising binds first

@@ -419,15 +419,17 @@ def test_gpu_utilization_is_absent_without_a_gpu_and_devices_map_like_the_task_m
 
     assert cuda_indices("cpu", 4) == [] and cuda_indices("cuda", 1) == [0]
     assert cuda_indices("cuda:3", 1) == [3] and cuda_indices("cuda", 2) == [0, 1]
-    assert GpuUtilization([]).sample() is None
+    assert GpuUtilization([]).sample() is None and GpuUtilization([]).uuids == []
     import pynvml
 
     try:
         pynvml.nvmlInit()
-    except pynvml.NVMLError:  # no NVIDIA driver here: the figure is absent, not an error
-        assert GpuUtilization([0]).sample() is None
+    except pynvml.NVMLError:  # no NVIDIA driver here: the figures are absent, not an error
+        assert GpuUtilization([0]).sample() is None and GpuUtilization([0]).uuids == []
     else:
-        assert 0.0 <= GpuUtilization([0]).sample() <= 1.0
+        gpu = GpuUtilization([0])
+        assert 0.0 <= gpu.sample() <= 1.0
+        assert [u[:4] for u in gpu.uuids] == ["GPU-"]  # what the NM tells shared cards apart by
 
 
 def test_a_message_for_a_stage_this_instance_left_is_forwarded_with_a_hop_bound(tiny_models, tmp_path):

@@ -154,7 +154,8 @@ def test_a_malformed_stage_heartbeat_keeps_the_instance_alive_and_breaks_no_esti
         good = {"ready": 1, "queue": 0, "service": {"t2v": {"mean_s": 0.1, "recent": 3, "shapes": {"64x64x9:10": 0.1}}}}
         client.call("heartbeat", instance=m.id, ready=True, stats=good, serving="vae_decode")
         for bad in ({"ready": "x"}, {"queue": -1}, {"service": [1]}, {"service": {"t2v": {"mean_s": "fast"}}},
-                    {"service": {"t2v": {"mean_s": 0.1, "shapes": {"64x64x9:10": -2}}}}, {"ready": True}):
+                    {"service": {"t2v": {"mean_s": 0.1, "shapes": {"64x64x9:10": -2}}}}, {"ready": True},
+                    {"gpus": "GPU-a"}, {"gpus": [""]}, {"gpus": [7]}):
             client.call("heartbeat", instance=m.id, ready=True, stats=bad, serving="vae_decode")
         assert nm.state.instances[m.id].stats["service"] == good["service"]  # the last good figures stay
         assert nm.state.monitor("set0")["apps"]["t2v"]["stages"]["vae_decode"]["service_s"] == 0.1
