@@ -241,9 +241,13 @@ def summarize(recs: list[dict], slo: dict[str, float]) -> dict[str, Any]:
     def one(rs: list[dict]) -> dict[str, Any]:
         n = len(rs)
         done = [r["latency_s"] for r in rs if r["outcome"] == "completed" and r.get("latency_s") is not None]
-        # A refused request was answered at once; a failed one at its failure (or its deadline).
-        resolved = [r.get("latency_s") if r.get("latency_s") is not None else (r.get("timeout_s") or 0.0)
-                    for r in rs if r["outcome"] != "rejected"]
+        # A refused request was answered at once, and so was one answered with an error (a 4xx or
+        # 5xx, or no answer to the POST): neither was admitted. A failed one is resolved at its
+        # failure; one that never resolved (the client gave up, the simulation stopped) at its
+        # deadline, and is left out where it has none (counted as 0 s, it lowered the mean).
+        resolved = [r["latency_s"] if r.get("latency_s") is not None else r["timeout_s"]
+                    for r in rs if r["outcome"] not in ("rejected", "error")
+                    and (r.get("latency_s") is not None or r.get("timeout_s"))]
         met = sum(1 for r in rs if r["outcome"] == "completed" and r.get("latency_s") is not None
                   and r["latency_s"] <= slo[r["class"]])
         return {"n": n, "completed": len(done), "failed": sum(1 for r in rs if r["outcome"] == "failed"),

@@ -144,6 +144,25 @@ def test_the_order_bound_is_srpt_against_fcfs_on_one_server():
     assert order_bound(Trace.model_validate({**trace.model_dump(by_alias=True), "classes": classes})) is None
 
 
+def test_the_mean_latency_is_over_the_admitted_requests_only():
+    """A request the proxy answered with an error at once was counted in the mean of the admitted
+    ones at its deadline (a 2 s run read 46 s), and one the client gave up on without a deadline
+    at 0 s (the same run read 1 s)."""
+    from onepiece.bench.trace import summarize
+
+    def rec(outcome: str, latency: float | None, timeout_s: float | None = 90.0) -> dict:
+        return {"class": "S", "t_send": 0.0, "outcome": outcome, "latency_s": latency, "answer_s": 0.01,
+                "timeout_s": timeout_s}
+
+    done = rec("completed", 2.0)
+    s = summarize([done, rec("error", None)], {"S": 5.0})["all"]
+    assert s["mean_s"] == pytest.approx(2.0) and s["other"] == 1 and s["attainment"] == pytest.approx(0.5)
+    assert summarize([done, rec("timeout", None, None)], {"S": 5.0})["all"]["mean_s"] == pytest.approx(2.0)
+    # With a deadline, one never resolved counts at it; a failed one at its failure; a refusal not at all.
+    s = summarize([done, rec("timeout", None), rec("failed", 4.0), rec("rejected", None)], {"S": 5.0})["all"]
+    assert s["mean_s"] == pytest.approx((2.0 + 90.0 + 4.0) / 3)
+
+
 def test_a_results_stages_come_from_its_own_trace_as_the_simulator_gives_them():
     from onepiece.bench.trace import stage_spans, stage_times
 
