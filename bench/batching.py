@@ -36,7 +36,7 @@ TARGETS = {"throughput_ratio_min": 1.5}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batches", type=numbers(count()), default="1,2,4,8", help="max_batch values, 1 first (default %(default)s)")
+    p.add_argument("--batches", type=numbers(count()), default="1,2,4,8", help="max_batch values, 1 among them: the baseline (default %(default)s)")
     p.add_argument("--shape", type=shape_flag, default="64x64x9:50", help="every request's WxHxFRAMES:STEPS (default %(default)s)")
     p.add_argument("--requests", type=count(), default=40, help="requests per trace (default %(default)s)")
     p.add_argument("--saturate", type=positive(), default=3.0, help="the saturating load, x C1 (default %(default)s)")
@@ -93,11 +93,18 @@ def summary(recs: list[dict]) -> dict[str, Any]:
             "p50_s": percentile(lat, 50), "p99_s": percentile(lat, 99), "mean_s": sum(lat) / len(lat) if lat else None}
 
 
+def batch_sizes(given: list[int]) -> list[int]:
+    """The ``--batches`` to run: each once, smallest first, so that batch 1 (the baseline) runs
+    first and the targets judge the largest (``--batches 1,8,4`` judged 4, labelled max batch)."""
+    out = sorted(set(given))
+    if out[0] != 1:
+        raise SystemExit("--batches must include 1 (the baseline)")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    batches = args.batches
-    if batches[0] != 1:
-        raise SystemExit("--batches must start with 1 (the baseline)")
+    batches = batch_sizes(args.batches)
     w, h, f, steps = parse_shape(args.shape)
     cls = {"size": f"{w}x{h}", "num_frames": f, "steps": steps}
     body = _body(cls, 0)

@@ -342,3 +342,14 @@ def test_bench_dop_and_parallel_tables_are_well_formed():
                       "rows": [{"shape": "64x64x9", "cfg": True, "tokens": 10, "step_ms": {1: 1.0}, "speedup": {1: 1.0}}]})
     table = [line for line in md.splitlines() if line.startswith("|")]
     assert len(table) == 3 and len({line.count("|") for line in table}) == 1, table
+
+
+def test_bench_batching_judges_the_largest_batch_size_whatever_the_order_given():
+    """`--batches 1,8,4` ran 8 before 4 and judged the targets at 4, the last given, in a table
+    that calls it the max batch."""
+    from onepiece.bench.batching import batch_sizes
+
+    assert batch_sizes([1, 8, 4]) == [1, 4, 8]
+    assert batch_sizes([4, 1, 4]) == [1, 4]
+    with pytest.raises(SystemExit, match="include 1"):
+        batch_sizes([2, 4])
