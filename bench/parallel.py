@@ -50,8 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _dops(args: argparse.Namespace) -> list[int]:
-    if args.dops:
-        return args.dops
+    if args.dops:  # each once, smallest first: the speedups are against the first (`2,1` inverted them)
+        return sorted(set(args.dops))
     if args.device.startswith("cuda"):
         import torch
 

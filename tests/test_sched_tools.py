@@ -353,3 +353,12 @@ def test_bench_batching_judges_the_largest_batch_size_whatever_the_order_given()
     assert batch_sizes([4, 1, 4]) == [1, 4]
     with pytest.raises(SystemExit, match="include 1"):
         batch_sizes([2, 4])
+
+
+def test_bench_parallel_measures_each_dop_once_smallest_first():
+    """`--dops 2,1` took DoP 2 as the baseline: its "speedup 1" was DoP 2's time over DoP 1's."""
+    import argparse
+
+    from onepiece.bench.parallel import _dops
+
+    assert _dops(argparse.Namespace(dops=[2, 1, 2], device="cpu")) == [1, 2]
