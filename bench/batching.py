@@ -9,8 +9,10 @@ Poisson traces, the same for every batch size: ``--saturate`` × C1 (3×: batch 
 up, so what completes per second is what the stage sustains) and 1.0 × C1 (batch 1's
 capacity: latency). No deadlines: every request is awaited.
 
-Per batch size: throughput at saturation (completed / first send → last completion), p50 /
-p99 latency (submit → completed) at both loads, the stage's mean batch and step times. Saved
+Per batch size: throughput at saturation (completed / first send → last completion; marked ≥
+where it is all the trace's arrivals allow, so the stage may sustain more), p50 / p99 latency
+(submit → completed) at both loads, the stage's mean batch over the saturating trace and its
+step times. Saved
 as ``batching.json`` and ``batching.md`` under ``--out``, with the traces. Target: at the
 largest batch size, throughput ≥ 1.5× batch 1's, and p99 at C1 no worse than batch 1's.
 """
@@ -72,25 +74,44 @@ async def measure(t: Target, body: bytes, traces: dict[str, Any], cfg: argparse.
             out["c1_rps"] = await closed_loop(t, body, c1_n)
             log(f"[{name}] closed-loop throughput {out['c1_rps'] or float('nan'):.3f} req/s")
             await t.drain(cfg.request_timeout)
+        async def stats() -> dict[str, Any]:
+            return (await t.status())["sets"][SET]["stages"]["denoise_t2v"]["instances"][0]["stats"]
+
         for load, trace in traces.items():
             if trace is None:
                 continue
             log(f"[{name}] trace at {load}: {len(trace.requests)} requests over {trace.requests[-1].at:.1f} s ...")
+            before = await stats()
             recs = await replay(t, trace, PROMPT, cfg.max_duration)
             out[load] = recs
             await t.drain(cfg.request_timeout)
+            after = await stats()
+            # this trace's batches alone: the counters run from the deployment's start (warm-up)
+            out[f"batches_{load}"] = [(after.get(k) or 0) - (before.get(k) or 0) for k in ("batches", "batched")]
             await asyncio.sleep(1.0)
-        st = (await t.status())["sets"][SET]["stages"]["denoise_t2v"]["instances"][0]["stats"]
+        st = await stats()
         out["stage"] = {k: st.get(k) for k in ("batches", "batched", "costs", "overhead_ms", "preempted")}
         return out
 
 
+ARRIVAL_BOUND = 0.95  # throughput within 5% of what the trace's arrivals allow: a lower bound
+
+
 def summary(recs: list[dict]) -> dict[str, Any]:
+    """Throughput (completed / first send → last completion), latency percentiles, and the most
+    the trace lets through (``ceiling_rps``: every request done as the last one arrives, plus
+    the shortest latency): a throughput near it (``arrival_bound``) says what the arrivals
+    allowed, not what the stage sustains, which may be more."""
     lat = [r["latency_s"] for r in recs if r["outcome"] == "completed" and r.get("latency_s") is not None]
     t0 = min(r["t_send"] for r in recs)
     end = max(r["t_send"] + r["latency_s"] for r in recs if r.get("latency_s") is not None)
-    return {"n": len(recs), "completed": len(lat), "throughput_rps": len(lat) / (end - t0) if end > t0 else None,
-            "p50_s": percentile(lat, 50), "p99_s": percentile(lat, 99), "mean_s": sum(lat) / len(lat) if lat else None}
+    thr = len(lat) / (end - t0) if end > t0 else None
+    span = max(r["t_send"] for r in recs) - t0 + (min(lat) if lat else 0.0)
+    ceiling = len(lat) / span if span > 0 else None
+    return {"n": len(recs), "completed": len(lat), "throughput_rps": thr,
+            "p50_s": percentile(lat, 50), "p99_s": percentile(lat, 99), "mean_s": sum(lat) / len(lat) if lat else None,
+            "ceiling_rps": ceiling,
+            "arrival_bound": bool(thr and ceiling and thr >= ARRIVAL_BOUND * ceiling)}
 
 
 def batch_sizes(given: list[int]) -> list[int]:
@@ -135,13 +156,15 @@ def run(args: argparse.Namespace) -> int:
                     res = _run_async(measure(s.target(), body, traces, args, None, f"batch {b}"))
                 runs[b] = res
     c1 = runs[1]["c1_rps"]
-    rows = {b: {"saturate": summary(r["saturate"]), "c1": summary(r["c1"]), "stage": r["stage"]}
-            for b, r in runs.items()}
+    rows = {b: {"saturate": summary(r["saturate"]), "c1": summary(r["c1"]), "stage": r["stage"],
+                "batches_saturate": r.get("batches_saturate")} for b, r in runs.items()}
     base = rows[1]
     top = rows[batches[-1]]
     tr = (top["saturate"]["throughput_rps"] or 0) / base["saturate"]["throughput_rps"]
+    # (a ratio whose top is arrival-bound is a lower bound: the stage may sustain more)
     targets = {"throughput_ratio": {"value": tr, "target": f"≥ {TARGETS['throughput_ratio_min']}",
-                                    "met": tr >= TARGETS["throughput_ratio_min"]},
+                                    "met": tr >= TARGETS["throughput_ratio_min"],
+                                    "lower_bound": top["saturate"]["arrival_bound"]},
                "p99_at_c1_ratio": {"value": top["c1"]["p99_s"] / base["c1"]["p99_s"], "target": "≤ 1",
                                    "met": top["c1"]["p99_s"] <= base["c1"]["p99_s"]}}
     elapsed = time.monotonic() - t_start
@@ -159,22 +182,28 @@ def run(args: argparse.Namespace) -> int:
           f"t2v {args.shape}, fcfs-batched, {args.requests} requests per trace; C1 = {c1:.3f} req/s (batch 1, "
           f"closed loop); {elapsed:.0f} s in all.", "",
           f"| max batch | throughput at {args.saturate:g}×C1 (req/s) | × batch 1 | p50 / p99 at {args.saturate:g}×C1 (ms) "
-          "| p50 / p99 at C1 (ms) | mean batch | chunk overhead ms | step ms by batch size |",
+          f"| p50 / p99 at C1 (ms) | mean batch at {args.saturate:g}×C1 | chunk overhead ms | step ms by batch size |",
           "|---|---|---|---|---|---|---|---|"]
     for b, r in rows.items():
         st = r["stage"]
-        mean_b = st["batched"] / st["batches"] if st.get("batches") else None
+        batches, batched = r["batches_saturate"] or (0, 0)
+        mean_b = batched / batches if batches else None
         key = f"{w}x{h}x{f}/cfg/L64"
         steps_ms = ", ".join(f"{k}: {v * 1000:.1f}" for k, v in (st.get("costs") or {}).get(key, {}).items())
         thr = r["saturate"]["throughput_rps"]
-        md.append(f"| {b} | {thr:.3f} | {thr / base['saturate']['throughput_rps']:.2f} "
+        at_least = "≥ " if r["saturate"]["arrival_bound"] else ""
+        md.append(f"| {b} | {at_least}{thr:.3f} | {at_least}{thr / base['saturate']['throughput_rps']:.2f} "
                   f"| {ms(r['saturate']['p50_s'])} / {ms(r['saturate']['p99_s'])} "
                   f"| {ms(r['c1']['p50_s'])} / {ms(r['c1']['p99_s'])} | {'—' if mean_b is None else f'{mean_b:.2f}'} "
                   f"| {st.get('overhead_ms') or 0:.2f} | {steps_ms} |")
     md += ["", f"Targets (max batch {batches[-1]} against batch 1):", "", "| target | value | wanted | met |",
            "|---|---|---|---|"]
     for k, v in targets.items():
-        md.append(f"| {k.replace('_', ' ')} | {v['value']:.3f} | {v['target']} | {'yes' if v['met'] else 'NO'} |")
+        md.append(f"| {k.replace('_', ' ')} | {'≥ ' if v.get('lower_bound') else ''}{v['value']:.3f} | {v['target']} "
+                  f"| {'yes' if v['met'] else 'NO'} |")
+    if any(r["saturate"]["arrival_bound"] for r in rows.values()):
+        md += ["", f"≥: that many requests a second are all the saturating trace let through (its last arrival "
+                   f"plus its shortest latency): nothing queued, and the stage may sustain more (raise --saturate)."]
     text = "\n".join(md)
     (outdir / "batching.md").write_text(text + "\n")
     print()

@@ -323,6 +323,23 @@ def test_sched_targets_with_fcfs_meeting_no_slo_are_null_and_not_met():
     t = check_targets({"fcfs": {"1x": cell(0.0, 9.0)}, "edf": {"1x": cell(0.0, 8.0)}}, "1x", ["S"])
     assert t["attainment_ratio"]["value"] is None and t["attainment_ratio"]["met"] is False
     json.dumps(t, allow_nan=False)  # valid JSON: null, no Infinity
+    # a trace that drew no large request does not show that every large one completes (0/0 was met)
+    t = check_targets({"fcfs": {"1x": cell(0.5, 9.0)}, "edf": {"1x": cell(0.5, 8.0)}}, "1x", ["S", "L"])
+    assert t["large_completed"] == {"value": "0/0 (L)", "target": "all", "met": False}
+
+
+def test_overload_targets_that_cannot_be_formed_are_not_met():
+    """With levels 1 and 5 run, nothing completed at 5x (no p99) or no goodput at 1x left the
+    target out of the table, as if it had not been run, instead of not met."""
+    from onepiece.bench.overload import check_targets
+
+    def row(load: float, p99: float | None, goodput: float) -> dict:
+        return {"run": "on", "load": load, "accepted_p99_s": p99, "goodput_rps": goodput}
+
+    t = check_targets([row(1.0, 0.2, 0.0), row(5.0, None, 0.0)], [])
+    assert t["p99_5x_over_1x"] == {"value": None, "target": "≤ 1.2", "met": False}
+    assert t["goodput_5x_over_1x"]["value"] is None and t["goodput_5x_over_1x"]["met"] is False
+    assert check_targets([row(1.0, 0.2, 2.0)], []) == {}  # no 5x level: nothing to judge
 
 
 def test_bench_dop_and_parallel_tables_are_well_formed():
@@ -362,3 +379,18 @@ def test_bench_parallel_measures_each_dop_once_smallest_first():
     from onepiece.bench.parallel import _dops
 
     assert _dops(argparse.Namespace(dops=[2, 1, 2], device="cpu")) == [1, 2]
+
+
+def test_bench_batching_marks_a_throughput_that_only_the_arrivals_bounded():
+    """The H200 run's batch 4 completed 1.163 req/s of a trace that let through at most 1.166
+    (its last arrival plus its shortest latency): nothing queued, so that is a lower bound of
+    what the stage sustains, not the figure (it was quoted as 'sustains 2.54x')."""
+    from onepiece.bench.batching import summary
+
+    def rec(at: float, latency: float) -> dict:
+        return {"t_send": at, "latency_s": latency, "outcome": "completed"}
+
+    free = summary([rec(float(i), 0.5) for i in range(10)])  # a request a second, each done in 0.5 s
+    assert free["ceiling_rps"] == pytest.approx(10 / 9.5) and free["arrival_bound"]
+    queued = summary([rec(0.1 * i, 0.5 + 0.4 * i) for i in range(10)])  # each waits behind the last
+    assert queued["throughput_rps"] == pytest.approx(10 / (0.9 + 4.1)) and not queued["arrival_bound"]
