@@ -28,8 +28,10 @@ from onepiece.proxy.errors import ApiError, bad_request
 _B64_WS = re.compile(rb"\s+")
 # The formats a request's image may be in: raster formats Pillow decodes itself. Open to every
 # plugin, an EPS upload ran Ghostscript on the client's PostScript (no timeout, gs's -dSAFER
-# escapes). (JPEG covers the MPO files many phones write.)
-FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "ICO")
+# escapes). (JPEG covers the MPO files many phones write.) Not ICO: Pillow decodes an icon's image
+# as it opens it, before its size can be checked (an icon's header names at most 256x256, and the
+# PNG inside may be 9400x9400).
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 _EXIF_ORIENTATION = 0x0112
 _TRANSPOSED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 

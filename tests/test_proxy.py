@@ -372,6 +372,35 @@ def test_an_image_in_a_format_that_runs_a_program_is_refused_unopened(tmp_path, 
     assert decode_image(png(), (64, 64)).shape[2] == 3  # what images are for still decodes
 
 
+def _icon(png: bytes) -> bytes:
+    """An icon file whose one entry says 256x256 and holds ``png``, whatever its size."""
+    import struct
+
+    return struct.pack("<HHH", 0, 1, 1) + struct.pack("<BBBBHHII", 0, 0, 0, 0, 1, 32, len(png), 22) + png
+
+
+def test_checking_an_image_decodes_no_pixel_in_any_accepted_format(monkeypatch):
+    """``check_image`` runs on the proxy's event loop, before admission: it may read headers only.
+    Pillow's ICO opener decodes the icon's image as it opens it, so a 340 KB icon around a
+    9400x9400 PNG held the loop for 0.9 s and 350 MB before it was refused as too large."""
+    from PIL import Image
+
+    from onepiece.proxy.images import FORMATS, check_image
+
+    samples = {fmt: _encode(_noise(40, 30), fmt) for fmt in FORMATS}
+    bomb = _icon(_png_bomb(5000, 5000))
+
+    def decoder(*args, **kwargs):
+        raise AssertionError("a pixel was decoded")
+
+    monkeypatch.setattr(Image, "_getdecoder", decoder)
+    for fmt, data in samples.items():
+        check_image(data)  # no AssertionError: nothing decoded
+    with pytest.raises(ApiError) as e:
+        check_image(bomb)
+    assert e.value.status == 400 and e.value.code == "invalid_image"
+
+
 def test_bad_form_input_is_a_clear_4xx(h):
     cases = [
         ({"prompt": "x", "model": "i2v"}, {"input_reference": ("a.txt", b"hello", "text/plain")}, "invalid_image"),
