@@ -126,6 +126,10 @@ def decode_image(data: bytes, need: tuple[int, int] | None = None, param: str = 
             nw, nh = need[::-1] if img.getexif().get(_EXIF_ORIENTATION) in _TRANSPOSED else need
             img.draft(img.mode, cover_size(w, h, nw, nh))
         img = ImageOps.exif_transpose(img)  # phone photos store rotation in EXIF
+        if img.mode.startswith("I;16"):
+            # 16-bit grey: convert() would clip each sample at 255 (a mid grey turns white); keep
+            # the high byte, as Pillow does itself with 16-bit RGB.
+            img = Image.fromarray((np.asarray(img) >> 8).astype(np.uint8))
         img = img.convert("RGB")
         if need is not None:
             size = cover_size(img.width, img.height, *need)

@@ -372,6 +372,21 @@ def test_an_image_in_a_format_that_runs_a_program_is_refused_unopened(tmp_path, 
     assert decode_image(png(), (64, 64)).shape[2] == 3  # what images are for still decodes
 
 
+@pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
+def test_a_16_bit_grey_image_keeps_its_tones(fmt):
+    """Pillow opens 16-bit grey as mode I;16, and its conversion to RGB clips every sample at 255:
+    a mid-grey 16-bit PNG reached the stages white. Its 8-bit image is the high byte of each
+    sample, as Pillow makes of 16-bit RGB."""
+    from onepiece.proxy.images import decode_image
+
+    grey = np.arange(64 * 48, dtype=np.uint16).reshape(48, 64) * 21  # 0 .. 64491
+    got = decode_image(_encode(grey, fmt), (64, 48))
+    assert got.shape == (48, 64, 3) and got.dtype == np.uint8
+    want = (grey >> 8).astype(np.uint8)
+    for c in range(3):
+        assert np.array_equal(got[..., c], want)
+
+
 def _icon(png: bytes) -> bytes:
     """An icon file whose one entry says 256x256 and holds ``png``, whatever its size."""
     import struct
