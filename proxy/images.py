@@ -20,7 +20,7 @@ import warnings
 from typing import Iterator
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 from onepiece.config import MAX_IMAGE_PIXELS
 from onepiece.proxy.errors import ApiError, bad_request
@@ -34,6 +34,12 @@ _B64_WS = re.compile(rb"\s+")
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 _EXIF_ORIENTATION = 0x0112
 _TRANSPOSED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
+# What turns an image of each EXIF orientation upright (ImageOps.exif_transpose's table). Done
+# here, not by exif_transpose: that also writes the EXIF block again, and a tag holding a value
+# of a type it does not take (a buggy camera's) raised struct.error there, for pixels that were fine.
+_UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+            5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+            8: Image.Transpose.ROTATE_90}
 
 
 def decode_base64_image(value: str, param: str = "input_reference") -> bytes:
@@ -121,11 +127,13 @@ def decode_image(data: bytes, need: tuple[int, int] | None = None, param: str = 
     with _image_errors(param):
         img = _open(data, param)
         w, h = img.size
+        orientation = img.getexif().get(_EXIF_ORIENTATION)  # phone photos store rotation in EXIF
         if need is not None:
             # JPEG decodes at 1/2, 1/4 or 1/8 scale for free; ask for what covers the need.
-            nw, nh = need[::-1] if img.getexif().get(_EXIF_ORIENTATION) in _TRANSPOSED else need
+            nw, nh = need[::-1] if orientation in _TRANSPOSED else need
             img.draft(img.mode, cover_size(w, h, nw, nh))
-        img = ImageOps.exif_transpose(img)  # phone photos store rotation in EXIF
+        if orientation in _UPRIGHT:
+            img = img.transpose(_UPRIGHT[orientation])
         if img.mode.startswith("I;16"):
             # 16-bit grey: convert() would clip each sample at 255 (a mid grey turns white); keep
             # the high byte, as Pillow does itself with 16-bit RGB.

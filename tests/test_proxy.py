@@ -372,6 +372,27 @@ def test_an_image_in_a_format_that_runs_a_program_is_refused_unopened(tmp_path, 
     assert decode_image(png(), (64, 64)).shape[2] == 3  # what images are for still decodes
 
 
+def test_a_photo_with_an_exif_tag_of_the_wrong_type_is_turned_upright():
+    """Pillow's exif_transpose also writes the EXIF block again without the orientation, and
+    packing a value of a type its tag does not take raised struct.error: a 500 for a photo whose
+    pixels were fine. Only its pixels travel on, turned as its orientation says."""
+    import io
+
+    from PIL import Image
+
+    from onepiece.proxy.images import decode_image
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # shown turned 90 degrees clockwise
+    exif[0x010F] = "cam"  # Make, ASCII
+    data = _encode(_photo(48, 32), "JPEG", exif=exif)
+    # Its Make entry relabelled PlanarConfiguration, a SHORT tag, keeping its ASCII value.
+    data = data.replace(b"\x01\x0f\x00\x02", b"\x01\x1c\x00\x02", 1)
+    assert Image.open(io.BytesIO(data)).getexif()[0x011C] == "cam"
+    got = decode_image(data, (32, 48))
+    assert got.shape == (48, 32, 3)
+
+
 @pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
 def test_a_16_bit_grey_image_keeps_its_tones(fmt):
     """Pillow opens 16-bit grey as mode I;16, and its conversion to RGB clips every sample at 255:
