@@ -119,6 +119,11 @@ LAST = ("denoise", "vae_decode")
 
 MAX_GUIDANCE = 100.0
 MAX_IMAGE_PIXELS = 4096 * 4096  # an input image's decoded size (48 MiB as RGB), at the proxy and at every stage
+# Its longer side over its shorter, likewise: CLIP's processor scales the shorter side up to its
+# input size and the longer by as much before it crops, so memory grows with the ratio, not the
+# pixels (an 842-byte 1x262144 PNG took the tiny model's image_encode worker to 3 GB; 1x2048
+# would take 1 GB at the real CLIP's 224).
+MAX_IMAGE_ASPECT = 64
 MAX_SEED = 2**32 - 1  # what numpy and torch generators both accept
 
 

@@ -22,7 +22,7 @@ from typing import Iterator
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from onepiece.config import MAX_IMAGE_PIXELS
+from onepiece.config import MAX_IMAGE_ASPECT, MAX_IMAGE_PIXELS
 from onepiece.proxy.errors import ApiError, bad_request
 
 _B64_WS = re.compile(rb"\s+")
@@ -110,6 +110,10 @@ def _open(data: bytes, param: str) -> Image.Image:
         raise bad_request(f"'{param}' is {w}x{h} pixels", param=param, code="invalid_image")
     if w * h > MAX_IMAGE_PIXELS:
         raise _too_large(param, f"is {w}x{h}")
+    if max(w, h) > MAX_IMAGE_ASPECT * min(w, h):
+        raise bad_request(f"'{param}' is {w}x{h}: its sides differ more than {MAX_IMAGE_ASPECT}:1 allows (the image "
+                          f"encoder scales the shorter side up, and the longer with it)", param=param,
+                          code="invalid_image")
     return img
 
 

@@ -292,6 +292,29 @@ def test_a_decompression_bomb_is_refused_without_decoding(h, side):
     assert h.healthz()["status"] == "ok"
 
 
+def test_an_image_of_extreme_proportions_is_refused_from_its_header(h):
+    """A 1x262144 strip is 842 bytes of PNG and within the pixel bound, but CLIP's processor
+    scales its short side up and its long side with it: the image_encode worker went to 3 GB.
+    Sides further apart than MAX_IMAGE_ASPECT are refused before admission, and a stage refuses
+    them too (what reaches it by any path)."""
+    from onepiece.config import MAX_IMAGE_ASPECT
+    from onepiece.proxy.images import check_image
+    from onepiece.stage.registry import lookup
+    from onepiece.transport.message import Message
+
+    strip = _png_bomb(1, 262_144)
+    assert len(strip) < 2000
+    r = h.http.post("/v1/videos", data={"prompt": "x", "model": "i2v", "size": "64x64"},
+                    files={"input_reference": ("strip.png", strip, "image/png")})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid_image" and "1x262144" in err["message"] and f"{MAX_IMAGE_ASPECT}:1" in err["message"]
+    check_image(_png_bomb(MAX_IMAGE_ASPECT, 1))  # at the bound: accepted
+    check_image(_png_bomb(1, MAX_IMAGE_ASPECT))
+    with pytest.raises(ValueError, match=f"differ more than {MAX_IMAGE_ASPECT}:1"):
+        lookup("image_encode", "i2v")(None, Message({"uid": "u"}, {"image": np.zeros((1, 65, 3), np.uint8)}))
+
+
 def _noise(w: int, h: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
 

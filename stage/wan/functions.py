@@ -35,7 +35,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
-from onepiece.config import MAX_IMAGE_PIXELS
+from onepiece.config import MAX_IMAGE_ASPECT, MAX_IMAGE_PIXELS
 from onepiece.stage.registry import Parts, StageContext, SteppedTask, stage_function
 from onepiece.stage.wan.parallel import ParallelDenoiser
 from onepiece.transport.message import Message
@@ -120,8 +120,12 @@ def _image(msg: Message):
         raise ValueError(f"part 'image' must be a uint8 HxWx3 RGB array, got {desc}")
     if arr.shape[0] == 0 or arr.shape[1] == 0:
         raise ValueError("part 'image' is empty")
-    if arr.shape[0] * arr.shape[1] > MAX_IMAGE_PIXELS:  # the proxy's bound, for what reaches a stage by any path
+    # the proxy's bounds, for what reaches a stage by any path
+    if arr.shape[0] * arr.shape[1] > MAX_IMAGE_PIXELS:
         raise ValueError(f"part 'image' has {arr.shape[0]}x{arr.shape[1]} pixels, more than {MAX_IMAGE_PIXELS}")
+    if max(arr.shape[:2]) > MAX_IMAGE_ASPECT * min(arr.shape[:2]):
+        raise ValueError(f"part 'image' is {arr.shape[1]}x{arr.shape[0]}: its sides differ more than "
+                         f"{MAX_IMAGE_ASPECT}:1")
     return Image.fromarray(np.ascontiguousarray(arr), mode="RGB")
 
 
