@@ -335,6 +335,23 @@ def check_targets(rows: dict[str, dict[str, dict]], top: str, classes: list[str]
     return out
 
 
+def offered(trace: Trace, mix: dict[str, float]) -> dict[str, float] | None:
+    """What ``trace`` offers against its nominal load (its ``load`` x ``capacity_rps``): a seeded
+    draw arrives faster or slower than its rate and draws more or less work than the mix. Its
+    arrivals' rate over the nominal one, its mean standalone time over the mix's, and the load
+    the two make. None without the figures."""
+    try:
+        nominal, cap = float(trace.load), float(trace.capacity_rps)  # (extra fields of a bench trace)
+        alone = {c: float(v.standalone_s) for c, v in trace.classes.items()}
+        span = trace.requests[-1].at - trace.requests[0].at
+        work = sum(alone[r.cls] for r in trace.requests) / len(trace.requests)
+        expected = sum(m * alone[c] for c, m in mix.items()) / sum(mix.values())
+        rate = (len(trace.requests) - 1) / span / (nominal * cap)
+    except (AttributeError, TypeError, ValueError, KeyError, ZeroDivisionError):
+        return None
+    return {"rate": rate, "work": work / expected, "load": nominal * rate * work / expected}
+
+
 def order_bound(trace: Trace) -> float | None:
     """How far an order alone can take the mean latency on ``trace``: the mean of preemptive
     SRPT (least remaining work first, the order with the least mean latency on one server)
@@ -578,6 +595,7 @@ def report(outdir: Path, args: argparse.Namespace, t_start: float, classes: dict
               "cpu_count": os.cpu_count(), "elapsed_s": elapsed,
               "settings": {k: v for k, v in vars(args).items() if k not in ("fn", "which")},
               "classes": classes, "mix": mix, "calibration": cal, "rows": rows, "targets": targets, "stage": stage,
+              "offered": {k: offered(t, mix) for k, t in traces.items()},
               "requests": results}
     (outdir / "sched.json").write_text(json.dumps(result, indent=1, default=str))
     shapes = ", ".join(f"{c} {classes[c]['size']}x{classes[c]['num_frames']}" for c in names)
@@ -594,6 +612,11 @@ def report(outdir: Path, args: argparse.Namespace, t_start: float, classes: dict
             + f"; capacity C = {cal['capacity_rps']:.3f} req/s (closed loop; NM estimate "
               f"{((cal['nm'] or {}).get('capacity') or float('nan')):.3f}).", ""]
     md += [table(rows, names), ""]
+    drawn = {k: o for k, t in traces.items() if (o := offered(t, mix)) is not None}
+    if drawn:  # a seeded draw is not its nominal load
+        md += ["What each trace offered: " + "; ".join(
+            f"{k}: {o['load']:.2f}× C (arrivals {o['rate']:.2f}× the nominal rate, work {o['work']:.2f}× the mix's)"
+            for k, o in drawn.items()) + ".", ""]
     if targets:
         md += [f"Targets at {targets['load']} (best policy: {targets['best']}):", "",
                "| target | value | wanted | met |", "|---|---|---|---|"]

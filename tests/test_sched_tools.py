@@ -394,3 +394,19 @@ def test_bench_batching_marks_a_throughput_that_only_the_arrivals_bounded():
     assert free["ceiling_rps"] == pytest.approx(10 / 9.5) and free["arrival_bound"]
     queued = summary([rec(0.1 * i, 0.5 + 0.4 * i) for i in range(10)])  # each waits behind the last
     assert queued["throughput_rps"] == pytest.approx(10 / (0.9 + 4.1)) and not queued["arrival_bound"]
+
+
+def test_bench_sched_says_what_load_a_seeded_trace_really_offers():
+    """Every 1.0x CPU trace was the same seed-0 draw, stretched: its arrivals 5.4% faster than
+    the nominal rate and 5% more work than the mix, 1.107x C in all. sched.md now says so."""
+    from onepiece.bench.sched import offered
+    from onepiece.bench.trace import Trace
+
+    classes = {"S": {"size": "64x64", "num_frames": 9, "steps": 5, "standalone_s": 1.0},
+               "L": {"size": "64x64", "num_frames": 9, "steps": 5, "standalone_s": 3.0}}
+    reqs = [{"at": 0.5 * i, "app": "t2v", "class": c, "size": "64x64", "num_frames": 9, "steps": 5}
+            for i, c in enumerate("SSSL")]
+    tr = Trace.model_validate({"version": 1, "classes": classes, "requests": reqs, "load": 1.0, "capacity_rps": 1.5})
+    got = offered(tr, {"S": 0.5, "L": 0.5})  # 2 req/s against 1.5 nominal; 1.5 s of work against the mix's 2
+    assert got == pytest.approx({"rate": 2 / 1.5, "work": 0.75, "load": 1.0})
+    assert offered(Trace.model_validate({"version": 1, "classes": classes, "requests": reqs}), {"S": 1.0}) is None
