@@ -117,8 +117,8 @@ def markdown(r: dict[str, Any]) -> str:
     if o:
         lines += ["", "In a world of 2:", "",
                   f"- building the group and its meshes (once, at start): {o['group_ms']:.1f} ms;",
-                  f"- switching the model between DoP 1 and sequence-parallel DoP 2 (attach and detach): "
-                  f"{o['switch_us']:.0f} µs;",
+                  f"- switching the model between DoP 1 and sequence-parallel DoP 2, each way (half of an "
+                  f"attach and a detach): {o['switch_us']:.0f} µs;",
                   f"- handing a DoP-1 step's noise to the other rank ({o['noise_shape']}): {o['broadcast_us']:.0f} µs;",
                   f"- sharing a command (rank 0 to the others: every command, and the drops at every run): "
                   f"{o['share_us']:.0f} µs."]
