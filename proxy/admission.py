@@ -231,12 +231,22 @@ def standalone_latency(app_estimate: dict[str, Any], shape: str, measured: bool 
 
 
 def bottleneck_work(app_estimate: dict[str, Any], shape: str) -> float:
-    """Seconds of the bottleneck stage's time a request of ``shape`` takes, per worker there
-    (its standalone time at that stage / its workers); 0 when not known yet."""
+    """Seconds of the bottleneck's time a request of ``shape`` takes, per worker there (its
+    standalone time at that stage / its workers), or, where the bottleneck is a GPU that stages
+    share (``shared_gpu``), the sum of theirs; 0 when not known yet."""
     try:
-        row = app_estimate["stages"][app_estimate["bottleneck"]]
-        t = at_shape(row, shape)
-        return float(t) / row["workers"] if t and row["workers"] else 0.0
+        shared = app_estimate.get("shared_gpu")
+        names = shared["stages"] if shared else [app_estimate["bottleneck"]]
+        total = 0.0
+        for name in names:
+            row = app_estimate["stages"].get(name)
+            if row is None:  # a stage of another application on the card: not this request's
+                continue
+            t = at_shape(row, shape)
+            if not t or not row["workers"]:
+                return 0.0
+            total += float(t) / row["workers"]
+        return total
     except (KeyError, TypeError, AttributeError, ZeroDivisionError):
         return 0.0
 

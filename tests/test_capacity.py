@@ -176,6 +176,10 @@ def test_stages_that_share_a_gpu_pass_one_request_per_their_summed_device_time()
     assert est["capacity"] == pytest.approx(1 / 0.8)  # (not 1 / 0.5: the slowest stage's)
     assert est["bottleneck"] == "denoise_t2v"  # the stage that takes most of the card
     assert est["shared_gpu"] == {"gpu": "GPU-a", "stages": ["denoise_t2v", "text_encode", "vae_decode"]}
+    from onepiece.proxy.admission import bottleneck_work
+
+    # what a request ahead costs the deadline-first rule there: the card's time, not one stage's
+    assert bottleneck_work(est, "64x64x9:10") == pytest.approx(0.8)
     from onepiece.status import render
 
     text = render({"sets": {"set0": {"stages": {}, "idle": [], "dbs": [], "proxies": [], "capacity": {"t2v": est}}}})
