@@ -490,9 +490,11 @@ class CapacityAdmission:
 
     def rate(self, app: str) -> float | None:
         """This proxy's admitted rate for ``app`` now, its token bucket's (None: not limited by
-        capacity)."""
-        cap = self._capacity(app)
-        return None if cap is None else self.headroom * cap / self.proxies
+        capacity, also where a deadline-first bottleneck is admitted by the deadline rule alone)."""
+        cap, est = self._capacity(app), self.app_view(app)
+        if cap is None or (est is not None and deadline_first(est)):
+            return None
+        return self.headroom * cap / self.proxies
 
     def deadline_s(self, app: str, shape: str, timeout_s: float, explicit_timeout: bool) -> float:
         """Seconds within which a request is held to complete (``admission_deadline``)."""

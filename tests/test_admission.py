@@ -455,6 +455,17 @@ def test_a_deadline_first_bottleneck_is_admitted_by_the_deadline_rule_alone():
     assert [adm.check("t2v", SHAPE, 600.0, True, ahead=flight(1)) is None for _ in range(3)].count(True) == 1
 
 
+def test_a_deadline_first_bottleneck_reports_no_admitted_rate():
+    """/metrics (``onepiece_proxy_admit_rate``: "absent while not rate-limited") and /healthz
+    read ``rate``: behind a deadline-first bottleneck no bucket limits, so there is none."""
+    adm = CapacityAdmission(headroom=1.0, clock=Clock())
+    adm.observe(view(denoise_s=0.5, policy="slo", shapes={SHAPE: 0.2}))
+    assert [adm.check("t2v", SHAPE, 600.0, True, ahead=flight(5, work_s=0.01)) for _ in range(10)] == [None] * 10
+    assert adm.rate("t2v") is None  # (it said 2.0/s while admitting these 10 at once)
+    adm.observe(view(denoise_s=0.5, policy="fcfs", shapes={SHAPE: 0.2}))
+    assert adm.rate("t2v") == pytest.approx(2.0)
+
+
 # --- the path between the stages ----------------------------------------------------------------
 def measured(queue: int = 0, proxies: int = 1, policy: str = "fcfs") -> dict:
     """A t2v set measured at SHAPE by every stage: standalone 0.01 + 0.2 + 0.05 = 0.26 s;
