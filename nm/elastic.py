@@ -203,13 +203,16 @@ class Elastic:
             mine = sorted((i for i in state.stage_instances(set_name) if i.stage == stage), key=lambda i: i.id)
             live = [i.id for i in mine if i.heard and now - i.last_seen <= fresh_s and i.ready and i.serving == stage]
             known = [u for i in mine if (u := self.util.of(i.id, now)) is not None]
-            late = [x for i in mine if (x := self.late.of(i.id, now)) is not None]
+            # Late over left summed over the instances: a mean of their shares made one late
+            # request of an instance that saw one leave weigh as much as another's thousand.
+            late = [x for i in mine if (x := self.late.increase(i.id, now)) is not None]
             cold = [x for i in mine if (x := self.cold.of(i.id, now)) is not None]
             if len(mine) >= max(spec.min_of(stage), 1):
                 self.had_min.add((set_name, stage))
             out[stage] = StageLoad(stage, [i.id for i in mine], sum(known) / len(known) if known else None,
                                    spec.min_of(stage), live, (set_name, stage) in self.had_min,
-                                   self.needs.get(stage, 1), sum(late) / len(late) if late else None,
+                                   self.needs.get(stage, 1),
+                                   sum(p for p, _ in late) / sum(w for _, w in late) if late else None,
                                    sum(cold) / len(cold) if cold else None)
         return out
 

@@ -49,6 +49,12 @@ class Utilization:
     def of(self, inst_id: str, now: float) -> float | None:
         """The instance's ratio over the last window, or None if not covered yet (or nothing
         was added to ``whole`` in it)."""
+        inc = self.increase(inst_id, now)
+        return None if inc is None else min(1.0, max(0.0, inc[0] / inc[1]))
+
+    def increase(self, inst_id: str, now: float) -> tuple[float, float] | None:
+        """How much ``part`` and ``whole`` grew over the instance's last window (``whole`` > 0),
+        or None as for ``of``: what a ratio over several instances sums."""
         have = self._samples.get(inst_id)
         if have is None or len(have[1]) < 2:
             return None
@@ -63,7 +69,8 @@ class Utilization:
             base = s
         if last[0] - base[0] < COVERED * self.window_s or last[2] <= base[2]:
             return None
-        return min(1.0, max(0.0, (last[1] - base[1]) / (last[2] - base[2])))
+        whole = last[2] - base[2]
+        return min(whole, max(0.0, last[1] - base[1])), whole
 
     def forget(self, inst_id: str) -> None:
         self._samples.pop(inst_id, None)

@@ -102,6 +102,29 @@ def test_the_late_share_is_a_window_over_the_late_and_left_counters():
     assert u.of("a", now=31.0) is None
 
 
+def test_a_stages_late_share_counts_every_request_that_left_it_not_a_mean_of_its_instances():
+    """Two instances of vae_decode: 1,000 requests left one on time, one left the other late. Of
+    the stage's requests 0.1% were late (under the 1% allowance); a mean of the instances'
+    shares said 50%, so the stage read as late, took an instance and could not give one."""
+    from onepiece.nm.state import ClusterState
+
+    topo, wf, _ = load_topology(deploy_dir() / "local.yaml")
+    state, el = ClusterState(topo, wf), Elastic(SPEC)
+    busy = state.register("stage", "set0", {"data": "tcp://a:1"}, stage="vae_decode")
+    quiet = state.register("stage", "set0", {"data": "tcp://a:2"}, stage="vae_decode")
+    for t in range(0, 11):
+        now = 1000.0 + t
+        for inst, left, late in ((busy, 100 * t, 0), (quiet, t // 10, t // 10)):
+            state.heartbeat(inst.id, True, {"busy_s": 0.5 * t, "slot_s": 1.0 * t, "left": left, "late": late},
+                            serving="vae_decode", now=now)
+            el.observe(inst, now)
+    assert el.late.of(busy.id, now) == 0.0 and el.late.of(quiet.id, now) == 1.0
+    load = el.loads(state, "set0", now)["vae_decode"]
+    assert load.late == pytest.approx(1 / 1001)
+    assert decide(SPEC, {"vae_decode": load}, ["idle-1"], {}) is None
+    assert el.view(state, now)["late"]["set0"]["vae_decode"] == 0.001  # what `onepiece status` prints
+
+
 def late_loads(**stages: tuple[float, float | None, int, int]) -> dict[str, StageLoad]:
     """stage=(util, late share, instances, min)."""
     return {s: StageLoad(s, [f"{s}-{k}" for k in range(n)], u, m, late=x, cold=u) for s, (u, x, n, m) in stages.items()}
