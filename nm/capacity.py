@@ -75,7 +75,7 @@ def stage_state(workflow: Workflow, stage: str, members: list[dict[str, Any]]) -
             rates[app] = mix[app] * workers / per_request
     policies = collections.Counter(str(v["stats"].get("policy") or "") for v in views)
     return {"instances": len(views), "workers": workers, "queue": queue, "service_s": service,
-            "shapes_s": shapes, "shares_s": shares, "mix": mix, "rate": rates,
+            "shapes_s": shapes, "shares_s": shares, "mix": mix, "recent": recent, "rate": rates,
             "policy": policies.most_common(1)[0][0] if policies else ""}
 
 
@@ -110,11 +110,14 @@ def estimate(workflow: Workflow, members: list[dict[str, Any]]) -> dict[str, Any
     out: dict[str, Any] = {}
     # Theorem 1 on a shared stage counts the flow of every application through it.
     demand: dict[str, float] = {}
-    # Each application's device seconds per request on each GPU, and its share of the arrivals
-    # (its share of its first stage's mix, as the stage rates split a shared stage).
+    # Each application's device seconds per request on each GPU, and its share of the arrivals:
+    # what its first stage passed of it recently, with one pseudo-arrival as in a stage's mix,
+    # over every application's (its first stage's own mix where all enter at one stage; an
+    # application that alone enters at its stage read a share of 1 there, whatever the others').
     gpu_load = {app: shared_gpus(workflow, members, app, {st: stages[st]["service_s"][app] for st in spec.stages})
                 for app, spec in workflow.applications.items()}
-    mix = {app: stages[spec.stages[0]]["mix"][app] for app, spec in workflow.applications.items()}
+    arrivals = {app: stages[spec.stages[0]]["recent"][app] + 1 for app, spec in workflow.applications.items()}
+    mix = {app: n / sum(arrivals.values()) for app, n in arrivals.items()}
     for app, spec in workflow.applications.items():
         rows, prev_rate = {}, None
         for st in spec.stages:

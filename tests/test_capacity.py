@@ -223,3 +223,23 @@ def test_a_shared_gpu_counts_every_application_that_runs_on_it():
     assert est["i2v"]["capacity"] == pytest.approx(m_i2v / per_request)  # (vae_decode alone: m_i2v / 0.2)
     assert est["i2v"]["shared_gpu"]["stages"] == ["text_encode", "vae_decode"]
     assert est["t2v"]["capacity"] == pytest.approx(1 / 0.5)  # its own card's denoising binds first
+
+
+def test_a_shared_gpu_splits_by_the_arrivals_when_applications_enter_at_different_stages():
+    """i2v may encode its image first ([image_encode, text_encode, ...]: its pre-denoise stages
+    run in any order), so t2v enters at text_encode and i2v at image_encode, each its first
+    stage's only application there: each read a share of the arrivals of 1, and the card was
+    split evenly whatever the mix (0.59/s each at 3:1, t2v's capacity a third too low and
+    i2v's nearly twice what the card passes)."""
+    wf = load_workflow(deploy_dir() / "wan21.yaml")
+    wf.applications["i2v"].stages = ["image_encode", "text_encode", "vae_encode", "denoise_i2v", "vae_decode"]
+    wf = type(wf).model_validate(wf.model_dump())  # a workflow the loader accepts
+    members = [on_gpus(stage("text_encode", t2v=(0.1, 30), i2v=(0.1, 10)), "G"),
+               on_gpus(stage("image_encode", i2v=(0.1, 10)), "G"), on_gpus(stage("vae_encode", i2v=(0.1, 10)), "G"),
+               on_gpus(stage("denoise_t2v", t2v=(0.4, 30)), "G"), on_gpus(stage("denoise_i2v", i2v=(0.3, 10)), "G"),
+               on_gpus(stage("vae_decode", t2v=(0.2, 30), i2v=(0.2, 10)), "G")]
+    est = estimate(wf, members)
+    m_t2v, m_i2v = 31 / 42, 11 / 42  # the arrivals, as text_encode (which both pass) counts them
+    per_request = m_t2v * 0.7 + m_i2v * 0.8  # card seconds per request of the set
+    assert est["t2v"]["capacity"] == pytest.approx(m_t2v / per_request)
+    assert est["i2v"]["capacity"] == pytest.approx(m_i2v / per_request)
