@@ -65,7 +65,9 @@ def _capacity(apps: dict[str, Any]) -> list[str]:
         if est["bottleneck"]:
             head += f", bottleneck {est['bottleneck']}"
         if est.get("shared_gpu"):  # the stages' rates alone would say more
-            head += f" (on a GPU it shares with {', '.join(s for s in est['shared_gpu']['stages'] if s != est['bottleneck'])})"
+            others = [s for s in est["shared_gpu"]["stages"] if s != est["bottleneck"]]
+            # (no other stage: instances of the bottleneck itself share the card)
+            head += f" (on a GPU it shares with {', '.join(others)})" if others else " (its instances share a GPU)"
         lines.append(head)
         for stage, s in est["stages"].items():
             t = "-" if s["service_s"] is None else f"{s['service_s'] * 1000:.0f} ms"

@@ -243,3 +243,16 @@ def test_a_shared_gpu_splits_by_the_arrivals_when_applications_enter_at_differen
     per_request = m_t2v * 0.7 + m_i2v * 0.8  # card seconds per request of the set
     assert est["t2v"]["capacity"] == pytest.approx(m_t2v / per_request)
     assert est["i2v"]["capacity"] == pytest.approx(m_i2v / per_request)
+
+
+def test_status_says_so_when_the_bottlenecks_own_instances_share_a_gpu():
+    """Two denoise instances on one card (the light stages on another): the card bounds the
+    capacity with no other stage on it, and status named none ("shares with )")."""
+    from onepiece.status import render
+
+    members = [on_gpus(stage("text_encode", t2v=(0.1, 10)), "GPU-a"), on_gpus(stage("vae_decode", t2v=(0.2, 10)), "GPU-a"),
+               on_gpus(stage("denoise_t2v", t2v=(0.5, 10)), "GPU-b"), on_gpus(stage("denoise_t2v", t2v=(0.5, 10)), "GPU-b")]
+    est = estimate(WF, members)["t2v"]
+    assert est["shared_gpu"] == {"gpu": "GPU-b", "stages": ["denoise_t2v"]}
+    text = render({"sets": {"set0": {"stages": {}, "idle": [], "dbs": [], "proxies": [], "capacity": {"t2v": est}}}})
+    assert "capacity t2v: 2.00/s, bottleneck denoise_t2v (its instances share a GPU)" in text
