@@ -107,7 +107,8 @@ def _group_row(wf_path: Path, args: argparse.Namespace, stage: str, shape: tuple
     from onepiece.stage.collective import local_world
 
     config = {"workflow": str(wf_path), "stage": stage, "shape": list(shape), "batch": batch, "repeat": args.repeat,
-              "device": args.device, "threads": args.threads or 1}
+              # the stage's own threads, as its group's workers run at (none: 1 per rank)
+              "device": args.device, "threads": args.threads or load_workflow(wf_path).stages[stage].threads or 1}
     return local_world("onepiece.profile", config, dop)
 
 
@@ -158,8 +159,11 @@ class Profiler:
     """The real stage functions of a workflow in this process, components loaded once."""
 
     def __init__(self, wf: Workflow, base: Path, device: str | None, threads: int | None) -> None:
+        import torch
+
         self.wf, self.base, self.device, self.threads = wf, base, device, threads
         self._loaded: dict[str, Any] = {}
+        self._all_cores = torch.get_num_threads()  # a stage without threads of its own runs at this
 
     def context(self, stage: str):
         import torch
@@ -168,8 +172,9 @@ class Profiler:
         from onepiece.stage.registry import StageContext
 
         spec = self.wf.stages[stage]
-        if self.threads or spec.threads:
-            torch.set_num_threads(self.threads or spec.threads)
+        # Set every time, not only where given: an earlier stage's setting (run to build this
+        # one's inputs) otherwise stayed in force and this stage was timed at its threads.
+        torch.set_num_threads(self.threads or spec.threads or self._all_cores)
         if stage not in self._loaded:
             device = self.device or spec.device
             comps = load_components(self.wf.model_path(spec.model, self.base), spec.components, device)
@@ -197,6 +202,7 @@ class Profiler:
         for before in spec.stages[:spec.stages.index(stage)]:
             fn = lookup(self.wf.function_of(before), spec.kind)
             msg = decode([bytes(x) for x in encode(Message(msg.header, run_task(fn, self.context(before), msg)))])
+        self.context(stage)  # back to this stage's threads, which its timing runs at
         return msg, lookup(self.wf.function_of(stage), spec.kind)
 
     def stage(self, stage: str, shapes: list[tuple[int, int, int]], batches: list[int], repeat: int) -> list[dict]:

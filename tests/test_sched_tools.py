@@ -51,6 +51,34 @@ def test_profile_writes_a_table_a_stage_can_start_from(tiny_models, tmp_path):
     assert bad.returncode == 2 and "unknown stage(s) ['warp']" in bad.stderr
 
 
+def test_profile_times_each_stage_at_its_own_threads(tiny_models, tmp_path, monkeypatch):
+    """Building a stage's inputs runs the stages before it, each at its own threads; the stage
+    was then timed at the last of theirs (text_encode's 1 for a denoise stage set to 2)."""
+    import torch
+
+    from onepiece.profile import Profiler
+    from onepiece.stage.wan.functions import WanDenoise
+
+    path = _workflow(tmp_path, tiny_models)
+    wf = yaml.safe_load(path.read_text())
+    wf["stages"]["text_encode"]["threads"], wf["stages"]["denoise_t2v"]["threads"] = 1, 2
+    path.write_text(yaml.safe_dump(wf))
+    seen = []
+    step_batch = WanDenoise.step_batch
+
+    def spy(tasks):
+        seen.append(torch.get_num_threads())
+        return step_batch(tasks)
+
+    monkeypatch.setattr(WanDenoise, "step_batch", staticmethod(spy))
+    before = torch.get_num_threads()
+    try:
+        rows = Profiler(load_workflow(path), path.parent, None, None).stage("denoise_t2v", [(32, 32, 5)], [1], 1)
+    finally:
+        torch.set_num_threads(before)
+    assert rows and set(seen) == {2}
+
+
 def test_profile_times_a_collaboration_group_per_dop_and_the_simulator_prices_it(tiny_models, tmp_path):
     from onepiece.sim.costs import CostTable
 
