@@ -237,8 +237,12 @@ def cost_table(stages: dict[str, Any], since: dict[str, Any] | None = None) -> d
     from onepiece.sched.costs import make_table
 
     began = {(name, i): stats for name, i, stats in _instances(since)}
-    rows: dict[str, list[dict[str, Any]]] = {}
-    fixed: dict[str, dict[str, float]] = {}
+    # Per stage, pooled over its instances (one row per key and batch size: a row per instance
+    # made a table no simulator loads): [seconds, steps] of each (key, batch) over the trace,
+    # the medians of those the trace did not run, and [seconds, requests] of each key's fixed.
+    sums: dict[str, dict[tuple[str, str], list[float]]] = {}
+    medians: dict[str, dict[tuple[str, str], list[float]]] = {}
+    fixed_sums: dict[str, dict[str, list[float]]] = {}
     chunks: dict[str, list[float]] = {}  # per stage, its instances' [overhead seconds, chunks] over the trace
     spread: dict[str, list[float]] = {}  # per stage, [steps x their squared CV, steps] over the trace
     for name, i, stats in _instances(stages):
@@ -248,25 +252,34 @@ def cost_table(stages: dict[str, Any], since: dict[str, Any] | None = None) -> d
             dt, dn = _added(stats["overhead_total"], then.get("overhead_total"))
             pooled = chunks.setdefault(name, [0.0, 0])
             pooled[0], pooled[1] = pooled[0] + dt, pooled[1] + dn
-        mine, over_trace = rows.setdefault(name, []), set()
+        mine = sums.setdefault(name, {})
         for key, by_batch in now.get("steps", {}).items():
             for b, total in by_batch.items():
                 before = was.get("steps", {}).get(key, {}).get(b)
                 dt, n = _added(total, before)
                 if n > 0:
                     m = dt / n
-                    mine.append({"key": key, "batch": int(b), "seconds": m})
-                    over_trace.add((key, b))
+                    pooled = mine.setdefault((key, b), [0.0, 0])
+                    pooled[0], pooled[1] = pooled[0] + dt, pooled[1] + n
                     if len(total) > 2 and m > 0:  # squares summed too (stages since 2026-11-26)
                         var = max(0.0, (total[2] - (before[2] if before else 0.0)) / n - m * m)
                         pooled = spread.setdefault(name, [0.0, 0])
                         pooled[0], pooled[1] = pooled[0] + n * var / (m * m), pooled[1] + n
-        for key, by_batch in (stats.get("costs") or {}).items():  # no step of the trace: the median
-            mine.extend({"key": key, "batch": int(b), "seconds": t} for b, t in by_batch.items()
-                        if (key, b) not in over_trace)
+        for key, by_batch in (stats.get("costs") or {}).items():
+            for b, t in by_batch.items():
+                medians.setdefault(name, {}).setdefault((key, b), []).append(t)
         for key, total in now.get("fixed", {}).items():
-            if (m := _mean_since(total, was.get("fixed", {}).get(key))):
-                fixed.setdefault(name, {})[key] = m
+            dt, dn = _added(total, was.get("fixed", {}).get(key))
+            if dn > 0:
+                pooled = fixed_sums.setdefault(name, {}).setdefault(key, [0.0, 0])
+                pooled[0], pooled[1] = pooled[0] + dt, pooled[1] + dn
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for name in dict.fromkeys([*sums, *medians]):  # (the stages in the order they came)
+        over_trace = sums.get(name, {})
+        rows[name] = [{"key": key, "batch": int(b), "seconds": t / n} for (key, b), (t, n) in over_trace.items()]
+        rows[name] += [{"key": key, "batch": int(b), "seconds": sum(ts) / len(ts)}  # no step of the trace: the median
+                       for (key, b), ts in medians.get(name, {}).items() if (key, b) not in over_trace]
+    fixed = {name: {key: t / n for key, (t, n) in by_key.items() if t > 0} for name, by_key in fixed_sums.items()}
     figures: dict[str, dict[str, float]] = {}
     for name, (t, n) in chunks.items():
         if n > 0:
@@ -288,12 +301,6 @@ def _added(total: Any, before: Any) -> tuple[float, int]:
     """What a [seconds, count, ...] sum added since ``before`` (None: since the start)."""
     (t, n), (t0, n0) = total[:2], (before or (0.0, 0))[:2]
     return t - t0, n - n0
-
-
-def _mean_since(total: Any, before: Any) -> float | None:
-    """Mean of what a [seconds, count] sum added since ``before`` (None: nothing added)."""
-    dt, dn = _added(total, before)
-    return dt / dn if dn > 0 else None
 
 
 # --- figures --------------------------------------------------------------------------------------

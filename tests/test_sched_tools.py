@@ -253,6 +253,26 @@ def test_a_runs_cost_table_charges_the_means_over_its_trace():
     assert table_rows(cost_table(began, began), "denoise_t2v") == {key: {1: 0.010, 2: 0.015}}
 
 
+def test_a_runs_cost_table_pools_a_stages_instances():
+    """Two instances of a stage measured the same key: a row each made a table that the simulator
+    refuses ("a second row for key"); their sums are pooled, as the chunks and spreads were."""
+    from onepiece.bench.sched import cost_table
+    from onepiece.sim.costs import CostTable
+
+    key = "64x64x9/cfg/L64"
+
+    def instance(i: str, seconds: float, steps: int, fixed: list) -> dict:
+        return {"id": i, "stats": {"costs": {key: {"1": seconds / steps, "2": 0.02}},
+                                   "cost_totals": {"steps": {key: {"1": [seconds, steps]}}, "fixed": {key: fixed}}}}
+
+    doc = cost_table({"denoise_t2v": {"instances": [instance("a", 1.0, 100, [0.1, 10]),
+                                                    instance("b", 3.0, 100, [0.5, 10])]}})
+    costs = CostTable(doc, "two instances")
+    # 4 s over 200 steps; batch 2, run by neither over the trace: their medians' mean
+    assert costs.rows["denoise_t2v"] == {key: {1: pytest.approx(0.02), 2: pytest.approx(0.02)}}
+    assert costs.fixed["denoise_t2v"] == {key: pytest.approx(0.6 / 20)}
+
+
 def test_simval_states_the_sampling_margin_of_a_measured_attainment():
     from onepiece.bench.simval import margin
 
