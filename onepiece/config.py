@@ -276,6 +276,20 @@ class Workflow(_Strict):
         path = self.stages[stage].schedule.costs
         return None if path is None else load_table(resolve_path(path, base), stage)
 
+    def cost_fixed(self, stage: str, base: Path) -> dict[str, float] | None:
+        """What a request of each key costs ``stage`` besides its steps, from its ``schedule.costs``
+        table (its ``fixed``), if any: the stage starts from it as from the rows."""
+        from onepiece.sched.costs import TableError, read_table, table_fixed
+
+        path = self.stages[stage].schedule.costs
+        if path is None:
+            return None
+        path = resolve_path(path, base)
+        try:
+            return table_fixed(read_table(path), stage)
+        except TableError as e:
+            raise TableError(f"{path}: {e}") from None
+
 
 class ElasticSpec(_Strict):
     """Elastic assignment (DESIGN §9, nm/elastic.py): when a stage's workers were busier than
@@ -590,6 +604,7 @@ def load_workflow(path: str | Path) -> Workflow:
     for stage in wf.stages:
         try:
             wf.cost_table(stage, path.parent)
+            wf.cost_fixed(stage, path.parent)
         except TableError as e:
             raise ConfigError(f"{path}: stages.{stage}.schedule.costs: {e}") from None
     return wf

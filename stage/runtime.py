@@ -37,7 +37,8 @@ class StageRuntime:
         self.mailbox = TrackingMailbox(1024, holdings)
         self.scheduler = RequestScheduler(stage, receiver, f"ipc://{rdir}/workers-{next(_sockets)}.sock",
                                           workflow, self.mailbox, self.stats, routes,
-                                          costs=workflow.cost_table(stage, base_dir))
+                                          costs=workflow.cost_table(stage, base_dir),
+                                          fixed=workflow.cost_fixed(stage, base_dir))
         self.deliver = ResultDeliver(stage, workflow, self.mailbox, routes=routes, on_sent=holdings.deliveries.add,
                                      holding=(holdings.add, holdings.discard),
                                      dropped=holdings.fenced, settle=settle)  # fencing: nm/fencing.py

@@ -61,7 +61,7 @@ MAX_CANCELLED = 65_536  # cancelled uids remembered, to drop them if they arrive
 class RequestScheduler:
     def __init__(self, stage: str, receiver: Receiver, worker_address: str, workflow: Workflow, outbox: "queue.Queue",
                  stats: SchedulerStats | None = None, routes: Callable[[], dict] | None = None,
-                 costs: dict[str, dict[int, float]] | None = None) -> None:
+                 costs: dict[str, dict[int, float]] | None = None, fixed: dict[str, float] | None = None) -> None:
         spec = workflow.stages[stage]
         self.stage, self.receiver, self.capacity, self.outbox = stage, receiver, spec.queue, outbox
         self.apps = workflow.applications  # their limits hold here too, whatever path a request took
@@ -80,7 +80,8 @@ class RequestScheduler:
         curve.client(self.events)  # the DBs' events socket admits members only
         self._dbs: set[str] = set()
         self._dbs_version: Any = None
-        self.core = SchedCore(spec.schedule, CostModel(costs))  # from a table, if given; measured from here on
+        # from a table (its rows and per-request figures), if given; measured from here on
+        self.core = SchedCore(spec.schedule, CostModel(costs, fixed=fixed))
         self.msgs: dict[str, Message] = {}  # waiting requests' messages, sent on with their admission
         self.shapes: dict[str, str] = {}  # the shape key of every request in the core
         self.sample_later: dict[str, list[Request]] = {}  # per worker: finished, not yet sampled

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from onepiece.config import deploy_dir, load_workflow
+from onepiece.config import ConfigError, deploy_dir, load_workflow
 from onepiece.sched.core import Run
 from onepiece.sched.deadlines import stage_request
 from onepiece.stage import scheduler as scheduler_module
@@ -128,3 +128,36 @@ def test_a_plan_the_core_refuses_is_shown_to_the_operator(tmp_path) -> None:
         assert "busy 0/1 (workers up 0/1)" in text, text
     finally:
         close(s)
+
+
+def test_a_stage_starts_from_its_tables_per_request_figures_too(tmp_path) -> None:
+    """``schedule.costs`` gives rows and ``fixed`` (what a request costs besides its steps, as
+    `bench sched` writes it): the stage took the rows alone, so until a request of a key had
+    finished there, its standalone time (what the deadline split and the monitor read) left out
+    what the table said, while the simulator, priced by the same table, charged it."""
+    import orjson
+    import yaml
+
+    from onepiece.nm.holdings import Holdings
+    from onepiece.sched.costs import make_table
+    from onepiece.stage.runtime import StageRuntime
+
+    table = make_table({"denoise_t2v": [{"key": KEY, "batch": 1, "seconds": 0.01}]}, {"denoise_t2v": {KEY: 0.25}})
+    (tmp_path / "costs.json").write_bytes(orjson.dumps(table))
+    doc = yaml.safe_load((deploy_dir() / "wan21.yaml").read_text())
+    doc["stages"]["denoise_t2v"]["schedule"] = {"policy": "fcfs", "costs": "costs.json"}
+    (tmp_path / "wf.yaml").write_text(yaml.safe_dump(doc))
+    wf = load_workflow(tmp_path / "wf.yaml")
+    receiver = registry.listen(f"ipc://{tmp_path}/data.sock")
+    rt = StageRuntime("i0", "denoise_t2v", wf, tmp_path, receiver, tmp_path, Holdings(), lambda: {}, lambda: None)
+    try:
+        core = rt.scheduler.core
+        assert core.costs.fixed_s(KEY) == 0.25
+        assert core.standalone_s(stage_request("u", "t2v", KEY, 10, 0.0, 60.0, None, 0.0)) == pytest.approx(0.35)
+    finally:
+        close(rt.scheduler)
+    # and a bad figure there is refused as the workflow loads, as a bad row is (not at the stage's start)
+    table["stages"]["denoise_t2v"]["fixed"][0]["seconds"] = -1
+    (tmp_path / "costs.json").write_bytes(orjson.dumps(table))
+    with pytest.raises(ConfigError, match=r"schedule.costs: .*costs.json: stages.denoise_t2v.fixed\[0\]"):
+        load_workflow(tmp_path / "wf.yaml")
