@@ -11,7 +11,7 @@ gaps in three ways, each conservative for latency:
 - above the largest known: the last known per-sample time (no further batching gain assumed);
   below the smallest known: the smallest known time (a smaller batch is never slower);
 - an unknown key: the nearest known key of the same variant (CFG, text length, DoP), scaled
-  by the ratio of their shapes' volumes;
+  by the ratio of their shapes' volumes (of two equally near, the dearer estimate);
 - a key at a DoP nothing was measured at (``…@d``, sched.keys.at_dop): the same key at the
   nearest DoP that is known, scaled as if parallelism were perfect (``t·d'/d``): a larger DoP
   looks better than it will be, so a policy tries it once; a smaller one looks worse.
@@ -184,14 +184,13 @@ class CostModel:
         row = self.row(key)
         if row:
             return at_batch(row, batch)
+        # Of known keys equally near, the dearest estimate (conservative, and the same in every
+        # process: picking by the order of a set made it depend on the hash seed, 2x apart)
         near = self._nearest(key) or self._other_dop(key)
-        if near is None:
-            return None
-        other, ratio = near
-        t = at_batch(self.row(other), batch)
-        return None if t is None else t * ratio
+        return max((t * ratio for other, ratio in near if (t := at_batch(self.row(other), batch)) is not None),
+                   default=None)
 
-    def _other_dop(self, key: str) -> tuple[str, float] | None:
+    def _other_dop(self, key: str) -> list[tuple[str, float]]:
         base, _, d = key.partition("@")
         dop = int(d) if d.isdigit() else 1
         known = []
@@ -200,22 +199,20 @@ class CostModel:
             if b == base and self.row(k):
                 known.append((int(kd) if kd.isdigit() else 1, k))
         if not known:
-            return None
-        other_dop, other = min(known, key=lambda x: abs(x[0] - dop))
-        return other, other_dop / dop
+            return []
+        gap = min(abs(other_dop - dop) for other_dop, _ in known)
+        return [(k, other_dop / dop) for other_dop, k in known if abs(other_dop - dop) == gap]
 
-    def _nearest(self, key: str) -> tuple[str, float] | None:
+    def _nearest(self, key: str) -> list[tuple[str, float]]:
         vol, var = volume(key), variant(key)
         if not vol:
-            return None
-        best = None
-        for k in self.keys():
-            v = volume(k)
-            if v and variant(k) == var and self.row(k):
-                d = abs(v - vol)
-                if best is None or d < best[0]:
-                    best = (d, k, vol / v)
-        return None if best is None else (best[1], best[2])
+            return []
+        found = [(abs(v - vol), k, vol / v) for k in self.keys()
+                 if (v := volume(k)) and variant(k) == var and self.row(k)]
+        if not found:
+            return []
+        gap = min(d for d, _, _ in found)
+        return [(k, ratio) for d, k, ratio in found if d == gap]
 
     def reached(self, key: str, cap: int, sustained: bool = False) -> int:
         """The largest batch size known for ``key`` up to ``cap`` (1 when none); ``sustained``:
