@@ -270,11 +270,31 @@ class Workflow(_Strict):
         return resolve_path(self.models[name].path, base)
 
     def cost_table(self, stage: str, base: Path) -> dict[str, dict[int, float]] | None:
-        """The rows of ``stage`` in its ``schedule.costs`` table (relative to ``base``), if any."""
-        from onepiece.sched.costs import load_table
+        """The rows of ``stage`` in its ``schedule.costs`` table (relative to ``base``), if any.
+        A table that cannot price the stage is refused: one without its rows (written for a
+        stage of another name) or with keys of the other kind (call keys for a stage that steps)
+        was taken as no table, and the stage started from nothing without a word."""
+        from onepiece.sched.costs import TableError, read_table, table_rows
+        from onepiece.sched.keys import variant
 
         path = self.stages[stage].schedule.costs
-        return None if path is None else load_table(resolve_path(path, base), stage)
+        if path is None:
+            return None
+        path = resolve_path(path, base)
+        doc = read_table(path)
+        try:
+            rows = table_rows(doc, stage)
+        except TableError as e:
+            raise TableError(f"{path}: {e}") from None
+        if not rows:
+            raise TableError(f"{path}: no rows for stage {stage!r} (stages: {', '.join(sorted(doc['stages'])) or 'none'})")
+        steps = self.function_of(stage) in STEPPED_FUNCTIONS
+        wrong = [k for k in rows if bool(variant(k)) != steps]
+        if wrong:
+            raise TableError(f"{path}: stages.{stage}: key {wrong[0]!r} is a {'call' if steps else 'step'} key, but the "
+                             f"stage {'steps' if steps else 'is called once per request'} (step keys "
+                             f"WxHxF/cfg|nocfg/L<text length>, call keys WxHxF)")
+        return rows
 
     def cost_fixed(self, stage: str, base: Path) -> dict[str, float] | None:
         """What a request of each key costs ``stage`` besides its steps, from its ``schedule.costs``

@@ -251,3 +251,32 @@ def test_the_functions_the_config_knows_are_the_registrys():
 
     registry.lookup("denoise", "t2v")  # (loads the built-in functions)
     assert {(name, kind) for name, (kinds, _) in FUNCTIONS.items() for kind in kinds} == set(registry._functions)
+
+
+@pytest.mark.parametrize("stage,rows,expected", [
+    # written for a stage of another name: the stage started from nothing, without a word
+    ("denoise_t2v", {"denoise": [{"key": "64x64x9/cfg/L64", "batch": 1, "seconds": 0.01}]},
+     "costs.json: no rows for stage 'denoise_t2v' (stages: denoise)"),
+    # call keys for a stage that steps (and the reverse): no request's key ever matched them
+    ("denoise_t2v", {"denoise_t2v": [{"key": "64x64x9", "batch": 1, "seconds": 0.01}]},
+     "stages.denoise_t2v: key '64x64x9' is a call key, but the stage steps"),
+    ("vae_decode", {"vae_decode": [{"key": "64x64x9/cfg/L64", "batch": 1, "seconds": 0.01}]},
+     "stages.vae_decode: key '64x64x9/cfg/L64' is a step key, but the stage is called once per request"),
+])
+def test_a_stage_table_that_cannot_price_the_stage_is_refused(tmp_path, stage, rows, expected):
+    import json
+
+    import yaml
+
+    from onepiece.sched.costs import make_table
+
+    (tmp_path / "costs.json").write_text(json.dumps(make_table(rows)))
+    wf = yaml.safe_load((deploy_dir() / "wan21.yaml").read_text())
+    wf["stages"][stage]["schedule"] = {"costs": "costs.json"}
+    path = write(tmp_path, yaml.safe_dump(wf))
+    with pytest.raises(ConfigError) as e:
+        load_workflow(path)
+    assert f"stages.{stage}.schedule.costs: " in str(e.value) and expected in str(e.value)
+    rows[stage] = [{"key": "64x64x9/cfg/L64" if stage == "denoise_t2v" else "64x64x9", "batch": 1, "seconds": 0.01}]
+    (tmp_path / "costs.json").write_text(json.dumps(make_table(rows)))
+    assert load_workflow(path).cost_table(stage, tmp_path) == {rows[stage][0]["key"]: {1: 0.01}}
