@@ -67,6 +67,15 @@ def run(args: argparse.Namespace) -> int:
     from onepiece.stage.registry import is_stepped
     from onepiece.stage.wan.tiny import ensure_models
 
+    # A value given twice timed its cells twice and wrote a second row for them: a table that
+    # no stage or simulator loads ("a second row for key"), found only after the work.
+    twice = [f"{flag} gives {'x'.join(map(str, v)) if isinstance(v, tuple) else v} twice"
+             for flag, values in (("--stage", args.stage or []), ("--shapes", args.shapes), ("--batch", args.batch),
+                                  ("--dops", args.dops))
+             for v in {v for v in values if values.count(v) > 1}]
+    if twice:
+        print(f"onepiece profile: {'; '.join(sorted(twice))}", file=sys.stderr)
+        return 2
     wf_path = Path(args.workflow) if args.workflow else deploy_dir() / PROFILE_WORKFLOWS[args.profile]
     wf = load_workflow(wf_path)
     stages = args.stage or list(wf.stages)

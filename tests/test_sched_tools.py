@@ -49,6 +49,12 @@ def test_profile_writes_a_table_a_stage_can_start_from(tiny_models, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "onepiece", "profile", "--workflow", str(wf), "--stage", "warp"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "unknown stage(s) ['warp']" in bad.stderr
+    # a grid value given twice wrote a second row for its cells: a table nothing loads
+    twice = subprocess.run([sys.executable, "-m", "onepiece", "profile", "--workflow", str(wf), "--stage", "vae_decode",
+                            "--shapes", "32x32x5,32x32x5", "--batch", "1,2,1", "-o", str(tmp_path / "twice.json")],
+                           capture_output=True, text=True, timeout=120)
+    assert twice.returncode == 2 and not (tmp_path / "twice.json").exists()
+    assert "--batch gives 1 twice; --shapes gives 32x32x5 twice" in twice.stderr
 
 
 def test_profile_times_each_stage_at_its_own_threads(tiny_models, tmp_path, monkeypatch):
