@@ -38,6 +38,18 @@ def trace(reqs: list[dict], classes: dict | None = None) -> Trace:
     return Trace.model_validate({"version": 1, "classes": classes, "requests": full})
 
 
+def group_of_two(text_s: float, dop1_s: float, dop2_s: float, vae_s: float) -> tuple:
+    """The workflow with denoise_t2v on a collaboration group of 2 ranks, and a table with its
+    step at DoP 1 and 2 and one call at each other stage: (workflow, table document)."""
+    wf = WF.model_copy(deep=True)
+    wf.stages["denoise_t2v"].workers, wf.stages["denoise_t2v"].mode = 2, "collaboration"
+    return wf, {"version": 1, "stages": {
+        "text_encode": {"rows": [{"key": S, "batch": 1, "seconds": text_s}]},
+        "denoise_t2v": {"rows": [{"key": f"{S}/cfg/L64", "batch": 1, "seconds": dop1_s},
+                                 {"key": f"{S}/cfg/L64@2", "batch": 1, "seconds": dop2_s}]},
+        "vae_decode": {"rows": [{"key": S, "batch": 1, "seconds": vae_s}]}}}
+
+
 def test_one_request_takes_its_stages_and_hops_exactly():
     sim = Simulation(WF, SET, table(), hop_s=0.002, overhead_s=0.001)
     sim.load(trace([{"at": 1.0, "class": "S"}]))
@@ -246,13 +258,7 @@ def test_a_collaboration_group_s_standalone_time_is_at_its_fastest_dop():
     from onepiece.sim import plan
     from onepiece.sim.cli import hopeless
 
-    wf = WF.model_copy(deep=True)
-    wf.stages["denoise_t2v"].workers, wf.stages["denoise_t2v"].mode = 2, "collaboration"
-    doc = {"version": 1, "stages": {
-        "text_encode": {"rows": [{"key": S, "batch": 1, "seconds": 0.01}]},
-        "denoise_t2v": {"rows": [{"key": f"{S}/cfg/L64", "batch": 1, "seconds": 0.02},
-                                 {"key": f"{S}/cfg/L64@2", "batch": 1, "seconds": 0.012}]},
-        "vae_decode": {"rows": [{"key": S, "batch": 1, "seconds": 0.05}]}}}
+    wf, doc = group_of_two(0.01, 0.02, 0.012, 0.05)
     costs = CostTable(doc, "t.json")
     # alone: 0.01 + 10 x 0.012 + 0.05 and 3 hops = 0.1845 s at DoP 2; 0.2645 s at DoP 1
     tr = trace([{"at": 1.0 * i, "class": "S"} for i in range(10)],
@@ -292,14 +298,9 @@ def test_plan_answers_for_the_stages_where_no_monolithic_fleet_meets_the_target(
     """A denoise group of 2 ranks at DoP 2 makes an SLO that the whole pipeline on one device
     (DoP 1) misses even alone: plan says so in the monolithic column, and still plans the
     stages (it searched up to 100,000 devices, then stopped with no answer at all)."""
-    wf = WF.model_copy(deep=True)
-    wf.stages["denoise_t2v"].workers, wf.stages["denoise_t2v"].mode = 2, "collaboration"
+    wf, doc = group_of_two(0.01, 0.02, 0.012, 0.05)
     (tmp_path / "w.yaml").write_text(yaml.safe_dump(wf.model_dump(mode="json", exclude_none=True)))
-    (tmp_path / "c.json").write_text(json.dumps({"version": 1, "stages": {
-        "text_encode": {"rows": [{"key": S, "batch": 1, "seconds": 0.01}]},
-        "denoise_t2v": {"rows": [{"key": f"{S}/cfg/L64", "batch": 1, "seconds": 0.02},
-                                 {"key": f"{S}/cfg/L64@2", "batch": 1, "seconds": 0.012}]},
-        "vae_decode": {"rows": [{"key": S, "batch": 1, "seconds": 0.05}]}}}))
+    (tmp_path / "c.json").write_text(json.dumps(doc))
     tr = trace([{"at": 1.0 * i, "class": "S"} for i in range(10)],
                {"S": {"size": "64x64", "num_frames": 9, "steps": 10, "slo_s": 0.25}})
     (tmp_path / "t.json").write_bytes(tr.dump())
@@ -479,13 +480,7 @@ def test_the_plot_s_busy_share_is_of_the_workers_a_stage_has_then():
     up to 140% on the pinned elastic scenario)."""
     from onepiece.sim.report import utilization_over_time
 
-    wf = WF.model_copy(deep=True)
-    wf.stages["denoise_t2v"].workers, wf.stages["denoise_t2v"].mode = 2, "collaboration"
-    doc = {"version": 1, "stages": {
-        "text_encode": {"rows": [{"key": S, "batch": 1, "seconds": 1.0}]},
-        "denoise_t2v": {"rows": [{"key": f"{S}/cfg/L64", "batch": 1, "seconds": 1.0},
-                                 {"key": f"{S}/cfg/L64@2", "batch": 1, "seconds": 0.5}]},
-        "vae_decode": {"rows": [{"key": S, "batch": 1, "seconds": 1.0}]}}}
+    wf, doc = group_of_two(1.0, 1.0, 0.5, 1.0)
     sim = Simulation(wf, SET, CostTable(doc, "t.json"), hop_s=0.0, overhead_s=0.0)
     sim.load(trace([{"at": 0.0, "class": "S", "steps": 4}],
                    {"S": {"size": "64x64", "num_frames": 9, "steps": 4, "slo_s": 10.0}}))
