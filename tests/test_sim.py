@@ -274,9 +274,9 @@ def test_a_collaboration_group_s_standalone_time_is_at_its_fastest_dop():
 
 
 def test_a_shared_plan_meets_the_target_for_each_application_as_a_monolithic_pool_must():
-    """Two i2v requests at once among 100 t2v ones: one denoise_i2v instance makes the second
-    wait past its SLO, which overall is still 99% (101 of 102). A monolithic i2v pool must meet
-    99% of its own requests, so the shared plan is held to the same (it reported one instance,
+    """Two i2v requests at once among 50 t2v ones: one denoise_i2v instance makes the second
+    wait past its SLO, which overall is still 98% (51 of 52). A monolithic i2v pool must meet
+    98% of its own requests, so the shared plan is held to the same (it reported one instance,
     and so a saving that starved the small application)."""
     from onepiece.sim import plan
 
@@ -284,13 +284,13 @@ def test_a_shared_plan_meets_the_target_for_each_application_as_a_monolithic_poo
     costs = CostTable({"version": 1, "stages": {
         **{s: {"rows": [{"key": S, "batch": 1, "seconds": 0.1}]} for s in calls},
         **{s: {"rows": [{"key": f"{S}/cfg/L64", "batch": 1, "seconds": 0.1}]} for s in ("denoise_t2v", "denoise_i2v")}}})
-    reqs = [{"at": 2.0 * i, "class": "S"} for i in range(100)]
+    reqs = [{"at": 2.0 * i, "class": "S"} for i in range(50)]
     reqs[21:21] = [{"at": 41.0, "class": "I", "app": "i2v"}, {"at": 41.0, "class": "I", "app": "i2v"}]
     tr = trace(reqs, {"S": {"size": "64x64", "num_frames": 9, "steps": 10, "slo_s": 40.0},
                       "I": {"size": "64x64", "num_frames": 9, "steps": 10, "slo_s": 2.0}})
     one = plan.attainment(WF, {s: 1 for s in (*calls, "denoise_t2v", "denoise_i2v")}, costs, tr)
-    assert one.attainment == pytest.approx(101 / 102) and one.worst == 0.5
-    v = plan.disaggregated(WF, costs, tr, 0.99)
+    assert one.attainment == pytest.approx(51 / 52) and one.worst == 0.5
+    v = plan.disaggregated(WF, costs, tr, 0.98)
     assert v.counts["denoise_i2v"] == 2 and v.worst == 1.0
 
 
