@@ -133,10 +133,10 @@ def test_requests_waiting_in_a_full_stage_s_buffer_are_not_taken_for_lost(tiny_m
             try:
                 videos = [c.submit(f"wait {i}", model="t2v", size="32x32", num_frames=5, steps=2) for i in range(4)]
                 # One at the stopped worker, one in the queue, two in the buffer: for well over the
-                # two looks a dead limit (1.5 s) apart that would fail an unheld request.
+                # two looks a dead limit (1.5 s) apart that would fail an unheld request (3 s).
                 wait_for(lambda: c.status(videos[0]["id"])["status"] == "in_progress", timeout=60,
                          what="the first request at the worker")
-                end = time.monotonic() + 8
+                end = time.monotonic() + 6
                 while time.monotonic() < end:
                     assert all(c.status(v["id"])["status"] != "failed" for v in videos)
                     time.sleep(0.5)
