@@ -99,7 +99,8 @@ def shared_gpus(workflow: Workflow, members: list[dict[str, Any]], app: str,
                 continue
             each = int(v["stats"].get("ready", 0)) / total * t / (1 if together else len(gpus))
             for g in gpus:
-                out.setdefault(g, {})[st] = out.get(g, {}).get(st, 0.0) + each
+                on = out.setdefault(g, {})
+                on[st] = on.get(st, 0.0) + each
     return out
 
 
