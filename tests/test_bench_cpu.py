@@ -4,6 +4,8 @@ scheduler counters from /proc (the benchmark itself starts a deployment: bench/c
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 from onepiece.bench.cpu import per, role_of, usage
@@ -24,3 +26,34 @@ def test_bench_cpu_names_each_process_by_role_and_reads_its_counters():
     used = per(before, usage([os.getpid()]), 1)["other"]
     assert used["cpu_ms"] >= 40 and used["wakeups"] >= 0
     assert usage([2 ** 22 + 12345]) == {}  # a process that is gone is left out
+
+
+def test_bench_cpu_counts_the_cpu_of_a_thread_that_ended_between_readings(tmp_path):
+    # A VAE worker encodes each MP4 on a thread that ends with the request: its CPU must count.
+    go = tmp_path / "go"
+    child = subprocess.Popen([sys.executable, "-c", f"""
+import os, threading, time
+while not os.path.exists({str(go)!r}):
+    time.sleep(0.01)
+def burn():
+    t = time.thread_time()
+    while time.thread_time() - t < 0.3:
+        pass
+th = threading.Thread(target=burn)
+th.start()
+th.join()
+open({str(go)!r} + ".done", "w").close()
+time.sleep(60)
+"""])
+    try:
+        before = usage([child.pid])
+        go.touch()
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "go.done").exists():
+            assert time.monotonic() < deadline, "the child's thread never finished"
+            time.sleep(0.01)
+        used = per(before, usage([child.pid]), 1)["other"]
+        assert used["cpu_ms"] >= 250, used  # the ended thread's 300 ms (its live threads' counters show ~0)
+    finally:
+        child.kill()
+        child.wait()
