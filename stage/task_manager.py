@@ -38,6 +38,34 @@ def worker_env() -> dict[str, str]:
     return {"GOMP_SPINCOUNT": GOMP_SPINCOUNT, **os.environ}
 
 
+def group_down_reason(dead: list[tuple[int, int]], alive: dict[int, str]) -> str:
+    """Why a collaboration group went down: its ranks that exited (``(rank, return code)``), a
+    rank killed by a signal first (the cause: its peers then fail their collectives and exit).
+    When none was killed, the ranks still running (``alive``: rank -> process state) are the
+    likely cause: a rank that stops answering (stopped, hung) makes its peers' collectives time
+    out, and they exit with an error while it lives on."""
+    dead = sorted(dead, key=lambda d: (d[1] >= 0, d[0]))
+    reason = "collaboration group down: " + ", ".join(
+        f"rank {i} " + (f"exit code {code}" if code >= 0 else f"killed by signal {-code}") for i, code in dead)
+    if alive and all(code >= 0 for _, code in dead):
+        reason += "; still running, not answering its peers: " + ", ".join(
+            f"rank {i}" + (f" ({state})" if state else "") for i, state in sorted(alive.items()))
+    return reason
+
+
+def proc_state(pid: int) -> str:
+    """A process's state as ``/proc`` names it ("stopped", "sleeping", ...); "" if unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return PROC_STATES.get(stat[stat.rindex(")") + 2], "")
+    except (OSError, ValueError, IndexError):
+        return ""
+
+
+PROC_STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped", "t": "stopped by a tracer",
+               "Z": "exited, not reaped"}
+
+
 @dataclass
 class WorkerSlot:
     identity: str
@@ -91,10 +119,8 @@ class TaskManager:
         lead = self.slots[0]
         dead = [(i, s.proc.returncode) for i, s in enumerate(self.slots) if s.proc is not None and s.proc.poll() is not None]
         if dead:
-            # A rank killed by a signal is the cause; its peers then fail their collectives and exit.
-            dead.sort(key=lambda d: (d[1] >= 0, d[0]))
-            reason = "collaboration group down: " + ", ".join(
-                f"rank {i} " + (f"exit code {code}" if code >= 0 else f"killed by signal {-code}") for i, code in dead)
+            reason = group_down_reason(dead, {i: proc_state(s.proc.pid) for i, s in enumerate(self.slots)
+                                              if s.proc is not None and s.proc.poll() is None})
             log.warning("worker group of stage %s is down (%s); restarting it", self.stage, reason)
             self._stop_procs([s.proc for s in self.slots if s.proc is not None and s.proc.poll() is None], 0.0)
             for s in self.slots:

@@ -3,6 +3,8 @@ processes) gives what one worker gives, whatever the degree of parallelism of ea
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,6 +21,7 @@ from onepiece.client import Client, RequestFailed
 from onepiece.launcher import free_tcp_address
 from onepiece.nm.client import NmClient
 from onepiece.stage.rendezvous import rendezvous
+from onepiece.stage.task_manager import group_down_reason, proc_state
 from onepiece.sched.ranks import blocks, dops, place
 from onepiece.stage.collective import pack, unpack
 from onepiece.stage.registry import StageContext
@@ -246,3 +249,23 @@ def test_bench_parallel_times_steps_per_dop_and_what_a_switch_costs(tiny_models,
     assert [(r["shape"], r["cfg"]) for r in report["rows"]] == [("32x32x5", True), ("32x32x5", False)]
     assert all(r["step_ms"]["1"] > 0 and r["step_ms"]["2"] > 0 for r in report["rows"])
     assert {"group_ms", "switch_us", "broadcast_us", "share_us"} <= set(report["overhead"])
+
+
+def test_a_group_down_names_a_signalled_rank_first_or_else_the_rank_that_stopped_answering():
+    # The reason comes from real processes' states; a collective's 60 s timeout is too slow to
+    # wait for in a test, so the dead ranks' return codes are given.
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        wait_for(lambda: proc_state(stopped.pid) == "stopped", 10, "the process never stopped")
+        # rank 1 stopped: rank 0's collective timed out and it exited 1
+        assert group_down_reason([(0, 1)], {1: proc_state(stopped.pid)}) == (
+            "collaboration group down: rank 0 exit code 1; still running, not answering its peers: rank 1 (stopped)")
+    finally:
+        stopped.kill()
+        stopped.wait()
+    # rank 1 killed: the cause, named first, whatever its peers are doing meanwhile
+    assert group_down_reason([(0, 1), (1, -9)], {}) == \
+        "collaboration group down: rank 1 killed by signal 9, rank 0 exit code 1"
+    assert group_down_reason([(1, -9)], {0: "sleeping"}) == "collaboration group down: rank 1 killed by signal 9"
+    assert proc_state(2 ** 22 + 12345) == ""
