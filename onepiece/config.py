@@ -274,8 +274,7 @@ class Workflow(_Strict):
         A table that cannot price the stage is refused: one without its rows (written for a
         stage of another name) or with keys of the other kind (call keys for a stage that steps)
         was taken as no table, and the stage started from nothing without a word."""
-        from onepiece.sched.costs import TableError, read_table, table_rows
-        from onepiece.sched.keys import variant
+        from onepiece.sched.costs import TableError, read_table, table_rows, wrong_kind
 
         path = self.stages[stage].schedule.costs
         if path is None:
@@ -288,12 +287,9 @@ class Workflow(_Strict):
             raise TableError(f"{path}: {e}") from None
         if not rows:
             raise TableError(f"{path}: no rows for stage {stage!r} (stages: {', '.join(sorted(doc['stages'])) or 'none'})")
-        steps = self.function_of(stage) in STEPPED_FUNCTIONS
-        wrong = [k for k in rows if bool(variant(k)) != steps]
-        if wrong:
-            raise TableError(f"{path}: stages.{stage}: key {wrong[0]!r} is a {'call' if steps else 'step'} key, but the "
-                             f"stage {'steps' if steps else 'is called once per request'} (step keys "
-                             f"WxHxF/cfg|nocfg/L<text length>, call keys WxHxF)")
+        why = wrong_kind(rows, stage, self.function_of(stage) in STEPPED_FUNCTIONS)
+        if why is not None:
+            raise TableError(f"{path}: {why}")
         return rows
 
     def cost_fixed(self, stage: str, base: Path) -> dict[str, float] | None:

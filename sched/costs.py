@@ -354,6 +354,22 @@ def _stage_entry(doc: Any, stage: str) -> dict[str, Any]:
     return entry if isinstance(entry, dict) else {}
 
 
+def wrong_kind(keys: Iterable[str], stage: str, steps: bool) -> str | None:
+    """Why a table's ``keys`` for ``stage`` cannot price it, a stage that steps (``steps``) or
+    one called once per request (None: they can). The keys alone decide how a table prices a
+    stage: call keys on a denoising stage priced all its steps as one call, and a stage started
+    from rows no request's key ever matched."""
+    key = next((k for k in keys if bool(variant(k)) != steps), None)
+    if key is None:
+        return None
+    call = key[:len(key) - len(variant(key))] if variant(key) else key
+    step = key if variant(key) else f"{key}/cfg/L64"
+    want, got = ("step", "call") if steps else ("call", "step")
+    return (f"stages.{stage}: the workflow's stage {'steps' if steps else 'is called once'}, so its rows need "
+            f"{want} keys, not {got} keys such as {key!r} (step keys WxHxF/cfg|nocfg/L<text length>, e.g. "
+            f"{step!r}; call keys WxHxF, e.g. {call!r})")
+
+
 def table_fixed(doc: Any, stage: str) -> dict[str, float]:
     """{key: seconds a request costs besides its steps} of one stage of a parsed table (its
     optional ``fixed`` list of ``{key, seconds}``; none: no such cost known)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from onepiece.sched.costs import (FIGURES, CostModel, TableError, at_batch, read_table, table_figure, table_fixed,
-                                  table_rows)
+                                  table_rows, wrong_kind)
 from onepiece.sched.keys import at_dop, variant
 from onepiece.sched.ranks import dops
 
@@ -49,19 +49,9 @@ class CostTable:
         return self._stepped.get(stage, False)
 
     def wrong_kind(self, stage: str, steps: bool) -> str | None:
-        """Why ``stage``'s rows do not fit a stage that steps (``steps``) or is called once per
-        request (None: they fit, or it has none): the keys alone decide how the table prices
-        it, so call keys on a denoising stage priced all its steps as one call."""
-        rows = self.rows.get(stage)
-        if not rows or self.stepped(stage) == steps:
-            return None
-        key = next(iter(rows))
-        call = key[:len(key) - len(variant(key))] if self.stepped(stage) else key
-        step = key if self.stepped(stage) else f"{key}/cfg/L64"
-        want, got = ("step", "call") if steps else ("call", "step")
-        return (f"{self.source}: stages.{stage}: the workflow's stage {'steps' if steps else 'is called once'}, so its "
-                f"rows need {want} keys, not {got} keys (step keys WxHxF/cfg|nocfg/L<text length>, e.g. {step!r}; "
-                f"call keys WxHxF, e.g. {call!r})")
+        """Why ``stage``'s rows cannot price it (``sched.costs.wrong_kind``; None: they can, or it has none)."""
+        why = wrong_kind(self.rows.get(stage) or {}, stage, steps)
+        return None if why is None else f"{self.source}: {why}"
 
     def missing(self, stage: str, key: str) -> str | None:
         """Why ``stage`` cannot price ``key`` (None: it can)."""

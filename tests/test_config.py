@@ -259,9 +259,10 @@ def test_the_functions_the_config_knows_are_the_registrys():
      "costs.json: no rows for stage 'denoise_t2v' (stages: denoise)"),
     # call keys for a stage that steps (and the reverse): no request's key ever matched them
     ("denoise_t2v", {"denoise_t2v": [{"key": "64x64x9", "batch": 1, "seconds": 0.01}]},
-     "stages.denoise_t2v: key '64x64x9' is a call key, but the stage steps"),
+     "stages.denoise_t2v: the workflow's stage steps, so its rows need step keys, not call keys such as '64x64x9'"),
     ("vae_decode", {"vae_decode": [{"key": "64x64x9/cfg/L64", "batch": 1, "seconds": 0.01}]},
-     "stages.vae_decode: key '64x64x9/cfg/L64' is a step key, but the stage is called once per request"),
+     "stages.vae_decode: the workflow's stage is called once, so its rows need call keys, not step keys such as "
+     "'64x64x9/cfg/L64'"),
 ])
 def test_a_stage_table_that_cannot_price_the_stage_is_refused(tmp_path, stage, rows, expected):
     import json

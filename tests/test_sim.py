@@ -397,8 +397,8 @@ def test_the_workflow_not_the_tables_keys_says_which_stages_step():
     """Denoise rows keyed by call keys priced 10 denoising steps as one call; text_encode rows
     keyed by step keys charged text encoding per step."""
     with pytest.raises(SimInputError, match=r"t.json: stages.denoise_t2v: the workflow's stage steps, so its rows "
-                                            r"need step keys, not call keys \(step keys WxHxF/cfg\|nocfg/L<text "
-                                            r"length>, e.g. '64x64x9/cfg/L64'; call keys WxHxF, e.g. '64x64x9'\)"):
+                                            r"need step keys, not call keys such as '64x64x9' \(step keys WxHxF/cfg\|"
+                                            r"nocfg/L<text length>, e.g. '64x64x9/cfg/L64'; call keys WxHxF, e.g. '64x64x9'\)"):
         Simulation(WF, SET, table({S: {1: 0.02}}))
     doc = {"version": 1, "stages": {s: {"rows": [{"key": k, "batch": b, "seconds": t} for k, row in rows.items()
                                                   for b, t in row.items()]} for s, rows in table().rows.items()}}
