@@ -23,7 +23,9 @@ def read_secret_file(path: str | Path, what: str, max_bytes: int = MAX_FILE_BYTE
     """The text of ``path`` (``what`` names it in errors, e.g. "API keys"), after the checks above."""
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # O_NONBLOCK: opening a FIFO would otherwise wait for a writer for ever (the process
+        # hung silently at start); the check below then refuses it as not a regular file.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
         why = "a symbolic link; name the file itself" if e.errno == errno.ELOOP else e.strerror
         raise SecretFileError(f"{what} file {path}: {why}") from None

@@ -5,8 +5,10 @@ proxy that binds beyond loopback refusing to start without them."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 import warnings
 
 import httpx
@@ -82,6 +84,22 @@ def test_keys_come_from_a_private_file_or_the_environment(tmp_path, monkeypatch)
     mine.chmod(0o600)
     assert client_key(mine, {}) == ALICE
     assert client_key(None, {"ONEPIECE_API_KEY": BOB}) == BOB and client_key(None, {}) is None
+
+
+def test_a_fifo_named_as_a_secret_file_is_refused_not_waited_on(tmp_path):
+    # Opening a FIFO for reading waits for a writer: a proxy (or NM) named one hung at start
+    # without a word. It is refused as any other file that is not a regular one.
+    fifo = tmp_path / "keys"
+    os.mkfifo(fifo, 0o600)
+    out: list[BaseException] = []
+    reader = threading.Thread(target=lambda: out.append(pytest.raises(SecretFileError, load_keys, fifo).value),
+                              daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # unblock the open, so the thread ends with the test
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("reading a FIFO as a secret file waited for a writer")
+    assert "not a regular file" in str(out[0]) and str(fifo) in str(out[0])
 
 
 def test_binding_beyond_loopback_needs_keys():
