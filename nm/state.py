@@ -231,11 +231,14 @@ class ClusterState:
                   holding: list[str] | None = None, serving: str | None = None, now: float | None = None,
                   process: str = "") -> Instance:
         """A sign of life from ``inst_id``'s process (``process``: its token; another process's
-        heartbeat under the id is refused as unknown, so that it registers again)."""
+        heartbeat under the id, or one without a token for an instance that registered with one,
+        is refused as unknown, so that it registers again)."""
         inst = self.instances.get(inst_id)
         if inst is None:
             raise LookupError(f"unknown instance {inst_id}")
-        if process and inst.process and process != inst.process:
+        # Without a token, anyone who reaches the NM could speak for any member (say it is not
+        # ready, and so take it out of the routes) although only its token may deregister it.
+        if inst.process and process != inst.process:
             raise LookupError(f"unknown instance {inst_id} for this process: its name was taken over by "
                               f"pid {inst.pid} on {inst.host or '?'}")
         if inst.role == "stage":

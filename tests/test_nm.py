@@ -143,6 +143,26 @@ def test_nm_forgetting_an_instance_makes_it_register_again(nm):
         client.close()
 
 
+def test_a_heartbeat_without_the_members_process_token_is_refused(nm):
+    """Anyone who reaches the NM (on loopback, any local process; with CURVE, a proxies' key)
+    could heartbeat for any stage instance without its process token: a stream of them saying
+    "not ready" kept a healthy instance out of the routes, which only its own token (or the
+    operator key) may take it out of."""
+    m = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9550"}, stage="vae_decode")
+    m.register()
+    client = NmClient(nm.address)
+    try:
+        client.call("heartbeat", instance=m.id, ready=True, serving="vae_decode", process=m.process)
+        assert nm.state.routes("set0")["stages"]["vae_decode"] == ["tcp://127.0.0.1:9550"]
+        for forged in ({}, {"process": ""}):
+            with pytest.raises(RpcError, match=f"unknown instance {m.id} for this process"):
+                client.call("heartbeat", instance=m.id, ready=False, serving="vae_decode", **forged)
+        assert nm.state.instances[m.id].ready
+        assert nm.state.routes("set0")["stages"]["vae_decode"] == ["tcp://127.0.0.1:9550"]
+    finally:
+        client.close()
+
+
 def test_a_malformed_stage_heartbeat_keeps_the_instance_alive_and_breaks_no_estimate(nm, caplog):
     """Stats the NM computes capacity from are checked: before, one heartbeat with a string
     where a count belongs broke every later estimate (the proxies' monitor views, status)."""
@@ -152,11 +172,11 @@ def test_a_malformed_stage_heartbeat_keeps_the_instance_alive_and_breaks_no_esti
     client = NmClient(nm.address)
     try:
         good = {"ready": 1, "queue": 0, "service": {"t2v": {"mean_s": 0.1, "recent": 3, "shapes": {"64x64x9:10": 0.1}}}}
-        client.call("heartbeat", instance=m.id, ready=True, stats=good, serving="vae_decode")
+        client.call("heartbeat", instance=m.id, ready=True, stats=good, serving="vae_decode", process=m.process)
         for bad in ({"ready": "x"}, {"queue": -1}, {"service": [1]}, {"service": {"t2v": {"mean_s": "fast"}}},
                     {"service": {"t2v": {"mean_s": 0.1, "shapes": {"64x64x9:10": -2}}}}, {"ready": True},
                     {"gpus": "GPU-a"}, {"gpus": [""]}, {"gpus": [7]}):
-            client.call("heartbeat", instance=m.id, ready=True, stats=bad, serving="vae_decode")
+            client.call("heartbeat", instance=m.id, ready=True, stats=bad, serving="vae_decode", process=m.process)
         assert nm.state.instances[m.id].stats["service"] == good["service"]  # the last good figures stay
         assert nm.state.monitor("set0")["apps"]["t2v"]["stages"]["vae_decode"]["service_s"] == 0.1
         assert client.status()["sets"]["set0"]
