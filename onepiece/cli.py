@@ -28,7 +28,9 @@ def _topology(value: str | None) -> Path:
 def cmd_up(args: argparse.Namespace) -> int:
     from onepiece.launcher import up
 
-    return up(_topology(args.topology), Path(args.logs) if args.logs else None, args.ready_timeout)
+    topology = _topology(args.topology)
+    _operator_key(None)  # a bad ONEPIECE_OPERATOR_KEY stops `up` here, not its NM in a restart loop
+    return up(topology, Path(args.logs) if args.logs else None, args.ready_timeout)
 
 
 def _zk(args: argparse.Namespace, spec: "NmSpec | None" = None) -> "ZkSettings | None":

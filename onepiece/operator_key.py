@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import hmac
 import os
+import re
 import secrets
 from pathlib import Path
 from typing import Mapping
 
-from onepiece.secret_file import read_secret_file, write_secret_file
+from onepiece.secret_file import SecretFileError, read_secret_file, write_secret_file
 
 ENV = "ONEPIECE_OPERATOR_KEY"
 FLAG = "--operator-key-file"
+KEY_RE = re.compile(r"^[\x21-\x7e]{32,256}$")  # as a client's API key: one character was accepted
 
 
 def default_path() -> Path:
@@ -28,12 +30,20 @@ def default_path() -> Path:
 
 def resolve(path: str | Path | None, environ: Mapping[str, str] = os.environ, fallback: bool = False) -> str | None:
     """The key: ``path``'s (a file of mode 0600), else the environment's, else with ``fallback``
-    the default file's if it exists; None if there is none."""
+    the default file's if it exists; None if there is none. SecretFileError if it is not 32 to
+    256 visible ASCII characters (the error never holds the key)."""
     if path is None and environ.get(ENV):
-        return environ[ENV].strip()
-    if path is None and fallback and default_path().exists():
-        path = default_path()
-    return read_secret_file(path, "operator key").strip() if path is not None else None
+        key, where = environ[ENV].strip(), ENV
+    else:
+        if path is None and fallback and default_path().exists():
+            path = default_path()
+        if path is None:
+            return None
+        key, where = read_secret_file(path, "operator key").strip(), f"operator key file {path}"
+    if not KEY_RE.match(key):
+        raise SecretFileError(f"{where}: an operator key is 32 to 256 visible ASCII characters "
+                              f"(`onepiece up` makes one in {default_path()})")
+    return key
 
 
 def ensure_default() -> Path:

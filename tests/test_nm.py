@@ -2,6 +2,8 @@
 
 import logging
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -286,3 +288,24 @@ def test_a_bad_uid_in_a_holding_list_costs_only_itself(nm):
         wait_for(lambda: nm.state.instances[m.id].holding == good, what="the good uids held")
     finally:
         m.stop()
+
+
+def test_an_operator_key_shorter_than_a_client_s_api_key_is_refused_naming_where_it_came_from(tmp_path, monkeypatch):
+    from onepiece import operator_key
+    from onepiece.secret_file import SecretFileError, write_secret_file
+
+    for bad in ("x", "k" * 31, "k" * 20 + " " + "k" * 20, "k" * 257, "ключ" * 10):
+        with pytest.raises(SecretFileError, match=r"^ONEPIECE_OPERATOR_KEY: an operator key is 32 to 256 visible "
+                                                  r"ASCII characters") as e:
+            operator_key.resolve(None, {operator_key.ENV: bad})
+        assert bad not in str(e.value)
+    write_secret_file(tmp_path / "op.key", "short\n")
+    with pytest.raises(SecretFileError, match=r"operator key file .*op.key: an operator key is 32 to 256"):
+        operator_key.resolve(tmp_path / "op.key", {})
+    assert operator_key.resolve(None, {operator_key.ENV: " " + "k" * 32 + "\n"}) == "k" * 32
+    # `onepiece up` says so before it starts anything (its NM would fail in a restart loop)
+    monkeypatch.setenv(operator_key.ENV, "x")
+    out = subprocess.run([sys.executable, "-m", "onepiece", "up", "--logs", str(tmp_path / "logs")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "ONEPIECE_OPERATOR_KEY: an operator key is 32 to 256" in out.stderr, out.stderr
+    assert not (tmp_path / "logs").exists()
