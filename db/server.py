@@ -362,6 +362,11 @@ class DbServer:
     def _on_data(self, msg: Message) -> None:
         h = msg.header
         kind = h.get("kind")
+        if msg.caller not in (None, curve.NAME):
+            # Stages and the other DBs send here, never a proxy: a proxy host (the one facing the
+            # clients) taken over must not write statuses or results into users' records.
+            self._malformed(msg, ValueError(f"sent with the {msg.caller} key: a DB takes data from members only"))
+            return
         try:
             schema = DATA_SCHEMAS.get(kind) if isinstance(kind, str) else None
             if schema is None:

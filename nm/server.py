@@ -41,6 +41,7 @@ from onepiece.nm.reaper import MAX_UIDS, Reaper
 from onepiece.schema import is_name, problem as problem_of
 from onepiece.nm.state import ClusterState, Instance, fresh_version
 from onepiece.supervise import stop_on_signals
+from onepiece.transport import curve
 from onepiece.transport.rpc import RpcServer
 
 if TYPE_CHECKING:
@@ -250,7 +251,9 @@ class NodeManager:
     def _register(self, req: RegisterArgs, _: Any) -> dict:
         self._check_deployment(req.deployment)
         iid = self._instance_id(req)
-        if iid is not None and (holder := self.state.instances.get(iid)) is not None:
+        holder = self.state.instances.get(iid) if iid is not None else None
+        self._check_key(req, holder)
+        if holder is not None:
             self._claim(holder, req)
         inst = self.state.register(req.role, req.set, dict(req.addresses), req.pid, req.host, req.stage,
                                    inst_id=iid, idle=req.idle, name=req.name, serving=req.serving,
@@ -272,6 +275,19 @@ class NodeManager:
             "drain_s": self.topology.nm.elastic.drain_s,
             "routes": self.state.routes(inst.set),
         }
+
+    def _check_key(self, req: RegisterArgs, holder: Instance | None) -> None:
+        """With CURVE, a set's proxies' key registers that set's proxies only. The proxies face
+        the clients: one taken over must not join as a stage or a DB (and be handed requests or
+        results), nor take over the name of a member of another role."""
+        who = self.rpc.caller
+        if who is None or who == curve.NAME:  # no CURVE (loopback, ipc), or the members' own key
+            return
+        if req.role != "proxy" or who != curve.proxy_pair(req.set):
+            raise PermissionError(f"the {who} key registers only proxies of the set it names, not a {req.role} "
+                                  f"of set {req.set!r}")
+        if holder is not None and holder.role != "proxy":
+            raise PermissionError(f"the {who} key may not take the name of {holder.role} {holder.id}")
 
     def _claim(self, holder: Instance, req: RegisterArgs) -> None:
         """A registration under an id that ``holder`` has: refused while the holder is alive,

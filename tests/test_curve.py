@@ -397,8 +397,10 @@ def test_db_refuses_outsiders_reads_deletes_data_and_events(servers, keys, who, 
         with pytest.raises(NotReady):  # nothing a client could download
             members.content(uid)
         # The same message from a holder of the deployment's keys goes through: what stopped the
-        # outsider was CURVE.
-        sender = curve.client(zmq.Context.instance().socket(zmq.PUSH))
+        # outsider was CURVE. (A member's pair: this process proves the proxies', whose data a
+        # DB refuses.)
+        sender = zmq.Context.instance().socket(zmq.PUSH)
+        sender.curve_secretkey, sender.curve_publickey, sender.curve_serverkey = keys.secret, keys.public, keys.server
         sender.connect(db["data"])
         try:
             sender.send_multipart(encode(Message(forged)), copy=False)
@@ -539,3 +541,48 @@ def test_bench_curve_measures_both_modes_side_by_side(tmp_path):
     assert result["latency"]["plain_p50_us"] > 0 and result["latency"]["curve_p50_us"] > 0
     assert "| 64 KB |" in (out / "curve.md").read_text()
     assert curve.active() is None  # the benchmark leaves this process as it found it
+
+
+def test_a_set_s_proxies_key_registers_only_that_set_s_proxies_and_writes_no_db_data(servers, keys, proxy):
+    """The proxies face the clients: a proxy host taken over must not join the deployment as a
+    stage or a DB (and be handed users' requests or results), take a member's name, or write
+    statuses and results into users' records."""
+    db = servers["db"]
+    client = RpcClient(servers["nm"], timeout=2.0)
+    try:
+        (victim,) = [d["id"] for d in _status(client)["sets"]["set0"]["dbs"]]
+        join = {"deployment": "curvetest", "process": "p" * 16}
+        stage = {"data": "tcp://127.0.0.1:9"}
+        for role, set_name, name, addresses, extra in (
+                ("stage", "set0", "evil-stage", stage, {"stage": "denoise_t2v"}),
+                ("db", "set0", "evil-db", {**stage, "control": "tcp://127.0.0.1:9", "events": "tcp://127.0.0.1:9"}, {}),
+                ("proxy", "set1", "evil-proxy", {}, {})):
+            with pytest.raises(RpcError, match=f"the proxy-set0 key registers only proxies of the set it names, "
+                                               f"not a {role} of set '{set_name}'"):
+                client.call("register", role=role, set=set_name, name=name, addresses=addresses, **join, **extra)
+        with pytest.raises(RpcError, match=f"the proxy-set0 key may not take the name of db {victim}"):
+            client.call("register", role="proxy", set="set0", name=victim, addresses={}, **join)
+        # What it is for: registering its set's proxies.
+        reply = client.call("register", role="proxy", set="set0", name="a-proxy",
+                            addresses={"http": "http://127.0.0.1:9"}, **join)[0]
+        assert reply["instance"] == "a-proxy"
+        client.call("deregister", instance="a-proxy", token=reply["token"])
+        members_now = orjson.dumps(_status(client)["sets"]).decode()
+        assert "evil" not in members_now and "a-proxy" not in members_now
+        assert [d["id"] for d in _status(client)["sets"]["set0"]["dbs"]] == [victim]
+    finally:
+        client.close()
+    records = DbClient([db["control"]])  # the proxy's own client: it makes and reads records
+    sender = connect(db["data"])  # with the proxies' key (the fixture's)
+    try:
+        uid = new_uid()
+        records.create({"uid": uid, "app": "t2v", "set": "set0"})
+        sender.send(Message({"uid": uid, "kind": "status", "status": "in_progress", "stage": "forged", "progress": 99}),
+                    timeout=5)
+        wait_for(lambda: "sent with the proxy-set0 key: a DB takes data from members only"
+                 in (servers["logs"] / "db.log").read_text(), timeout=10, what="the DB dropping the proxy's message")
+        assert records.get(uid)["status"] == "queued" and records.get(uid).get("stage") != "forged"
+    finally:
+        sender.close()
+        records.close()
+    assert all(p.poll() is None for p in servers["procs"].values())

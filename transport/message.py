@@ -67,6 +67,9 @@ class Message:
     parts: dict[str, Part] = field(default_factory=dict)
     # Where it came from, as the receiving transport saw it (never sent): for log lines about it.
     sender: str = field(default="", compare=False, repr=False)
+    # The CURVE key it came with (``curve.caller``: a key file's stem) on a socket with CURVE;
+    # None otherwise (never sent): what a receiver admits only from members checks it.
+    caller: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def uid(self) -> str:

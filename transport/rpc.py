@@ -57,7 +57,8 @@ class RpcServer:
     An op named in ``schemas`` has its arguments (the request less ``id`` and ``op``) checked
     against its model first, and its handler gets the model instance, not the raw request. An op
     named in ``access`` is served only to the client that proved that key (``curve.caller``: the
-    name of its key file), when the process runs with CURVE."""
+    name of its key file), when the process runs with CURVE; a handler that decides by who asks
+    reads ``caller``, that name for the request it is handling (None without CURVE)."""
 
     def __init__(self, address: str, handlers: Mapping[str, Handler],
                  schemas: Mapping[str, type[BaseModel]] | None = None,
@@ -65,6 +66,7 @@ class RpcServer:
         self.handlers = handlers
         self.schemas = dict(schemas or {})
         self.access = dict(access or {})
+        self.caller: str | None = None
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
@@ -107,9 +109,10 @@ class RpcServer:
         handler = self.handlers.get(op) if isinstance(op, str) else None  # an op may be any JSON value
         blobs: Blobs = []
         refused = None
+        self.caller = who = curve.caller(frames[2])
         if handler is None:
             refused = f"unknown op {str(op)[:80]!r}"
-        elif op in self.access and (who := curve.caller(frames[2])) not in (None, self.access[op]):
+        elif op in self.access and who not in (None, self.access[op]):
             refused = f"op {op!r} is served to the {self.access[op]} key only, not to the {who} key"
         elif op in self.schemas:
             try:

@@ -85,7 +85,7 @@ class ZmqReceiver(Receiver):
             frames = self.sock.recv_multipart(copy=False)
             try:
                 msg = decode(frames)
-                msg.sender = peer_of(frames[0])
+                msg.sender, msg.caller = peer_of(frames[0]), curve.caller(frames[0])
                 return msg
             except MessageError as e:
                 reason = str(e)
