@@ -33,6 +33,7 @@ Not thread-safe: the DB server touches it from its one loop thread only.
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -465,10 +466,15 @@ class ResultStore:
     def _pixel_s(rec: dict[str, Any]) -> float | None:
         """A video's area times its length (from the ``size`` and ``seconds`` the proxy records)."""
         size, seconds = rec.get("size"), rec.get("seconds")
+        if isinstance(seconds, str):  # the proxy records the API's form, a string such as "0.5"
+            try:
+                seconds = float(seconds)
+            except ValueError:
+                return None
         if not isinstance(size, str) or not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
             return None
         w, _, h = size.partition("x")
-        if not (w.isdigit() and h.isdigit()) or seconds <= 0:
+        if not (w.isdigit() and h.isdigit()) or not 0 < seconds < math.inf:
             return None
         return int(w) * int(h) * float(seconds)
 

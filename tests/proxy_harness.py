@@ -36,9 +36,9 @@ def png(w: int = 40, h: int = 30, color: tuple[int, int, int] = (200, 10, 30)) -
 
 
 class DbThread:
-    def __init__(self, name: str = "db0") -> None:
+    def __init__(self, name: str = "db0", max_bytes: int = 1 << 26) -> None:
         self.server = DbServer("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", ttl_s=60,
-                               max_bytes=1 << 26, name=name, sweep_interval_s=0.05, deadline_grace_s=0.0,
+                               max_bytes=max_bytes, name=name, sweep_interval_s=0.05, deadline_grace_s=0.0,
                                purge_after_fetch_s=0.3)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.server.run, args=(self.stop,), daemon=True)
@@ -76,8 +76,9 @@ class DbThread:
 class Harness:
     """One DB, one entrance receiver (for both apps), one proxy."""
 
-    def __init__(self, max_inflight: int = 8, max_body_bytes: int = 1 << 20, **proxy_opts: float) -> None:
-        self.db = DbThread()
+    def __init__(self, max_inflight: int = 8, max_body_bytes: int = 1 << 20, db_max_bytes: int = 1 << 26,
+                 **proxy_opts: float) -> None:
+        self.db = DbThread(max_bytes=db_max_bytes)
         self.entrance = registry.listen("tcp://127.0.0.1:0")
         self.cluster = StaticCluster(
             WORKFLOW, "set0",

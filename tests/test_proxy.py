@@ -620,6 +620,26 @@ def test_db_errors_on_create_are_503_and_free_the_slot(h, monkeypatch, error, co
     assert h.healthz()["inflight"] == before
 
 
+def test_a_create_whose_video_would_not_fit_the_db_is_refused_at_once():
+    """The DB holds room for each running request's video, sized from its ``size`` and
+    ``seconds``, which the proxy records as the API's string ("0.5"): a create that would not
+    fit is a 503 db_full at once, not accepted, served by every stage and then failed store_full."""
+    h = Harness(max_inflight=100, db_max_bytes=200_000)
+    try:
+        first = h.create(size="64x64", num_frames=9).json()
+        assert first["seconds"] == "0.5"
+        h.db.result(uid_of(first), b"v" * 40_000)  # the DB learns: 64x64 for 0.5 s is 40 kB
+        wait_for(lambda: h.http.get(f"/v1/videos/{first['id']}").json()["status"] == "completed", what="completed")
+        assert h.http.delete(f"/v1/videos/{first['id']}").status_code == 200
+        codes = [h.create(size="64x64", num_frames=9).status_code for _ in range(5)]
+        assert codes == [200, 200, 200, 200, 503]  # 4 x 40 kB held, under 95% of 200 kB with the records
+        r = h.create(size="64x64", num_frames=9)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "db_full"
+        assert h.create(size="16x16", num_frames=9).status_code == 200  # 2.5 kB: still fits
+    finally:
+        h.close()
+
+
 # --- admission ------------------------------------------------------------------------------------
 def test_full_set_gets_429_and_capacity_returns_on_done():
     h = Harness(max_inflight=2)
