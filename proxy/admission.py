@@ -26,7 +26,7 @@ from typing import Any, Callable
 import zmq
 import zmq.asyncio
 
-from onepiece.events import DONE, MAX_EVENT_BYTES, read_event
+from onepiece.events import CANCEL, DONE, MAX_EVENT_BYTES, read_event
 from onepiece.nm.capacity import at_shape, predicted_latency
 from onepiece.sched.options import DEADLINE_ORDERED
 from onepiece.transport import curve
@@ -99,19 +99,22 @@ class InflightTracker:
 
 
 class DoneWatcher:
-    """Subscribes to every DB's events address and reports each terminal uid.
+    """Subscribes to every DB's events address and reports each terminal uid, and each uid
+    deleted before it finished (status None): a request deleted through another proxy of the
+    set must free the slot it holds here too, not keep it until its deadline.
 
     One SUB socket connects to all of them; ``update`` connects new DBs and drops gone ones,
     so the set of DBs can change at runtime. Malformed events are ignored.
     """
 
-    def __init__(self, on_done: Callable[[str, str, float | None], None]) -> None:
+    def __init__(self, on_done: Callable[[str, str | None, float | None], None]) -> None:
         self.on_done = on_done
         self.sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, 100_000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_BYTES)
         self.sock.setsockopt(zmq.SUBSCRIBE, DONE)
+        self.sock.setsockopt(zmq.SUBSCRIBE, CANCEL)
         curve.client(self.sock)
         self.connected: set[str] = set()
         self._task: asyncio.Task | None = None
@@ -146,8 +149,9 @@ class DoneWatcher:
                 await asyncio.sleep(0.1)
                 continue
             try:
-                ev = read_event(frames, DONE)
-                self.on_done(ev.uid, ev.status, ev.service_s)
+                topic = CANCEL if bytes(getattr(frames[0], "buffer", frames[0])) == CANCEL else DONE
+                ev = read_event(frames, topic)
+                self.on_done(ev.uid, ev.status if topic == DONE else None, ev.service_s)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # one event must not end the watch (ValueError: malformed)

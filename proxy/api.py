@@ -158,9 +158,9 @@ class ProxyState:
         self.metrics.inflight.set(len(self.tracker))
         return freed
 
-    def _on_done(self, uid: str, status: str, service_s: float | None) -> None:
+    def _on_done(self, uid: str, status: str | None, service_s: float | None) -> None:
         if self.release(uid, status, service_s):
-            log.debug("uid=%s terminal (%s): slot freed", uid, status)
+            log.debug("uid=%s %s: slot freed", uid, f"terminal ({status})" if status else "deleted")
 
     def follow_dbs(self) -> None:
         """Re-read the cluster's DB list: new DBs get used and their events subscribed."""

@@ -14,10 +14,12 @@ import time
 import warnings
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
 from onepiece.proxy.errors import ApiError
+from onepiece.proxy.server import ProxyServer
 from onepiece.proxy.validation import build_job
 
 
@@ -657,6 +659,26 @@ def test_full_set_gets_429_and_capacity_returns_on_done():
         wait_for(lambda: h.create(prompt="d").status_code == 200, what="slot freed by a failure")
         assert 'onepiece_proxy_rejected_total{reason="inflight_full"}' in h.http.get("/metrics").text
     finally:
+        h.close()
+
+
+def test_a_delete_through_another_proxy_frees_the_slot_on_the_proxy_that_admitted_it():
+    """A set's proxies share its DBs, and a client (or a load balancer) may delete through any
+    of them: the DB's cancel event frees the slot on the proxy that admitted the request, so an
+    idle set does not refuse every create there until the deleted requests' deadlines."""
+    h = Harness(max_inflight=2)
+    other = ProxyServer(h.cluster, max_inflight=2, refresh_s=0.05)
+    other.start()
+    try:
+        a, b = h.create(prompt="a").json(), h.create(prompt="b").json()
+        assert h.create(prompt="c").status_code == 429
+        with httpx.Client(base_url=other.url, timeout=10.0) as http:
+            for v in (a, b):
+                assert http.delete(f"/v1/videos/{v['id']}").status_code == 200
+        wait_for(lambda: h.healthz()["inflight"] == 0, what="the slots freed by the cancel events")
+        assert h.create(prompt="c").status_code == 200
+    finally:
+        other.stop()
         h.close()
 
 
