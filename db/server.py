@@ -65,7 +65,9 @@ Peers are filled: a change reaches only the DBs listed when it is made, so a DB 
 or comes back from a restart empty, would otherwise hold only what changes after. When a DB
 learns of a peer it did not list (``set_peers``), it sends that peer every live record that
 placement gives it, with its content, as ``replica`` messages (the merge rules keep whatever
-the peer holds that is newer); when its list changes otherwise (a DB left), each peer gets the
+the peer holds that is newer), and first a ``purge`` for each of those UIDs it dropped within a
+TTL (its tombstones, which stop late copies and an idempotent create from bringing them back);
+when its list changes otherwise (a DB left), each peer gets the
 records whose holders moved to it. A restarted DB at the same addresses may never leave its
 peers' lists (the NM replaces it at once), so a DB greets every peer it has not greeted yet
 (``hello``) and a greeted DB fills the greeter. A fill is walked a bounded slice per loop turn
@@ -687,7 +689,10 @@ class DbServer:
             self._retire(old)
         with self._fill_lock:
             hello = since is None and peer["control"] not in self._greeted
-        fill = _Fill(dict(peer), peers, since, self.store.uids(), pos=-1 if hello else 0)
+        # Tombstones first: a DB back empty from a restart would otherwise create again a UID its
+        # peers dropped (an Idempotency-Key retry of a downloaded video made it a second time,
+        # on that copy alone, since its peers' tombstones refuse its replicas).
+        fill = _Fill(dict(peer), peers, since, self.store.gone_uids() + self.store.uids(), pos=-1 if hello else 0)
         self._fills[peer["control"]] = fill
         log.info("db %s: filling peer %s with %s of %d records%s", self.name, peer["data"],
                  "its share" if since is None else "what moved to it", len(fill.uids),
@@ -742,13 +747,16 @@ class DbServer:
             fill.pos = pos + 1
 
     def _fill_message(self, fill: _Fill, uid: str, now: float) -> Message | None:
-        """The replica of ``uid`` as it stands now, if it is live and newly the peer's to hold."""
+        """The replica of ``uid`` as it stands now, if it is live and newly the peer's to hold;
+        its purge if it was dropped here."""
         control = fill.peer["control"]
         if control not in self._holds(uid, fill.peers):
             return None
         if fill.since is not None and control in self._holds(uid, fill.since):
             return None  # its share before: replicated to it then (or owed)
         rec = self.store.get(uid)
+        if rec is None and self.store.gone(uid):
+            return Message({"uid": uid, "kind": "purge"})
         if rec is None or not rec["expires_at"] > now:
             return None  # gone, or expired and not swept yet
         content = self.store.content(uid)
@@ -888,7 +896,8 @@ class DbServer:
         with self._fill_lock:
             if item.gen != fill.gen or fill.failed_at is not None:
                 return  # retired, or failed before it: the loop sends again from the failure
-        ok = send(fill.peer["data"], item.msg, "filled" if item.pos >= 0 else None)
+        record = item.pos >= 0 and item.msg.kind == "replica"  # not the hello or a tombstone
+        ok = send(fill.peer["data"], item.msg, "filled" if record else None)
         with self._fill_lock:
             if item.gen != fill.gen:
                 return
@@ -896,9 +905,9 @@ class DbServer:
                 fill.failed_at = item.pos
                 return
             fill.acked += 1
-            if item.pos >= 0:
+            if record:
                 fill.sent += 1
-            else:
+            elif item.pos < 0:
                 self._greeted.pop(fill.peer["control"], None)
                 self._greeted[fill.peer["control"]] = None
                 while len(self._greeted) > GREETED_MAX:

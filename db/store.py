@@ -152,6 +152,11 @@ class ResultStore:
         """The held uids, copied: a peer's fill walks them over many loop turns."""
         return list(self._records)
 
+    def gone_uids(self) -> list[str]:
+        """The uids dropped here within a TTL (their tombstones), copied: a peer's fill walks them
+        too, so that a DB back empty from a restart does not take them again."""
+        return list(self._tombstones)
+
     def gone(self, uid: str) -> bool:
         """Whether ``uid`` was held here and dropped (fetched, deleted, expired) within a TTL."""
         return uid in self._tombstones

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import pytest
 
 from onepiece.db import server as db_server
-from onepiece.db.client import DbClient
+from onepiece.db.client import DbClient, DbGone
 from onepiece.db.placement import order_dbs
 from onepiece.db.server import DbServer
 from onepiece.transport.message import new_uid
@@ -133,6 +133,37 @@ def test_a_db_restarted_at_the_same_addresses_is_filled_from_its_peer(dbs, ipc_d
     with DbClient([a.server.control_address, b2.server.control_address], timeout=0.3) as client:
         for uid, content in list(videos.items())[:5]:
             assert client.content(uid)[1] == content
+
+
+def test_a_db_restarted_empty_is_told_what_its_peer_dropped(dbs, ipc_dir) -> None:
+    """The defect: a DB back empty from a restart had lost its tombstones, so an
+    Idempotency-Key retry of a video already downloaded created it again there (the proxy
+    answers 409 gone while a DB remembers it), on that copy alone, as its peer's tombstone
+    refused the copies. Now the fill carries the peer's tombstones too."""
+    a = Db(ipc(ipc_dir, "a"), "tomb-a")
+    b = Db(ipc(ipc_dir, "b"), "tomb-b")
+    dbs += [a, b]
+    for d in (a, b):
+        d.server.set_peers([a.entry, b.entry])
+    uid, kept = new_uid(), new_uid()
+    content = result(a, uid)
+    kept_content = result(a, kept)
+    wait_for(lambda: holds(b, uid, content) and holds(b, kept, kept_content), what="both results on b")
+    with DbClient([a.server.control_address], timeout=1.0) as c:
+        assert c.content(uid)[1] == content  # downloaded: purged at once here, and on b
+    wait_for(lambda: b.server.store.gone(uid), what="b's tombstone")
+
+    b.shutdown()
+    b2 = Db(ipc(ipc_dir, "b"), "tomb-b2")  # the launcher's restart: same addresses, empty
+    dbs.append(b2)
+    assert not b2.server.store.gone(uid)
+    b2.server.set_peers([a.entry, b2.entry])
+    a.server.set_peers([a.entry, b2.entry])
+    wait_for(lambda: holds(b2, kept, kept_content) and not a.server._fills, what="a's fill of b2 done")
+    assert b2.server.store.gone(uid) and b2.server.store.get(uid) is None
+    record = {"uid": uid, "status": "queued", "created_at": 1.0, "request_hash": "h"}
+    with DbClient([b2.server.control_address], timeout=1.0) as c, pytest.raises(DbGone):
+        c.create_once(record)  # an idempotent retry is told it is gone, not made again
 
 
 def test_a_new_db_gets_its_share_and_records_move_off_the_one_that_left(dbs) -> None:
