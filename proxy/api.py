@@ -91,6 +91,10 @@ class ProxyState:
         self.metrics.max_inflight.set(opts.max_inflight)
         self.tracker = InflightTracker(opts.max_inflight)
         self.cursors = Cursors()
+        # Idempotent creates this proxy is storing or handing over now: until the hand-over is
+        # done their record may still be forgotten (a failed hand-over), so a retry here must not
+        # be answered with it.
+        self.handing: set[str] = set()
         self.admission = opts.admission()
         self.metrics.watch(self.monitor_snapshot)
         self.dbs = DbAccess(timeout=opts.db_timeout)
@@ -268,7 +272,9 @@ class ProxyState:
                 given_back = True
                 adm.give_back(job.app, shape_key(params))
 
-        if idem is not None and uid in self.tracker:  # its first create is being stored or handed over here
+        if idem is not None and uid in self.handing:  # its first create is being stored or handed over here
+            raise _in_use(1)
+        if idem is not None and uid in self.tracker:  # handed over here, not finished yet
             return await replay_or(_in_use(1))
         self.follow_dbs()  # cheap (set compares): a DB that just joined is used at once
         if not self.cluster.entrances(job.app):
@@ -291,6 +297,8 @@ class ProxyState:
         target = ts + int(job.target_s * 1e9)  # what the stages order it by
         self.metrics.inflight.set(len(self.tracker))
         resend = False  # a retry handing over what a dead proxy stored (proxy/idempotency.py)
+        if idem is not None:
+            self.handing.add(uid)
         try:
             image = None
             if job.image_bytes is not None:
@@ -355,6 +363,8 @@ class ProxyState:
             give_back()
             self.release(uid)
             raise
+        finally:
+            self.handing.discard(uid)
         self.cluster.delivered(addr, uid)
         if idem is not None:  # before the answer: a retry then knows it was handed over
             try:

@@ -219,3 +219,34 @@ def test_a_record_its_proxy_stored_and_never_handed_over_is_handed_over_by_a_ret
     again = post(h.http, "order-32")  # now marked handed over: replayed, not sent again
     assert again.status_code == 200 and again.json()["id"] == f"video_{uid}"
     assert entrance_uids(h) == []
+
+
+def test_a_retry_while_the_first_is_being_handed_over_here_is_asked_to_come_back():
+    """The defect: a retry on the proxy still handing the first create over (to an entrance that
+    never took it) was answered with that video, which the failed hand-over then forgot: the
+    client held the id of a video that never existed (404 for ever). Now the retry gets 409
+    ``idempotency_key_in_use`` until the hand-over is done, and then a video that exists."""
+    harness = H.Harness(max_inflight=10, keys=ApiKeys([ALICE]), send_timeout=2.0, send_total_timeout=2.0)
+    live = harness.cluster.entrance_map["t2v"]
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    harness.cluster.entrance_map["t2v"] = [f"tcp://127.0.0.1:{dead.getsockname()[1]}"]
+    dead.close()
+    first: list[httpx.Response] = []
+    try:
+        with httpx.Client(base_url=harness.url, timeout=10.0) as http:
+            t = threading.Thread(target=lambda: first.append(post(http, "order-50")))
+            t.start()
+            H.wait_for(lambda: len(harness.db.server.store), what="the first create stored, being handed over")
+            r = post(harness.http, "order-50")
+            t.join(10)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "idempotency_key_in_use", r.text
+        assert r.headers["retry-after"] == "1"
+        assert first[0].status_code == 503 and first[0].json()["error"]["code"] == "entrance_unavailable"
+        harness.cluster.entrance_map["t2v"] = live
+        r = post(harness.http, "order-50")
+        assert r.status_code == 200 and "idempotent-replayed" not in r.headers
+        got = harness.http.get(f"/v1/videos/{r.json()['id']}", headers={"Authorization": f"Bearer {ALICE}"})
+        assert got.status_code == 200 and got.json()["status"] == "queued"
+    finally:
+        harness.close()
