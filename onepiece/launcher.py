@@ -30,6 +30,7 @@ from onepiece.curve_policy import AuthPolicyError, curve_on
 from onepiece.logrotate import rotate
 from onepiece.nm.client import NmClient
 from onepiece.nm.zk_auth import child_env
+from onepiece.proxy import keys as api_keys
 from onepiece.ports import free_port
 from onepiece.supervise import Backoff, child_preexec
 from onepiece.transport import curve
@@ -65,6 +66,16 @@ class Child:
 
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "onepiece", *args]
+
+
+# Each secret the environment may hold, to the one role that reads it: a stage, a DB and their
+# model workers read neither (every child inherited both), and no server reads a client's key.
+SECRET_FOR = {operator_key.ENV: "nm", api_keys.ENV: "proxy", api_keys.CLIENT_ENV: ""}
+
+
+def for_role(env: dict[str, str], role: str) -> dict[str, str]:
+    """``env`` without the secrets that ``role`` (nm, proxy, db, stage) does not read."""
+    return {k: v for k, v in env.items() if SECRET_FOR.get(k, role) == role}
 
 
 # Stopped in this order, each wave with its own grace: the proxies (no new work), the stages
@@ -152,9 +163,10 @@ class Deployment:
         for i, address in enumerate(self.nm_addresses):
             name = "nm" if self.nm_count == 1 else f"nm{i}"
             out.append(Child(name, _cli("nm", "--topology", str(self.topology_path), "--address", address, *common,
-                                        *self._operator_args()), self.log_dir / f"{name}.log", env))
+                                        *self._operator_args()), self.log_dir / f"{name}.log", for_role(env, "nm")))
         for s in self.topo.sets:
-            out += [Child(c.name, c.argv + common, c.log_path, env) for c in self._set_children(s, self.nm_address)]
+            out += [Child(c.name, c.argv + common, c.log_path, for_role(env, c.argv[3]))
+                    for c in self._set_children(s, self.nm_address)]
         return out
 
     @staticmethod

@@ -309,3 +309,26 @@ def test_a_proxy_process_takes_its_keys_from_a_file_or_the_environment(tmp_path)
 
 
 # `onepiece up` with a key file and a proxy on 0.0.0.0 is tested with CURVE on, in tests/test_curve.py.
+
+
+def test_onepiece_up_hands_each_secret_of_its_environment_only_to_the_role_that_reads_it(tmp_path, monkeypatch):
+    from onepiece.launcher import Deployment, free_tcp_address, write_topology
+    from onepiece.operator_key import ENV as OPERATOR_ENV
+
+    operator = "o" * 40
+    monkeypatch.setenv(ENV, ALICE)
+    monkeypatch.setenv(OPERATOR_ENV, operator)
+    monkeypatch.setenv("ONEPIECE_API_KEY", ALICE)  # a client's, in the shell that runs `up`
+    models = {"t2v": tmp_path / "t2v", "i2v": tmp_path / "i2v"}
+    dep = Deployment(write_topology(tmp_path, models, free_tcp_address()), tmp_path / "logs")
+    try:
+        roles = {c.name: c.argv[3] for c in dep.plan()}
+        assert sorted(set(roles.values())) == ["db", "nm", "proxy", "stage"]
+        for child in dep.plan():
+            env = child.env
+            assert env is not None and env.get("PATH") == os.environ["PATH"]  # the rest is kept
+            assert (env.get(ENV) == ALICE) == (roles[child.name] == "proxy"), child.name
+            assert (env.get(OPERATOR_ENV) == operator) == (roles[child.name] == "nm"), child.name
+            assert "ONEPIECE_API_KEY" not in env, child.name
+    finally:
+        dep.stop()
