@@ -122,6 +122,17 @@ def test_unusable_key_folders_are_refused_by_name(tmp_path):
         curve.load(fine)
     os.chmod(fine, 0o755)
     assert curve.load(fine).folder == fine
+    if os.geteuid() == 0:  # (only root can give a file away) another user's key file, or folder
+        extra = fine / "proxy-set9.key"
+        os.replace(curve.make(tmp_path / "more", ["set9"]) / "proxy-set9.key", extra)
+        os.chown(extra, 12345, -1)
+        with pytest.raises(curve.CurveKeysError, match=r"owned by another user, who may admit their own keys: "
+                                                       r".*proxy-set9.key \(uid 12345\)"):
+            curve.load(fine)
+        extra.unlink()
+        os.chown(fine, 12345, -1)
+        with pytest.raises(curve.CurveKeysError, match=r"owned by another user.*fine \(uid 12345\)"):
+            curve.load(fine)
     with pytest.raises(curve.CurveKeysError, match=r"set names \['a/b'\]"):
         curve.make(tmp_path / "sets", ["a/b"])
     assert not (tmp_path / "sets").exists()  # refused before anything was written

@@ -115,10 +115,16 @@ def load(folder: str | Path, pair: str = NAME) -> CurveKeys:
         raise CurveKeysError(f"{e} (make the pairs with: onepiece keys curve {folder})") from None
     # The *.key files say who is admitted (as a member, or as a proxy that reads users' records):
     # one anybody may write to, or add to the folder of, admits anybody.
-    open_to = [p for p in (folder, *sorted(folder.glob("*.key"))) if p.stat().st_mode & 0o022]
+    admitting = (folder, *sorted(folder.glob("*.key")))
+    open_to = [p for p in admitting if p.stat().st_mode & 0o022]
     if open_to:
         raise CurveKeysError(f"CURVE keys folder {folder}: other users may write {', '.join(map(str, open_to))}, "
                              f"and so admit their own keys; run: chmod go-w {' '.join(map(str, open_to))}")
+    # ... and so may their owner: another user's folder or key file is refused, as a secret file is.
+    theirs = [f"{p} (uid {p.stat().st_uid})" for p in admitting if p.stat().st_uid != os.geteuid()]
+    if theirs:
+        raise CurveKeysError(f"CURVE keys folder {folder}: owned by another user, who may admit their own keys: "
+                             f"{', '.join(theirs)}")
     try:
         public, secret = zmq.auth.load_certificate(secret_path)
         server, _ = zmq.auth.load_certificate(folder / PUBLIC)
