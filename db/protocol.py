@@ -24,6 +24,7 @@ A record is a JSON object; ``merge`` makes replicas converge whatever order upda
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
@@ -236,6 +237,16 @@ def check_record(record: Any) -> str | None:
     return problem(RecordSchema, record)
 
 
+# What a failure sets, all of it from one of two failures (a local ``fail`` sets each of them).
+FAILURE_FIELDS = ("stage", "error", "updated_at", "expires_at", "completed_at")
+
+
+def _failure(rec: dict[str, Any]) -> tuple[float, str, str]:
+    """What orders two failures of one request: when (a DB's clock), then the reason, then the stage."""
+    at = rec.get("completed_at")
+    return (at if isinstance(at, (int, float)) else math.inf, str(rec.get("error") or ""), str(rec.get("stage") or ""))
+
+
 def _progress(rec: dict[str, Any]) -> int:
     p = rec.get("progress")
     return p if isinstance(p, int) else 0
@@ -249,23 +260,31 @@ def merge(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
        status but lower (progress, stage) is stale and ignored;
     2. ``completed`` beats ``failed``: if one replica's deadline sweep failed a request while
        another received its artefact, the artefact exists, so both end completed;
-    3. identity fields fill gaps even from a stale update, and progress is the highest seen.
-    Two different failure texts for one request keep whichever arrived first.
+    3. identity fields fill gaps even from a stale update, and progress is the highest seen;
+    4. of two failures, the earlier one (then the smaller text) holds, with its status fields:
+       keeping whichever arrived first left a DB's own deadline verdict on one copy and the
+       stage's reason on the other.
     """
     if new.get("status") not in _RANK:
         raise ValueError(f"unknown status {new.get('status')!r}")
     if old is None:
         return dict(new)
+    both_failed = old["status"] == FAILED and new["status"] == FAILED
     if old["status"] == FAILED and new["status"] == COMPLETED:
         out = {**old, **{k: v for k, v in new.items() if v is not None}, "error": None}
+    elif both_failed and _failure(new) < _failure(old):
+        out = {**old, **{k: v for k, v in new.items() if v is not None}, **{k: new.get(k) for k in FAILURE_FIELDS}}
     elif (old["status"] in TERMINAL or _RANK[new["status"]] < _RANK[old["status"]]
           or (new["status"] == old["status"]
               and (_progress(new), new.get("stage") or "") < (_progress(old), old.get("stage") or ""))):
         out = dict(old)
     else:
         out = {**old, **{k: v for k, v in new.items() if v is not None}}
+    # (Of two failures, the rest of the loser fills gaps too, as the winner's rest overrides:
+    # the same whichever came first.)
+    kept = FAILURE_FIELDS if both_failed else STATUS_FIELDS
     for k, v in new.items():
-        if k not in STATUS_FIELDS and v is not None and out.get(k) is None:
+        if k not in kept and v is not None and out.get(k) is None:
             out[k] = v
     out["progress"] = max(_progress(old), _progress(new), _progress(out))
     return out

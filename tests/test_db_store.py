@@ -311,8 +311,8 @@ def updates(draw: st.DrawFn) -> list[tuple]:
     # A result and a failure may both arrive (a replica's deadline verdict racing the result).
     for _ in range(draw(st.integers(0, 2))):
         ups.append(("result", b"video", [{"stage": "vae", "event": "leave", "t": 7}]))
-    for _ in range(draw(st.integers(0, 2))):
-        ups.append(("failed", "dit", "boom"))
+    for _ in range(draw(st.integers(0, 2))):  # a stage's reason, or a DB's own deadline verdict
+        ups.append(("failed", *draw(st.sampled_from([("dit", "boom"), ("", "deadline exceeded; last reported at dit")]))))
     if not ups:
         ups.append(("status", "in_progress", "dit", 5))
     return ups
