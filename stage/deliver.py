@@ -53,7 +53,8 @@ class ResultDeliver:
     def __init__(self, stage: str, workflow: Workflow, mailbox: "queue.Queue", routes: Callable[[], dict],
                  send_timeout: float = 5.0, on_sent: Callable[[str, str], None] = lambda address, uid: None,
                  holding: tuple[Callable[[str], None], Callable[[str], None]] | None = None,
-                 dropped: Callable[[str], bool] = lambda uid: False, settle: Callable[[], Any] = lambda: None) -> None:
+                 dropped: Callable[[str], bool] = lambda uid: False, settle: Callable[[], Any] = lambda: None,
+                 cancelled: Callable[[str], bool] = lambda uid: False) -> None:
         self.stage, self.workflow, self.mailbox, self.send_timeout = stage, workflow, mailbox, send_timeout
         self._routes = routes  # the NM's latest route table for this set
         # (address, uid) of each request handed to a stage instance: the heartbeat reports them,
@@ -67,6 +68,10 @@ class ResultDeliver:
         # instance dead, is handed on no more; ``settle()``, before anything leaves, waits
         # (bounded) after this process stood still until it knows whether it was declared dead.
         self._dropped, self._settle = dropped, settle
+        # ``cancelled(uid)``: deleted by its client (the scheduler heard the DBs' cancel event).
+        # The scheduler forgets it where it holds it; one that already left it and waits here
+        # for a route is dropped here (it was held, and handed on once a route came back).
+        self._cancelled = cancelled
         self.senders: dict[str, Sender] = {}
         self._rr: dict[str, itertools.count] = {}
         self._pruned_at: int | None = None
@@ -206,7 +211,10 @@ class ResultDeliver:
         stages = self._routes()["stages"]
         for _ in range(len(self._parked)):
             p = self._parked.popleft()
-            if set(stages.get(p.stage) or ()) - p.tried:
+            if self._cancelled(p.msg.uid):
+                self._release(p.msg.uid)
+                log.info("uid=%s cancelled while it waited for an instance of stage %s: dropped", p.msg.uid, p.stage)
+            elif set(stages.get(p.stage) or ()) - p.tried:
                 self._release(p.msg.uid)
                 self._to_stage(p.msg, p.stage)
             elif now >= p.until:

@@ -41,7 +41,8 @@ class StageRuntime:
                                           fixed=workflow.cost_fixed(stage, base_dir))
         self.deliver = ResultDeliver(stage, workflow, self.mailbox, routes=routes, on_sent=holdings.deliveries.add,
                                      holding=(holdings.add, holdings.discard),
-                                     dropped=holdings.fenced, settle=settle)  # fencing: nm/fencing.py
+                                     dropped=holdings.fenced, settle=settle,  # fencing: nm/fencing.py
+                                     cancelled=self.scheduler.is_cancelled)
         self.tm = TaskManager(instance, stage, workflow, base_dir, self.scheduler)
         self._on_fatal = on_fatal
         self._stop = threading.Event()  # scheduler and TaskManager

@@ -448,6 +448,10 @@ class RequestScheduler:
                 continue
             self.cancel(uid)
 
+    def is_cancelled(self, uid: str) -> bool:
+        """Whether ``uid`` was cancelled (read by the deliverer's thread: one dict lookup)."""
+        return uid in self.cancelled
+
     def cancel(self, uid: str) -> None:
         """Forget ``uid`` here and drop it if it arrives later."""
         if uid in self.cancelled:

@@ -14,6 +14,7 @@ import pytest
 from onepiece.nm.holdings import Holdings
 from onepiece.stage import deliver as deliver_mod
 from onepiece.stage.deliver import ResultDeliver
+from onepiece.stage.scheduler import RequestScheduler
 from onepiece.transport import registry
 from onepiece.transport.message import Message, new_uid
 from onepiece.transport.rpc import RpcClient, RpcError
@@ -91,6 +92,49 @@ def test_a_request_that_finds_no_next_stage_in_time_fails_with_the_reason(runnin
     rec = wait_for(lambda: (r := record(left)) and r["status"] == "failed" and r, 5, "it failed")
     assert "shut down while the request waited for an instance of stage denoise_t2v" in rec["error"], rec
     assert d.waiting == 0 and holdings.snapshot() == []
+
+
+def test_a_request_cancelled_while_it_waits_for_a_route_is_dropped_there(tmp_path):
+    """A DELETE of a request that already left the stage's scheduler and waits in its deliverer
+    for an instance of its next stage: it is held no more and never handed on (before, it stayed
+    held in the heartbeat, and was sent on once the next stage came back, or failed after 30 s).
+    The deliverer asks the scheduler, which heard the DBs' cancel event, as a stage wires them."""
+    db = DbThread()
+    routes = {"version": 1, "stages": {}, "dbs": [db.addresses]}
+    holdings, mailbox, stop = Holdings(), queue.Queue(), threading.Event()
+    inbox = registry.listen("tcp://127.0.0.1:0")
+    sched = RequestScheduler("text_encode", inbox, f"ipc://{tmp_path}/workers.sock", WORKFLOW, mailbox)
+    d = ResultDeliver("text_encode", WORKFLOW, mailbox, routes=lambda: routes,
+                      holding=(holdings.add, holdings.discard), cancelled=sched.is_cancelled)
+    thread = threading.Thread(target=d.run, args=(stop,), daemon=True)
+    thread.start()
+    receiver = registry.listen("tcp://127.0.0.1:0")
+    rpc = RpcClient(db.server.control_address, timeout=1.0, retries=0)
+    try:
+        uids = [new_uid(), new_uid()]
+        for uid in uids:
+            rpc.call("create", record={"uid": uid, "created_at": time.time()})
+            mailbox.put(("result", Message({"uid": uid, "app": "t2v", "stage": "text_encode",
+                                            "deadline": time.time_ns() + int(60e9)}, {})))
+        wait_for(lambda: d.waiting == 2, 5, "both waiting for a route")
+        cancelled, kept = uids
+        sched.cancel(cancelled)  # the DBs' cancel event, as the scheduler's loop hands it on
+        wait_for(lambda: d.waiting == 1, 5, "the cancelled one dropped")
+        assert holdings.snapshot() == [kept]
+        routes["stages"]["denoise_t2v"], routes["version"] = [receiver.address], 2  # the next stage is back
+        assert wait_for(lambda: receiver.recv(0.1), 5, "the other at the next stage").uid == kept
+        assert receiver.recv(0) is None and d.waiting == 0 and holdings.snapshot() == []
+        assert rpc.call("get", uid=cancelled)[0]["record"]["status"] != "failed"  # dropped, not failed
+    finally:
+        stop.set()
+        d.wake()
+        thread.join(10)
+        d.close()
+        sched.close(None)
+        receiver.close()
+        inbox.close()
+        rpc.close()
+        db.close()
 
 
 def test_the_requests_waiting_for_a_route_are_bounded(running, monkeypatch):
