@@ -54,7 +54,7 @@ class ResultDeliver:
                  send_timeout: float = 5.0, on_sent: Callable[[str, str], None] = lambda address, uid: None,
                  holding: tuple[Callable[[str], None], Callable[[str], None]] | None = None,
                  dropped: Callable[[str], bool] = lambda uid: False, settle: Callable[[], Any] = lambda: None,
-                 cancelled: Callable[[str], bool] = lambda uid: False) -> None:
+                 cancelled: Callable[[dict[str, Any]], bool] = lambda header: False) -> None:
         self.stage, self.workflow, self.mailbox, self.send_timeout = stage, workflow, mailbox, send_timeout
         self._routes = routes  # the NM's latest route table for this set
         # (address, uid) of each request handed to a stage instance: the heartbeat reports them,
@@ -68,7 +68,7 @@ class ResultDeliver:
         # instance dead, is handed on no more; ``settle()``, before anything leaves, waits
         # (bounded) after this process stood still until it knows whether it was declared dead.
         self._dropped, self._settle = dropped, settle
-        # ``cancelled(uid)``: deleted by its client (the scheduler heard the DBs' cancel event).
+        # ``cancelled(header)``: deleted by its client (the scheduler heard the DBs' cancel event).
         # The scheduler forgets it where it holds it; one that already left it and waits here
         # for a route is dropped here (it was held, and handed on once a route came back).
         self._cancelled = cancelled
@@ -211,7 +211,7 @@ class ResultDeliver:
         stages = self._routes()["stages"]
         for _ in range(len(self._parked)):
             p = self._parked.popleft()
-            if self._cancelled(p.msg.uid):
+            if self._cancelled(p.msg.header):
                 self._release(p.msg.uid)
                 log.info("uid=%s cancelled while it waited for an instance of stage %s: dropped", p.msg.uid, p.stage)
             elif set(stages.get(p.stage) or ()) - p.tried:

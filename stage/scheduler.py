@@ -92,7 +92,9 @@ class RequestScheduler:
         self.born: dict[bytes, float] = {}
         # worker -> (sent at, decision time, uids, last deadline, hung grace) of its chunk in flight
         self.running: dict[bytes, tuple[float, float, tuple[str, ...], float | None, float]] = {}
-        self.cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # uid -> when its latest cancel was heard (ns since epoch): a request of that uid stamped
+        # later by a proxy (an Idempotency-Key reused once the DBs forgot the deleted video) is new.
+        self.cancelled: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.cancelled_on_arrival = 0
         # ("died", identity, reason, t): worker_died(); ("fenced", uids, reason, t): fence()
         self.control: queue.Queue = queue.Queue(maxsize=256)
@@ -205,7 +207,7 @@ class RequestScheduler:
                 log_dropped(log, receiver, str(e), "dropped a message from %s without a usable uid: %s",
                             msg.sender or "?", why)
             return
-        if h.uid in self.cancelled:
+        if self.is_cancelled(msg.header):
             self.cancelled_on_arrival += 1
             log.info("uid=%s dropped on arrival: cancelled", h.uid)
             self._emit(("gone", h.uid))
@@ -448,15 +450,17 @@ class RequestScheduler:
                 continue
             self.cancel(uid)
 
-    def is_cancelled(self, uid: str) -> bool:
-        """Whether ``uid`` was cancelled (read by the deliverer's thread: one dict lookup)."""
-        return uid in self.cancelled
+    def is_cancelled(self, header: dict[str, Any]) -> bool:
+        """Whether the request of this message header was cancelled: a cancel of its uid was heard
+        after its proxy stamped it (``ts``). Read by the deliverer's thread too (dict lookups)."""
+        heard = self.cancelled.get(header.get("uid"))  # type: ignore[arg-type]
+        ts = header.get("ts")
+        return heard is not None and (not isinstance(ts, int) or ts <= heard)
 
     def cancel(self, uid: str) -> None:
-        """Forget ``uid`` here and drop it if it arrives later."""
-        if uid in self.cancelled:
-            return
-        self.cancelled[uid] = None
+        """Forget ``uid`` here and drop it if it arrives later (a copy created before now)."""
+        self.cancelled[uid] = now_ns()
+        self.cancelled.move_to_end(uid)
         while len(self.cancelled) > MAX_CANCELLED:
             self.cancelled.popitem(last=False)
         known = uid in self.core.requests or uid in self.msgs
