@@ -6,7 +6,7 @@
 - control address (``transport.rpc.RpcServer``): the ops below;
 - events address (ZMQ PUB): ``[b"done", {"uid", "status", "service_s"?}]`` on every terminal
   transition (``service_s``: the stages' workers' seconds by the trace, where it pairs any), and
-  ``[b"cancel", {"uid"}]`` when a request that is not finished is deleted (stages drop it).
+  ``[b"cancel", {"uid"}]`` when a request that is not completed is deleted (stages drop it).
 
 RPC ops (request fields -> reply fields; errors come back as ``{"ok": false, "error": ...}``):
 
@@ -92,7 +92,7 @@ import zmq
 from prometheus_client import Counter, Gauge
 
 from onepiece.db.placement import order_dbs
-from onepiece.db.protocol import (CONTENT, DATA_SCHEMAS, PROXY_OPS, RPC_SCHEMAS, TERMINAL, CreateArgs, DeleteArgs,
+from onepiece.db.protocol import (COMPLETED, CONTENT, DATA_SCHEMAS, PROXY_OPS, RPC_SCHEMAS, CreateArgs, DeleteArgs,
                                   FailedReport, HelloMessage, ListArgs, PurgeMessage, ReplicaMessage, ResultReport,
                                   RunningArgs, StatusReport, UidArgs)
 from onepiece.db.store import DEADLINE_GRACE_S, Change, Gone, InvalidUpdate, NotFound, ResultStore, StoreFull
@@ -553,8 +553,9 @@ class DbServer:
             if uid in self.store:
                 raise NotFound(f"not found: {uid}")  # another owner's: nothing to say about it
             return {"deleted": False}  # a DB that holds it checks the owner and tells its peers
-        if rec is not None and rec.get("status") not in TERMINAL and not forget:
-            # Still being generated: stages subscribe to this and drop it where it is.
+        if rec is not None and rec.get("status") != COMPLETED and not forget:
+            # May still be generated: stages subscribe to this and drop it where it is. A failed
+            # one too: failed at its deadline here, a stage with drop_expired: false still runs it.
             self._event(CANCEL, uid, "")
         existed = self.store.purge(uid, tombstone=not forget)
         WRITES.labels(self.name, "delete").inc()

@@ -2,7 +2,7 @@
 
 An event is two frames, ``[topic, body]``: topic ``done`` when a request ends (``status``
 ``completed`` or ``failed``; the proxy's in-flight count and the request monitor follow it),
-``cancel`` when a request that is not finished is deleted (``status`` empty; stages drop it, and
+``cancel`` when a request that is not completed is deleted (``status`` empty; stages drop it, and
 every proxy frees the slot it held for it).
 A completed request's ``done`` also says how long the stages' workers spent on it
 (``service_s``, from its trace): the request monitor times the path between the stages by it.
