@@ -44,7 +44,8 @@ def _scheduling(s: dict[str, Any]) -> str:
     step = s.get("step_time") or {}
     n = sum(step.get("counts") or [])
     ms = f"{step.get('sum', 0) / n * 1000:.1f} ms" if n else "not measured yet"
-    return (f"\n{'':17s}{s['policy']} (batch <= {s.get('max_batch', 1)}): resident {s.get('resident', 0)},"
+    held = f" ({s['resident_bytes'] / 2**20:.1f} MiB)" if s.get("resident_bytes") else ""
+    return (f"\n{'':17s}{s['policy']} (batch <= {s.get('max_batch', 1)}): resident {s.get('resident', 0)}{held},"
             f" mean batch {batch}, step {ms}, chunk overhead {s.get('overhead_ms', 0):.1f} ms;"
             f" preempted {s.get('preempted', 0)} cancelled {s.get('cancelled', 0)} expired {s.get('expired', 0)}"
             f" aged {s.get('aged', 0)}"

@@ -85,6 +85,10 @@ class StageMetrics:
                               labels=["stage"])
         g.add_metric(labels, s.resident)
         yield g
+        g = GaugeMetricFamily("onepiece_stage_resident_bytes", "what the request states held by workers take "
+                              "(bounded per worker by schedule.resident_bytes)", labels=["stage"])
+        g.add_metric(labels, s.resident_bytes)
+        yield g
         c = CounterMetricFamily("onepiece_stage_scheduling_events", "step scheduling: requests preempted (passed over "
                                 "at a chunk boundary), cancelled, expired (deadline passed), aged (served first), "
                                 "late (left past the deadline they could have made here)", labels=["stage", "event"])

@@ -504,6 +504,7 @@ class RequestScheduler:
         now = time.monotonic()
         s.queue, s.ready, s.busy = self.core.waiting(), len(self.known), len(self.running)
         s.resident = len(self.core.requests) - s.queue
+        s.resident_bytes = sum(r.nbytes for r in self.core.requests.values() if r.worker is not None)
         c = self.core.stats
         s.preempted, s.expired, s.aged, s.left, s.late = c.preempted, c.expired, c.aged, c.left, c.late
         s.cancelled = c.cancelled + self.cancelled_on_arrival

@@ -49,6 +49,7 @@ class SchedulerStats:
     ready: int = 0
     busy: int = 0  # workers executing a step chunk now
     resident: int = 0  # request states held by workers (running or paused)
+    resident_bytes: int = 0  # what those states take, as the workers measured them (bound: schedule.resident_bytes)
     # Set once a worker first loaded, and kept while workers restart, so the NM keeps routing
     # here: requests wait in the bounded queue for the restart instead of failing upstream.
     serving: bool = False

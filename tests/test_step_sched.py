@@ -115,6 +115,7 @@ def test_compatible_requests_share_forward_passes(up, tmp_path):
     metrics = httpx.get(denoise(up)["addresses"]["metrics"], timeout=5).text
     for name in ("onepiece_stage_batch_size_bucket", "onepiece_stage_step_seconds_count",
                  "onepiece_stage_queue_wait_seconds_sum", "onepiece_stage_resident_requests",
+                 "onepiece_stage_resident_bytes",
                  'onepiece_stage_scheduling_events_total{event="preempted",stage="denoise_t2v"}'):
         assert name in metrics, name
     assert re.search(r'onepiece_stage_batch_size_bucket\{le="4",stage="denoise_t2v"\} [0-9.]+', metrics), metrics
@@ -124,11 +125,13 @@ def test_cancelled_in_flight_request_stops_at_a_step_boundary_and_frees_its_stat
     with Client(up.url) as c:
         v = c.submit("a long one", model="t2v", **SLOW)
         wait_for(lambda: denoise(up)["stats"]["resident"] == 1, 60, "resident in the denoise worker")
-        before = denoise(up)["stats"]
+        before = wait_for(lambda: (st := denoise(up)["stats"])["resident_bytes"] > 0 and st, 10,
+                          "the bytes its state takes, as its worker measured them")
         t0 = time.monotonic()
         c.delete(v["id"])
         after = wait_for(lambda: (st := denoise(up)["stats"]) and st["resident"] == 0 and st["busy"] == 0 and st,
                      5, "its state freed and the worker idle")
+        assert after["resident_bytes"] == 0
         freed = time.monotonic() - t0
         assert after["cancelled"] == before["cancelled"] + 1
         # ... and it is no longer held: a stage that died would have it reported for nothing, and
