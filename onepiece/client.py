@@ -376,17 +376,27 @@ class Client:
 
     def delete(self, video_id: str) -> bool:
         """Drop the video on its set's DBs; True if it was held. Asks the proxy that accepted
-        it, or another of the same set when that one cannot be reached."""
+        it, or another of the same set when that one cannot be reached. A video this client
+        did not submit or read may be on any set: each proxy is asked in turn (as reads do),
+        since another set's 404 says nothing about the video (the first proxy alone left a
+        video of the second set in place)."""
         home = self._home.get(video_id)
         errors = []
-        for url in [home, *self._same_set(video_id, home)] if home else self.urls[:1]:
+        not_found = False
+        for url in [home, *self._same_set(video_id, home)] if home else self._read_order(video_id):
             try:
                 resp = self._http.delete(f"{url}/v1/videos/{video_id}")
             except httpx.TransportError as e:
                 errors.append(f"{url}: {e}")
                 continue
+            if resp.status_code == 404 and home is None:
+                not_found = True
+                continue
             return resp.status_code == 200
-        raise RequestFailed(f"no proxy reachable: {'; '.join(errors)}", code="unreachable")
+        if not_found and not errors:
+            return False
+        also = "; the others do not know the video" if not_found else ""
+        raise RequestFailed(f"no proxy reachable: {'; '.join(errors)}{also}", code="unreachable")
 
     def generate(self, prompt: str, path: str | os.PathLike, model: str = "t2v",
                  image: str | os.PathLike | bytes | None = None, size: str = "64x64",

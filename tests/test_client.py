@@ -368,6 +368,24 @@ def test_reads_stay_within_the_set_that_accepted_the_video(tmp_path):
         assert c._home[VID] == "http://a2"
 
 
+def test_a_video_this_client_did_not_submit_is_deleted_on_whichever_set_holds_it():
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "a1":
+            raise httpx.ConnectError("connection refused", request=request)
+        if request.url.host == "b1":  # set b holds it; set a never saw it
+            return httpx.Response(200, json={"id": VID, "object": "video.deleted", "deleted": True})
+        return error(404, "video_not_found")
+
+    with mock_client({"a": ["http://a2"], "b": ["http://b1"]}, handler) as c:
+        assert c.delete(VID) is True  # (before: only the first proxy, of set a, was asked: False)
+    with mock_client({"a": ["http://a2"], "c": ["http://c1"]}, handler) as c:
+        assert c.delete(VID) is False  # every set answered that it does not know it
+    with mock_client({"a": ["http://a1"], "c": ["http://c1"]}, handler) as c:
+        with pytest.raises(RequestFailed) as e:
+            c.delete(VID)  # the set that did not answer may hold it
+        assert e.value.code == "unreachable"
+
+
 def test_from_nm_without_a_node_manager_says_so():
     with pytest.raises(RequestFailed) as e:
         Client.from_nm("tcp://127.0.0.1:9", nm_timeout=0.2)
