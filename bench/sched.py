@@ -277,7 +277,8 @@ def cost_table(stages: dict[str, Any], since: dict[str, Any] | None = None) -> d
     for name in dict.fromkeys([*sums, *medians]):  # (the stages in the order they came)
         over_trace = sums.get(name, {})
         rows[name] = [{"key": key, "batch": int(b), "seconds": t / n} for (key, b), (t, n) in over_trace.items()]
-        rows[name] += [{"key": key, "batch": int(b), "seconds": sum(ts) / len(ts)}  # no step of the trace: the median
+        # none in the trace: the instances' medians, averaged
+        rows[name] += [{"key": key, "batch": int(b), "seconds": sum(ts) / len(ts)}
                        for (key, b), ts in medians.get(name, {}).items() if (key, b) not in over_trace]
     fixed = {name: {key: t / n for key, (t, n) in by_key.items() if t > 0} for name, by_key in fixed_sums.items()}
     figures: dict[str, dict[str, float]] = {}

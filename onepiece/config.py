@@ -274,13 +274,11 @@ class Workflow(_Strict):
         A table that cannot price the stage is refused: one without its rows (written for a
         stage of another name) or with keys of the other kind (call keys for a stage that steps)
         was taken as no table, and the stage started from nothing without a word."""
-        from onepiece.sched.costs import TableError, read_table, table_rows, wrong_kind
+        from onepiece.sched.costs import TableError, table_rows, wrong_kind
 
-        path = self.stages[stage].schedule.costs
-        if path is None:
+        if (table := self._costs_doc(stage, base)) is None:
             return None
-        path = resolve_path(path, base)
-        doc = read_table(path)
+        path, doc = table
         try:
             rows = table_rows(doc, stage)
         except TableError as e:
@@ -295,16 +293,25 @@ class Workflow(_Strict):
     def cost_fixed(self, stage: str, base: Path) -> dict[str, float] | None:
         """What a request of each key costs ``stage`` besides its steps, from its ``schedule.costs``
         table (its ``fixed``), if any: the stage starts from it as from the rows."""
-        from onepiece.sched.costs import TableError, read_table, table_fixed
+        from onepiece.sched.costs import TableError, table_fixed
+
+        if (table := self._costs_doc(stage, base)) is None:
+            return None
+        path, doc = table
+        try:
+            return table_fixed(doc, stage)
+        except TableError as e:
+            raise TableError(f"{path}: {e}") from None
+
+    def _costs_doc(self, stage: str, base: Path) -> tuple[Path, Any] | None:
+        """``stage``'s ``schedule.costs`` table (relative to ``base``), read: its path and document."""
+        from onepiece.sched.costs import read_table
 
         path = self.stages[stage].schedule.costs
         if path is None:
             return None
         path = resolve_path(path, base)
-        try:
-            return table_fixed(read_table(path), stage)
-        except TableError as e:
-            raise TableError(f"{path}: {e}") from None
+        return path, read_table(path)
 
 
 class ElasticSpec(_Strict):

@@ -293,13 +293,6 @@ def elastic_spec(options: str) -> ElasticSpec:
         raise ConfigError(f"--elastic {options!r}: {e}") from None
 
 
-def rate(trace: Trace) -> float:
-    """Requests per second over the trace's arrivals: its gaps over its span (a trace need not
-    start at 0, and n requests have n - 1 gaps; Theorem 1 refuses a trace of no span)."""
-    span = trace.requests[-1].at - trace.requests[0].at
-    return (len(trace.requests) - 1) / span if span > 0 else 0.0
-
-
 def scaled(trace: Trace, factor: float) -> Trace:
     """The same requests arriving ``factor`` times as fast."""
     return trace.model_copy(update={"requests": [r.model_copy(update={"at": r.at / factor}) for r in trace.requests]})
@@ -337,7 +330,7 @@ def run_plan(args: argparse.Namespace) -> int:
             except plan.Infeasible as e:
                 row = {"monolithic": None, "mono_counts": None, "mono_attainment": e.best, "monolithic_why": str(e)}
             dis = plan.disaggregated(wf, costs, trace, args.target, gpus=args.gpus)
-            row = {"load": load, "rate_rps": rate(trace), **row,
+            row = {"load": load, "rate_rps": plan.arrival_rate(trace), **row,
                    "disaggregated": dis.devices, "counts": dis.counts, "dis_attainment": dis.attainment}
             if args.elastic is not None:
                 # From the plan without moves: what moves can take away from it. (From Theorem 1's
@@ -349,7 +342,7 @@ def run_plan(args: argparse.Namespace) -> int:
             if len(apps) > 1:  # the stages shared by the applications, against a deployment of each
                 # (each application's requests come over the whole trace's span: one of them may
                 # have a single request, which alone spans no time)
-                span = trace.requests[-1].at - trace.requests[0].at
+                span = plan.arrival_span(trace)
                 row["separate"] = sum(plan.disaggregated(wf, costs, sub, args.target, gpus=args.gpus,
                                                          start=plan.theorem1(wf, costs, sub, span=span)).devices
                                       for sub in (plan.only(trace, a) for a in apps))

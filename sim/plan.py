@@ -182,6 +182,18 @@ def fewest(verdict_of: Callable[[int], Verdict], target: float, most: int = MAX_
 
 
 # --- disaggregated ------------------------------------------------------------------------------
+def arrival_span(trace: Trace) -> float:
+    """Seconds from the trace's first arrival to its last (a trace need not start at 0)."""
+    return trace.requests[-1].at - trace.requests[0].at
+
+
+def arrival_rate(trace: Trace) -> float:
+    """Requests per second over the trace's arrivals: its gaps over its span (n requests have
+    n - 1 gaps; Theorem 1 refuses a trace of no span)."""
+    span = arrival_span(trace)
+    return (len(trace.requests) - 1) / span if span > 0 else 0.0
+
+
 def theorem1(wf: Workflow, costs: CostTable, trace: Trace, utilization: float = 0.7,
              span: float | None = None) -> dict[str, int]:
     """Counts in proportion to each stage's offered work (device-seconds per second), each
@@ -189,7 +201,7 @@ def theorem1(wf: Workflow, costs: CostTable, trace: Trace, utilization: float = 
     behind the one before it. ``span``: the seconds the work is offered over (default: from the
     trace's first arrival to its last; a part of a trace, one application's requests, is
     offered over the whole trace's)."""
-    span = trace.requests[-1].at - trace.requests[0].at if span is None else span
+    span = arrival_span(trace) if span is None else span
     if span <= 0:
         raise SimInputError(f"the trace's {len(trace.requests)} request(s) all arrive at {trace.requests[0].at:g} s: "
                             f"a load is a rate, which needs arrivals spread over time (more requests, or a trace)")

@@ -9,6 +9,7 @@ import sys
 import time
 
 from onepiece.bench.cpu import per, role_of, usage
+from waiting import wait_for
 
 
 def test_bench_cpu_names_each_process_by_role_and_reads_its_counters():
@@ -48,10 +49,7 @@ time.sleep(60)
     try:
         before = usage([child.pid])
         go.touch()
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "go.done").exists():
-            assert time.monotonic() < deadline, "the child's thread never finished"
-            time.sleep(0.01)
+        wait_for(lambda: (tmp_path / "go.done").exists(), 30, "the child's thread finished")
         used = per(before, usage([child.pid]), 1)["other"]
         assert used["cpu_ms"] >= 250, used  # the ended thread's 300 ms (its live threads' counters show ~0)
     finally:
