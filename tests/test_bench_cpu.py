@@ -9,7 +9,6 @@ import sys
 import time
 
 from onepiece.bench.cpu import per, role_of, usage
-from waiting import wait_for
 
 
 def test_bench_cpu_names_each_process_by_role_and_reads_its_counters():
@@ -29,13 +28,12 @@ def test_bench_cpu_names_each_process_by_role_and_reads_its_counters():
     assert usage([2 ** 22 + 12345]) == {}  # a process that is gone is left out
 
 
-def test_bench_cpu_counts_the_cpu_of_a_thread_that_ended_between_readings(tmp_path):
+def test_bench_cpu_counts_the_cpu_of_a_thread_that_ended_between_readings():
     # A VAE worker encodes each MP4 on a thread that ends with the request: its CPU must count.
-    go = tmp_path / "go"
-    child = subprocess.Popen([sys.executable, "-c", f"""
-import os, threading, time
-while not os.path.exists({str(go)!r}):
-    time.sleep(0.01)
+    # The child burns on a thread when told (a line on stdin), says so, and waits to be killed.
+    child = subprocess.Popen([sys.executable, "-c", """
+import sys, threading, time
+sys.stdin.readline()
 def burn():
     t = time.thread_time()
     while time.thread_time() - t < 0.3:
@@ -43,13 +41,14 @@ def burn():
 th = threading.Thread(target=burn)
 th.start()
 th.join()
-open({str(go)!r} + ".done", "w").close()
-time.sleep(60)
-"""])
+print("done", flush=True)
+sys.stdin.read()
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         before = usage([child.pid])
-        go.touch()
-        wait_for(lambda: (tmp_path / "go.done").exists(), 30, "the child's thread finished")
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "done\n"  # (the thread has ended)
         used = per(before, usage([child.pid]), 1)["other"]
         assert used["cpu_ms"] >= 250, used  # the ended thread's 300 ms (its live threads' counters show ~0)
     finally:

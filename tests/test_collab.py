@@ -254,7 +254,7 @@ def test_bench_parallel_times_steps_per_dop_and_what_a_switch_costs(tiny_models,
 def test_a_group_down_names_a_signalled_rank_first_or_else_the_rank_that_stopped_answering():
     # The reason comes from real processes' states; a collective's 60 s timeout is too slow to
     # wait for in a test, so the dead ranks' return codes are given.
-    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stopped = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
         os.kill(stopped.pid, signal.SIGSTOP)
         wait_for(lambda: proc_state(stopped.pid) == "stopped", 10, "the process never stopped")
