@@ -5,7 +5,8 @@ for every policy that run measured, through `onepiece sim`'s engine with the cos
 policy's own run measured under that trace (``sched-costs-<policy>-<load>.json``: every stage's
 heartbeat figures as the trace ended; a run from before those were saved: ``sched-costs-<policy>.json``,
 as its last trace drained), on the topology the benchmark ran (one set: text_encode, denoise_t2v
-and vae_decode, one instance each, denoise_t2v on the policy with the run's max batch), and
+and vae_decode, one instance each, denoise_t2v on the policy with the run's max batch and its
+workers, one collaboration group where the run had one), and
 puts predicted beside measured: SLO attainment and mean latency, per class and overall; the run
 with the request monitor on is replayed with the simulator's monitor on (the proxy's own rule).
 Target (GF-DiT validates its simulator the same way): within 5 points of attainment and 10% of
@@ -24,9 +25,9 @@ from typing import Any
 from onepiece.argtypes import between, count, out_dir
 from onepiece.bench.common import T2V_STAGES, cpu_name
 from onepiece.bench.sched import costs_name
-from onepiece.bench.trace import Trace, load_trace, stage_times, summarize
+from onepiece.bench.trace import Trace, TraceError, load_trace, stage_times, summarize
 from onepiece.cli import PROFILE_WORKFLOWS
-from onepiece.config import ProxySpec, deploy_dir, load_workflow
+from onepiece.config import ProxySpec, Workflow, deploy_dir, load_workflow
 from onepiece.sched.costs import MAX_STEP_CV
 from onepiece.sim.cli import apply_schedule, simulate
 from onepiece.sim.costs import CostTable
@@ -53,6 +54,15 @@ def sched_results(value: str) -> str:
     return value
 
 
+def trace_file(value: str) -> Path:
+    """An argparse type: a trace file (`bench sched`'s format), checked now, not mid-run."""
+    try:
+        load_trace(value)
+    except TraceError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return Path(value)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", type=sched_results, default="bench/results", help="folder of a bench sched run (sched.json, traces, costs)")
     p.add_argument("--out", type=out_dir, default="bench/results", help="folder for simval.json and simval.md")
@@ -62,17 +72,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-cv", type=between(0, MAX_STEP_CV), default=0.0,
                    help="steps vary with this coefficient of variation where a run's table does not say how much "
                         "they varied (its step_cv; onepiece sim --step-cv); default 0: each step its figure")
+    p.add_argument("--trace", type=trace_file, metavar="FILE",
+                   help="the trace a run replayed (`bench sched --trace`), where it is now: the run names "
+                        "the path it read, which may be gone")
     p.add_argument("--seeds", type=count(), default=5,
                    help="runs averaged where steps vary (default %(default)s)")
 
 
-def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, seeds: int = 1) -> dict[str, Any]:
+def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, seeds: int = 1,
+             replay: Path | None = None) -> dict[str, Any]:
     """Predicted and measured figures for every (policy, load) of the run in ``results``, each
     policy priced by its own run's costs, or every one by ``costs_of``'s. Where steps vary (a
     table's ``step_cv``, else ``step_cv``), each prediction is the mean of ``seeds`` runs: one run
     is one draw, as the measured run is."""
     run = json.loads((results / "sched.json").read_text())
     settings = run["settings"]
+    replayed = Path(settings["trace"]) if settings.get("trace") else None
     wf = load_workflow(deploy_dir() / PROFILE_WORKFLOWS[settings.get("profile", "scale")])
     rows: dict[str, dict[str, Any]] = {}
     for row, by_load in run["rows"].items():
@@ -82,13 +97,15 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
             continue  # a run from before the benchmark saved its costs
         opts = [f"denoise_t2v.policy={policy}"] + ([] if policy == "fcfs" else
                                                    [f"denoise_t2v.max_batch={settings['max_batch']}"])
-        pwf = apply_schedule(wf, opts)
+        pwf = as_run(apply_schedule(wf, opts), settings)
         # as bench sched's Session: one proxy, the in-flight bound at 1000, the monitor on or off
         proxy = {"set0": ProxySpec(count=1, port=0, max_inflight=1000, monitor=monitor)}
         for load in by_load:
             path = results / f"sched-trace-{load.replace('monitor on ', 'monitor-') if monitor else load}.json"
+            if not path.exists() and replayed is not None and load == replayed.stem:
+                path = replay or replayed  # a replayed --trace: its load is the file's name
             if not path.exists():
-                continue  # a replayed --trace: its file is not beside the results
+                continue
             trace = _sent(load_trace(path), settings["max_duration"])
             # the table measured under this very trace, where the run saved one; else its run's last
             at_load = results / costs_name(priced_by, load)
@@ -109,6 +126,16 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
     return {"bench": "simval", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
             "run": {"when": run.get("when"), "results": str(results)}, "costs_of": costs_of,
             "step_cv": step_cv, "seeds": seeds, "rows": rows, "targets": _targets(rows)}
+
+
+def as_run(wf: Workflow, settings: dict[str, Any]) -> Workflow:
+    """``wf`` with the denoise stage's workers and mode the run had (``--denoise-workers``,
+    ``--collaboration``): a group's table prices DoPs that one worker does not have."""
+    wf = wf.model_copy(deep=True)
+    stage = wf.stages["denoise_t2v"]
+    stage.workers = int(settings.get("denoise_workers") or 1)
+    stage.mode = "collaboration" if settings.get("collaboration") else "individual"
+    return wf
 
 
 def mean_of(docs: list[Any]) -> Any:
@@ -211,7 +238,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    doc = validate(Path(args.results), args.costs_of, args.step_cv, args.seeds)
+    doc = validate(Path(args.results), args.costs_of, args.step_cv, args.seeds, args.trace)
     if not doc["rows"]:
         raise SystemExit(f"{args.results}: no policy with a sched-costs-<policy>.json beside sched.json "
                          f"(rerun `onepiece bench sched`, which saves them)")

@@ -94,6 +94,7 @@ class Slo(RankedPolicy):
     at every chunk, so a burst that clears lets a request taken out back in."""
 
     name = "slo"
+    picks_dop = True
 
     def rank(self, view: View) -> list[Request]:
         timed = sorted((r for r in view.requests if r.deadline is not None),
@@ -213,6 +214,7 @@ class EdfBestFit(Policy):
     ranks to the most urgent while faster. No batching: GF-DiT runs one request per group."""
 
     name = "edf-best-fit"
+    picks_dop = True
 
     def sustained(self, costs: CostModel, key: str, cap: int) -> int:
         return 1  # each request alone
@@ -226,6 +228,7 @@ class Ddit(Policy):
     2506.13497; no public code: built from the paper's description)."""
 
     name = "ddit"
+    picks_dop = True
 
     def sustained(self, costs: CostModel, key: str, cap: int) -> int:
         return 1  # each request alone

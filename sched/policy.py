@@ -106,6 +106,9 @@ class View:
 
 class Policy(abc.ABC):
     name: str = ""
+    # Picks each batch's DoP on a collaboration group; a DoP-blind policy runs every batch on
+    # all of the group's ranks (a static DoP), so only that DoP's costs matter to it.
+    picks_dop: bool = False
 
     @abc.abstractmethod
     def plan(self, view: View) -> list[Batch]:

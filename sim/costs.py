@@ -73,8 +73,10 @@ class CostTable:
         preparing and finishing, which a worker spends on it as surely (a running stage's
         standalone time, what the proxy's deadline split reads, includes it too). ``ranks``: a
         worker's (a collaboration group's), whose steps run at its fastest DoP alone, as the
-        core's standalone time has it (DoP 1: the device-seconds of the work)."""
-        step = min(self.step_s(stage, at_dop(key, d), 1) for d in dops(ranks))
+        core's standalone time has it (DoP 1: the device-seconds of the work), among the DoPs
+        the table prices (a run under a DoP-blind policy measured only the group's)."""
+        rows = self.rows[stage]
+        step = min(self.step_s(stage, k, 1) for d in dops(ranks) if (k := at_dop(key, d)) in rows)
         return step * steps + self.fixed.get(stage, {}).get(key, 0.0)
 
     def pricer(self, stage: str) -> Callable[[str, int], float]:

@@ -44,6 +44,7 @@ from onepiece.sched.core import Run, SchedCore
 from onepiece.sched.costs import MAX_STEP_CV
 from onepiece.sched.deadlines import reserve, stage_request
 from onepiece.sched.keys import at_dop, call_key, compat_key, shape_key
+from onepiece.sched.policies import make_policy
 from onepiece.sched.ranks import dops
 from onepiece.sched.virtual import EventLoop, VirtualInstance
 from onepiece.sim.costs import CostTable
@@ -242,7 +243,7 @@ class Simulation:
                 for s, (key, _, _) in zip(stages, entries):
                     if not any(s in by_stage for by_stage in self.instances.values()):
                         raise SimInputError(f"requests[{i}]: application {job.app!r} needs stage {s!r}, which no set runs")
-                    why = next(filter(None, (self.costs.missing(s, at_dop(key, d)) for d in dops(self._ranks(s)))), None)
+                    why = next(filter(None, (self.costs.missing(s, at_dop(key, d)) for d in self._run_dops(s))), None)
                     if why:
                         raise SimInputError(f"requests[{i}] ({tr.size}x{tr.num_frames}:{tr.steps}): {why}")
                 if self.elastic is None:  # (elastic moves may fill a stage that starts empty)
@@ -301,6 +302,12 @@ class Simulation:
         """Ranks per worker: a collaboration stage's workers are one group (one worker)."""
         spec = self.wf.stages[stage]
         return spec.workers if spec.mode == "collaboration" else 1
+
+    def _run_dops(self, stage: str) -> list[int]:
+        """The DoPs ``stage``'s workers run batches at: a DoP-blind policy runs every batch on all
+        of a group's ranks, so a table need not price the others (a run under it measured none)."""
+        ranks = self._ranks(stage)
+        return dops(ranks) if make_policy(self.wf.stages[stage].schedule.policy).picks_dop else [ranks]
 
     def _key(self, stage: str, params: dict[str, Any]) -> str:
         return compat_key(params) if self.costs.stepped(stage) else call_key(params)

@@ -273,6 +273,24 @@ def test_a_collaboration_group_s_standalone_time_is_at_its_fastest_dop():
     assert mono.step_s(plan.pipeline("t2v"), S, 1) == pytest.approx(0.26)
 
 
+def test_a_dop_blind_policy_on_a_group_needs_only_the_group_s_own_dop_priced():
+    """A DoP-blind policy runs every batch on all of a group's ranks, so a run under it measures
+    DoP 2 alone: its table prices that DoP and the simulator replays it (it refused the table of
+    `bench sched --collaboration`'s fcfs run for lacking DoP 1). A policy that picks DoPs still
+    needs every one it may pick, and is told which key is missing."""
+    wf, doc = group_of_two(0.01, 0.02, 0.012, 0.05)
+    rows = doc["stages"]["denoise_t2v"]["rows"]
+    rows[:] = [r for r in rows if r["key"].endswith("@2")]
+    tr = trace([{"at": 1.0 * i, "class": "S"} for i in range(3)],
+               {"S": {"size": "64x64", "num_frames": 9, "steps": 10, "slo_s": 0.25}})
+    sets = {"set0": {"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1}}
+    srtf = apply_schedule(wf, ["denoise_t2v.policy=srtf"])
+    result, _ = simulate(srtf, sets, CostTable(doc, "t.json"), tr)
+    assert result["summary"]["all"]["attainment"] == 1.0  # at DoP 2: 0.27 s at DoP 1 would miss 0.25
+    with pytest.raises(SimInputError, match=r"no row for key '64x64x9/cfg/L64' "):
+        simulate(apply_schedule(wf, ["denoise_t2v.policy=slo"]), sets, CostTable(doc, "t.json"), tr)
+
+
 def test_a_shared_plan_meets_the_target_for_each_application_as_a_monolithic_pool_must():
     """Two i2v requests at once among 50 t2v ones: one denoise_i2v instance makes the second
     wait past its SLO, which overall is still 98% (51 of 52). A monolithic i2v pool must meet
