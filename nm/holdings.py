@@ -1,14 +1,15 @@
 """What a stage instance holds right now, for its heartbeat: the UIDs it received and has not
-yet handed on (queued, at a worker, or finished and waiting in the deliverer's mailbox); and
-what a member (a stage instance, a proxy) handed to which instance lately (``Deliveries``).
+yet handed on (queued, at a worker, finished and in the deliverer's mailbox or being sent on,
+or waiting there for a route); and what a member (a stage instance, a proxy) handed to which
+instance lately (``Deliveries``).
 
 If an instance dies, the NM reports what it held as failed (nm/reaper.py), and with it what
-its senders delivered to it after its last heartbeat, which its own list could not name yet. They are
-observed at the instance's two edges, so neither the scheduler nor the deliverer changes:
+its senders delivered to it after its last heartbeat, which its own list could not name yet.
 ``TrackingReceiver`` wraps the transport receiver (a UID enters when ``recv`` returns its
-message) and ``TrackingMailbox`` is the scheduler-to-deliverer queue (a UID leaves when the
-deliverer takes its ``result`` or ``failed`` item). Both sides run on other threads than the
-heartbeat, hence the lock; the work under it is a dict operation.
+message); the deliverer (stage/deliver.py) lets it go once it is handed on, its delivery
+recorded first, or reported failed, or dropped. A heartbeat reads what is held before what was
+delivered, so a UID on its way out is in one or the other. Both sides run on other threads than
+the heartbeat, hence the lock; the work under it is a dict operation.
 
 ``fence`` takes UIDs out for good: the NM declared this instance dead and reported them failed
 (nm/fencing.py). They are no longer held, are dropped if they arrive (``TrackingReceiver``), and
@@ -18,7 +19,6 @@ the deliverer hands none of them on (``fenced``).
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import OrderedDict, deque
@@ -130,21 +130,3 @@ class TrackingReceiver:
         return getattr(self._inner, name)
 
 
-class TrackingMailbox(queue.Queue):
-    """The scheduler-to-deliverer mailbox; a UID stops being held when the deliverer takes its
-    ``("result", msg)``, ``("forward", msg)``, ``("failed", uid, ...)`` or ``("gone", uid)`` (cancelled, or
-    expired while it ran: nothing to hand on) item. ``_get`` is Queue's documented
-    extension point (called with the queue's lock held). A forwarded message leaves too: the
-    instance it goes to holds it next."""
-
-    def __init__(self, maxsize: int, holdings: Holdings) -> None:
-        super().__init__(maxsize)
-        self._holdings = holdings
-
-    def _get(self) -> Any:
-        item = super()._get()
-        if item[0] in ("result", "forward"):
-            self._holdings.discard(item[1].header.get("uid"))
-        elif item[0] in ("failed", "gone"):
-            self._holdings.discard(item[1])
-        return item

@@ -64,6 +64,7 @@ class ResultDeliver:
         # waits here for a route is still this instance's (nm/holdings.py)
         self._hold, self._release = holding or (lambda uid: None, lambda uid: None)
         self._parked: collections.deque[_Parked] = collections.deque()
+        self._parked_uids: set[str] = set()  # theirs, held while they wait
         # Fencing (nm/fencing.py): ``dropped(uid)``, reported failed when the NM declared this
         # instance dead, is handed on no more; ``settle()``, before anything leaves, waits
         # (bounded) after this process stood still until it knows whether it was declared dead.
@@ -108,25 +109,33 @@ class ResultDeliver:
         what = item[0]
         if what == "wake":
             return
-        if what == "gone":  # forgotten where it was (cancelled): nothing to hand on (the mailbox released it)
+        if what == "gone":  # forgotten where it was (cancelled): nothing to hand on
             self._last_progress.pop(item[1], None)
+            self._release(item[1])
             return
         self._settle()
         uid = item[1] if what in ("progress", "failed") else item[1].uid
-        if self._dropped(uid):
-            log.info("uid=%s: %s not handed on: reported failed when this instance was declared dead", uid, what)
+        if what == "progress":
+            if not self._dropped(uid):
+                self._progress(uid, item[2], item[3])
             return
-        if what == "result":
-            self._deliver(item[1])
-        elif what == "forward":
-            self.forward(item[1])
-        elif what == "progress":
-            _, uid, app, fraction = item
-            self._progress(uid, app, fraction)
-        elif what == "failed":
-            _, uid, app, error = item
-            self._last_progress.pop(uid, None)
-            self._to_db(Message({"uid": uid, "kind": "failed", "stage": self.stage, "error": error}))
+        # The request stays this instance's (its heartbeat names it) until it is handed on, its
+        # delivery recorded first, or reported failed, or waits here for a route: a send waits
+        # up to send_timeout, and an instance that died during it would have held nothing to reap.
+        try:
+            if self._dropped(uid):
+                log.info("uid=%s: %s not handed on: reported failed when this instance was declared dead", uid, what)
+            elif what == "result":
+                self._deliver(item[1])
+            elif what == "forward":
+                self.forward(item[1])
+            elif what == "failed":
+                _, uid, app, error = item
+                self._last_progress.pop(uid, None)
+                self._to_db(Message({"uid": uid, "kind": "failed", "stage": self.stage, "error": error}))
+        finally:
+            if uid not in self._parked_uids:
+                self._release(uid)
 
     # --- data -------------------------------------------------------------------------------
     def _deliver(self, msg: Message) -> None:
@@ -204,6 +213,7 @@ class ResultDeliver:
         log.info("uid=%s waits for an instance of stage %s (up to %.0fs)%s", msg.uid, stage, min(left, ROUTE_WAIT_S),
                  f": {why}" if why else "")
         self._hold(msg.uid)
+        self._parked_uids.add(msg.uid)
         self._parked.append(_Parked(msg, stage, now, now + min(left, ROUTE_WAIT_S), tried))
 
     def _retry_parked(self, now: float) -> None:
@@ -211,18 +221,25 @@ class ResultDeliver:
         stages = self._routes()["stages"]
         for _ in range(len(self._parked)):
             p = self._parked.popleft()
+            uid = p.msg.uid
             if self._cancelled(p.msg.header):
-                self._release(p.msg.uid)
-                log.info("uid=%s cancelled while it waited for an instance of stage %s: dropped", p.msg.uid, p.stage)
+                self._parked_uids.discard(uid)
+                self._release(uid)
+                log.info("uid=%s cancelled while it waited for an instance of stage %s: dropped", uid, p.stage)
             elif set(stages.get(p.stage) or ()) - p.tried:
-                self._release(p.msg.uid)
-                self._to_stage(p.msg, p.stage)
+                self._parked_uids.discard(uid)
+                try:
+                    self._to_stage(p.msg, p.stage)  # held until sent (or parked again)
+                finally:
+                    if uid not in self._parked_uids:
+                        self._release(uid)
             elif now >= p.until:
                 self._fail_parked(p, f"no live instance of stage {p.stage} within {now - p.since:.0f}s")
             else:
                 self._parked.append(p)
 
     def _fail_parked(self, p: _Parked, error: str) -> None:
+        self._parked_uids.discard(p.msg.uid)
         self._release(p.msg.uid)
         self._fail(p.msg, error)
 

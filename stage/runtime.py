@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import threading
 from pathlib import Path
 from typing import Any, Callable
 
 from onepiece.config import Workflow
-from onepiece.nm.holdings import Holdings, TrackingMailbox
+from onepiece.nm.holdings import Holdings
 from onepiece.stage.deliver import ResultDeliver
 from onepiece.stage.scheduler import RequestScheduler
 from onepiece.stage.stats import SchedulerStats
@@ -34,7 +35,7 @@ class StageRuntime:
                  settle: Callable[[], Any] = lambda: None) -> None:
         self.instance, self.stage = instance, stage
         self.stats = SchedulerStats()
-        self.mailbox = TrackingMailbox(1024, holdings)
+        self.mailbox: queue.Queue = queue.Queue(1024)
         self.scheduler = RequestScheduler(stage, receiver, f"ipc://{rdir}/workers-{next(_sockets)}.sock",
                                           workflow, self.mailbox, self.stats, routes,
                                           costs=workflow.cost_table(stage, base_dir),

@@ -194,3 +194,64 @@ def test_only_a_uid_the_stage_takes_is_held():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_request_is_held_until_its_delivery_is_recorded():
+    """The heartbeat names what an instance holds, then what it delivered where: a request on
+    its way out must be in one or the other at every moment, or an instance that died during a
+    send (which waits up to its timeout for a receiver) left nothing for the NM to reap. It was
+    released as the deliverer took it from the mailbox: a loaded run showed it held by nobody
+    for the whole 5 s send to a next stage that had just been killed. Now it is released after
+    its delivery is recorded, or once it failed; while a send waits, and while it waits for a
+    route, it is held."""
+    db = DbThread()
+    dead = registry.listen("tcp://127.0.0.1:0")
+    dead_address = dead.address
+    dead.close()  # nobody listens there: a send waits for its timeout
+    live = registry.listen("tcp://127.0.0.1:0")
+    routes = {"version": 1, "stages": {"denoise_t2v": [dead_address]}, "dbs": [db.addresses]}
+    holdings, mailbox, stop = Holdings(), queue.Queue(), threading.Event()
+    events: list[tuple[str, str]] = []
+
+    def delivered(address: str, uid: str) -> None:
+        events.append(("delivered", uid))
+        holdings.deliveries.add(address, uid)
+
+    def released(uid: str) -> None:
+        events.append(("released", uid))
+        holdings.discard(uid)
+
+    d = ResultDeliver("text_encode", WORKFLOW, mailbox, routes=lambda: routes, send_timeout=1.0,
+                      on_sent=delivered, holding=(holdings.add, released))
+    thread = threading.Thread(target=d.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        def result(uid: str) -> tuple:
+            holdings.add(uid)  # as the instance's receiver took it
+            return ("result", Message({"uid": uid, "app": "t2v", "stage": "text_encode",
+                                       "deadline": time.time_ns() + int(60e9)}, {}))
+
+        first = new_uid()
+        mailbox.put(result(first))
+        wait_for(lambda: mailbox.empty(), 5, "the deliverer took it")
+        time.sleep(0.3)  # inside the 1 s send to nobody
+        assert holdings.snapshot() == [first] and events == []
+        wait_for(lambda: d.waiting == 1, 5, "it waits for a route")
+        assert holdings.snapshot() == [first] and events == []
+        routes["stages"]["denoise_t2v"], routes["version"] = [dead_address, live.address], 2
+        assert wait_for(lambda: live.recv(0.1), 5, "it went on").uid == first
+        wait_for(lambda: events == [("delivered", first), ("released", first)], 5, "delivered, then released")
+        routes["stages"]["denoise_t2v"], routes["version"] = [live.address], 3
+        second = new_uid()
+        mailbox.put(result(second))
+        assert wait_for(lambda: live.recv(0.1), 5, "the next one went straight on").uid == second
+        wait_for(lambda: events[2:] == [("delivered", second), ("released", second)], 5, "delivered, then released")
+        assert holdings.snapshot() == [] and set(holdings.deliveries.report(60.0)[live.address][i][0]
+                                                 for i in range(2)) == {first, second}
+    finally:
+        stop.set()
+        d.wake()
+        thread.join(10)
+        d.close()
+        live.close()
+        db.close()
