@@ -93,10 +93,23 @@ class ResultDeliver:
                     self._retry_parked(time.monotonic())
             except Exception:  # one bad item must not stop delivery for everyone else
                 log.exception("deliver failed on %s", item[0] if item else "the requests waiting for a route")
+        self.give_up_waiting()
+
+    # --- an instance in the idle pool forwards what still reaches it, without ``run`` ---------
+    def hand_on(self, msg: Message) -> None:
+        """Forward ``msg`` to its stage, held until handed on (or waiting for a route) as in ``run``."""
+        self._handle(("forward", msg))
+
+    def retry_waiting(self) -> None:
+        if self._parked:
+            self._retry_parked(time.monotonic())
+
+    def give_up_waiting(self) -> None:
+        """Fail what still waits for a route: this instance shuts down."""
         while self._parked:
             p = self._parked.popleft()
-            self._fail_parked(p, f"stage {self.stage} instance shut down while the request waited for an "
-                                 f"instance of stage {p.stage}")
+            self._fail_parked(p, f"stage {self.stage or 'idle pool'} instance shut down while the request waited "
+                                 f"for an instance of stage {p.stage}")
 
     def wake(self) -> None:
         """End ``run``'s wait now (its stop flag was just set)."""

@@ -118,7 +118,8 @@ class StageInstance:
         self.moved = threading.Event()  # set by the membership thread when the assignment changes
         # Forwards what arrives while no runtime reads the receiver (the idle pool).
         self._forwarder = ResultDeliver("", workflow, None, routes=lambda: member.routes,  # type: ignore[arg-type]
-                                        on_sent=holdings.deliveries.add, dropped=holdings.fenced)
+                                        on_sent=holdings.deliveries.add, dropped=holdings.fenced,
+                                        holding=(holdings.add, holdings.discard))
 
     def routes_changed(self) -> None:
         """From the membership thread: a route table came (its DBs may be new to the scheduler)."""
@@ -164,11 +165,13 @@ class StageInstance:
                     self._forward_stray()
                 elif self.moved.wait(0.5):
                     self.moved.clear()
+                self._forwarder.retry_waiting()  # strays that found no route yet (a stage came back?)
         finally:
             log.info("%s (%s) shutting down", self.member.id, self.runtime.stage if self.runtime else "idle")
             self.member.stop()  # leave the routes first, so upstream stops sending here
             if self.runtime is not None:
                 self.runtime.retire()
+            self._forwarder.give_up_waiting()
             self._forwarder.close()
 
     def _start(self, stage: str) -> None:
@@ -211,11 +214,9 @@ class StageInstance:
         if msg is None:
             return
         try:
-            self._forwarder.forward(msg)  # (checks the message's routing fields first)
+            self._forwarder.hand_on(msg)  # (checks the message's routing fields first)
         except Exception:  # one message must not end the instance's loop
             log.exception("uid=%s: could not forward a message from %s", msg.uid, msg.sender or "?")
-        finally:
-            self.holdings.discard(msg.uid)
 
 
 def serve(nm_address: str, set_name: str, listen: str = "tcp://127.0.0.1:0", stage: str | None = None,

@@ -255,3 +255,47 @@ def test_a_request_is_held_until_its_delivery_is_recorded():
         d.close()
         live.close()
         db.close()
+
+
+def test_a_stray_in_the_idle_pool_waits_for_a_route_held_and_goes_on_or_fails_at_shutdown():
+    """An instance in the idle pool forwards what still reaches it (sent on old routes) without
+    the deliverer's loop: a stray whose stage had no instance waited in it for good, held by
+    nobody (its uid was let go at once) and never retried. Now it is held while it waits, goes on
+    once a route comes (the instance's loop retries), and fails with the reason at shutdown."""
+    db = DbThread()
+    rpc = RpcClient(db.server.control_address, timeout=1.0, retries=0)
+    decode = registry.listen("tcp://127.0.0.1:0")
+    routes = {"version": 1, "stages": {}, "dbs": [db.addresses]}
+    holdings = Holdings()
+    pool = ResultDeliver("", WORKFLOW, None, routes=lambda: routes,  # type: ignore[arg-type]
+                         on_sent=holdings.deliveries.add, holding=(holdings.add, holdings.discard))
+    try:
+        def stray() -> str:
+            uid = new_uid()
+            rpc.call("create", record={"uid": uid, "created_at": time.time()})
+            holdings.add(uid)  # as the instance's receiver took it
+            pool.hand_on(Message({"uid": uid, "app": "t2v", "stage": "vae_decode",
+                                  "deadline": time.time_ns() + int(60e9)}, {}))
+            return uid
+
+        first = stray()
+        assert pool.waiting == 1 and holdings.snapshot() == [first]
+        pool.retry_waiting()  # no route yet: it waits on
+        assert pool.waiting == 1 and holdings.snapshot() == [first]
+        routes["stages"]["vae_decode"], routes["version"] = [decode.address], 2
+        pool.retry_waiting()
+        assert wait_for(lambda: decode.recv(0.1), 5, "the stray at vae_decode").uid == first
+        assert pool.waiting == 0 and holdings.snapshot() == [] and decode.address in holdings.deliveries.report(60.0)
+        routes["stages"], routes["version"] = {}, 3
+        second = stray()
+        pool.give_up_waiting()
+        rec = wait_for(lambda: rpc.call("get", uid=second)[0]["record"].get("status") == "failed"
+                       and rpc.call("get", uid=second)[0]["record"], 5, "the stray failed")
+        assert "idle pool instance shut down while the request waited for an instance of stage vae_decode" \
+            in rec["error"], rec
+        assert pool.waiting == 0 and holdings.snapshot() == []
+    finally:
+        pool.close()
+        decode.close()
+        rpc.close()
+        db.close()
