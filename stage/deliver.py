@@ -147,8 +147,12 @@ class ResultDeliver:
                 self._last_progress.pop(uid, None)
                 self._to_db(Message({"uid": uid, "kind": "failed", "stage": self.stage, "error": error}))
         finally:
-            if uid not in self._parked_uids:
-                self._release(uid)
+            self._let_go(uid)
+
+    def _let_go(self, uid: str) -> None:
+        """``uid`` left this instance (handed on, failed, dropped), unless it waits here for a route."""
+        if uid not in self._parked_uids:
+            self._release(uid)
 
     # --- data -------------------------------------------------------------------------------
     def _deliver(self, msg: Message) -> None:
@@ -237,15 +241,14 @@ class ResultDeliver:
             uid = p.msg.uid
             if self._cancelled(p.msg.header):
                 self._parked_uids.discard(uid)
-                self._release(uid)
+                self._let_go(uid)
                 log.info("uid=%s cancelled while it waited for an instance of stage %s: dropped", uid, p.stage)
             elif set(stages.get(p.stage) or ()) - p.tried:
                 self._parked_uids.discard(uid)
                 try:
                     self._to_stage(p.msg, p.stage)  # held until sent (or parked again)
                 finally:
-                    if uid not in self._parked_uids:
-                        self._release(uid)
+                    self._let_go(uid)
             elif now >= p.until:
                 self._fail_parked(p, f"no live instance of stage {p.stage} within {now - p.since:.0f}s")
             else:
@@ -253,7 +256,7 @@ class ResultDeliver:
 
     def _fail_parked(self, p: _Parked, error: str) -> None:
         self._parked_uids.discard(p.msg.uid)
-        self._release(p.msg.uid)
+        self._let_go(p.msg.uid)
         self._fail(p.msg, error)
 
     # --- DB ---------------------------------------------------------------------------------

@@ -69,7 +69,8 @@ def test_a_request_waits_for_its_next_stage_to_come_back_and_goes_on(running):
         routes["stages"]["denoise_t2v"] = [receiver.address]  # the restarted instance registered
         msg = wait_for(lambda: receiver.recv(0.1), 5, "the request at the next stage")
         assert msg.uid == uid and msg.header["stage"] == "denoise_t2v"
-        assert d.waiting == 0 and holdings.snapshot() == []
+        wait_for(lambda: holdings.snapshot() == [], 5, "it let go once its delivery was recorded")
+        assert d.waiting == 0
         assert record(uid)["status"] != "failed"
     finally:
         receiver.close()
@@ -123,7 +124,8 @@ def test_a_request_cancelled_while_it_waits_for_a_route_is_dropped_there(tmp_pat
         assert holdings.snapshot() == [kept]
         routes["stages"]["denoise_t2v"], routes["version"] = [receiver.address], 2  # the next stage is back
         assert wait_for(lambda: receiver.recv(0.1), 5, "the other at the next stage").uid == kept
-        assert receiver.recv(0) is None and d.waiting == 0 and holdings.snapshot() == []
+        wait_for(lambda: holdings.snapshot() == [], 5, "it let go once its delivery was recorded")
+        assert receiver.recv(0) is None and d.waiting == 0
         assert rpc.call("get", uid=cancelled)[0]["record"]["status"] != "failed"  # dropped, not failed
     finally:
         stop.set()
@@ -196,7 +198,7 @@ def test_only_a_uid_the_stage_takes_is_held():
         receiver.close()
 
 
-def test_a_request_is_held_until_its_delivery_is_recorded():
+def test_a_request_is_held_until_its_delivery_is_recorded(tmp_path):
     """The heartbeat names what an instance holds, then what it delivered where: a request on
     its way out must be in one or the other at every moment, or an instance that died during a
     send (which waits up to its timeout for a receiver) left nothing for the NM to reap. It was
@@ -205,9 +207,7 @@ def test_a_request_is_held_until_its_delivery_is_recorded():
     its delivery is recorded, or once it failed; while a send waits, and while it waits for a
     route, it is held."""
     db = DbThread()
-    dead = registry.listen("tcp://127.0.0.1:0")
-    dead_address = dead.address
-    dead.close()  # nobody listens there: a send waits for its timeout
+    dead_address = f"ipc://{tmp_path}/nobody.sock"  # nobody listens there: a send waits for its timeout
     live = registry.listen("tcp://127.0.0.1:0")
     routes = {"version": 1, "stages": {"denoise_t2v": [dead_address]}, "dbs": [db.addresses]}
     holdings, mailbox, stop = Holdings(), queue.Queue(), threading.Event()
