@@ -42,6 +42,7 @@ from onepiece.schema import is_name, problem as problem_of
 from onepiece.nm.state import ClusterState, Instance, fresh_version
 from onepiece.supervise import stop_on_signals
 from onepiece.transport import curve
+from onepiece.transport.registry import host_of
 from onepiece.transport.rpc import RpcServer
 
 if TYPE_CHECKING:
@@ -453,9 +454,12 @@ def serve(topology: Topology, workflow: Workflow, base_dir: Path, address: str |
         log.warning("no operator key (%s FILE or %s): `move` and operators' `deregister` are refused",
                     operator_key.FLAG, operator_key.ENV)
     REGISTRY.register(NmMetrics(nm))
-    metrics = metrics_endpoint.start(metrics_port, "127.0.0.1")
-    log.info("node manager of deployment %s serving at %s, metrics at http://127.0.0.1:%d/metrics",
-             deployment_id or "none", nm.address, metrics.server_port)
+    # On the NM's own host, as every other role's: bound to loopback, an NM serving on 0.0.0.0
+    # (a container) could not be scraped from anywhere else, whatever --metrics-port said.
+    host = host_of(nm.address).strip("[]")
+    metrics = metrics_endpoint.start(metrics_port, host)
+    log.info("node manager of deployment %s serving at %s, metrics at http://%s:%d/metrics",
+             deployment_id or "none", nm.address, host, metrics.server_port)
     try:
         nm.run(stop)
     finally:

@@ -272,6 +272,35 @@ def test_only_the_primary_exports_the_cluster_state(nm):
     assert next(iter(NmMetrics(nm).collect())).samples[0].value == 0
 
 
+def test_the_nm_serves_its_metrics_on_the_host_it_serves_on(tmp_path):
+    """An NM bound beyond loopback (0.0.0.0 in a container, with --metrics-port for the scraper)
+    served its metrics on 127.0.0.1 only: nobody else could scrape them. They follow the NM's
+    address now; 127.0.0.2 stands for another address here (no socket on 127.0.0.1 takes it)."""
+    import re
+    import socket
+
+    import httpx
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.2", 0))
+            return s.getsockname()[1]
+
+    port, metrics_port = free_port(), free_port()
+    log_path = tmp_path / "nm.log"
+    proc = subprocess.Popen([sys.executable, "-m", "onepiece", "nm", "--topology", str(deploy_dir() / "local.yaml"),
+                             "--address", f"tcp://127.0.0.2:{port}", "--metrics-port", str(metrics_port)],
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    try:
+        url = wait_for(lambda: (m := re.search(r"metrics at (\S+)", log_path.read_text())) and m.group(1), 60,
+                       "the NM's start line")
+        assert url == f"http://127.0.0.2:{metrics_port}/metrics"
+        assert "onepiece_nm_primary 1.0" in httpx.get(url, timeout=5).text
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_a_bad_uid_in_a_holding_list_costs_only_itself(nm):
     """What a dead instance held is what the NM fails for it: a uid no DB takes (too long, a
     newline) must not make the NM drop the whole list."""
