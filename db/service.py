@@ -47,8 +47,10 @@ def serve(nm_address: str, set_name: str, data: str, control: str, events: str, 
         member.start()
 
     try:
-        serve_db(data, control, events, ttl_s, max_bytes, purge_after_fetch_s, name=f"db@{set_name}", on_ready=on_ready,
-                 replication=replication, set_name=set_name)
+        # Its metrics' `db` label: the instance's name where it has one (every DB of a set was
+        # "db@SET", and a set holds several, at metrics ports that change with each restart).
+        serve_db(data, control, events, ttl_s, max_bytes, purge_after_fetch_s, name=name or f"db@{set_name}",
+                 on_ready=on_ready, replication=replication, set_name=set_name)
     finally:
         if member is not None:
             member.stop()

@@ -583,7 +583,7 @@ def test_db_service_registers_metrics_and_heartbeats_a_snapshot(nm) -> None:
         "import logging; logging.basicConfig(level=logging.INFO);"
         "from onepiece.db.service import serve;"
         f"serve({nm.address!r}, 'set0', 'tcp://127.0.0.1:0', 'tcp://127.0.0.1:0', 'tcp://127.0.0.1:0',"
-        " 60.0, 1 << 20, True)"
+        " 60.0, 1 << 20, True, name='set0-db7')"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     status = NmClient(nm.address, timeout=1.0, retries=0)
@@ -600,7 +600,7 @@ def test_db_service_registers_metrics_and_heartbeats_a_snapshot(nm) -> None:
         assert inst["stats"]["addresses"]["control"] == addresses["control"]
         with urllib.request.urlopen(addresses["metrics"], timeout=5) as resp:
             body = resp.read().decode()
-        assert 'onepiece_db_records{db="db@set0"} 1.0' in body
+        assert 'onepiece_db_records{db="set0-db7"} 1.0' in body  # its name: a set's DBs are told apart
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
         assert dbs() == []  # deregistered on the way out
