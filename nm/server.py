@@ -424,7 +424,12 @@ class NmMetrics:
         if not primary:  # a backup's state is the last it saw: summed over NMs it counted twice
             return
         g = GaugeMetricFamily("onepiece_nm_instances", "registered instances", labels=["set", "role", "stage", "ready"])
-        counts: dict[tuple, int] = {}
+        # Every set's roles and stages, ready or not, at 0 too: a stage whose last instance was
+        # dropped had no series at all, so `onepiece_nm_instances{ready="true"} == 0` never fired.
+        counts: dict[tuple, int] = {(name, role, stage, ready): 0 for name in self.state.sets
+                                    for role, stage in [("db", ""), ("proxy", ""),
+                                                        *(("stage", s) for s in self.state.workflow.stages)]
+                                    for ready in ("true", "false")}
         for i in list(self.state.instances.values()):
             key = (i.set, i.role, i.stage or "", str(i.ready).lower())
             counts[key] = counts.get(key, 0) + 1

@@ -301,6 +301,26 @@ def test_the_nm_serves_its_metrics_on_the_host_it_serves_on(tmp_path):
         proc.wait(10)
 
 
+def test_the_nm_exports_a_stage_without_instances_at_zero(nm):
+    """A stage whose last instance was dropped had no `onepiece_nm_instances` series, so an alert
+    on its ready count being 0 never fired: every stage, DB and proxy of a set is exported, at 0."""
+    from onepiece.nm.server import NmMetrics
+
+    def count(stage: str, ready: str, role: str = "stage") -> float | None:
+        (family,) = [f for f in NmMetrics(nm).collect() if f.name == "onepiece_nm_instances"]
+        values = [s.value for s in family.samples
+                  if s.labels == {"set": "set0", "role": role, "stage": stage, "ready": ready}]
+        return values[0] if values else None
+
+    assert count("text_encode", "true") == 0 and count("vae_decode", "false") == 0 and count("", "true", "db") == 0
+    member = Membership(nm.address, "stage", "set0", {"data": "tcp://127.0.0.1:9"}, stage="text_encode")
+    member.register()
+    try:
+        assert count("text_encode", "false") == 1 and count("text_encode", "true") == 0
+    finally:
+        member.stop()
+
+
 def test_a_bad_uid_in_a_holding_list_costs_only_itself(nm):
     """What a dead instance held is what the NM fails for it: a uid no DB takes (too long, a
     newline) must not make the NM drop the whole list."""
