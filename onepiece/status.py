@@ -23,6 +23,8 @@ def _instance(i: dict[str, Any]) -> str:
                     if isinstance(s.get("ready"), int) and isinstance(s.get("workers"), int) and s["ready"] < s["workers"]
                     else "")
                  + f" done {s.get('completed', 0)} failed {s.get('failed', 0)}"
+                 # Once a worker is back, nothing else says it died: a crash loop stays visible.
+                 + (f" worker deaths {s['worker_deaths']}" if s.get("worker_deaths") else "")
                  + (f" gpu {s['gpu_util']:.0%}" if isinstance(s.get("gpu_util"), (int, float)) else "")
                  + _scheduling(s)
                  + (f"\n{'':17s}a worker fails to start: {s['worker_error']}" if s.get("worker_error") else ""))

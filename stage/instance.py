@@ -76,6 +76,10 @@ class StageMetrics:
         c = CounterMetricFamily("onepiece_stage_worker_slot_seconds", "worker slots times wall seconds", labels=["stage"])
         c.add_metric(labels, s.slot_s)
         yield c
+        c = CounterMetricFamily("onepiece_stage_worker_deaths", "workers (or collaboration groups) of this instance "
+                                "that died and were restarted", labels=["stage"])
+        c.add_metric(labels, s.worker_deaths)
+        yield c
         g = GaugeMetricFamily("onepiece_stage_service_seconds", "device seconds per request over the recent window "
                               "(at the batch sizes the stage reaches)", labels=["stage", "app"])
         for app, t in s.service.items():

@@ -378,6 +378,8 @@ class RequestScheduler:
 
     def worker_died(self, ident: bytes, reason: str, t: float) -> None:
         """From the TaskManager's thread: the worker ``ident`` exited at ``t``."""
+        # Counted here, its only writer: once the worker is back nothing else said it had died.
+        self.stats.worker_deaths += 1
         self.control.put(("died", ident, reason, t))
         self.wake.set()
 

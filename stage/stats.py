@@ -54,6 +54,7 @@ class SchedulerStats:
     # here: requests wait in the bounded queue for the restart instead of failing upstream.
     serving: bool = False
     worker_error: str = ""  # why a worker last failed to start ("" once one is ready)
+    worker_deaths: int = 0  # workers (or collaboration groups) that died and were restarted
     received: int = 0
     completed: int = 0
     failed: int = 0

@@ -216,6 +216,13 @@ def test_a_killed_worker_fails_every_request_it_held_and_comes_back(up, tmp_path
             c.wait(v["id"], timeout=30)
         assert "died (killed by signal 9)" in e.value.video["error"]["message"], e.value.video
     wait_for(lambda: denoise(up)["stats"]["ready"] == 1 and denoise(up)["stats"]["resident"] == 0, 60, "worker back")
+    # Once it is back, what an operator watches still says it died.
+    assert denoise(up)["stats"]["worker_deaths"] == 1
+    metrics = httpx.get(denoise(up)["addresses"]["metrics"], timeout=5).text
+    assert 'onepiece_stage_worker_deaths_total{stage="denoise_t2v"} 1.0' in metrics
+    out = subprocess.run([sys.executable, "-m", "onepiece", "status", "--nm", up.nm], capture_output=True,
+                         text=True, timeout=30).stdout
+    assert re.search(r"set0-denoise_t2v0 +ready .* worker deaths 1", out), out
     c.generate("after the restart", tmp_path / "after.mp4", size="64x64", num_frames=5, steps=4)
     c.close()
 
