@@ -168,11 +168,16 @@ class DoneWatcher:
 
 
 # --- the request monitor: admission at the set's measured capacity ----------------------------
+# What the monitor refuses a create for (429): capacity, not a bad request (a 400's code is the
+# validation's). `onepiece status` tells them apart.
+REFUSALS = ("over_capacity", "deadline", "no_capacity", "inflight_full")
+
+
 @dataclass
 class Refusal:
     """Why a create is refused, in the words of the 429 it becomes."""
 
-    code: str  # "over_capacity" | "deadline" | "no_capacity" | "inflight_full"
+    code: str  # one of REFUSALS
     message: str
     retry_after_s: int  # whole seconds (HTTP Retry-After), at least 1
     hint: str = "retry later or use another set"  # what the client can do about it

@@ -33,7 +33,7 @@ from onepiece.db.client import DbError, DbFull, DbGone, DbUnavailable, NotReady
 from onepiece.db.listing import created_key
 from onepiece.nm.capacity import at_shape
 from onepiece.proxy import openapi as oa
-from onepiece.proxy.admission import CapacityAdmission, DoneWatcher, InflightTracker, Refusal, admit
+from onepiece.proxy.admission import REFUSALS, CapacityAdmission, DoneWatcher, InflightTracker, Refusal, admit
 from onepiece.proxy.auth import AuthMiddleware, caller_of
 from onepiece.proxy.buffers import ByteBudget
 from onepiece.proxy.cluster import Cluster
@@ -126,7 +126,9 @@ class ProxyState:
         """What the proxy reports with each NM heartbeat (shown by `onepiece status`); callable
         from any thread."""
         return {"inflight": len(self.tracker), "max_inflight": self.tracker.max_inflight,
-                "accepted": self.metrics.accepted_total(), "rejected": self.metrics.rejected_total()}
+                "accepted": self.metrics.accepted_total(), "rejected": self.metrics.rejected_total(),
+                # of those rejected, the ones for capacity (the monitor's 429s, a full proxy's 503)
+                "refused": self.metrics.rejected_total((*REFUSALS, "buffers_full"))}
 
     def observe_monitor(self) -> None:
         """Feed the cluster's latest capacity view to admission (re-rates on a new view)."""

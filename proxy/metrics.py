@@ -52,9 +52,10 @@ class ProxyMetrics:
         """Requests accepted so far, all apps together."""
         return _total(self.accepted)
 
-    def rejected_total(self) -> int:
-        """Create requests refused so far, all reasons together."""
-        return _total(self.rejected)
+    def rejected_total(self, reasons: tuple[str, ...] | None = None) -> int:
+        """Create requests refused so far, for ``reasons`` (default: all together)."""
+        return int(sum(s.value for m in self.rejected.collect() for s in m.samples
+                       if s.name.endswith("_total") and (reasons is None or s.labels["reason"] in reasons)))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

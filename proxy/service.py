@@ -64,7 +64,7 @@ def serve(nm_address: str, set_name: str, host: str, port: int, max_inflight: in
 
     def stats() -> dict:
         if server is None:
-            return {"inflight": 0, "max_inflight": max_inflight, "accepted": 0, "rejected": 0}
+            return {"inflight": 0, "max_inflight": max_inflight, "accepted": 0, "rejected": 0, "refused": 0}
         return server.app.state.proxy.stats()
 
     member = Membership(nm_address, "proxy", set_name, {}, stats=stats, advertise=advertise, zk=zk,

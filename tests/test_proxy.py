@@ -581,16 +581,17 @@ def test_heartbeat_stats_count_accepted_and_rejected():
     h = Harness(max_inflight=1)
     try:
         state = h.proxy.app.state.proxy
-        assert state.stats() == {"inflight": 0, "max_inflight": 1, "accepted": 0, "rejected": 0}
+        assert state.stats() == {"inflight": 0, "max_inflight": 1, "accepted": 0, "rejected": 0, "refused": 0}
         assert h.create(prompt="a").status_code == 200
         assert h.create(prompt="b").status_code == 429  # full
         assert h.create(prompt="c", size="1x1").status_code == 400  # invalid
         stats = state.stats()
-        assert stats == {"inflight": 1, "max_inflight": 1, "accepted": 1, "rejected": 2}
+        assert stats == {"inflight": 1, "max_inflight": 1, "accepted": 1, "rejected": 2, "refused": 1}
         proxy = {"id": "proxy0", "role": "proxy", "ready": True, "silent_s": 0.1, "stats": stats,
                  "addresses": {"http": h.url}}
         line = render({"sets": {"set0": {"stages": {}, "idle": [], "dbs": [], "proxies": [proxy]}}})
-        assert "inflight 1/1 accepted 1 rejected 2" in line
+        # the 429 (a full set) told apart from the 400 (a bad request): different alarms
+        assert "inflight 1/1 accepted 1 rejected 2 (1 for capacity)" in line
         # A stage counts the instances assigned to it now (a move changes them), not the topology's.
         moved = {"id": "stage-1", "role": "stage", "ready": True, "silent_s": 0.1, "stats": {}, "stage": "vae_decode",
                  "addresses": {"data": "tcp://127.0.0.1:1"}}
