@@ -308,6 +308,7 @@ class ClusterState:
                 "idle": [i.view(now) for i in members if i.role == "stage" and i.stage is None],
                 "dbs": [i.view(now) for i in members if i.role == "db"],
                 "proxies": [i.view(now) for i in members if i.role == "proxy"],
+                "want": {"dbs": spec.db.count, "proxies": spec.proxy.count},  # what the topology starts
                 "capacity": self.monitor(name)["apps"],
             }
         return {"sets": out, "version": self.version, "events": self.events[-20:]}

@@ -128,8 +128,12 @@ def render(status: dict[str, Any]) -> str:
                          + ("" if missed is None else f", {missed:.0%} of its requests late"))
             lines += [_instance(i) for i in insts]
         for label, key in (("idle pool", "idle"), ("dbs", "dbs"), ("proxies", "proxies")):
-            if st[key]:
-                lines.append(f"  {label}:")
+            want = (st.get("want") or {}).get(key)
+            if st[key] or want:
+                # A DB or proxy that is gone said nothing before: the list was one shorter.
+                count = "" if want is None else f" {sum(1 for i in st[key] if i['ready'])}/{len(st[key])} ready" + (
+                    "" if want == len(st[key]) else f" (the topology starts {want})")
+                lines.append(f"  {label}:{count}")
                 lines += [_instance(i) for i in st[key]]
         lines += _capacity(st.get("capacity") or {})
     lines += _elastic(status.get("elastic") or {})

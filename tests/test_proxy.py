@@ -599,6 +599,12 @@ def test_heartbeat_stats_count_accepted_and_rejected():
                                                     "text_encode": {"want": 1, "instances": []}},
                                          "idle": [], "dbs": [], "proxies": []}}})
         assert "stage vae_decode: 2/2 ready (the topology starts 1)" in text
+        # A DB (or proxy) that is gone is said so, as a stage's instance is: the list was just shorter.
+        db = {"id": "set0-db1", "role": "db", "ready": True, "silent_s": 0.1, "stats": {},
+              "addresses": {"data": "tcp://127.0.0.1:2"}}
+        gone = render({"sets": {"set0": {"stages": {}, "idle": [], "dbs": [db], "proxies": [proxy],
+                                         "want": {"dbs": 2, "proxies": 1}}}})
+        assert "  dbs: 1/1 ready (the topology starts 2)" in gone and "  proxies: 1/1 ready\n" in gone
         assert "stage text_encode: 0/0 ready (the topology starts 1)" in text
     finally:
         h.close()
