@@ -414,6 +414,14 @@ def default_curve_dir() -> Path:
     return operator_key.default_path().parent / "curve"
 
 
+def status_command(nm_address: str) -> str:
+    """The `onepiece status` that reaches this deployment's NM: without --nm it asks the default
+    address, which is another deployment's (or nobody's) under a topology with its own."""
+    from onepiece.cli import DEFAULT_NM
+
+    return "onepiece status" if nm_address == DEFAULT_NM else f"onepiece status --nm {nm_address}"
+
+
 def up(topology: Path, log_dir: Path | None = None, ready_timeout: float = 300.0) -> int:
     from onepiece.supervise import stop_on_signals
 
@@ -429,7 +437,8 @@ def up(topology: Path, log_dir: Path | None = None, ready_timeout: float = 300.0
         for set_name, urls in proxies.items():
             for url in urls:
                 print(f"onepiece is up: set {set_name} serves the API at {url}", flush=True)
-        print(f"node manager at {dep.nm_address}; `onepiece status` shows the cluster; Ctrl-C stops", flush=True)
+        print(f"node manager at {dep.nm_address}; `{status_command(dep.nm_address)}` shows the cluster; Ctrl-C stops",
+              flush=True)
         dep.supervise(stop)
         return 0
     except RuntimeError as e:

@@ -9,6 +9,7 @@ import contextlib
 import os
 import queue
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -116,9 +117,14 @@ def test_openai_package_works_unchanged(up, tmp_path):
 
 
 def test_status_command_shows_every_stage(up):
+    # the command `onepiece up` prints reaches its NM: this topology's is not the default address,
+    # where a plain `onepiece status` asks
+    printed = up.wait_for(r"`(onepiece status[^`]*)` shows the cluster", timeout=30).group(1)
+    assert printed == f"onepiece status --nm {up.nm}", printed
+
     def status() -> str:
-        out = subprocess.run([sys.executable, "-m", "onepiece", "status", "--nm", up.nm], capture_output=True,
-                             text=True, timeout=30)
+        out = subprocess.run([sys.executable, "-m", *shlex.split(printed)], capture_output=True, text=True,
+                             timeout=30)
         assert out.returncode == 0, out.stderr
         return out.stdout
 
