@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 from prometheus_client import REGISTRY
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from onepiece import deployment, metrics_endpoint, operator_key
 from onepiece.config import Topology, Workflow
@@ -39,7 +39,7 @@ from onepiece.nm.orphans import REASON as UNHELD, Look, OrphanSweep
 from onepiece.nm.protocol import SCHEMAS, HeartbeatArgs, Holdings, InstanceArgs, MoveArgs, RegisterArgs, SetArgs
 from onepiece.nm.reaper import MAX_UIDS, Reaper
 from onepiece.schema import is_name, problem as problem_of
-from onepiece.nm.state import ClusterState, Instance, fresh_version
+from onepiece.nm.state import LEFT, ClusterState, Instance, fresh_version
 from onepiece.supervise import stop_on_signals
 from onepiece.transport import curve
 from onepiece.transport.registry import host_of
@@ -356,7 +356,7 @@ class NodeManager:
             if not req.token or not hmac.compare_digest(inst.token.encode(), req.token.encode()):
                 raise PermissionError(f"deregister of {req.instance}: needs that instance's own token (from its "
                                       f"registration) or the operator key")
-        self.state.deregister(req.instance, "left")
+        self.state.deregister(req.instance, LEFT)
         self._saved()
         return {}
 
@@ -436,6 +436,12 @@ class NmMetrics:
         for key, n in counts.items():
             g.add_metric(list(key), n)
         yield g
+        d = CounterMetricFamily("onepiece_nm_dropped_instances", "instances dropped from the routes other than by "
+                                "leaving (silent, killed, replaced by their restart), since this NM became primary",
+                                labels=["set", "role", "stage"])
+        for key, n in list(self.state.drops.items()):
+            d.add_metric(list(key), n)
+        yield d
         v = GaugeMetricFamily("onepiece_nm_routes_version", "route table version")
         v.add_metric([], self.state.version)
         yield v

@@ -36,6 +36,7 @@ MAX_MOVED_NAMES = 1024
 
 # The addresses each role must register: what the route tables hand out for it.
 ROLES = {"stage": ("data",), "db": ("data", "control", "events"), "proxy": ("http",)}
+LEFT = "left"  # the reason an instance that said goodbye is dropped for (not a failure)
 
 
 @dataclass
@@ -107,6 +108,9 @@ class ClusterState:
         # (A simulation names its own, so that a replay gives the same ids.)
         self._incarnation = incarnation or f"{time.time_ns() // 1_000_000:x}{secrets.token_hex(1)}"
         self.events: list[str] = []  # recent decisions, shown by `onepiece status`
+        # (set, role, stage) -> instances dropped since this NM became primary, other than by
+        # leaving: the events scroll away, an operator's alert needs a counter (nm/server.py)
+        self.drops: dict[tuple[str, str, str], int] = {}
         self.dirty: set[str] = set()  # sets whose instance records changed since last saved
         # Per set, named stage instances that were moved: name -> the stage (None: idle pool) they
         # were moved to. A restarted process of that name registers there, not at its pin.
@@ -265,6 +269,9 @@ class ClusterState:
         """Drop an instance from the routes; the dropped instance (None if unknown)."""
         inst = self.instances.pop(inst_id, None)
         if inst is not None:
+            if reason != LEFT:
+                key = (inst.set, inst.role, inst.stage or "")
+                self.drops[key] = self.drops.get(key, 0) + 1
             self._changed(inst.set)
             self.note(f"dropped {inst.id} ({inst.role}{' ' + inst.stage if inst.stage else ''}): {reason}")
         return inst
