@@ -54,16 +54,17 @@ class ProxyMetrics:
 
     def rejected_total(self, reasons: tuple[str, ...] | None = None) -> int:
         """Create requests refused so far, for ``reasons`` (default: all together)."""
-        return int(sum(s.value for m in self.rejected.collect() for s in m.samples
-                       if s.name.endswith("_total") and (reasons is None or s.labels["reason"] in reasons)))
+        return _total(self.rejected, reasons)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-def _total(counter: Counter) -> int:
-    # Summed over every label value; collect() takes the counter's lock, so any thread may call it.
-    return int(sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")))
+def _total(counter: Counter, reasons: tuple[str, ...] | None = None) -> int:
+    # Summed over every label value (or those ``reasons``); collect() takes the counter's lock,
+    # so any thread may call it.
+    return int(sum(s.value for m in counter.collect() for s in m.samples
+                   if s.name.endswith("_total") and (reasons is None or s.labels.get("reason") in reasons)))
 
 
 class MonitorCollector:
