@@ -101,7 +101,15 @@ class ProxyServer:
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
         log.info("proxy listening on %s", self.url)
         if on_bound is not None:
-            on_bound(self.host, self.port)
+            try:
+                on_bound(self.host, self.port)
+            except BaseException:
+                # (refused by the NM, say): uvicorn stops as on SIGTERM, not cancelled mid-serve,
+                # which logged a traceback above the refusal's one clear line
+                self.server.should_exit = True
+                with contextlib.suppress(Exception):
+                    await task
+                raise
         await task
 
     def run(self, on_bound: OnBound | None = None) -> None:

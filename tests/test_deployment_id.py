@@ -69,6 +69,7 @@ def test_an_nm_refuses_members_of_another_deployment_and_keeps_its_own():
             # It does not join: it says why, and exits.
             assert p.returncode == 1, out
             assert deployment.REFUSED in out and "serves deployment 'first'" in out, out
+            assert "Traceback" not in out, out  # one clear line (a proxy's uvicorn logged one above it)
         assert "the member belongs to 'second'" in outputs[0] and "the member belongs to none" in outputs[1]
         assert "--deployment first" in outputs[0]  # how to join this one, if that was meant
 
