@@ -80,71 +80,75 @@ def _holding(nm: str, stage: str) -> int:
     return sum(i.get("holding", 0) for i in insts)
 
 
-@pytest.mark.slow
-def test_a_stage_that_died_while_the_nm_was_down_has_its_request_failed_long_before_the_deadline(
-        tiny_models, tmp_path, make_topology) -> None:
+@pytest.fixture(scope="module")
+def up(tiny_models, tmp_path_factory, make_topology):
+    """One `onepiece up` for the two tests below (the second kills its NM and denoise stage,
+    which `up` restarts): the T2V stages (no test here sends anything else), two DBs, a
+    heartbeat of 0.25 s (a dead limit of 1.5 s), denoise_t2v's queue of one, and no request
+    monitor (a burst at a stopped worker is not refused)."""
+    folder = tmp_path_factory.mktemp("orphans")
     nm = free_tcp_address()
-    topology = make_topology(tmp_path, tiny_models, nm, dbs=2, heartbeat_s=0.25, threads=1,
-                             nm={"elastic": {"enabled": False}})
-    up = Up(topology, tmp_path / "logs", nm)
-    try:
-        url = up.wait_for(r"serves the API at (http://\S+)", timeout=300).group(1)
-        stage = _child(up, "stage", "denoise_t2v")
-        (worker,) = stage.children()
-        with Client(url) as c:
-            # Held at the denoise stage for good: its worker is stopped (not dead: nothing notices).
-            worker.send_signal(signal.SIGSTOP)
-            video = c.submit("held", model="t2v", size="32x32", num_frames=5, steps=2, timeout_s=300)
-            # In the denoise instance's hands (its heartbeat names it), not only in_progress, which
-            # text_encode reports: still on its way, it would reach the restarted instance and complete.
-            wait_for(lambda: _holding(nm, "denoise_t2v") == 1, timeout=60, what="the request at the denoise stage")
-            # The NM dies, and while nobody has restarted it yet, the stage that holds the request.
-            nm_process = _child(up, "nm")
-            nm_process.send_signal(signal.SIGKILL)
-            for p in (worker, stage):
-                p.send_signal(signal.SIGKILL)
-            nm_process.wait(10)
-            t0 = time.monotonic()
-            failed = wait_for(lambda: (v := c.status(video["id"]))["status"] == "failed" and v, timeout=90,
-                              what="the request failed", interval=0.2)
-            assert "held by no live instance" in failed["error"]["message"], failed
-            assert time.monotonic() - t0 < 90  # its deadline was 300 s away
-            # The restarted deployment serves again.
-            again = c.submit("after", model="t2v", size="32x32", num_frames=5, steps=2)
-            assert c.wait(again["id"], timeout=120)["status"] == "completed"
-    finally:
-        up.stop()
-
-
-@pytest.mark.slow
-def test_requests_waiting_in_a_full_stage_s_buffer_are_not_taken_for_lost(tiny_models, tmp_path, make_topology) -> None:
-    """A stage whose queue is full reads no more: what is handed to it waits in its transport's
-    buffer, held by nobody, as long as the queue takes to drain. None of it may be failed."""
-    nm = free_tcp_address()
-    topology = make_topology(tmp_path, tiny_models, nm, dbs=1, heartbeat_s=0.25, threads=1,
+    topology = make_topology(folder, tiny_models, nm, dbs=2, heartbeat_s=0.25, threads=1,
+                             stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1},
                              nm={"elastic": {"enabled": False}}, stage_options={"denoise_t2v": {"queue": 1}},
                              proxy={"monitor": False})
-    up = Up(topology, tmp_path / "logs", nm)
+    dep = Up(topology, folder / "logs", nm)
     try:
-        url = up.wait_for(r"serves the API at (http://\S+)", timeout=300).group(1)
-        (worker,) = _child(up, "stage", "denoise_t2v").children()
-        with Client(url) as c:
-            worker.send_signal(signal.SIGSTOP)
-            try:
-                videos = [c.submit(f"wait {i}", model="t2v", size="32x32", num_frames=5, steps=2) for i in range(4)]
-                # One at the stopped worker, one in the queue, two in the buffer: for well over the
-                # two looks a dead limit (1.5 s) apart that would fail an unheld request (3 s).
-                wait_for(lambda: c.status(videos[0]["id"])["status"] == "in_progress", timeout=60,
-                         what="the first request at the worker")
-                end = time.monotonic() + 6
-                while time.monotonic() < end:
-                    assert all(c.status(v["id"])["status"] != "failed" for v in videos)
-                    time.sleep(0.5)
-            finally:
-                worker.send_signal(signal.SIGCONT)
-            assert [c.wait(v["id"], timeout=120)["status"] for v in videos] == ["completed"] * 4
+        dep.url = dep.wait_for(r"serves the API at (http://\S+)", timeout=300).group(1)
+        yield dep
     finally:
-        up.stop()
+        dep.stop()
+
+
+@pytest.mark.slow
+def test_requests_waiting_in_a_full_stage_s_buffer_are_not_taken_for_lost(up) -> None:
+    """A stage whose queue is full reads no more: what is handed to it waits in its transport's
+    buffer, held by nobody, as long as the queue takes to drain. None of it may be failed."""
+    (worker,) = _child(up, "stage", "denoise_t2v").children()
+    with Client(up.url) as c:
+        worker.send_signal(signal.SIGSTOP)
+        try:
+            videos = [c.submit(f"wait {i}", model="t2v", size="32x32", num_frames=5, steps=2) for i in range(4)]
+            # One at the stopped worker, one in the queue, two in the buffer: for well over the
+            # two looks a dead limit (1.5 s) apart that would fail an unheld request (3 s).
+            wait_for(lambda: c.status(videos[0]["id"])["status"] == "in_progress", timeout=60,
+                     what="the first request at the worker")
+            end = time.monotonic() + 6
+            while time.monotonic() < end:
+                assert all(c.status(v["id"])["status"] != "failed" for v in videos)
+                time.sleep(0.5)
+        finally:
+            worker.send_signal(signal.SIGCONT)
+        assert [c.wait(v["id"], timeout=120)["status"] for v in videos] == ["completed"] * 4
+
+
+@pytest.mark.slow
+def test_a_stage_that_died_while_the_nm_was_down_has_its_request_failed_long_before_the_deadline(up) -> None:
+    """Last in the module: `up` restarts the NM and the denoise stage it kills."""
+    nm = up.nm
+    stage = _child(up, "stage", "denoise_t2v")
+    (worker,) = stage.children()
+    with Client(up.url) as c:
+        # Held at the denoise stage for good: its worker is stopped (not dead: nothing notices).
+        worker.send_signal(signal.SIGSTOP)
+        video = c.submit("held", model="t2v", size="32x32", num_frames=5, steps=2, timeout_s=300)
+        # In the denoise instance's hands (its heartbeat names it), not only in_progress, which
+        # text_encode reports: still on its way, it would reach the restarted instance and complete.
+        wait_for(lambda: _holding(nm, "denoise_t2v") == 1, timeout=60, what="the request at the denoise stage")
+        # The NM dies, and while nobody has restarted it yet, the stage that holds the request.
+        nm_process = _child(up, "nm")
+        nm_process.send_signal(signal.SIGKILL)
+        for p in (worker, stage):
+            p.send_signal(signal.SIGKILL)
+        nm_process.wait(10)
+        t0 = time.monotonic()
+        failed = wait_for(lambda: (v := c.status(video["id"]))["status"] == "failed" and v, timeout=90,
+                          what="the request failed", interval=0.2)
+        assert "held by no live instance" in failed["error"]["message"], failed
+        assert time.monotonic() - t0 < 90  # its deadline was 300 s away
+        # The restarted deployment serves again.
+        again = c.submit("after", model="t2v", size="32x32", num_frames=5, steps=2)
+        assert c.wait(again["id"], timeout=120)["status"] == "completed"
 
 
 
