@@ -162,8 +162,10 @@ def test_a_moved_instance_that_dies_comes_back_at_the_stage_it_was_moved_to(dono
 
 
 def test_the_idle_pool_serves_under_load_and_takes_the_instance_back_when_load_is_gone(tiny_models, tmp_path):
-    # cold over two windows: the load stops at once here, no lull to tell from its end
-    dep, nm, url = start(tmp_path, tiny_models, cooldown_s=2.0, low=0.3, cold_windows=2,
+    # cold over two windows: the load stops at once here, no lull to tell from its end. Windows
+    # of 2 s, not the module's 3: no rate is measured over them here, and each decision is on a
+    # stage plainly saturated (denoise under three clients), idle (no load) or below its minimum.
+    dep, nm, url = start(tmp_path, tiny_models, window_s=2.0, cooldown_s=2.0, low=0.3, cold_windows=2,
                          stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1}, idle=1)
     try:
         idle = nm.status()["sets"]["set0"]["idle"]
