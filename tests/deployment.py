@@ -32,7 +32,8 @@ class Up:
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.output: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)  # ends at the output's end
+        self.reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
