@@ -1,6 +1,7 @@
 """One rank of a collaboration group, for tests/test_collab.py: denoises the requests of a
 message file on the tiny models following a per-step plan of groups, and (rank 0) saves the
-latents. Started as a plain process per rank (nothing pickled)."""
+latents. Started as a plain process per rank (nothing pickled), for one run or (``serve``)
+for the runs its stdin hands it."""
 
 from __future__ import annotations
 
@@ -25,16 +26,13 @@ def write_messages(path: Path, msgs: list) -> None:
     path.write_text("\n".join(pack([bytes(x) for x in encode(m)]).hex() for m in msgs))
 
 
-def main(cfg: dict) -> None:
-    import torch
-
-    from onepiece.stage.collective import Collective, leave
+def run(c, cfg: dict) -> None:
+    """Denoise the requests of ``cfg["messages"]`` following ``cfg["plan"]`` on the world ``c``,
+    with models loaded for this run; write what the test reads into ``cfg["out"]``."""
     from onepiece.stage.loader import load_components
     from onepiece.stage.registry import StageContext, lookup
     from onepiece.stage.wan.parallel import ParallelDenoiser
 
-    torch.set_num_threads(1)
-    c = Collective(cfg["rank"], cfg["size"], cfg["address"], "cpu", timeout_s=60)
     ctx = StageContext(load_components(Path(cfg["model_dir"]), ["transformer", "scheduler"]))
     msgs = read_messages(Path(cfg["messages"]))
     tasks = [lookup("denoise", m.header["app"])(ctx, m) for m in msgs]
@@ -61,6 +59,24 @@ def main(cfg: dict) -> None:
     listening = [f"{a.laddr.ip}:{a.laddr.port}" for a in psutil.Process().net_connections("inet")
                  if a.status == psutil.CONN_LISTEN]
     (Path(cfg["out"]) / f"listening-{c.rank}.json").write_bytes(orjson.dumps(listening))
+
+
+def main(cfg: dict) -> None:
+    import torch
+
+    from onepiece.stage.collective import Collective, leave
+
+    torch.set_num_threads(1)
+    c = Collective(cfg["rank"], cfg["size"], cfg["address"], "cpu", timeout_s=60)
+    if cfg.get("serve"):
+        # Runs one after another on this one world, as a worker group keeps its world across
+        # requests: each a JSON line on stdin (run's keys), answered "done" on stdout. A run
+        # that fails ends the process (its peers' collectives then time out).
+        for line in sys.stdin:
+            run(c, {**cfg, **orjson.loads(line)})
+            print("done", flush=True)
+    else:
+        run(c, cfg)
     c.close()
     leave()
 

@@ -3,7 +3,9 @@ processes) gives what one worker gives, whatever the degree of parallelism of ea
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -47,16 +49,91 @@ def alone(app: str, comps, msg: Message) -> np.ndarray:
     return decode_frames(StageContext(comps(DECODE[1], DECODE[2])), out)
 
 
+class Ranks:
+    """``size`` rank processes (collab_rank.py, ``serve``) kept for the module: each ``run`` is
+    one collaborate() on the same world, as a worker group serves request after request. The
+    models are loaded again for every run. A run that fails ends the processes; the next run
+    starts new ones."""
+
+    def __init__(self, folder: Path, size: int = 2) -> None:
+        self.folder, self.size = folder, size
+        self.procs: list[subprocess.Popen] = []
+        self.worlds = 0
+
+    def _start(self) -> None:
+        self.worlds += 1
+        folder = self.folder / f"world{self.worlds}"
+        folder.mkdir()
+        address = rendezvous(folder)
+        self.procs = [subprocess.Popen([sys.executable, str(HERE / "collab_rank.py"), orjson.dumps({
+            "rank": r, "size": self.size, "address": address, "serve": True}).decode()],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE) for r in range(self.size)]
+        self._read = {p.pid: b"" for p in self.procs}
+
+    def _line(self, p: subprocess.Popen, deadline: float) -> bytes:
+        """The next line ``p`` writes (b"" at its end or past the deadline)."""
+        while b"\n" not in self._read[p.pid]:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([p.stdout], [], [], left)[0]:
+                return b""
+            chunk = os.read(p.stdout.fileno(), 4096)
+            if not chunk:
+                return b""
+            self._read[p.pid] += chunk
+        line, _, self._read[p.pid] = self._read[p.pid].partition(b"\n")
+        return line
+
+    def run(self, job: dict, timeout: float = 240.0) -> None:
+        if not self.procs or any(p.poll() is not None for p in self.procs):
+            self.close()
+            self._start()
+        for p in self.procs:
+            p.stdin.write(orjson.dumps(job) + b"\n")
+            p.stdin.flush()
+        deadline = time.monotonic() + timeout
+        answers = [self._line(p, deadline) for p in self.procs]
+        if answers != [b"done"] * self.size:
+            self.close()
+            raise AssertionError(f"the ranks answered {answers} (exit codes {[p.poll() for p in self.procs]})")
+
+    def close(self) -> None:
+        """End of input: every rank leaves the world and exits."""
+        for p in self.procs:
+            with contextlib.suppress(OSError):
+                p.stdin.close()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs = []
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Two ranks for the module's runs (starting a rank imports torch and diffusers: seconds)."""
+    pool = Ranks(tmp_path_factory.mktemp("ranks"))
+    yield pool
+    pool.close()
+
+
 def collaborate(tmp_path: Path, model_dir: Path, msgs: list[Message], plan: list, size: int = 2,
-                all_save: bool = False, cancel: dict | None = None) -> list[np.ndarray]:
-    """Run ``plan`` on ``size`` rank processes; rank 0's latents per request."""
+                all_save: bool = False, cancel: dict | None = None, ranks: Ranks | None = None) -> list[np.ndarray]:
+    """Run ``plan`` on ``size`` rank processes (``ranks``' if given, else new ones); rank 0's
+    latents per request."""
     write_messages(tmp_path / "msgs.bin", msgs)
-    address = rendezvous(tmp_path)
-    procs = [subprocess.Popen([sys.executable, str(HERE / "collab_rank.py"), orjson.dumps({
-        "rank": r, "size": size, "address": address, "model_dir": str(model_dir), "messages": str(tmp_path / "msgs.bin"),
-        "plan": plan, "out": str(tmp_path), "all_save": all_save, "cancel": cancel}).decode()]) for r in range(size)]
-    for p in procs:
-        assert p.wait(timeout=240) == 0
+    job = {"model_dir": str(model_dir), "messages": str(tmp_path / "msgs.bin"), "plan": plan, "out": str(tmp_path),
+           "all_save": all_save, "cancel": cancel}
+    if ranks is not None:
+        assert ranks.size == size
+        ranks.run(job)
+    else:
+        address = rendezvous(tmp_path)
+        procs = [subprocess.Popen([sys.executable, str(HERE / "collab_rank.py"), orjson.dumps({
+            "rank": r, "size": size, "address": address, **job}).decode()]) for r in range(size)]
+        for p in procs:
+            assert p.wait(timeout=240) == 0
     return [np.load(tmp_path / f"latents-0-{i}.npy") for i in range(len(msgs))]
 
 
@@ -67,12 +144,12 @@ def frames_of(comps, msg: Message, latents: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("app", ["t2v", "i2v"])
-def test_collaborative_output_equals_one_worker(app, tiny_models, comps, image, tmp_path) -> None:
+def test_collaborative_output_equals_one_worker(app, tiny_models, comps, image, tmp_path, ranks) -> None:
     """Every step on both ranks: CFG-parallel (guided), then sequence-parallel (unguided), one
     run each on the same two rank processes."""
     guidances = (5.0, 1.0)
     msgs = [denoise_input(app, comps, image, guidance=g) for g in guidances]
-    lats = collaborate(tmp_path, tiny_models[app], msgs, [[[[0, 1], [0], 4]], [[[0, 1], [1], 4]]])
+    lats = collaborate(tmp_path, tiny_models[app], msgs, [[[[0, 1], [0], 4]], [[[0, 1], [1], 4]]], ranks=ranks)
     for guidance, msg, lat in zip(guidances, msgs, lats):
         ref = alone(app, comps, msg)
         got = frames_of(comps, msg, lat)
@@ -80,24 +157,24 @@ def test_collaborative_output_equals_one_worker(app, tiny_models, comps, image, 
         assert float(ref.std()) > 0.01
 
 
-def test_a_request_changes_its_degree_of_parallelism_between_steps(tiny_models, comps, image, tmp_path) -> None:
+def test_a_request_changes_its_degree_of_parallelism_between_steps(tiny_models, comps, image, tmp_path, ranks) -> None:
     """DoP 1 on rank 0, DoP 2, DoP 1 on rank 1, DoP 2 (a step each): the same result as one
     worker, and every rank's replica of the state is the same."""
     msg = denoise_input("t2v", comps, image)
     ref = alone("t2v", comps, msg)
     plan = [[[[0], [0], 1]], [[[0, 1], [0], 1]], [[[1], [0], 1]], [[[0, 1], [0], 1]]]
-    (lat,) = collaborate(tmp_path, tiny_models["t2v"], [msg], plan, all_save=True)
+    (lat,) = collaborate(tmp_path, tiny_models["t2v"], [msg], plan, all_save=True, ranks=ranks)
     assert float(np.abs(frames_of(comps, msg, lat) - ref).max()) <= 1e-4
     assert np.array_equal(lat, np.load(tmp_path / "latents-1-0.npy"))
 
 
-def test_two_requests_at_dop_1_on_two_ranks_at_once(tiny_models, comps, image, tmp_path) -> None:
+def test_two_requests_at_dop_1_on_two_ranks_at_once(tiny_models, comps, image, tmp_path, ranks) -> None:
     """Disjoint groups in one run: each rank advances its own request (3 steps and 1), and both
     replicas learn both results; then the two run batched together at DoP 2 to their ends."""
     msgs = [denoise_input("t2v", comps, image, seed=s, steps=4) for s in (1, 2)]
     refs = [alone("t2v", comps, m) for m in msgs]
     plan = [[[[0], [0], 3], [[1], [1], 1]], [[[0, 1], [0, 1], 3]]]
-    lats = collaborate(tmp_path, tiny_models["t2v"], msgs, plan)
+    lats = collaborate(tmp_path, tiny_models["t2v"], msgs, plan, ranks=ranks)
     for m, lat, ref in zip(msgs, lats, refs):
         assert float(np.abs(frames_of(comps, m, lat) - ref).max()) <= 1e-4
     # The world listened on loopback only: its ranks met through a file in a private folder
@@ -107,14 +184,14 @@ def test_two_requests_at_dop_1_on_two_ranks_at_once(tiny_models, comps, image, t
         assert all(a.startswith("127.") for a in listening), listening
 
 
-def test_a_request_cancelled_mid_run_steps_no_more_on_the_whole_group(tiny_models, comps, image, tmp_path) -> None:
+def test_a_request_cancelled_mid_run_steps_no_more_on_the_whole_group(tiny_models, comps, image, tmp_path, ranks) -> None:
     """Two requests in one run of 4 steps on both ranks; before its third step the second is
     cancelled (what the worker's shared drops say): it stops after 2 steps on every rank,
     and the first goes on to its end, equal to one worker's frames."""
     msgs = [denoise_input("t2v", comps, image, seed=s, steps=4) for s in (1, 2)]
     ref = alone("t2v", comps, msgs[0])
-    lat, _ = collaborate(tmp_path, tiny_models["t2v"], msgs, [[[[0, 1], [0, 1], 4]]], cancel={"0": {"step": 2,
-                                                                                                 "leave": [1]}})
+    lat, _ = collaborate(tmp_path, tiny_models["t2v"], msgs, [[[[0, 1], [0, 1], 4]]],
+                         cancel={"0": {"step": 2, "leave": [1]}}, ranks=ranks)
     assert float(np.abs(frames_of(comps, msgs[0], lat) - ref).max()) <= 1e-4
     for rank in (0, 1):
         assert orjson.loads((tmp_path / f"steps-{rank}.json").read_bytes()) == [4, 2]
