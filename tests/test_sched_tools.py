@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from onepiece.bench.trace import TraceError, load_trace, parse_classes, poisson_trace
+from onepiece.cli import main as cli_main
 from onepiece.config import deploy_dir, load_workflow
 from onepiece.sched.costs import TableError, load_table
 
@@ -28,7 +29,7 @@ def _workflow(tmp_path: Path, models: dict[str, Path], **stage_schedule) -> Path
     return path
 
 
-def test_profile_writes_a_table_a_stage_can_start_from(tiny_models, tmp_path):
+def test_profile_writes_a_table_a_stage_can_start_from(tiny_models, tmp_path, capsys):
     wf = _workflow(tmp_path, tiny_models)
     out = tmp_path / "costs.json"
     run = subprocess.run([sys.executable, "-m", "onepiece", "profile", "--workflow", str(wf), "--stage", "denoise_t2v",
@@ -46,15 +47,17 @@ def test_profile_writes_a_table_a_stage_can_start_from(tiny_models, tmp_path):
     out.rename(tmp_path / "tables" / "costs.json")
     wf2 = _workflow(tmp_path, tiny_models, denoise_t2v={"policy": "slo", "costs": "tables/costs.json"})
     assert load_workflow(wf2).cost_table("denoise_t2v", wf2.parent) == rows
-    bad = subprocess.run([sys.executable, "-m", "onepiece", "profile", "--workflow", str(wf), "--stage", "warp"],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "unknown stage(s) ['warp']" in bad.stderr
+    # Refused before any work: `onepiece`'s main in this process (a subprocess spent its
+    # seconds importing torch for nothing but these lines)
+    with pytest.raises(SystemExit) as bad:
+        cli_main(["profile", "--workflow", str(wf), "--stage", "warp"])
+    assert bad.value.code == 2 and "unknown stage(s) ['warp']" in capsys.readouterr().err
     # a grid value given twice wrote a second row for its cells: a table nothing loads
-    twice = subprocess.run([sys.executable, "-m", "onepiece", "profile", "--workflow", str(wf), "--stage", "vae_decode",
-                            "--shapes", "32x32x5,32x32x5", "--batch", "1,2,1", "-o", str(tmp_path / "twice.json")],
-                           capture_output=True, text=True, timeout=120)
-    assert twice.returncode == 2 and not (tmp_path / "twice.json").exists()
-    assert "--batch gives 1 twice; --shapes gives 32x32x5 twice" in twice.stderr
+    with pytest.raises(SystemExit) as twice:
+        cli_main(["profile", "--workflow", str(wf), "--stage", "vae_decode", "--shapes", "32x32x5,32x32x5",
+                  "--batch", "1,2,1", "-o", str(tmp_path / "twice.json")])
+    assert twice.value.code == 2 and not (tmp_path / "twice.json").exists()
+    assert "--batch gives 1 twice; --shapes gives 32x32x5 twice" in capsys.readouterr().err
 
 
 def test_profile_times_each_stage_at_its_own_threads(tiny_models, tmp_path, monkeypatch):
