@@ -109,3 +109,49 @@ def test_bad_ring_addresses_are_refused_clearly():
         registry.listen("shm://onepiece-bad?colour=red")
     with pytest.raises(ValueError, match="shm ring name"):
         registry.listen("shm://../etc/passwd")
+
+
+FULL_SHM = textwrap.dedent("""
+    import sys
+    from onepiece.transport import registry
+    from onepiece.transport.message import Message
+    try:
+        r = registry.listen("shm://onepiece-test-full?slots=16&bytes=4194304")
+    except OSError as e:
+        print("refused", e, flush=True)
+        sys.exit(0)
+    s = registry.connect(r.address)
+    s.send(Message({"uid": "u1", "kind": "t"}, {"x": b"x" * (3 << 20)}), 5.0)
+    print("sent", flush=True)
+""")
+
+
+def _can_mount_private_tmpfs() -> bool:
+    try:
+        return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                               "mount -t tmpfs -o size=1m tmpfs /dev/shm"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def test_a_ring_that_does_not_fit_in_dev_shm_is_refused_where_it_is_created():
+    """On a /dev/shm with less room than the ring, creating it fails with ENOSPC; a sparse ring
+    was created and then killed its first sender with SIGBUS (the real /dev/shm is untouched:
+    a 1 MiB tmpfs is mounted over it in a private mount namespace)."""
+    if not _can_mount_private_tmpfs():
+        pytest.skip("needs unshare -m and mount (root)")
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                           'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$0" -c "$1"', sys.executable, FULL_SHM],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stdout.startswith("refused"), proc.stdout
+    assert "No space left on device" in proc.stdout and "/dev/shm/onepiece-test-full" in proc.stdout
+
+
+def test_a_shm_ring_holds_all_its_pages_from_the_start(tmp_path: Path):
+    receiver = registry.listen(f"shm://onepiece-test-{tmp_path.name}?slots=16&bytes=1048576")
+    try:
+        st = Path(f"/dev/shm/onepiece-test-{tmp_path.name}").stat()
+        assert st.st_blocks * 512 >= st.st_size
+    finally:
+        receiver.close()

@@ -75,8 +75,15 @@ def create_region(path: Path, geometry: layout.Geometry) -> MappedRegion:
     _retire(path)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, geometry.region_bytes)
+        # Allocate every page now: a sparse file (ftruncate) maps fine on a full /dev/shm and
+        # then kills whichever process first touches a page it cannot get (SIGBUS), a sender
+        # as often as this receiver. Here a full /dev/shm is an error this receiver reports.
+        os.posix_fallocate(fd, 0, geometry.region_bytes)
         mem = mmap.mmap(fd, geometry.region_bytes)
+    except OSError as e:
+        path.unlink(missing_ok=True)
+        raise OSError(e.errno, f"cannot create the ring {path} ({geometry.region_bytes} bytes): "
+                               f"{e.strerror}") from None
     finally:
         os.close(fd)
     region = MappedRegion(mem)
