@@ -371,17 +371,33 @@ class Deployment:
         """Restart role processes that die, with bounded backoff, and keep their logs within
         their bound (onepiece/logrotate.py), until ``stop``."""
         logs = self.topo.logs
+        unrotated: set[Path] = set()  # logs whose rotation failed: said once, not every round
         while not stop.wait(0.5):
             now = time.monotonic()
             for c in self.children:
-                if rotate(c.log_path, int(logs.max_mb * 2**20), logs.keep):
-                    log.info("rotated %s (over %g MB)", c.log_path, logs.max_mb)
+                # A log folder that is full, read-only or gone, or no descriptor or process to
+                # be had, costs the one role its log or its restart (tried again), never the
+                # supervisor: its death stopped the whole deployment.
+                try:
+                    if rotate(c.log_path, int(logs.max_mb * 2**20), logs.keep):
+                        log.info("rotated %s (over %g MB)", c.log_path, logs.max_mb)
+                        unrotated.discard(c.log_path)
+                except OSError as e:
+                    if c.log_path not in unrotated:
+                        unrotated.add(c.log_path)
+                        log.warning("cannot rotate %s: %s (tried again each round, said again once it rotates)",
+                                    c.log_path, e)
                 if c.proc is not None and c.proc.poll() is not None:
                     log.warning("%s exited with %s; restarting (log: %s)", c.name, c.proc.returncode, c.log_path)
                     c.proc = None
                     c.next_start = c.backoff.next_start()
                 if c.proc is None and now >= c.next_start:
-                    c.start()
+                    try:
+                        c.start()
+                    except OSError as e:
+                        c.next_start = c.backoff.next_start()
+                        log.warning("%s cannot be started: %s; trying again in %.1fs", c.name, e,
+                                    c.next_start - now)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop everything, role by role (``STOP_ORDER``), each within ``grace_s`` of SIGTERM
