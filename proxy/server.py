@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import resource
 import signal
 import threading
 from typing import Callable, Iterator
@@ -55,6 +57,22 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
+def within_open_files(limits: HttpLimits) -> HttpLimits:
+    """``limits`` with ``max_connections`` lowered to what the open-files limit leaves beside the
+    proxy's own sockets (256 of them, or half a smaller limit). Past the limit uvloop accepts
+    and resets each new connection, without an answer or a log line; within it the client gets
+    the bound's 503."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return limits
+    room = max(soft // 2, soft - 256)
+    if room >= limits.max_connections:
+        return limits
+    log.warning("open-files limit %d: at most %d connections at once (not %d); raise `ulimit -n` for more",
+                soft, room, limits.max_connections)
+    return dataclasses.replace(limits, max_connections=room)
+
+
 class ProxyServer:
     def __init__(
         self,
@@ -71,7 +89,7 @@ class ProxyServer:
         check_bind(host, keys)  # beyond loopback, no keys: refused before anything binds
         self.host = host
         self.opts = ProxyOptions(max_inflight=max_inflight, max_body_bytes=max_body_bytes, **options)  # type: ignore[arg-type]
-        self.limits = http_limits or HttpLimits()
+        self.limits = within_open_files(http_limits or HttpLimits())
         self.app = create_app(cluster, self.opts, keys)
         self.config = uvicorn.Config(
             # httptools (C) parses HTTP several times faster than h11, which matters for the

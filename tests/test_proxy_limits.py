@@ -335,3 +335,48 @@ def test_connections_beyond_the_bound_get_503(proxy):
         for s in idle:
             s.close()
     assert healthy(port)
+
+
+def test_connections_beyond_the_open_files_limit_get_503_not_a_reset():
+    """Under `ulimit -n 256` the bound of 4096 connections was never reached: past the descriptors
+    the proxy reset each new connection. It now bounds its connections within the limit."""
+    import resource
+
+    def low_nofile() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    script = SCRIPT.replace(f"max_connections={MAX_CONNECTIONS}", "max_connections=4096")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, preexec_fn=low_nofile)
+    watchdog = threading.Timer(60, proc.kill)
+    watchdog.start()
+    idle = []
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PORT "), line
+        port = int(line.split()[1])
+        for _ in range(256):  # more than the proxy has descriptors for
+            idle.append(connect(port))
+
+        def one_more() -> bytes | None:
+            with connect(port) as s:
+                try:
+                    return answer(s, timeout=0.3) or None  # b"": reset
+                except TimeoutError:
+                    return None
+
+        got = wait_for(one_more, 5, "an answer to a connection past the bound")
+        assert got.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in got, got
+        for s in idle:
+            s.close()
+        idle.clear()
+        wait_for(lambda: healthy(port), 10, "the proxy serving again")
+    finally:
+        watchdog.cancel()
+        for s in idle:
+            s.close()
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
