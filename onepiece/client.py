@@ -73,6 +73,22 @@ def _error_of(resp: httpx.Response) -> tuple[str, str | None, str | None]:
         return f"HTTP {resp.status_code}: {resp.text[:200]}", None, None
 
 
+def _video_of(resp: httpx.Response) -> dict:
+    """The video object a 200 answer holds. An answer that is not one (not JSON, or without an
+    ``id`` and a ``status``: a server other than a proxy at that URL, a broken gateway) raises
+    RequestFailed (code ``bad_response``) saying what came back, not an error from deep inside."""
+    try:
+        video = resp.json()
+    except ValueError:  # not JSON, or not UTF-8
+        video = None
+    if not isinstance(video, dict) or not isinstance(video.get("id"), str) \
+            or not isinstance(video.get("status"), str):
+        kind = resp.headers.get("content-type", "no content type")
+        raise RequestFailed(f"{resp.request.url}: HTTP {resp.status_code} ({kind}) is not a video object: "
+                            f"{resp.text[:200]!r}", status_code=resp.status_code, code="bad_response")
+    return video
+
+
 def _retry_after(resp: httpx.Response) -> float | None:
     try:
         return float(resp.headers["retry-after"])
@@ -280,7 +296,7 @@ class Client:
                     self.last_refusals.append(f"{url}: {e!r}; trying only set {tries.pinned} now")
                 continue
             if resp.status_code == 200:
-                video = resp.json()
+                video = _video_of(resp)
                 set_name = video.get("set") or self._set_of_url.get(url)
                 if set_name is not None:
                     video["set"] = set_name  # a proxy that does not say: the set the NM listed it in
@@ -309,7 +325,7 @@ class Client:
         if resp.status_code != 200:
             message, code, param = _error_of(resp)
             raise RequestFailed(message, status_code=resp.status_code, code=code, param=param)
-        return resp.json()
+        return _video_of(resp)
 
     def wait(self, video_id: str, timeout: float = 600.0, on_progress: Callable[[dict], None] | None = None,
              interval: float = 0.05, max_interval: float = 1.0, max_errors: int = 30) -> dict:
@@ -339,6 +355,8 @@ class Client:
                     return video
                 if video["status"] == "failed":
                     err = video.get("error") or {}
+                    if not isinstance(err, dict):  # a bare message, not the API's error object
+                        err = {"message": str(err)}
                     raise RequestFailed(f"video {video_id} failed: {err.get('message', 'unknown error')}",
                                         code=err.get("code"), video=video)
             left = deadline - time.monotonic()

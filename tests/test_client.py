@@ -492,3 +492,69 @@ def test_a_create_whose_answer_was_lost_is_offered_only_to_that_set_again(monkey
     finally:
         stalled.close()
         good.close()
+
+
+class _Answering:
+    """A real HTTP server (stdlib, a thread) that answers every request with ``answer``:
+    (status, content type, body), or with ``fn(path) -> answer``."""
+
+    def __init__(self, answer) -> None:
+        import http.server
+
+        fn = answer if callable(answer) else (lambda path: answer)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a: object) -> None:
+                pass
+
+            def _answer(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                status, ctype, body = fn(self.path)
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("answer", [
+    (200, "text/html", b"<html>a web server, not a proxy</html>"),
+    (200, "application/json", b'{"object": "video", "status": "queued"}'),  # no id
+    (200, "application/json", b"[1, 2]"),
+    (200, "application/json", b"null"),
+])
+def test_an_answer_that_is_not_a_video_object_is_a_clear_error(answer, tmp_path, capsys):
+    s = _Answering(answer)
+    try:
+        with Client(s.url, rounds=1) as c:
+            with pytest.raises(RequestFailed) as e:
+                c.submit("x")
+            assert e.value.code == "bad_response" and "not a video object" in e.value.message
+            with pytest.raises(RequestFailed) as e:
+                c.status(VID)
+            assert e.value.code == "bad_response" and answer[1] in e.value.message
+        assert generate.main(["--prompt", "x", "--url", s.url, "-o", str(tmp_path / "v.mp4"), "--quiet"]) == 1
+        assert "not a video object" in capsys.readouterr().err
+    finally:
+        s.close()
+
+
+def test_a_failed_video_whose_error_is_a_bare_message_says_it():
+    body = orjson.dumps(video("failed", error="the gateway says no"))
+    s = _Answering((200, "application/json", body))
+    try:
+        with Client(s.url) as c, pytest.raises(RequestFailed) as e:
+            c.wait(VID, timeout=10)
+        assert "the gateway says no" in e.value.message
+    finally:
+        s.close()
