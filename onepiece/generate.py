@@ -123,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
         print(f"error: {e}", file=sys.stderr)
         return 1
+    video: dict | None = None
     try:
         client = (Client.from_nm(args.nm, rounds=rounds, api_key=key) if args.nm
                   else Client(_urls(args.url), rounds=rounds, api_key=key))
@@ -151,6 +152,15 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the video id is all that finds (or cancels) the video later
+        bar.close()
+        if video is None:
+            print("interrupted before a proxy accepted the request (it may still have been created)", file=sys.stderr)
+        else:
+            served = f" on set {video['set']}" if video.get("set") else ""
+            print(f"interrupted: video {video['id']}{served} is left as it is: one not finished goes on "
+                  f"unless cancelled (DELETE /v1/videos/{video['id']})", file=sys.stderr)
+        return 130
     bar.close()
     served = f" (set {video['set']})" if video.get("set") else ""
     print(f"{video['id']} -> {path}{served}")

@@ -558,3 +558,34 @@ def test_a_failed_video_whose_error_is_a_bare_message_says_it():
         assert "the gateway says no" in e.value.message
     finally:
         s.close()
+
+
+def test_ctrl_c_while_waiting_names_the_video_it_leaves(tmp_path):
+    """SIGINT to a real `onepiece generate` polling a video that never finishes: it exits at
+    once with 130, naming the video (its only handle on it), and writes no MP4."""
+    import signal
+    import subprocess
+
+    from waiting import wait_for
+
+    polls: list[str] = []
+
+    def answer(path: str):
+        if path.startswith(f"/v1/videos/{VID}"):
+            polls.append(path)
+        return 200, "application/json", orjson.dumps(video("in_progress", 40, set="s1"))
+
+    s = _Answering(answer)
+    out = tmp_path / "v.mp4"
+    p = subprocess.Popen([sys.executable, "-m", "onepiece", "generate", "--prompt", "x", "--url", s.url,
+                          "-o", str(out), "--quiet"], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: polls, timeout=60, what="generate polling the video")
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=20)
+    finally:
+        p.kill()
+        s.close()
+    assert p.returncode == 130
+    assert f"interrupted: video {VID} on set s1" in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
