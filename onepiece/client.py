@@ -369,9 +369,26 @@ class Client:
             time.sleep(min(interval, left))
             interval = min(interval * 1.5, max_interval)
 
-    def download(self, video_id: str, path: str | os.PathLike) -> Path:
-        """Save the finished MP4 at ``path`` (written whole, then renamed into place)."""
+    def download(self, video_id: str, path: str | os.PathLike, tries: int = 5) -> Path:
+        """Save the finished MP4 at ``path`` (written whole, then renamed into place).
+
+        A download that fails for a passing reason (no proxy reachable, a 5xx, the transfer
+        broken off: a proxy restarting) starts again, up to ``tries`` times in all, with the
+        backoff of submit's rounds between them: the proxies keep a fetched MP4 a while for
+        this (``purge_after_fetch_s``)."""
         path = output_file(path)
+        attempt = 1
+        while True:
+            try:
+                return self._download(video_id, path)
+            except RequestFailed as e:
+                if attempt >= tries or not (_transient(e) or e.code == "download_failed"):
+                    raise
+            time.sleep(min(random.uniform(0.5, 1.0) * self.backoff_s * 2 ** attempt, self.backoff_cap_s))
+            attempt += 1
+
+    def _download(self, video_id: str, path: Path) -> Path:
+        """One try of download."""
         tmp = path.with_name(f".{path.name}.part")
         resp = self._get(video_id, f"/v1/videos/{video_id}/content", stream=True)
         try:

@@ -496,7 +496,8 @@ def test_a_create_whose_answer_was_lost_is_offered_only_to_that_set_again(monkey
 
 class _Answering:
     """A real HTTP server (stdlib, a thread) that answers every request with ``answer``:
-    (status, content type, body), or with ``fn(path) -> answer``."""
+    (status, content type, body[, Content-Length larger than the body, to cut it off]), or
+    with ``fn(path) -> answer``."""
 
     def __init__(self, answer) -> None:
         import http.server
@@ -509,10 +510,11 @@ class _Answering:
 
             def _answer(self) -> None:
                 self.rfile.read(int(self.headers.get("content-length") or 0))
-                status, ctype, body = fn(self.path)
+                status, ctype, body, *length = fn(self.path)  # a length over the body's: cut off
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Content-Length", str(length[0] if length else len(body)))
+                self.close_connection = bool(length)
                 self.end_headers()
                 self.wfile.write(body)
 
@@ -589,3 +591,26 @@ def test_ctrl_c_while_waiting_names_the_video_it_leaves(tmp_path):
     assert p.returncode == 130
     assert f"interrupted: video {VID} on set s1" in err and "Traceback" not in err
     assert not list(tmp_path.iterdir())
+
+
+def test_a_download_cut_off_or_refused_for_a_while_starts_again(tmp_path):
+    """A proxy restarting under a download (the transfer broken off, then 503s) costs a retry,
+    not the finished video; a download that keeps failing gives up after its tries."""
+    answers = iter([(200, "video/mp4", b"FAKEMP4 partial", 10_000), (503, "application/json", b"{}"),
+                    (200, "video/mp4", b"FAKEMP4 whole")])
+    s = _Answering(lambda path: next(answers))
+    out = tmp_path / "v.mp4"
+    try:
+        with Client(s.url, backoff_s=0.01) as c:
+            assert c.download(VID, out).read_bytes() == b"FAKEMP4 whole"
+    finally:
+        s.close()
+    cuts: list[str] = []
+    s = _Answering(lambda path: cuts.append(path) or (200, "video/mp4", b"FAKEMP4", 10_000))
+    try:
+        with Client(s.url, backoff_s=0.01) as c, pytest.raises(RequestFailed) as e:
+            c.download(VID, tmp_path / "w.mp4", tries=3)
+        assert e.value.code == "download_failed" and len(cuts) == 3
+    finally:
+        s.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["v.mp4"]  # no partial file left
