@@ -319,9 +319,11 @@ class Client:
             raise RequestFailed(message, status_code=resp.status_code, code=code, param=param)
         return None, rejected, unreachable
 
-    def status(self, video_id: str) -> dict:
-        """The video object now (status, progress, error...)."""
-        resp = self._get(video_id, f"/v1/videos/{video_id}")
+    def status(self, video_id: str, timeout: float | None = None) -> dict:
+        """The video object now (status, progress, error...). ``timeout``: seconds for the
+        answer, every proxy tried included (default: the client's timeout for each proxy)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        resp = self._get(video_id, f"/v1/videos/{video_id}", deadline=deadline)
         if resp.status_code != 200:
             message, code, param = _error_of(resp)
             raise RequestFailed(message, status_code=resp.status_code, code=code, param=param)
@@ -341,7 +343,8 @@ class Client:
         while True:
             video: dict | None
             try:
-                video = self.status(video_id)
+                # A proxy that does not answer must not hold the poll past the deadline.
+                video = self.status(video_id, timeout=max(deadline - time.monotonic(), 0.0))
             except RequestFailed as e:
                 errors += 1
                 if not _transient(e) or errors > max_errors:
@@ -445,9 +448,10 @@ class Client:
         return self.download(video["id"], path)
 
     # --- internals ---------------------------------------------------------------------------
-    def _get(self, video_id: str, path: str, stream: bool = False) -> httpx.Response:
+    def _get(self, video_id: str, path: str, stream: bool = False, deadline: float | None = None) -> httpx.Response:
         """GET ``path`` from the proxy that accepted the video, or from the others in turn when
         it cannot be reached. With ``stream`` the body is left unread: close the response.
+        ``deadline`` (time.monotonic()): no try waits past it, and none starts after it.
 
         Other proxies may serve other sets, whose DBs never saw the video, so a 404 from one
         of them only counts when every proxy answered and none knows the video; while the
@@ -457,8 +461,16 @@ class Client:
         errors: list[str] = []
         not_found: httpx.Response | None = None
         for url in urls:
+            timeout: Any = httpx.USE_CLIENT_DEFAULT
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 and errors:
+                    errors.append("no time left for the others")
+                    break
+                default = self._http.timeout.read
+                timeout = max(left, 0.01) if default is None else min(default, max(left, 0.01))
             try:
-                resp = self._http.send(self._http.build_request("GET", f"{url}{path}"), stream=stream)
+                resp = self._http.send(self._http.build_request("GET", f"{url}{path}", timeout=timeout), stream=stream)
             except httpx.TransportError as e:  # connection refused, timed out, reset...
                 errors.append(f"{url}: {e}")
                 continue

@@ -614,3 +614,21 @@ def test_a_download_cut_off_or_refused_for_a_while_starts_again(tmp_path):
     finally:
         s.close()
     assert [p.name for p in tmp_path.iterdir()] == ["v.mp4"]  # no partial file left
+
+
+def test_a_proxy_that_never_answers_does_not_hold_wait_past_its_timeout():
+    """A proxy that takes the connection and never answers (hung, or a host gone without a
+    reset): wait(timeout=1) gives up about then, not after the client's 30 s per proxy."""
+    import time
+
+    release = threading.Event()
+    s = _Answering(lambda path: release.wait(60) and (503, "application/json", b"{}"))
+    try:
+        with Client(s.url, timeout=30) as c:
+            t = time.monotonic()
+            with pytest.raises(Timeout):
+                c.wait(VID, timeout=1)
+            assert time.monotonic() - t < 10
+    finally:
+        release.set()
+        s.close()
