@@ -39,10 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--url", action="append",
                        help=f"proxy URL; repeat (or separate by commas) to fall back to other sets "
                             f"(default ${URL_ENV} or {DEFAULT_URL})")
-    where.add_argument("--nm", metavar="ADDR",
+    from onepiece.cli import _curve_flags, _nm_addresses, _refused
+
+    where.add_argument("--nm", metavar="ADDR", type=_nm_addresses,
                        help="node manager address (e.g. tcp://127.0.0.1:7700): use every set's proxies, "
                             "going on to another set when one refuses")
-    from onepiece.cli import _curve_flags, _refused
     from onepiece.proxy.keys import CLIENT_ENV as KEY_ENV
 
     parser.add_argument("--api-key-file", metavar="PATH",

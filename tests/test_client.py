@@ -632,3 +632,10 @@ def test_a_proxy_that_never_answers_does_not_hold_wait_past_its_timeout():
     finally:
         release.set()
         s.close()
+
+
+def test_generate_refuses_a_node_manager_address_that_is_not_one(tmp_path, capsys):
+    """--nm http://... (a proxy's URL) is a usage error, as for `onepiece status`, not a traceback."""
+    with pytest.raises(SystemExit) as e:
+        generate.main(["--prompt", "x", "--nm", "http://127.0.0.1:1", "-o", str(tmp_path / "v.mp4")])
+    assert e.value.code == 2 and "scheme 'http' is not one of" in capsys.readouterr().err
