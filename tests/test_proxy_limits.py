@@ -4,6 +4,7 @@ many connections. The proxy runs in its own process so its memory can be measure
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -35,9 +36,10 @@ server.run(lambda host, port: print("PORT", port, flush=True))
 """
 
 
-@pytest.fixture(scope="module")
-def proxy():
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, text=True)
+@contextlib.contextmanager
+def proxy_process(script: str = SCRIPT, preexec_fn=None):
+    """A proxy process running ``script``, and the port it serves on."""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
     watchdog = threading.Timer(60, proc.kill)  # bounds the readline below if the proxy hangs
     watchdog.start()
     try:
@@ -52,6 +54,12 @@ def proxy():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def proxy():
+    with proxy_process() as running:
+        yield running
 
 
 def rss_mb(pid: int) -> float:
@@ -346,37 +354,25 @@ def test_connections_beyond_the_open_files_limit_get_503_not_a_reset():
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 
     script = SCRIPT.replace(f"max_connections={MAX_CONNECTIONS}", "max_connections=4096")
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, preexec_fn=low_nofile)
-    watchdog = threading.Timer(60, proc.kill)
-    watchdog.start()
     idle = []
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("PORT "), line
-        port = int(line.split()[1])
-        for _ in range(256):  # more than the proxy has descriptors for
-            idle.append(connect(port))
-
-        def one_more() -> bytes | None:
-            with connect(port) as s:
-                try:
-                    return answer(s, timeout=0.3) or None  # b"": reset
-                except TimeoutError:
-                    return None
-
-        got = wait_for(one_more, 5, "an answer to a connection past the bound")
-        assert got.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in got, got
-        for s in idle:
-            s.close()
-        idle.clear()
-        wait_for(lambda: healthy(port), 10, "the proxy serving again")
-    finally:
-        watchdog.cancel()
-        for s in idle:
-            s.close()
-        proc.terminate()
+    with proxy_process(script, low_nofile) as (_, port):
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            for _ in range(256):  # more than the proxy has descriptors for
+                idle.append(connect(port))
+
+            def one_more() -> bytes | None:
+                with connect(port) as s:
+                    try:
+                        return answer(s, timeout=0.3) or None  # b"": reset
+                    except TimeoutError:
+                        return None
+
+            got = wait_for(one_more, 5, "an answer to a connection past the bound")
+            assert got.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in got, got
+            for s in idle:
+                s.close()
+            idle.clear()
+            wait_for(lambda: healthy(port), 10, "the proxy serving again")
+        finally:
+            for s in idle:
+                s.close()
