@@ -387,7 +387,7 @@ class Client:
             except RequestFailed as e:
                 if attempt >= tries or not (_transient(e) or e.code == "download_failed"):
                     raise
-            time.sleep(min(random.uniform(0.5, 1.0) * self.backoff_s * 2 ** attempt, self.backoff_cap_s))
+            time.sleep(self._pause(attempt + 1, []))
             attempt += 1
 
     def _download(self, video_id: str, path: Path) -> Path:
