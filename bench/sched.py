@@ -52,7 +52,8 @@ import orjson
 from onepiece.argtypes import SEED, count, non_negative, numbers, out_dir, positive, torch_device
 from onepiece.bench.common import MAX_THREADS, PROMPT, T2V_STAGES, cpu_name, model_dirs
 from onepiece.bench.overload import SET, Target, _run_async
-from onepiece.bench.trace import Trace, load_trace, parse_classes, parse_floats, poisson_trace, replay, summarize
+from onepiece.bench.trace import (Trace, load_trace, parse_classes, parse_floats, poisson_trace, replay, scaled,
+                                  summarize)
 
 DEFAULT_CLASSES = "S=64x64x9:25,M=128x128x17:25,L=192x192x17:25"
 TARGETS = {"mean_ratio_max": 0.5, "attainment_min": 0.9, "attainment_ratio_min": 1.5}
@@ -360,6 +361,14 @@ def offered(trace: Trace, mix: dict[str, float]) -> dict[str, float] | None:
     return {"rate": rate, "work": work / expected, "load": nominal * rate * work / expected}
 
 
+def at_load(trace: Trace, mix: dict[str, float]) -> Trace:
+    """``trace`` stretched in time to offer exactly its nominal load (``offered``): the seed-0
+    draw of 60 requests offered 1.10x what it was named for, so every "1.0x" run was above C.
+    The same requests, in the same order, each arrival time scaled alike."""
+    got = offered(trace, mix)
+    return trace if got is None else scaled(trace, float(trace.load) / got["load"])
+
+
 def order_bound(trace: Trace) -> float | None:
     """How far an order alone can take the mean latency on ``trace``: the mean of preemptive
     SRPT (least remaining work first, the order with the least mean latency on one server)
@@ -546,9 +555,9 @@ def run(args: argparse.Namespace) -> int:
                         classes[c].update(standalone_s=cal["standalone_s"][c], alpha=alpha[c],
                                           slo_s=alpha[c] * cal["standalone_s"][c])
                     for load in loads:
-                        tr = poisson_trace(classes, mix, load * cap, args.requests, args.seed,
-                                           timeout_s=args.timeout or None, capacity_rps=cap, load=load,
-                                           note="onepiece bench sched")
+                        tr = at_load(poisson_trace(classes, mix, load * cap, args.requests, args.seed,
+                                                   timeout_s=args.timeout or None, capacity_rps=cap, load=load,
+                                                   note="onepiece bench sched"), mix)
                         traces[f"{load:g}x"] = tr
                         (outdir / f"sched-trace-{load:g}x.json").write_bytes(tr.dump())
                 elif first:
@@ -558,17 +567,17 @@ def run(args: argparse.Namespace) -> int:
             stage[p] = by.pop("stage", None)  # the denoise stage's own counts
             # its measured costs, for a simulator to replay its traces with
             (outdir / costs_name(p)).write_text(json.dumps(by.pop("costs"), indent=1))
-            for load, at_load in by.pop("costs_by_load").items():
-                (outdir / costs_name(p, load)).write_text(json.dumps(at_load, indent=1))
+            for load, table in by.pop("costs_by_load").items():
+                (outdir / costs_name(p, load)).write_text(json.dumps(table, indent=1))
             # What has run is saved at once: a run stopped at a time limit keeps it.
             targets = report(outdir, args, t_start, classes, names, mix, cal, traces, results, stage)
         if args.monitor_load and targets.get("best"):
             best = targets["best"]
             if given is None:
                 cap = cal["capacity_rps"]
-                tr = poisson_trace(classes, mix, args.monitor_load * cap, args.requests, args.seed,
-                                   timeout_s=args.timeout or None, capacity_rps=cap,
-                                   load=args.monitor_load, note="onepiece bench sched, monitor on")
+                tr = at_load(poisson_trace(classes, mix, args.monitor_load * cap, args.requests, args.seed,
+                                           timeout_s=args.timeout or None, capacity_rps=cap,
+                                           load=args.monitor_load, note="onepiece bench sched, monitor on"), mix)
                 key = f"monitor on {args.monitor_load:g}x"
                 (outdir / f"sched-trace-monitor-{args.monitor_load:g}x.json").write_bytes(tr.dump())
             else:  # the same trace again, admitted by the monitor

@@ -143,6 +143,11 @@ def poisson_trace(classes: dict[str, dict[str, Any]], mix: dict[str, float], rat
                                  "classes": classes, "requests": reqs, **meta})
 
 
+def scaled(trace: Trace, factor: float) -> Trace:
+    """The same requests arriving ``factor`` times as fast."""
+    return trace.model_copy(update={"requests": [r.model_copy(update={"at": r.at / factor}) for r in trace.requests]})
+
+
 def parse_floats(spec: str, n: int, what: str) -> list[float]:
     """``n`` comma-separated positive numbers (a flag's value, one per class), or one for all of
     them, or SystemExit naming ``what``."""

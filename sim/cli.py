@@ -20,7 +20,7 @@ import yaml
 from pydantic import ValidationError
 
 from onepiece.argtypes import SEED, SHARE, between, count, non_negative, numbers, out_dir, positive
-from onepiece.bench.trace import Trace, TraceError, load_trace, summarize
+from onepiece.bench.trace import Trace, TraceError, load_trace, scaled, summarize
 from onepiece.config import (MAX_INSTANCES, ConfigError, ElasticSpec, ProxySpec, Topology, Workflow, load_topology,
                               load_workflow)
 from onepiece.sched.costs import MAX_STEP_CV, TableError
@@ -291,11 +291,6 @@ def elastic_spec(options: str) -> ElasticSpec:
         return checked(ElasticSpec, fields)
     except ValueError as e:
         raise ConfigError(f"--elastic {options!r}: {e}") from None
-
-
-def scaled(trace: Trace, factor: float) -> Trace:
-    """The same requests arriving ``factor`` times as fast."""
-    return trace.model_copy(update={"requests": [r.model_copy(update={"at": r.at / factor}) for r in trace.requests]})
 
 
 def run_plan(args: argparse.Namespace) -> int:

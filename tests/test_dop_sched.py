@@ -10,7 +10,8 @@ from onepiece.sched.core import SchedCore
 from onepiece.sched.costs import CostModel
 from onepiece.sched.keys import at_dop
 from onepiece.sched.options import ScheduleSpec
-from onepiece.sched.policy import Batch, Policy, View
+from onepiece.sched.policies import best_fit, frugal_fit
+from onepiece.sched.policy import Batch, Policy, View, Worker
 from onepiece.sched.virtual import VirtualStage, request
 
 # GF-DiT's published per-step times (Qwen-Image on H20, ms at SP1 / SP2 / SP4): small shapes
@@ -41,6 +42,21 @@ def test_each_shape_gets_the_smallest_dop_that_meets_its_deadline(policy) -> Non
     out = st.run()
     assert dops_of(st, "l")[0] == 4 and set(dops_of(st, "s")) == {1}  # spare ranks never make S faster
     assert out["l"].end <= 10.0 and out["s"].status == "completed"
+
+
+def test_slo_runs_a_request_at_its_knee_not_at_the_slowest_dop_that_meets_its_deadline_alone() -> None:
+    # M: 2.4 s at DoP 1 meets a 10 s deadline, but leaves it only the slack it would have alone;
+    # its knee (the smallest DoP within 10% of its fastest) is 4, done in 0.8 s.
+    m = request("m", M, steps=4, deadline=10.0)
+    view = View(0.0, [m], [Worker("w0", ranks=4)], CostModel(TABLE), 1, lambda key, batch: 2, lambda r: 0)
+    assert best_fit(view, m, [1, 2, 4]) == 1 and frugal_fit(view, m, [1, 2, 4]) == 4
+    assert frugal_fit(view, m, [1, 2]) == 2  # two ranks left: the faster of what fits
+
+
+def test_slo_gives_a_request_no_dop_gets_in_time_its_most_frugal_dop() -> None:
+    m = request("m", M, steps=10, deadline=1.0)  # 2.1 s at its fastest: hopeless
+    view = View(0.0, [m], [Worker("w0", ranks=4)], CostModel(TABLE), 1, lambda key, batch: 2, lambda r: 0)
+    assert best_fit(view, m, [1, 2, 4]) == 4 and frugal_fit(view, m, [1, 2, 4]) == 1  # 6.05 rank-s, not 8.3
 
 
 def test_four_small_requests_run_side_by_side_one_rank_each() -> None:

@@ -469,6 +469,22 @@ def test_bench_sched_says_what_load_a_seeded_trace_really_offers():
     assert offered(Trace.model_validate({"version": 1, "classes": classes, "requests": reqs}), {"S": 1.0}) is None
 
 
+def test_bench_sched_stretches_a_seeded_trace_to_offer_its_nominal_load():
+    from onepiece.bench.sched import at_load, offered
+    from onepiece.bench.trace import poisson_trace
+
+    classes = {c: {"size": "64x64", "num_frames": 9, "steps": 5, "standalone_s": t} for c, t in (("S", 0.4), ("L", 3.5))}
+    mix = {"S": 0.9, "L": 0.1}
+    cap = 1 / (0.9 * 0.4 + 0.1 * 3.5)
+    drawn = poisson_trace(classes, mix, cap, 60, 0, capacity_rps=cap, load=1.0)
+    assert abs(offered(drawn, mix)["load"] - 1.0) > 0.05  # what the seed drew
+    fixed = at_load(drawn, mix)
+    assert offered(fixed, mix)["load"] == pytest.approx(1.0)
+    assert [r.cls for r in fixed.requests] == [r.cls for r in drawn.requests]  # the same requests, stretched
+    ratios = {round(b.at / a.at, 9) for a, b in zip(drawn.requests[1:], fixed.requests[1:])}
+    assert len(ratios) == 1
+
+
 def test_simval_replays_a_collaboration_group_run_on_its_group():
     """`bench sched --denoise-workers 2 --collaboration` ran the denoise stage as one group of
     two ranks; simval replays it so (it simulated one worker and refused the DoP-blind runs'
@@ -490,3 +506,18 @@ def test_simval_replays_a_collaboration_group_run_on_its_group():
     assert list(doc["rows"]) == ["fcfs", "srtf", "slo"]
     m, p = (doc["rows"]["fcfs"]["sched-trace-1x"][side]["all"] for side in ("measured", "predicted"))
     assert abs(p["mean_s"] - m["mean_s"]) <= 0.10 * m["mean_s"], (m, p)
+
+
+def test_simval_reports_a_cell_it_cannot_price_and_replays_the_others():
+    """`slo` on a group of two ran every step at DoP 2 (its knee for every shape there), so its
+    run measured no DoP 1, which the simulator must price for a policy that picks DoPs: that
+    cell is named with the reason, the others replayed, and the targets not called met."""
+    from onepiece.bench.simval import markdown, validate
+
+    results = Path(__file__).resolve().parents[1] / "bench" / "results"
+    doc = validate(results / "sched-collab-5-slo" / "0.8x", seeds=1,
+                   replay=results / "sched-collab-5" / "sched-trace-0.8x.json")
+    assert list(doc["rows"]) == ["srtf"]
+    (skipped,) = doc["skipped"]
+    assert skipped["policy"] == "slo" and "no row for key '64x64x9/cfg/L64'" in skipped["why"]
+    assert not doc["targets"]["attainment_points"]["met"] and "Not replayed" in markdown(doc)
