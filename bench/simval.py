@@ -131,7 +131,8 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
                            "predicted": mean_of([stage_times(r["requests"]) for r in runs])}}
     return {"bench": "simval", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
             "run": {"when": run.get("when"), "results": str(results)}, "costs_of": costs_of,
-            "step_cv": step_cv, "seeds": seeds, "rows": rows, "skipped": skipped, "targets": _targets(rows, not skipped)}
+            "step_cv": step_cv, "seeds": seeds, "rows": rows, "skipped": skipped,
+            "targets": _targets(rows, not skipped)}
 
 
 def as_run(wf: Workflow, settings: dict[str, Any]) -> Workflow:

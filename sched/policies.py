@@ -206,8 +206,8 @@ def frugal_fit(view: View, r: Request, dops: list[int]) -> int | None:
 
     Not ``best_fit``'s smallest DoP that meets the deadline alone: that leaves a request only the
     slack it has alone, which the requests that pass it then take. On a CPU group of two it ran
-    M at DoP 1 (2.0 s of a 3.1 s SLO, 1.3 s at DoP 2), and `slo` met fewer SLOs than srtf running every
-    step at DoP 2 (README, "Elastic against static DoP")."""
+    M at DoP 1 (2.0 s of a 3.1 s SLO, 1.3 s at DoP 2), and ``slo`` met fewer SLOs than srtf
+    running every step at DoP 2 (README, "Elastic against static DoP")."""
     times = {d: view.alone_s(r, dop=d) for d in dops}
     if r.deadline is not None and not any(view.now + t <= r.deadline for t in times.values()) \
             and not all(math.isinf(t) for t in times.values()):

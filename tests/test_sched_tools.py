@@ -473,7 +473,8 @@ def test_bench_sched_stretches_a_seeded_trace_to_offer_its_nominal_load():
     from onepiece.bench.sched import at_load, offered
     from onepiece.bench.trace import poisson_trace
 
-    classes = {c: {"size": "64x64", "num_frames": 9, "steps": 5, "standalone_s": t} for c, t in (("S", 0.4), ("L", 3.5))}
+    classes = {c: {"size": "64x64", "num_frames": 9, "steps": 5, "standalone_s": t}
+               for c, t in (("S", 0.4), ("L", 3.5))}
     mix = {"S": 0.9, "L": 0.1}
     cap = 1 / (0.9 * 0.4 + 0.1 * 3.5)
     drawn = poisson_trace(classes, mix, cap, 60, 0, capacity_rps=cap, load=1.0)
