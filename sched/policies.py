@@ -212,7 +212,7 @@ def frugal_fit(view: View, r: Request, dops: list[int]) -> int | None:
     if r.deadline is not None and not any(view.now + t <= r.deadline for t in times.values()) \
             and not all(math.isinf(t) for t in times.values()):
         return min(dops, key=lambda d: (d * times[d], d))
-    return knee(view, r, dops)
+    return _knee(times)
 
 
 class EdfBestFit(Policy):
@@ -252,7 +252,11 @@ class Ddit(Policy):
 
 def knee(view: View, r: Request, dops: list[int]) -> int:
     """The smallest DoP within 10% of the fastest of ``dops`` (the largest when unknown)."""
-    times = {d: view.alone_s(r, dop=d) for d in dops}
+    return _knee({d: view.alone_s(r, dop=d) for d in dops})
+
+
+def _knee(times: dict[int, float]) -> int:
+    dops = list(times)
     best = min(times.values())
     if math.isinf(best):
         return max(dops)

@@ -137,9 +137,12 @@ class ZkServer:
             self.proc.wait(10)
 
     def stop(self, grace_s: float = 5.0) -> None:
-        if not self.alive:
-            return
-        self.proc.terminate()
+        if self.alive:
+            self.proc.terminate()
+            self.reap(grace_s)
+
+    def reap(self, grace_s: float = 5.0) -> None:
+        """Wait for a signalled server to exit; killed after ``grace_s``."""
         try:
             self.proc.wait(grace_s)
         except subprocess.TimeoutExpired:
@@ -214,11 +217,7 @@ class ZkEnsemble:
                 s.proc.terminate()
         for s in live:
             with contextlib.suppress(Exception):
-                try:
-                    s.proc.wait(5.0)
-                except subprocess.TimeoutExpired:
-                    s.proc.kill()
-                    s.proc.wait(5)
+                s.reap()
         if self._own:
             shutil.rmtree(self.folder, ignore_errors=True)
 
