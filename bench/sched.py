@@ -54,6 +54,9 @@ from onepiece.bench.common import MAX_THREADS, PROMPT, T2V_STAGES, cpu_name, mod
 from onepiece.bench.overload import SET, Target, _run_async
 from onepiece.bench.trace import (Trace, load_trace, parse_classes, parse_floats, poisson_trace, replay, scaled,
                                   summarize)
+from onepiece.sim.engine import Chunk
+from onepiece.sim.report import perfetto
+from onepiece.stage.schedule_log import read as read_schedule
 
 DEFAULT_CLASSES = "S=64x64x9:25,M=128x128x17:25,L=192x192x17:25"
 TARGETS = {"mean_ratio_max": 0.5, "attainment_min": 0.9, "attainment_ratio_min": 1.5}
@@ -222,6 +225,42 @@ def costs_name(policy: str, load: str | None = None) -> str:
     if load is None:
         return f"sched-costs-{policy}.json"
     return f"sched-costs-{policy}-{load.replace('monitor on ', 'monitor-')}.json"
+
+
+def schedule_name(policy: str, load: str) -> str:
+    """The file of what every stage's workers ran under one load's trace (``save_schedule``)."""
+    return f"sched-schedule-{policy}-{load.replace('monitor on ', 'monitor-')}.json"
+
+
+def real_schedule(log_dir: Path, recs: list[dict[str, Any]]) -> list[Chunk]:
+    """The chunks the deployment's stages ran for one trace's requests (their schedule logs,
+    stage/schedule_log.py), in the simulator's terms: seconds after the trace's start, each
+    request named by its place in the trace (``r0``, ``r1``, ...: the simulator's names), and
+    ``steps`` the forward passes the worker ran."""
+    sent = [r for r in recs if isinstance(r.get("t_send"), (int, float))]
+    if not sent:
+        return []
+    t0 = min(r["t_send"] - r["at"] for r in sent)
+    names = {r["uid"]: f"r{i}" for i, r in enumerate(recs) if r.get("uid")}
+    out = []
+    for path in sorted(log_dir.glob("*.schedule.jsonl")):
+        for c in read_schedule(path, since=t0):
+            parts = [(len(ranks), tuple(names[u] for u in uids if u in names)) for ranks, uids, _ in c["parts"]]
+            if not any(u for _, u in parts):
+                continue  # a warm-up's, or another trace's
+            out.append(Chunk(c["stage"], c["instance"], c["worker"], c["start"] - t0, c["end"] - t0,
+                             tuple(u for _, us in parts for u in us), c["passes"], tuple(parts)))
+    return sorted(out, key=lambda c: c.start)
+
+
+def save_schedule(path: Path, log_dir: Path, recs: list[dict[str, Any]]) -> None:
+    """What every stage's workers ran under one trace, as the simulator draws its own (a
+    Chrome/Perfetto trace, sim/report.py): the two can be opened side by side, and `onepiece
+    bench simval` reads it."""
+    chunks = real_schedule(log_dir, recs)
+    if chunks:
+        names = [{"uid": f"r{i}", "class": r["class"]} for i, r in enumerate(recs)]
+        path.write_bytes(orjson.dumps(perfetto(chunks, names)))
 
 
 def cost_table(stages: dict[str, Any], since: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -564,6 +603,8 @@ def run(args: argparse.Namespace) -> int:
                     traces[Path(args.trace).stem] = given
                 first = False
                 by = results[p] = _run_async(run_traces(s.target(), classes, traces, args, p))
+                for load in traces:
+                    save_schedule(outdir / schedule_name(p, load), s.dep.log_dir, by[load])
             stage[p] = by.pop("stage", None)  # the denoise stage's own counts
             # its measured costs, for a simulator to replay its traces with
             (outdir / costs_name(p)).write_text(json.dumps(by.pop("costs"), indent=1))
@@ -586,6 +627,7 @@ def run(args: argparse.Namespace) -> int:
             with Session(f"{best}-monitor", models, Path(tmp) / "monitor", args, schedule[best], monitor=True) as s:
                 out = _run_async(run_traces(s.target(), classes, {key: tr}, args, f"{best}, monitor on"))
                 recs = out[key]
+                save_schedule(outdir / schedule_name(best, key), s.dep.log_dir, recs)
                 (outdir / costs_name(best, key)).write_text(json.dumps(out["costs_by_load"][key], indent=1))
                 # (its stage counts are not kept: they mix the warm-up and one trace)
             results.setdefault(f"{best} (monitor on)", {})[key] = recs

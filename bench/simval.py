@@ -24,7 +24,8 @@ from typing import Any
 
 from onepiece.argtypes import between, count, out_dir
 from onepiece.bench.common import T2V_STAGES, cpu_name
-from onepiece.bench.sched import costs_name
+from onepiece.bench import sharing
+from onepiece.bench.sched import costs_name, schedule_name
 from onepiece.bench.trace import Trace, TraceError, load_trace, stage_times, summarize
 from onepiece.cli import PROFILE_WORKFLOWS
 from onepiece.config import ProxySpec, Workflow, deploy_dir, load_workflow
@@ -92,6 +93,7 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
     wf = load_workflow(deploy_dir() / PROFILE_WORKFLOWS[settings.get("profile", "scale")])
     rows: dict[str, dict[str, Any]] = {}
     skipped: list[dict[str, str]] = []  # cells the simulator cannot price, and why
+    shared = []  # per cell with a saved schedule: the denoise steps alone and beside other stages' work
     for row, by_load in run["rows"].items():
         policy, monitor = row.removesuffix(" (monitor on)"), row.endswith("(monitor on)")
         priced_by = costs_of or policy
@@ -109,6 +111,11 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
             if not path.exists():
                 continue
             trace = _sent(load_trace(path), settings["max_duration"])
+            schedule = results / schedule_name(policy, load)
+            if schedule.exists():  # (read whether or not the simulator can price the cell)
+                events = json.loads(schedule.read_text()).get("traceEvents", [])
+                shared.append(sharing.step_times(
+                    events, {f"r{i}": r["class"] for i, r in enumerate(run["requests"][row][load])}, "denoise_t2v"))
             # the table measured under this very trace, where the run saved one; else its run's last
             at_load = results / costs_name(priced_by, load)
             costs = CostTable.load(at_load if at_load.exists() else results / costs_name(priced_by))
@@ -132,6 +139,7 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
     return {"bench": "simval", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
             "run": {"when": run.get("when"), "results": str(results)}, "costs_of": costs_of,
             "step_cv": step_cv, "seeds": seeds, "rows": rows, "skipped": skipped,
+            "sharing": sharing.summary(sharing.merge(shared)),
             "targets": _targets(rows, not skipped)}
 
 
@@ -236,6 +244,18 @@ def markdown(doc: dict[str, Any]) -> str:
         for policy, load, c, stage, m, p in where:
             lines.append(f"| {policy} | {load} | {c} | {stage} | {m:.3f} | "
                          + ("— | — |" if p is None else f"{p:.3f} | {p - m:+.3f} |"))
+    if doc.get("sharing"):
+        lines += ["", "The host's cores, shared (from the run's schedules, `sched-schedule-<policy>-<load>.json`): "
+                      "denoise_t2v's seconds per forward pass, median, in the chunks during which no other stage's "
+                      "worker ran (alone) and in those during most of which one did (beside). The simulator gives "
+                      "every worker a device of its own and prices every step at its table's median.", "",
+                  "| class | DoP | batch | alone ms (chunks) | beside ms (chunks) | beside / alone |",
+                  "|---|---|---|---|---|---|"]
+        for r in doc["sharing"]:
+            ms = lambda s, n: "—" if s is None else f"{s * 1000:.1f} ({n})"  # noqa: E731
+            lines.append(f"| {r['class']} | {r['dop']} | {r['batch']} | {ms(r['alone_s'], r['alone_n'])} "
+                         f"| {ms(r['beside_s'], r['beside_n'])} | "
+                         + ("—" if r["ratio"] is None else f"{r['ratio']:.2f}") + " |")
     if doc.get("skipped"):
         lines += ["", "Not replayed (the simulator prices only what a table has; the targets below leave these "
                       "out): " + "; ".join(f"{k['policy']} at {k['load']}: {k['why']}" for k in doc["skipped"]) + "."]

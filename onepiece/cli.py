@@ -115,7 +115,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     setup_logging(f"stage[{args.stage or ('idle' if args.idle else '?')}]", args.log_level)
     _curve(args, [args.listen, *args.nm.split(",")])
     serve(args.nm, args.set, args.listen, args.stage, args.runtime_dir, args.advertise, zk=_zk(args), idle=args.idle,
-          name=args.name, deployment_id=_deployment(args))
+          name=args.name, deployment_id=_deployment(args), schedule_log=args.schedule_log)
     return 0
 
 
@@ -459,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--listen", type=_address(), default="tcp://127.0.0.1:0",
                             help="data address to receive on")
             sp.add_argument("--runtime-dir", help="folder for worker sockets")
+            sp.add_argument("--schedule-log", metavar="FILE",
+                            help="append what each worker runs, a JSON line per chunk (onepiece up writes "
+                                 "<logs>/<name>.schedule.jsonl beside the role's log)")
             sp.set_defaults(fn=cmd_stage)
         elif name == "db":
             sp.add_argument("--listen", type=_address(), default="tcp://127.0.0.1:0",

@@ -10,6 +10,7 @@ process that dies (bounded backoff); and on Ctrl-C or SIGTERM stops everything, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -48,6 +49,11 @@ class Child:
     proc: subprocess.Popen | None = None
     next_start: float = 0.0
     backoff: Backoff = field(default_factory=lambda: Backoff(base_s=0.5, cap_s=30.0))
+    schedule_log: Path | None = None  # a stage's (stage/schedule_log.py), rotated as its log is
+
+    @property
+    def logs(self) -> list[Path]:
+        return [self.log_path] + ([self.schedule_log] if self.schedule_log else [])
 
     @property
     def role(self) -> str:
@@ -165,7 +171,7 @@ class Deployment:
             out.append(Child(name, _cli("nm", "--topology", str(self.topology_path), "--address", address, *common,
                                         *self._operator_args()), self.log_dir / f"{name}.log", for_role(env, "nm")))
         for s in self.topo.sets:
-            out += [Child(c.name, c.argv + common, c.log_path, for_role(env, c.argv[3]))
+            out += [dataclasses.replace(c, argv=c.argv + common, env=for_role(env, c.argv[3]))
                     for c in self._set_children(s, self.nm_address)]
         return out
 
@@ -192,15 +198,12 @@ class Deployment:
         for stage, n in s.stages.items():
             for i in range(n):
                 name = f"{s.name}-{stage}{i}"
-                out.append(Child(name, _cli("stage", "--nm", nm, "--set", s.name, "--stage", stage, "--name", name,
-                                            "--listen", self._data_address(name, self.workflow.stages[stage].data),
-                                            "--runtime-dir", str(self.runtime)),
-                                 self.log_dir / f"{name}.log"))
+                out.append(self._stage_child(name, "--set", s.name, "--stage", stage, "--name", name, "--listen",
+                                             self._data_address(name, self.workflow.stages[stage].data), nm=nm))
         for i in range(s.idle):  # the idle pool receives over ZeroMQ whatever stage it is given
             name = f"{s.name}-idle{i}"
-            out.append(Child(name, _cli("stage", "--nm", nm, "--set", s.name, "--idle", "--name", name,
-                                        "--listen", self._address(name),
-                                        "--runtime-dir", str(self.runtime)), self.log_dir / f"{name}.log"))
+            out.append(self._stage_child(name, "--set", s.name, "--idle", "--name", name,
+                                         "--listen", self._address(name), nm=nm))
         for i in range(s.proxy.count):
             name = f"{s.name}-proxy{i}"
             port = s.proxy.port + i if s.proxy.port else 0
@@ -214,6 +217,11 @@ class Deployment:
                 argv += ["--api-keys-file", s.proxy.api_keys_file]
             out.append(Child(name, argv, self.log_dir / f"{name}.log"))
         return out
+
+    def _stage_child(self, name: str, *args: str, nm: str) -> Child:
+        schedule = self.log_dir / f"{name}.schedule.jsonl"
+        return Child(name, _cli("stage", "--nm", nm, *args, "--runtime-dir", str(self.runtime),
+                                "--schedule-log", str(schedule)), self.log_dir / f"{name}.log", schedule_log=schedule)
 
     def fixed_ports(self) -> list[tuple[str, int, str]]:
         """(host, port, what) of every fixed TCP port the deployment will bind."""
@@ -378,15 +386,16 @@ class Deployment:
                 # A log folder that is full, read-only or gone, or no descriptor or process to
                 # be had, costs the one role its log or its restart (tried again), never the
                 # supervisor: its death stopped the whole deployment.
-                try:
-                    if rotate(c.log_path, int(logs.max_mb * 2**20), logs.keep):
-                        log.info("rotated %s (over %g MB)", c.log_path, logs.max_mb)
-                        unrotated.discard(c.log_path)
-                except OSError as e:
-                    if c.log_path not in unrotated:
-                        unrotated.add(c.log_path)
-                        log.warning("cannot rotate %s: %s (tried again each round, said again once it rotates)",
-                                    c.log_path, e)
+                for path in c.logs:
+                    try:
+                        if rotate(path, int(logs.max_mb * 2**20), logs.keep):
+                            log.info("rotated %s (over %g MB)", path, logs.max_mb)
+                            unrotated.discard(path)
+                    except OSError as e:
+                        if path not in unrotated:
+                            unrotated.add(path)
+                            log.warning("cannot rotate %s: %s (tried again each round, said again once it rotates)",
+                                        path, e)
                 if c.proc is not None and c.proc.poll() is not None:
                     log.warning("%s exited with %s; restarting (log: %s)", c.name, c.proc.returncode, c.log_path)
                     c.proc = None

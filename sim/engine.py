@@ -120,6 +120,7 @@ class Chunk:
     end: float
     uids: tuple[str, ...]
     steps: int
+    parts: tuple[tuple[int, tuple[str, ...]], ...] = ()  # (DoP, uids) of each batch in it
 
 
 class Simulation:
@@ -222,7 +223,8 @@ class Simulation:
 
     def _chunk_hook(self, stage: str, name: str) -> Callable:
         def hook(start: float, end: float, run: Run) -> None:
-            self.chunks.append(Chunk(stage, name, run.worker, start, end, run.uids, run.steps))
+            self.chunks.append(Chunk(stage, name, run.worker, start, end, run.uids, run.steps,
+                                     tuple((len(p.ranks), p.uids) for p in run.parts)))
         return hook
 
     # --- requests -----------------------------------------------------------------------------

@@ -23,7 +23,8 @@ def perfetto(chunks: list[Chunk], records: list[dict[str, Any]]) -> dict[str, An
         events.append({"ph": "X", "pid": pids[c.instance], "tid": c.worker, "ts": round(c.start * 1e6, 3),
                        "dur": round((c.end - c.start) * 1e6, 3),
                        "name": f"{len(c.uids)}x {'+'.join(kinds)} ({c.steps} step{'s' if c.steps != 1 else ''})",
-                       "args": {"uids": list(c.uids), "steps": c.steps}})
+                       "args": {"stage": c.stage, "uids": list(c.uids), "steps": c.steps,
+                                "parts": [[d, list(u)] for d, u in c.parts]}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

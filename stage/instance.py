@@ -39,6 +39,7 @@ from onepiece.nm.client import Membership
 from onepiece.nm.holdings import Holdings, TrackingReceiver
 from onepiece.stage.deliver import ResultDeliver
 from onepiece.stage.runtime import StageRuntime
+from onepiece.stage.schedule_log import ScheduleLog
 from onepiece.supervise import stop_on_signals
 from onepiece.transport import registry
 
@@ -113,8 +114,10 @@ class StageMetrics:
 
 class StageInstance:
     def __init__(self, member: Membership, workflow: Workflow, base_dir: Path, receiver: Any, rdir: Path,
-                 holdings: Holdings, stop: threading.Event, drain_s: float) -> None:
+                 holdings: Holdings, stop: threading.Event, drain_s: float,
+                 schedule_log: ScheduleLog | None = None) -> None:
         self.member, self.workflow, self.base_dir = member, workflow, base_dir
+        self.schedule_log = schedule_log  # what its workers run, chunk by chunk (stage/schedule_log.py)
         self.receiver, self.rdir, self.holdings, self.stop = receiver, rdir, holdings, stop
         self.drain_s = drain_s
         self.runtime: StageRuntime | None = None
@@ -184,7 +187,7 @@ class StageInstance:
         spec = self.workflow.stages[stage]
         self.runtime = StageRuntime(self.member.id, stage, self.workflow, self.base_dir, self.receiver, self.rdir,
                                     self.holdings, lambda: self.member.routes, self.stop.set,
-                                    settle=self.member.settle)
+                                    settle=self.member.settle, schedule_log=self.schedule_log)
         self.runtime.start()
         self.member.set_capacity({"workers": spec.workers, "queue": spec.queue})
 
@@ -225,7 +228,7 @@ class StageInstance:
 
 def serve(nm_address: str, set_name: str, listen: str = "tcp://127.0.0.1:0", stage: str | None = None,
           runtime_dir: str | None = None, advertise: str | None = None, zk: "ZkSettings | None" = None,
-          idle: bool = False, name: str = "", deployment_id: str = "") -> None:
+          idle: bool = False, name: str = "", deployment_id: str = "", schedule_log: str | None = None) -> None:
     """Run a stage instance until SIGTERM: ``stage`` is its first assignment (None: what the NM
     assigns, or with ``idle`` the idle pool); the NM may move it later. ``name``, if given,
     outlives the process: registering again under it (a restart) returns to where the NM last
@@ -250,7 +253,8 @@ def serve(nm_address: str, set_name: str, listen: str = "tcp://127.0.0.1:0", sta
     try:
         reply = member.register()
         inst = StageInstance(member, Workflow.model_validate(reply["workflow"]), Path(reply["base_dir"]), receiver,
-                             rdir, holdings, stop, float(reply.get("drain_s", 120.0)))
+                             rdir, holdings, stop, float(reply.get("drain_s", 120.0)),
+                             ScheduleLog(schedule_log, member.id) if schedule_log else None)
         REGISTRY.register(StageMetrics(lambda: inst.runtime))
         if member.stage is None:
             log.info("%s joined the idle pool", member.id)

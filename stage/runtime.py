@@ -20,6 +20,7 @@ from typing import Any, Callable
 from onepiece.config import Workflow
 from onepiece.nm.holdings import Holdings
 from onepiece.stage.deliver import ResultDeliver
+from onepiece.stage.schedule_log import ScheduleLog
 from onepiece.stage.scheduler import RequestScheduler
 from onepiece.stage.stats import SchedulerStats
 from onepiece.stage.task_manager import TaskManager
@@ -32,14 +33,14 @@ _sockets = itertools.count()  # each runtime binds its own worker socket
 class StageRuntime:
     def __init__(self, instance: str, stage: str, workflow: Workflow, base_dir: Path, receiver: Any, rdir: Path,
                  holdings: Holdings, routes: Callable[[], dict], on_fatal: Callable[[], None],
-                 settle: Callable[[], Any] = lambda: None) -> None:
+                 settle: Callable[[], Any] = lambda: None, schedule_log: ScheduleLog | None = None) -> None:
         self.instance, self.stage = instance, stage
         self.stats = SchedulerStats()
         self.mailbox: queue.Queue = queue.Queue(1024)
         self.scheduler = RequestScheduler(stage, receiver, f"ipc://{rdir}/workers-{next(_sockets)}.sock",
                                           workflow, self.mailbox, self.stats, routes,
                                           costs=workflow.cost_table(stage, base_dir),
-                                          fixed=workflow.cost_fixed(stage, base_dir))
+                                          fixed=workflow.cost_fixed(stage, base_dir), schedule_log=schedule_log)
         self.deliver = ResultDeliver(stage, workflow, self.mailbox, routes=routes, on_sent=holdings.deliveries.add,
                                      holding=(holdings.add, holdings.discard),
                                      dropped=holdings.fenced, settle=settle,  # fencing: nm/fencing.py

@@ -40,6 +40,7 @@ from onepiece.sched.deadlines import stage_request
 from onepiece.sched.keys import at_dop, call_key, compat_key, shape_key
 from onepiece.sched.policy import Request
 from onepiece.schema import checked, is_name
+from onepiece.stage.schedule_log import ScheduleLog
 from onepiece.stage.reports import REPORTS, Admitted, Broken, Failed, Idle, Progress, Ready
 from onepiece.stage.service_times import ServiceTimes
 from onepiece.stage.stats import SchedulerStats
@@ -61,7 +62,8 @@ MAX_CANCELLED = 65_536  # cancelled uids remembered, to drop them if they arrive
 class RequestScheduler:
     def __init__(self, stage: str, receiver: Receiver, worker_address: str, workflow: Workflow, outbox: "queue.Queue",
                  stats: SchedulerStats | None = None, routes: Callable[[], dict] | None = None,
-                 costs: dict[str, dict[int, float]] | None = None, fixed: dict[str, float] | None = None) -> None:
+                 costs: dict[str, dict[int, float]] | None = None, fixed: dict[str, float] | None = None,
+                 schedule_log: ScheduleLog | None = None) -> None:
         spec = workflow.stages[stage]
         self.stage, self.receiver, self.capacity, self.outbox = stage, receiver, spec.queue, outbox
         self.apps = workflow.applications  # their limits hold here too, whatever path a request took
@@ -92,6 +94,8 @@ class RequestScheduler:
         self.born: dict[bytes, float] = {}
         # worker -> (sent at, decision time, uids, last deadline, hung grace) of its chunk in flight
         self.running: dict[bytes, tuple[float, float, tuple[str, ...], float | None, float]] = {}
+        self.schedule_log = schedule_log
+        self._chunks: dict[bytes, tuple[float, list]] = {}  # worker -> (sent at, epoch; parts) for the schedule log
         # uid -> when its latest cancel was heard (ns since epoch): a request of that uid stamped
         # later by a proxy (an Idempotency-Key reused once the DBs forgot the deleted video) is new.
         self.cancelled: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -264,6 +268,8 @@ class RequestScheduler:
             deadline = max(deadline, now + cmd.steps * step) if step else None
         self.running[cmd.worker.encode()] = (now, decided, cmd.uids, deadline, max(HUNG_GRACE_S, 3 * step))
         parts = [[list(p.ranks), list(p.uids), p.steps] for p in cmd.parts]
+        if self.schedule_log is not None:
+            self._chunks[cmd.worker.encode()] = (time.time(), parts)
         self._send(cmd.worker, [b"run", orjson.dumps({"uids": list(cmd.uids), "steps": cmd.steps, "admit": sizes,
                                                       "parts": parts}), *frames])
         for uid in cmd.admit:  # after the hand-over: the DB's update must not hold the worker's start up
@@ -305,6 +311,7 @@ class RequestScheduler:
             self.fresh.add(ident)
             self.born[ident] = time.monotonic()
             self.running.pop(ident, None)
+            self._chunks.pop(ident, None)
             self.stats.serving = True
             self.stats.worker_error = ""
         elif isinstance(info, Broken):  # it exits: its death is handled as any other
@@ -324,6 +331,9 @@ class RequestScheduler:
             measured = ident not in self.fresh
             self.fresh.discard(ident)
             run = self.running.pop(ident, None)
+            chunk = self._chunks.pop(ident, None)
+            if chunk is not None and self.schedule_log is not None:
+                self.schedule_log.chunk(self.stage, wid, chunk[0], time.time(), chunk[1], len(info.steps))
             try:
                 self._learn(wid, info, measured)
                 if run is not None and measured:
@@ -403,6 +413,7 @@ class RequestScheduler:
             elif what == "died" and self.born.get(subject, -1.0) < t:  # not a newer incarnation
                 self.known.discard(subject)
                 self.running.pop(subject, None)
+                self._chunks.pop(subject, None)
                 self._lost(subject.decode(), f"died ({reason})")
 
     def _fenced(self, uids: list[str], reason: str) -> None:

@@ -25,6 +25,7 @@ import zmq
 from onepiece.client import Client, RequestFailed, RequestRejected
 from onepiece.db.client import DbClient
 from onepiece.launcher import free_tcp_address
+from onepiece.stage.schedule_log import read as read_schedule
 from onepiece.stage.task_manager import GOMP_SPINCOUNT
 from onepiece.stage.threads import TRIALS
 from onepiece.transport import registry
@@ -92,6 +93,16 @@ def test_text_to_video_through_http(up, tmp_path):
         out = c.download(video["id"], tmp_path / "fox.mp4")
     frames = decode_mp4(out.read_bytes())
     assert frames.shape == (9, 48, 64, 3)
+    # What each stage's worker ran for it, beside the stage's log (stage/schedule_log.py): one
+    # call at each one-step stage, and its 4 denoising steps in the denoise stage's chunks.
+    uid = video["id"].removeprefix("video_")
+    ran = {path.name.removesuffix(".schedule.jsonl"): [c for c in read_schedule(path)
+                                                       if any(uid in uids for _, uids, _ in c["parts"])]
+           for path in up.logs.glob("*.schedule.jsonl")}
+    assert [len(ran[f"set0-{s}0"]) for s in ("text_encode", "vae_decode")] == [1, 1], ran
+    denoise = ran["set0-denoise_t2v0"]
+    assert sum(c["passes"] for c in denoise) == 4 and all(c["start"] <= c["end"] for c in denoise), denoise
+    assert denoise[0]["start"] >= ran["set0-text_encode0"][0]["end"] - 1.0
 
 
 def test_image_to_video_through_http_multipart(up, tmp_path):

@@ -82,3 +82,30 @@ def test_a_log_that_cannot_be_rotated_leaves_the_supervisor_running(tmp_path: Pa
         t.join(10)
         child.proc.kill()
         child.proc.wait()
+
+
+def test_a_stages_schedule_log_is_kept_within_the_bound_of_its_log(tmp_path: Path) -> None:
+    """A stage appends a line per chunk to ``<name>.schedule.jsonl`` beside its log: the
+    supervisor rotates it as it does the log, and the lines written after a rotation land in the
+    file of that name (stage/schedule_log.py opens it for each line)."""
+    schedule = tmp_path / "x.schedule.jsonl"
+    code = ("import sys, time\nfrom onepiece.stage.schedule_log import ScheduleLog\n"
+            f"log = ScheduleLog({str(schedule)!r}, 'set0-x')\n"
+            "for i in range(100000):\n"
+            "    log.chunk('denoise', 'w0', float(i), float(i) + 0.5, [[[0], ['u%d' % i], 1]], 1)\n"
+            "    time.sleep(0.02)\n")  # about 5 KB a second: a quarter of the bound per supervisor round
+    child = Child("set0-x", [sys.executable, "-c", code, "stage"], tmp_path / "x.log", schedule_log=schedule)
+    child.start()
+    t, stop, errors = _supervise([child], LogSpec(max_mb=0.01, keep=1))
+    try:
+        wait_for(lambda: (tmp_path / "x.schedule.jsonl.1").is_file() and schedule.exists()
+                 and schedule.stat().st_size > 0, timeout=60, what="the schedule log rotated, and written on")
+        assert not errors and t.is_alive(), errors
+        assert not (tmp_path / "x.schedule.jsonl.2").exists()  # keep=1: one old part
+        for path in (schedule, tmp_path / "x.schedule.jsonl.1"):
+            assert path.stat().st_size < 3 * 0.01 * 2**20  # within a round's writing of its bound
+    finally:
+        stop.set()
+        t.join(10)
+        child.proc.kill()
+        child.proc.wait()
