@@ -54,9 +54,9 @@ from onepiece.bench.common import MAX_THREADS, PROMPT, T2V_STAGES, cpu_name, mod
 from onepiece.bench.overload import SET, Target, _run_async
 from onepiece.bench.trace import (Trace, load_trace, parse_classes, parse_floats, poisson_trace, replay, scaled,
                                   summarize)
+from onepiece.schedule_trace import chunks
 from onepiece.sim.engine import Chunk
 from onepiece.sim.report import perfetto
-from onepiece.stage.schedule_log import read as read_schedule
 
 DEFAULT_CLASSES = "S=64x64x9:25,M=128x128x17:25,L=192x192x17:25"
 TARGETS = {"mean_ratio_max": 0.5, "attainment_min": 0.9, "attainment_ratio_min": 1.5}
@@ -241,16 +241,7 @@ def real_schedule(log_dir: Path, recs: list[dict[str, Any]]) -> list[Chunk]:
     if not sent:
         return []
     t0 = min(r["t_send"] - r["at"] for r in sent)
-    names = {r["uid"]: f"r{i}" for i, r in enumerate(recs) if r.get("uid")}
-    out = []
-    for path in sorted(log_dir.glob("*.schedule.jsonl")):
-        for c in read_schedule(path, since=t0):
-            parts = [(len(ranks), tuple(names[u] for u in uids if u in names)) for ranks, uids, _ in c["parts"]]
-            if not any(u for _, u in parts):
-                continue  # a warm-up's, or another trace's
-            out.append(Chunk(c["stage"], c["instance"], c["worker"], c["start"] - t0, c["end"] - t0,
-                             tuple(u for _, us in parts for u in us), c["passes"], tuple(parts)))
-    return sorted(out, key=lambda c: c.start)
+    return chunks(log_dir, since=t0, t0=t0, names={r["uid"]: f"r{i}" for i, r in enumerate(recs) if r.get("uid")})
 
 
 def save_schedule(path: Path, log_dir: Path, recs: list[dict[str, Any]]) -> None:

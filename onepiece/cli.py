@@ -536,6 +536,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim_arguments(sp)
     sp.set_defaults(fn=sim_run)
 
+    sp = sub.add_parser("schedule", help="what a deployment's workers ran, from its schedule logs: a Perfetto trace")
+    from onepiece.schedule_trace import add_arguments as schedule_arguments, run as schedule_run
+
+    schedule_arguments(sp)
+    sp.set_defaults(fn=schedule_run)
+
     sp = sub.add_parser("plan", help="the fewest devices that meet an SLO for a load: monolithic vs disaggregated")
     from onepiece.sim.cli import add_plan_arguments, run_plan
 

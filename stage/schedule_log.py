@@ -3,10 +3,10 @@ worker reports the chunk done. The simulator draws its schedule (``sim/report.py
 real one, in the same terms, so the two can be laid side by side (``onepiece bench sched`` keeps
 each trace's as a Perfetto file, ``onepiece bench simval`` reads it).
 
-A line: ``{"stage", "instance", "worker", "start", "end", "parts": [[ranks, uids, steps], ...],
-"passes"}``: ``start`` when the scheduler sent the chunk and ``end`` when the worker's report of
-it arrived, in seconds since the epoch (the clients' clock on the same host); ``parts`` as the
-core planned them (``sched.core.Part``); ``passes`` the forward passes the worker ran (fewer where
+A line: ``{"stage", "instance", "worker", "start", "end", "parts": [[ranks, uids, steps, key],
+...], "passes"}``: ``start`` when the scheduler sent the chunk and ``end`` when the worker's report
+of it arrived, in seconds since the epoch (the clients' clock on the same host); ``parts`` as the
+core planned them (``sched.core.Part``), each with its requests' key (``sched.keys``); ``passes`` the forward passes the worker ran (fewer where
 members finished or were dropped mid-chunk). `onepiece up` rotates the file as it does the roles'
 logs (onepiece/logrotate.py), so it stays bounded.
 """

@@ -268,8 +268,9 @@ class RequestScheduler:
             deadline = max(deadline, now + cmd.steps * step) if step else None
         self.running[cmd.worker.encode()] = (now, decided, cmd.uids, deadline, max(HUNG_GRACE_S, 3 * step))
         parts = [[list(p.ranks), list(p.uids), p.steps] for p in cmd.parts]
-        if self.schedule_log is not None:
-            self._chunks[cmd.worker.encode()] = (time.time(), parts)
+        if self.schedule_log is not None:  # each part with its key, for a reader to tell shapes apart
+            requests = self.core.requests
+            self._chunks[cmd.worker.encode()] = (time.time(), [p + [requests[p[1][0]].key] for p in parts])
         self._send(cmd.worker, [b"run", orjson.dumps({"uids": list(cmd.uids), "steps": cmd.steps, "admit": sizes,
                                                       "parts": parts}), *frames])
         for uid in cmd.admit:  # after the hand-over: the DB's update must not hold the worker's start up

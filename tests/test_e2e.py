@@ -97,7 +97,7 @@ def test_text_to_video_through_http(up, tmp_path):
     # call at each one-step stage, and its 4 denoising steps in the denoise stage's chunks.
     uid = video["id"].removeprefix("video_")
     ran = {path.name.removesuffix(".schedule.jsonl"): [c for c in read_schedule(path)
-                                                       if any(uid in uids for _, uids, _ in c["parts"])]
+                                                       if any(uid in p[1] for p in c["parts"])]
            for path in up.logs.glob("*.schedule.jsonl")}
     assert [len(ran[f"set0-{s}0"]) for s in ("text_encode", "vae_decode")] == [1, 1], ran
     denoise = ran["set0-denoise_t2v0"]

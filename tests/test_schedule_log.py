@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 import pytest
 
 from onepiece.bench.sched import real_schedule, save_schedule
 from onepiece.bench.sharing import step_times, summary
+from onepiece.cli import main
 from onepiece.logrotate import rotate
 from onepiece.stage.schedule_log import ScheduleLog, read
 
@@ -97,3 +99,25 @@ def test_steps_beside_another_stages_work_are_told_apart_from_steps_alone():
     assert table == {("S", 2, 1): {"alone": [0.01], "beside": [0.02]}, ("S", 2, 2): {"alone": [0.015], "beside": []}}
     rows = {(r["class"], r["dop"], r["batch"]): r for r in summary(table)}
     assert rows[("S", 2, 1)]["ratio"] == pytest.approx(2.0) and rows[("S", 2, 2)]["ratio"] is None
+
+
+def test_onepiece_schedule_draws_a_deployments_recent_chunks(tmp_path, capsys):
+    """`onepiece schedule LOGS` turns the stages' logs into a Perfetto trace of the last minutes,
+    each slice named by its batch's size and key; a folder without logs is refused, saying why."""
+    now = time.time()
+    den = ScheduleLog(tmp_path / "set0-denoise_t2v0.schedule.jsonl", "set0-denoise_t2v0")
+    den.chunk("denoise_t2v", "w0", now - 3600, now - 3599, [[[0], ["old"], 2, "64x64x9/cfg/L64"]], 2)
+    den.chunk("denoise_t2v", "w0", now - 2.0, now - 1.5, [[[0, 1], ["a", "b"], 3, "64x64x9/cfg/L64"]], 3)
+    out = tmp_path / "s.json"
+    with pytest.raises(SystemExit) as e:
+        main(["schedule", str(tmp_path), "--last", "60", "--out", str(out)])
+    assert e.value.code == 0
+    slices = [ev for ev in json.loads(out.read_text())["traceEvents"] if ev["ph"] == "X"]
+    assert [(s["name"], s["args"]["uids"], s["tid"]) for s in slices] == [("2x 64x64x9/cfg/L64 (3 steps)", ["a", "b"],
+                                                                          "w0")]
+    assert 57_000_000 < slices[0]["ts"] < 59_000_000  # 2 s before the end of the minute asked for
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit) as e:
+        main(["schedule", str(empty)])
+    assert e.value.code == 2 and "no *.schedule.jsonl here" in capsys.readouterr().err

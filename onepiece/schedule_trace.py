@@ -1,0 +1,68 @@
+"""`onepiece schedule`: what a deployment's workers ran, from its stages' schedule logs
+(stage/schedule_log.py, ``<logs>/<instance>.schedule.jsonl`` under `onepiece up`), as a
+Chrome/Perfetto trace in the simulator's format (sim/report.py): a process per stage instance,
+a thread per worker, a slice per chunk named by its batch's size and key. Open it in
+ui.perfetto.dev beside a simulation of the same traffic (`onepiece sim`'s ``sim.perfetto.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import orjson
+
+from onepiece.argtypes import positive
+from onepiece.config import ConfigError
+from onepiece.sim.engine import Chunk
+from onepiece.sim.report import perfetto
+from onepiece.stage.schedule_log import read
+
+SUFFIX = ".schedule.jsonl"
+
+
+def chunks(log_dir: Path, since: float = float("-inf"), t0: float = 0.0,
+           names: Mapping[str, str] | None = None) -> list[Chunk]:
+    """The chunks the schedule logs under ``log_dir`` hold that started at ``since`` or later
+    (seconds since the epoch), timed in seconds after ``t0``, in start order. ``names``: what to
+    call each request (a trace's ``r0``, ``r1``, ...); given, only chunks of requests it names
+    are kept, and only those requests in them. ``steps`` is the passes the worker ran."""
+    out = []
+    for path in sorted(log_dir.glob("*" + SUFFIX)):
+        for c in read(path, since=since):
+            parts = [(len(p[0]), tuple(u if names is None else names[u] for u in p[1] if names is None or u in names))
+                     for p in c["parts"]]
+            if not any(us for _, us in parts):
+                continue
+            out.append(Chunk(c["stage"], c["instance"], c["worker"], c["start"] - t0, c["end"] - t0,
+                             tuple(u for _, us in parts for u in us), c["passes"], tuple(parts)))
+    return sorted(out, key=lambda c: c.start)
+
+
+def keys(log_dir: Path, since: float = float("-inf")) -> dict[str, str]:
+    """Each request's key in the chunks the logs hold (what a slice is named by)."""
+    return {u: p[3] for path in log_dir.glob("*" + SUFFIX) for c in read(path, since=since)
+            for p in c["parts"] if len(p) > 3 for u in p[1]}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("logs", help="the deployment's log folder (`onepiece up` prints it: runs/<time>)")
+    p.add_argument("--last", type=positive(" seconds"), default=300.0,
+                   help="the chunks started in this many seconds before now (default %(default)g)")
+    p.add_argument("--out", default="schedule.perfetto.json", help="the trace to write (default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    logs = Path(args.logs)
+    if not logs.is_dir():
+        raise ConfigError(f"{logs}: not a folder (give the deployment's log folder, runs/<time>)")
+    if not any(logs.glob("*" + SUFFIX)):
+        raise ConfigError(f"{logs}: no *{SUFFIX} here (a stage writes one beside its log under `onepiece up`)")
+    since = time.time() - args.last
+    found = chunks(logs, since, t0=since)
+    trace = perfetto(found, [{"uid": u, "class": k} for u, k in keys(logs, since).items()])
+    Path(args.out).write_bytes(orjson.dumps(trace))
+    print(f"{len(found)} chunks of the last {args.last:g} s from {logs} -> {args.out} (open it in ui.perfetto.dev)")
+    return 0
