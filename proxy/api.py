@@ -338,7 +338,7 @@ class ProxyState:
             except DbGone:
                 raise gone() from None
             except DbError as e:  # DbFull, DbUnavailable, or refused by every DB: not stored
-                raise ApiError(503, f"the request could not be stored: {e}",
+                raise ApiError(503, f"the request could not be stored: {_unavailable(e)}",
                                code="db_full" if isinstance(e, DbFull) else "db_unavailable",
                                headers=self._retry()) from None
             header = {
@@ -358,7 +358,13 @@ class ProxyState:
                 # create it again. If even that fails, the DB's deadline sweep marks it failed.
                 with contextlib.suppress(DbError):
                     await self.dbs.delete(uid, caller.owner, forget=True)
-                what = "no entrance instance is up" if isinstance(e, NoEntrance) else str(e)
+                if isinstance(e, NoEntrance):
+                    what = "no entrance instance is up"
+                elif isinstance(e, SendFailed):  # the instances' addresses and errors: the operator's, not the client's
+                    log.warning("uid=%s: not handed to the pipeline: %s", uid, e)
+                    what = "every entrance instance refused it or did not take it in time"
+                else:  # the message itself (its size, its fields)
+                    what = str(e)
                 raise ApiError(503, f"model {job.app!r}: the request could not be handed to the pipeline: {what}",
                                code="entrance_unavailable", headers=self._retry()) from None
         except BaseException:  # not stored or not handed over: its admission goes back too
@@ -847,8 +853,19 @@ def _in_use(retry_s: int) -> ApiError:
                     code="idempotency_key_in_use", param=IDEM_HEADER, headers={"Retry-After": str(retry_s)})
 
 
+def _unavailable(e: DbError) -> str:
+    """What a client is told of a DB error: its kind. The DBs' addresses and replies in it are
+    for the operator (the proxy's log), not for every client."""
+    log.warning("result stores: %s", e)
+    if isinstance(e, DbFull):
+        return "every result store is full; retry later"
+    if isinstance(e, DbUnavailable):
+        return "no result store answered; retry later"
+    return "the result stores refused it"
+
+
 async def _db(coro: Any) -> Any:
     try:
         return await coro
     except DbUnavailable as e:
-        raise ApiError(503, str(e), code="db_unavailable") from None
+        raise ApiError(503, _unavailable(e), code="db_unavailable") from None

@@ -612,10 +612,12 @@ def test_heartbeat_stats_count_accepted_and_rejected():
 
 @pytest.mark.parametrize("error, code", [("full", "db_full"), ("refused", "db_unavailable"),
                                          ("unavailable", "db_unavailable")])
-def test_db_errors_on_create_are_503_and_free_the_slot(h, monkeypatch, error, code):
+def test_db_errors_on_create_are_503_and_free_the_slot(h, monkeypatch, caplog, error, code):
     from onepiece.db.client import DbError, DbFull, DbUnavailable
 
-    exc = {"full": DbFull, "refused": DbError, "unavailable": DbUnavailable}[error](f"create: {error}")
+    # What a DB error says names the DBs' addresses: the client is told its kind, the log the rest.
+    exc = {"full": DbFull, "refused": DbError, "unavailable": DbUnavailable}[error](
+        f"create: ipc:///run/onepiece/set0-db0.sock: {error}")
 
     async def create(record):
         raise exc
@@ -625,7 +627,12 @@ def test_db_errors_on_create_are_503_and_free_the_slot(h, monkeypatch, error, co
     before = h.healthz()["inflight"]
     r = h.create(prompt="x")
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
-    assert r.json()["error"]["code"] == code and f"create: {error}" in r.json()["error"]["message"]
+    message = r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == code and "ipc://" not in message and "db0" not in message
+    assert message.startswith("the request could not be stored: ") and {
+        "full": "every result store is full", "refused": "refused", "unavailable": "no result store answered"}[
+        error] in message
+    assert any("set0-db0.sock" in r.getMessage() for r in caplog.records)
     assert h.healthz()["inflight"] == before
 
 
@@ -923,6 +930,7 @@ def test_cluster_changes_at_runtime():
         dead.close()
         r = h.create(prompt="x")
         assert r.status_code == 503 and r.json()["error"]["code"] == "entrance_unavailable"
+        assert "127.0.0.1" not in r.json()["error"]["message"]  # the instances' addresses are the log's
         assert h.healthz()["inflight"] == 0
         h.cluster.entrance_map["t2v"] = entrances
 
