@@ -54,7 +54,7 @@ from onepiece.bench.common import MAX_THREADS, PROMPT, T2V_STAGES, cpu_name, mod
 from onepiece.bench.overload import SET, Target, _run_async
 from onepiece.bench.trace import (Trace, load_trace, parse_classes, parse_floats, poisson_trace, replay, scaled,
                                   summarize)
-from onepiece.schedule_trace import chunks
+from onepiece.schedule_trace import chunks, logged
 from onepiece.sim.engine import Chunk
 from onepiece.sim.report import perfetto
 
@@ -241,7 +241,7 @@ def real_schedule(log_dir: Path, recs: list[dict[str, Any]]) -> list[Chunk]:
     if not sent:
         return []
     t0 = min(r["t_send"] - r["at"] for r in sent)
-    return chunks(log_dir, since=t0, t0=t0, names={r["uid"]: f"r{i}" for i, r in enumerate(recs) if r.get("uid")})
+    return chunks(logged(log_dir, since=t0), t0, {r["uid"]: f"r{i}" for i, r in enumerate(recs) if r.get("uid")})
 
 
 def save_schedule(path: Path, log_dir: Path, recs: list[dict[str, Any]]) -> None:

@@ -11,6 +11,7 @@ import argparse
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -23,28 +24,26 @@ from onepiece.stage.schedule_log import read
 SUFFIX = ".schedule.jsonl"
 
 
-def chunks(log_dir: Path, since: float = float("-inf"), t0: float = 0.0,
-           names: Mapping[str, str] | None = None) -> list[Chunk]:
-    """The chunks the schedule logs under ``log_dir`` hold that started at ``since`` or later
-    (seconds since the epoch), timed in seconds after ``t0``, in start order. ``names``: what to
-    call each request (a trace's ``r0``, ``r1``, ...); given, only chunks of requests it names
-    are kept, and only those requests in them. ``steps`` is the passes the worker ran."""
+def logged(log_dir: Path, since: float = float("-inf")) -> list[dict[str, Any]]:
+    """Every chunk the schedule logs under ``log_dir`` hold that started at ``since`` or later
+    (seconds since the epoch), as the logs have them."""
+    return [c for path in sorted(log_dir.glob("*" + SUFFIX)) for c in read(path, since=since)]
+
+
+def chunks(found: list[dict[str, Any]], t0: float = 0.0, names: Mapping[str, str] | None = None) -> list[Chunk]:
+    """Logged chunks (``logged``) in the simulator's terms, timed in seconds after ``t0``, in
+    start order. ``names``: what to call each request (a trace's ``r0``, ``r1``, ...); given, only
+    chunks of requests it names are kept, and only those requests in them. ``steps`` is the
+    passes the worker ran."""
     out = []
-    for path in sorted(log_dir.glob("*" + SUFFIX)):
-        for c in read(path, since=since):
-            parts = [(len(p[0]), tuple(u if names is None else names[u] for u in p[1] if names is None or u in names))
-                     for p in c["parts"]]
-            if not any(us for _, us in parts):
-                continue
-            out.append(Chunk(c["stage"], c["instance"], c["worker"], c["start"] - t0, c["end"] - t0,
-                             tuple(u for _, us in parts for u in us), c["passes"], tuple(parts)))
+    for c in found:
+        parts = [(len(p[0]), tuple(u if names is None else names[u] for u in p[1] if names is None or u in names))
+                 for p in c["parts"]]
+        if not any(us for _, us in parts):
+            continue
+        out.append(Chunk(c["stage"], c["instance"], c["worker"], c["start"] - t0, c["end"] - t0,
+                         tuple(u for _, us in parts for u in us), c["passes"], tuple(parts)))
     return sorted(out, key=lambda c: c.start)
-
-
-def keys(log_dir: Path, since: float = float("-inf")) -> dict[str, str]:
-    """Each request's key in the chunks the logs hold (what a slice is named by)."""
-    return {u: p[3] for path in log_dir.glob("*" + SUFFIX) for c in read(path, since=since)
-            for p in c["parts"] if len(p) > 3 for u in p[1]}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,8 +60,9 @@ def run(args: argparse.Namespace) -> int:
     if not any(logs.glob("*" + SUFFIX)):
         raise ConfigError(f"{logs}: no *{SUFFIX} here (a stage writes one beside its log under `onepiece up`)")
     since = time.time() - args.last
-    found = chunks(logs, since, t0=since)
-    trace = perfetto(found, [{"uid": u, "class": k} for u, k in keys(logs, since).items()])
-    Path(args.out).write_bytes(orjson.dumps(trace))
-    print(f"{len(found)} chunks of the last {args.last:g} s from {logs} -> {args.out} (open it in ui.perfetto.dev)")
+    found = logged(logs, since)
+    keys = {u: str(p[3]) for c in found for p in c["parts"] if len(p) > 3 for u in p[1]}  # a slice's name
+    drawn = chunks(found, t0=since)
+    Path(args.out).write_bytes(orjson.dumps(perfetto(drawn, [{"uid": u, "class": k} for u, k in keys.items()])))
+    print(f"{len(drawn)} chunks of the last {args.last:g} s from {logs} -> {args.out} (open it in ui.perfetto.dev)")
     return 0

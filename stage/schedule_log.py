@@ -45,9 +45,10 @@ class ScheduleLog:
                 self._failing = True
 
 
-def read(path: str | Path, since: float = float("-inf"), until: float = float("inf")) -> list[dict[str, Any]]:
-    """The chunks of a schedule log (and of its rotated parts, oldest first) that started in
-    [since, until]; a line that is not a chunk (torn by a crash or a rotation) is skipped."""
+def read(path: str | Path, since: float = float("-inf")) -> list[dict[str, Any]]:
+    """The chunks of a schedule log (and of its rotated parts, oldest first) that started at
+    ``since`` or later, in start order; a line that is not a whole chunk (torn by a crash, or
+    written by something else) is skipped."""
     path = Path(path)
     parts = sorted(path.parent.glob(path.name + ".*"), key=lambda p: -int(p.suffix[1:]) if p.suffix[1:].isdigit()
                    else 0)
@@ -62,6 +63,15 @@ def read(path: str | Path, since: float = float("-inf"), until: float = float("i
                 c = orjson.loads(line)
             except orjson.JSONDecodeError:
                 continue
-            if isinstance(c, dict) and isinstance(c.get("start"), (int, float)) and since <= c["start"] <= until:
+            if _whole(c) and c["start"] >= since:
                 out.append(c)
     return sorted(out, key=lambda c: c["start"])
+
+
+def _whole(c: Any) -> bool:
+    """Whether ``c`` is a chunk as ``ScheduleLog.chunk`` writes it."""
+    return (isinstance(c, dict) and all(isinstance(c.get(k), str) for k in ("stage", "instance", "worker"))
+            and all(isinstance(c.get(k), (int, float)) and not isinstance(c.get(k), bool) for k in ("start", "end"))
+            and isinstance(c.get("passes"), int) and isinstance(c.get("parts"), list)
+            and all(isinstance(p, list) and len(p) >= 3 and isinstance(p[0], list) and isinstance(p[1], list)
+                    and all(isinstance(u, str) for u in p[1]) for p in c["parts"]))

@@ -26,6 +26,7 @@ def test_chunks_are_read_back_in_order_across_rotations_and_torn_lines(tmp_path)
     rotate(path, 0, keep=2)  # the launcher's copy-then-truncate: the next line lands in a fresh file
     log.chunk("denoise", "w0", 11.0, 11.2, [[[0], ["a", "b"], 1]], 1)
     with open(path, "ab") as f:
+        f.write(b'{"stage": "denoise", "start": 12.0, "parts": [[0]]}\n')  # JSON, but not a chunk
         f.write(b'{"stage": "denoise", "start": 1')  # torn by a crash mid-line
     got = read(path)
     assert [(c["start"], c["passes"], c["instance"]) for c in got] == [(10.0, 2, "set0-denoise0"),
