@@ -57,8 +57,9 @@ def run(args: argparse.Namespace) -> int:
     logs = Path(args.logs)
     if not logs.is_dir():
         raise ConfigError(f"{logs}: not a folder (give the deployment's log folder, runs/<time>)")
-    if not any(logs.glob("*" + SUFFIX)):
-        raise ConfigError(f"{logs}: no *{SUFFIX} here (a stage writes one beside its log under `onepiece up`)")
+    if not any(logs.glob("*" + SUFFIX)) and not any(logs.glob("*.log")):
+        raise ConfigError(f"{logs}: neither role logs nor *{SUFFIX} here (a stage writes one beside its log under "
+                          f"`onepiece up`, from its first chunk on)")
     since = time.time() - args.last
     found = logged(logs, since)
     keys = {u: str(p[3]) for c in found for p in c["parts"] if len(p) > 3 for u in p[1]}  # a slice's name

@@ -117,8 +117,14 @@ def test_onepiece_schedule_draws_a_deployments_recent_chunks(tmp_path, capsys):
     assert [(s["name"], s["args"]["uids"], s["tid"]) for s in slices] == [("2x 64x64x9/cfg/L64 (3 steps)", ["a", "b"],
                                                                           "w0")]
     assert 57_000_000 < slices[0]["ts"] < 59_000_000  # 2 s before the end of the minute asked for
+    quiet = tmp_path / "quiet"  # a deployment whose stages ran nothing yet: an empty trace
+    quiet.mkdir()
+    (quiet / "nm.log").write_text("")
+    with pytest.raises(SystemExit) as e:
+        main(["schedule", str(quiet), "--out", str(out)])
+    assert e.value.code == 0 and not [ev for ev in json.loads(out.read_text())["traceEvents"] if ev["ph"] == "X"]
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(SystemExit) as e:
         main(["schedule", str(empty)])
-    assert e.value.code == 2 and "no *.schedule.jsonl here" in capsys.readouterr().err
+    assert e.value.code == 2 and "neither role logs nor *.schedule.jsonl here" in capsys.readouterr().err
