@@ -140,9 +140,15 @@ def output_file(path: str | os.PathLike) -> Path:
     return target
 
 
+# Rounds of a create while every proxy refuses or is unreachable: their pauses (0.25 s doubling,
+# jittered, 4 to 8 s together) outlast `onepiece up` restarting a killed proxy (about 2 s); 3
+# rounds, under a second, gave up before it was back.
+ROUNDS = 6
+
+
 class Client:
     def __init__(self, base_url: str | Sequence[str] | Mapping[str, Sequence[str]] = DEFAULT_URL,
-                 timeout: float = 30.0, api_key: str | None = None, *, rounds: int = 3,
+                 timeout: float = 30.0, api_key: str | None = None, *, rounds: int = ROUNDS,
                  backoff_s: float = 0.25, backoff_cap_s: float = 5.0) -> None:
         """``base_url``: one proxy URL, several, or ``{set name: [urls]}``. ``api_key``: sent as
         a bearer key (default ``$ONEPIECE_API_KEY``). A create refused by every proxy is tried

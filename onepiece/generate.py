@@ -52,8 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"a key on a command line is readable by every user of the host (ps); put it in a file of mode 0600 named "
         f"by --api-key-file, or in the environment variable {KEY_ENV}"))
     _curve_flags(parser, auth=False)  # with --nm: the node manager of a deployment on CURVE
-    parser.add_argument("--rounds", type=count(), default=3,
-                        help="times to go round all proxies while they refuse, with backoff (default 3)")
+    parser.add_argument("--rounds", type=count(),
+                        help="times to go round all proxies while they refuse or are unreachable, with backoff "
+                             "(default: the Python client's, onepiece.client.ROUNDS)")
     parser.add_argument("--timeout", type=positive(" seconds"), default=600.0, help="seconds to wait for the video")
     parser.add_argument("--deadline", type=positive(" seconds"), metavar="SECONDS",
                         help="the request's own deadline (timeout_s): a set admits it only if it is predicted to "
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             bar.refresh()
 
-    rounds = max(1, args.rounds)
+    rounds = {} if args.rounds is None else {"rounds": max(1, args.rounds)}
     try:
         _check_output(args.output)
         key = client_key(args.api_key_file)
@@ -126,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     video: dict | None = None
     try:
-        client = (Client.from_nm(args.nm, rounds=rounds, api_key=key) if args.nm
-                  else Client(_urls(args.url), rounds=rounds, api_key=key))
+        client = (Client.from_nm(args.nm, api_key=key, **rounds) if args.nm
+                  else Client(_urls(args.url), api_key=key, **rounds))
         with client:
             video = client.submit(args.prompt, model=args.model, image=args.image, size=args.size,
                                   seconds=args.seconds, **extra)

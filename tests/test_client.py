@@ -9,10 +9,13 @@ a failure, "hold..." makes it keep the request unanswered.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import socket
 import stat
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -184,6 +187,67 @@ def test_rejection_and_failover_across_proxies(tmp_path):
 
 
 DEAD = "http://127.0.0.1:9"  # nothing listens there: connection refused
+
+
+class LateProxy:
+    """The proxy of ``url`` reachable only ``after`` seconds from now, at ``self.url``: before,
+    its port refuses connections, as while `onepiece up` restarts a killed proxy; then a relay
+    pipes each connection to the real proxy."""
+
+    def __init__(self, url: str, after: float) -> None:
+        self.target = httpx.URL(url)
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        self.port = probe.getsockname()[1]
+        probe.close()  # refused until the relay binds it
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.up_at = time.monotonic() + after
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, args=(after,), daemon=True)
+        self.thread.start()
+
+    def _serve(self, after: float) -> None:
+        if self.stop.wait(after):
+            return
+        with socket.create_server(("127.0.0.1", self.port)) as server:
+            server.settimeout(0.1)
+            while not self.stop.is_set():
+                try:
+                    conn, _ = server.accept()
+                except TimeoutError:
+                    continue
+                upstream = socket.create_connection((self.target.host, self.target.port))
+                for a, b in ((conn, upstream), (upstream, conn)):
+                    threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+def test_a_submit_outlasts_a_proxy_restart_by_default_and_three_rounds_did_not(h):
+    """`onepiece up` brings a killed proxy back in about 2 s: a submit sent meanwhile waits it
+    out with the client's default rounds (their pauses add up to 4 to 8 s); with 3 rounds (the
+    old default, under a second of pauses) it gave up, the proxy unreachable."""
+    late = LateProxy(h.url, after=2.0)
+    try:
+        with Client(late.url, timeout=10, rounds=3) as c, pytest.raises(RequestFailed) as e:
+            c.submit("too soon")
+        assert e.value.code == "unreachable"
+        assert time.monotonic() < late.up_at  # the next client starts while the proxy is still away
+        with Client(late.url, timeout=10) as c:
+            v = c.submit("patient")
+            assert c.wait(v["id"], timeout=10)["status"] == "completed"
+    finally:
+        late.close()
 
 
 def test_download_and_status_fall_back_when_the_home_proxy_is_unreachable(h, tmp_path):
