@@ -34,7 +34,9 @@ def _instance(i: dict[str, Any]) -> str:
         extra = (f" inflight {s.get('inflight', 0)}/{s.get('max_inflight', '?')}"
                  f" accepted {s.get('accepted', 0)} rejected {s.get('rejected', 0)}"
                  # a full set's 429s and bad requests' 400s are different alarms
-                 + (f" ({s['refused']} for capacity)" if isinstance(s.get("refused"), int) else ""))
+                 + (f" ({s['refused']} for capacity)" if isinstance(s.get("refused"), int) else "")
+                 + "".join(f" {how} {n}" for how, n in sorted((s.get("ended") or {}).items())
+                           if isinstance(n, int)))
     addr = i["addresses"].get("http") or i["addresses"].get("data", "")
     return f"    {i['id']:10s} {health:10s} {addr}{extra}"
 

@@ -51,10 +51,13 @@ class InflightTracker:
     work at its bottleneck stage (seconds), the completion time it was admitted for and the time
     the stages order it by (ns): admission reads the requests ahead of a new one."""
 
-    def __init__(self, max_inflight: int) -> None:
+    def __init__(self, max_inflight: int, on_end: Callable[[str, str], None] | None = None) -> None:
+        """``on_end(app, outcome)``: hears how each request left (``release``'s ``outcome``, or
+        ``expired``: its deadline passed before any word of its end; the DBs fail it there)."""
         if max_inflight <= 0:
             raise ValueError("max_inflight must be positive")
         self.max_inflight = max_inflight
+        self.on_end = on_end
         self._deadlines: dict[str, tuple[int, str, float, int, int]] = {}
         self._last_sweep_ns = 0
 
@@ -85,8 +88,15 @@ class InflightTracker:
         self._deadlines[uid] = (deadline_ns, app, work_s, order if promise_ns is None else promise_ns, order)
         return True
 
-    def release(self, uid: str) -> bool:
-        return self._deadlines.pop(uid, None) is not None
+    def release(self, uid: str, outcome: str | None = None) -> bool:
+        """Free ``uid``'s slot (False: it held none); ``outcome``: how the request ended, for
+        ``on_end`` (None: it did not, its slot is only given back)."""
+        held = self._deadlines.pop(uid, None)
+        if held is None:
+            return False
+        if outcome is not None and self.on_end is not None:
+            self.on_end(held[1], outcome)
+        return True
 
     def sweep(self, now_ns: int | None = None) -> int:
         """Drop entries whose deadline passed; returns how many."""
@@ -94,7 +104,7 @@ class InflightTracker:
         self._last_sweep_ns = now_ns
         expired = [u for u, (d, *_) in self._deadlines.items() if d <= now_ns]
         for u in expired:
-            self.release(u)
+            self.release(u, "expired")
         return len(expired)
 
 

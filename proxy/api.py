@@ -89,7 +89,7 @@ class ProxyState:
         self.opts = opts
         self.metrics = ProxyMetrics()
         self.metrics.max_inflight.set(opts.max_inflight)
-        self.tracker = InflightTracker(opts.max_inflight)
+        self.tracker = InflightTracker(opts.max_inflight, lambda app, how: self.metrics.ended.labels(app, how).inc())
         self.cursors = Cursors()
         # Idempotent creates this proxy is storing or handing over now: until the hand-over is
         # done their record may still be forgotten (a failed hand-over), so a retry here must not
@@ -122,13 +122,14 @@ class ProxyState:
         self.dbs.close()
         await asyncio.get_running_loop().run_in_executor(None, self.dispatcher.close)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         """What the proxy reports with each NM heartbeat (shown by `onepiece status`); callable
         from any thread."""
         return {"inflight": len(self.tracker), "max_inflight": self.tracker.max_inflight,
                 "accepted": self.metrics.accepted_total(), "rejected": self.metrics.rejected_total(),
                 # of those rejected, the ones for capacity (the monitor's 429s, a full proxy's 503)
-                "refused": self.metrics.rejected_total((*REFUSALS, "buffers_full"))}
+                "refused": self.metrics.rejected_total((*REFUSALS, "buffers_full")),
+                "ended": self.metrics.ended_totals()}
 
     def observe_monitor(self) -> None:
         """Feed the cluster's latest capacity view to admission (re-rates on a new view)."""
@@ -151,21 +152,23 @@ class ProxyState:
         return {"enabled": True, "set": self.cluster.set_name, "view": adm.view, "proxies": adm.proxies,
                 "rates": {app: adm.rate(app) for app in apps}, "path_s": adm.paths()}
 
-    def release(self, uid: str, status: str | None = None, service_s: float | None = None) -> bool:
+    def release(self, uid: str, status: str | None = None, service_s: float | None = None,
+                outcome: str | None = None) -> bool:
         """Free ``uid``'s slot in flight (False: it held none); ``status`` and ``service_s``: how
         it ended and its stages' time, from the DB's done event, which the monitor times (None:
-        it left otherwise, untimed)."""
+        it left otherwise, untimed); ``outcome``: how it ended, for the metrics (None: it was not
+        a request that ended, a create given back)."""
         if self.admission is not None:
             if status is None:
                 self.admission.forget(uid)
             else:
                 self.admission.done(uid, status, time.time_ns(), service_s)
-        freed = self.tracker.release(uid)
+        freed = self.tracker.release(uid, outcome)
         self.metrics.inflight.set(len(self.tracker))
         return freed
 
     def _on_done(self, uid: str, status: str | None, service_s: float | None) -> None:
-        if self.release(uid, status, service_s):
+        if self.release(uid, status, service_s, status or "cancelled"):
             log.debug("uid=%s %s: slot freed", uid, f"terminal ({status})" if status else "deleted")
 
     def follow_dbs(self) -> None:
@@ -720,7 +723,7 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None, keys: ApiKeys
         if record is None:
             raise ApiError(404, f"no video with id {video_id!r} (unknown, expired or already fetched)",
                            code="video_not_found", param="video_id")
-        if record.get("status") in protocol.TERMINAL and st.tracker.release(uid):
+        if record.get("status") in protocol.TERMINAL and st.tracker.release(uid, record["status"]):
             # its done event is late or lost; the record says enough (the monitor still times
             # the request by that event, if it comes)
             st.metrics.inflight.set(len(st.tracker))
@@ -762,7 +765,7 @@ def create_app(cluster: Cluster, opts: ProxyOptions | None = None, keys: ApiKeys
         if not await _db(st.dbs.delete(uid, caller_of(request).owner)):
             raise ApiError(404, f"no video with id {video_id!r}", code="video_not_found", param="video_id")
         # A cancelled request frees its slot now, not at its deadline (the DBs tell the stages).
-        st.release(uid)
+        st.release(uid, outcome="cancelled")
         return JsonResponse({"id": ID_PREFIX + uid, "object": "video.deleted", "deleted": True})
 
     @app.get("/v1/models", responses=oa.responses(oa.ok(oa.MODELS)))

@@ -28,6 +28,11 @@ class ProxyMetrics:
             "onepiece_proxy_rejected", "Create requests refused, by reason (validation code or capacity)",
             ["reason"], registry=r,
         )
+        self.ended = Counter(
+            "onepiece_proxy_ended", "Accepted requests that left this proxy's in-flight count, by how: completed or "
+            "failed (the DBs' verdict), cancelled (deleted), expired (its deadline passed before any word of its end)",
+            ["app", "outcome"], registry=r,
+        )
         self.inflight = Gauge("onepiece_proxy_inflight", "Accepted requests not yet terminal", registry=r)
         self.max_inflight = Gauge("onepiece_proxy_max_inflight", "In-flight limit", registry=r)
         self.submit_latency = Histogram(
@@ -51,6 +56,15 @@ class ProxyMetrics:
     def accepted_total(self) -> int:
         """Requests accepted so far, all apps together."""
         return _total(self.accepted)
+
+    def ended_totals(self) -> dict[str, int]:
+        """Accepted requests that ended so far, by outcome, all apps together."""
+        out: dict[str, int] = {}
+        for m in self.ended.collect():
+            for s in m.samples:
+                if s.name.endswith("_total"):
+                    out[s.labels["outcome"]] = out.get(s.labels["outcome"], 0) + int(s.value)
+        return out
 
     def rejected_total(self, reasons: tuple[str, ...] | None = None) -> int:
         """Create requests refused so far, for ``reasons`` (default: all together)."""

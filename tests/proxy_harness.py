@@ -111,3 +111,14 @@ class Harness:
         self.proxy.stop()
         self.entrance.close()
         self.db.close()
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """The value of ``name``'s sample with ``labels`` in a /metrics page (None: none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return None

@@ -565,3 +565,19 @@ def test_the_path_is_measured_on_requests_admitted_into_an_idle_set():
     fresh = CapacityAdmission(deadline_factor=3.0, headroom=1.0, burst_s=1000.0, clock=Clock())
     fresh.observe(measured())
     assert fresh.check("t2v", SHAPE, 600.0, False, ahead=flight(1)).code == "deadline"
+
+
+def test_the_tracker_says_how_each_request_left_once():
+    """``on_end`` hears each accepted request once: with the outcome it was released with, or
+    ``expired`` when its deadline passed before any word of its end; a slot only given back (a
+    create that failed) is not an ending."""
+    heard: list[tuple[str, str]] = []
+    t = InflightTracker(10, lambda app, how: heard.append((app, how)))
+    now = 1_000_000_000_000
+    for uid, app in (("done", "t2v"), ("gone", "i2v"), ("back", "t2v"), ("late", "t2v")):
+        assert t.try_admit(uid, now + (1 if uid == "late" else 10**12), app, now_ns=now)
+    assert t.release("done", "completed") and not t.release("done", "completed")  # once
+    assert t.release("back")  # given back, not ended
+    assert t.sweep(now + 2) == 1  # "late": its deadline passed before any word of it
+    assert t.release("gone", "cancelled")
+    assert heard == [("t2v", "completed"), ("t2v", "expired"), ("i2v", "cancelled")] and len(t) == 0

@@ -189,6 +189,26 @@ def test_rejection_and_failover_across_proxies(tmp_path):
 DEAD = "http://127.0.0.1:9"  # nothing listens there: connection refused
 
 
+def test_the_proxy_counts_how_its_requests_ended(h, client):
+    """/metrics and the proxy's heartbeat stats (`onepiece status`) count each accepted request
+    once as it leaves: completed or failed as the DB's done event says, cancelled when deleted."""
+    def ended() -> dict[str, float]:
+        text = h.http.get("/metrics").text
+        return {how: H.metric(text, "onepiece_proxy_ended_total", app="t2v", outcome=how) or 0.0
+                for how in ("completed", "failed", "cancelled", "expired")}
+
+    before, stats_before = ended(), h.proxy.app.state.proxy.stats()["ended"]
+    ok, bad, held = client.submit("a fox"), client.submit("fail on purpose"), client.submit("hold it")
+    client.wait(ok["id"], timeout=10)
+    with pytest.raises(RequestFailed):
+        client.wait(bad["id"], timeout=10)
+    client.delete(held["id"])
+    want = {"completed": 1, "failed": 1, "cancelled": 1, "expired": 0}
+    H.wait_for(lambda: {k: ended()[k] - before[k] for k in want} == want, what="the three outcomes counted")
+    stats = h.proxy.app.state.proxy.stats()["ended"]
+    assert {k: stats.get(k, 0) - stats_before.get(k, 0) for k in want} == want
+
+
 class LateProxy:
     """The proxy of ``url`` reachable only ``after`` seconds from now, at ``self.url``: before,
     its port refuses connections, as while `onepiece up` restarts a killed proxy; then a relay

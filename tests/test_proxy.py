@@ -24,7 +24,7 @@ from onepiece.proxy.validation import build_job
 
 
 import proxy_harness as H  # noqa: E402  (tests/ is on pytest's pythonpath)
-WORKFLOW, Harness, png, wait_for = H.WORKFLOW, H.Harness, H.png, H.wait_for
+WORKFLOW, Harness, png, wait_for, metric = H.WORKFLOW, H.Harness, H.png, H.wait_for, H.metric
 
 
 @pytest.fixture(scope="module")
@@ -581,17 +581,22 @@ def test_heartbeat_stats_count_accepted_and_rejected():
     h = Harness(max_inflight=1)
     try:
         state = h.proxy.app.state.proxy
-        assert state.stats() == {"inflight": 0, "max_inflight": 1, "accepted": 0, "rejected": 0, "refused": 0}
-        assert h.create(prompt="a").status_code == 200
+        assert state.stats() == {"inflight": 0, "max_inflight": 1, "accepted": 0, "rejected": 0, "refused": 0,
+                                 "ended": {}}
+        a = h.create(prompt="a")
+        assert a.status_code == 200
         assert h.create(prompt="b").status_code == 429  # full
         assert h.create(prompt="c", size="1x1").status_code == 400  # invalid
         stats = state.stats()
-        assert stats == {"inflight": 1, "max_inflight": 1, "accepted": 1, "rejected": 2, "refused": 1}
+        assert stats == {"inflight": 1, "max_inflight": 1, "accepted": 1, "rejected": 2, "refused": 1, "ended": {}}
+        assert h.http.delete(f"/v1/videos/{a.json()['id']}").status_code == 200
+        stats = state.stats()
+        assert stats["inflight"] == 0 and stats["ended"] == {"cancelled": 1}
         proxy = {"id": "proxy0", "role": "proxy", "ready": True, "silent_s": 0.1, "stats": stats,
                  "addresses": {"http": h.url}}
         line = render({"sets": {"set0": {"stages": {}, "idle": [], "dbs": [], "proxies": [proxy]}}})
         # the 429 (a full set) told apart from the 400 (a bad request): different alarms
-        assert "inflight 1/1 accepted 1 rejected 2 (1 for capacity)" in line
+        assert "inflight 0/1 accepted 1 rejected 2 (1 for capacity) cancelled 1" in line
         # A stage counts the instances assigned to it now (a move changes them), not the topology's.
         moved = {"id": "stage-1", "role": "stage", "ready": True, "silent_s": 0.1, "stats": {}, "stage": "vae_decode",
                  "addresses": {"data": "tcp://127.0.0.1:1"}}
@@ -736,16 +741,6 @@ def capacity_view(denoise_s: float = 0.5, denoise_workers: int = 1, queue: int =
     members = [stage("text_encode", 0.01), stage("denoise_t2v", denoise_s, denoise_workers, queue),
                stage("vae_decode", 0.05)]
     return {"apps": estimate(WORKFLOW, members), "proxies": proxies}
-
-
-def metric(text: str, name: str, **labels: str) -> float | None:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
-    return None
 
 
 def drain(h) -> int:
