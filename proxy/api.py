@@ -341,6 +341,7 @@ class ProxyState:
             except DbGone:
                 raise gone() from None
             except DbError as e:  # DbFull, DbUnavailable, or refused by every DB: not stored
+                log.warning("uid=%s: not stored: %s", uid, e)
                 raise ApiError(503, f"the request could not be stored: {_unavailable(e)}",
                                code="db_full" if isinstance(e, DbFull) else "db_unavailable",
                                headers=self._retry()) from None
@@ -859,7 +860,6 @@ def _in_use(retry_s: int) -> ApiError:
 def _unavailable(e: DbError) -> str:
     """What a client is told of a DB error: its kind. The DBs' addresses and replies in it are
     for the operator (the proxy's log), not for every client."""
-    log.warning("result stores: %s", e)
     if isinstance(e, DbFull):
         return "every result store is full; retry later"
     if isinstance(e, DbUnavailable):
@@ -870,5 +870,6 @@ def _unavailable(e: DbError) -> str:
 async def _db(coro: Any) -> Any:
     try:
         return await coro
-    except DbUnavailable as e:
+    except DbUnavailable as e:  # (a read: polled often, so not a warning each time)
+        log.debug("a read found no result store: %s", e)
         raise ApiError(503, _unavailable(e), code="db_unavailable") from None

@@ -40,8 +40,8 @@ from onepiece.sched.deadlines import stage_request
 from onepiece.sched.keys import at_dop, call_key, compat_key, shape_key
 from onepiece.sched.policy import Request
 from onepiece.schema import checked, is_name
-from onepiece.stage.schedule_log import ScheduleLog
 from onepiece.stage.reports import REPORTS, Admitted, Broken, Failed, Idle, Progress, Ready
+from onepiece.stage.schedule_log import ScheduleLog
 from onepiece.stage.service_times import ServiceTimes
 from onepiece.stage.stats import SchedulerStats
 from onepiece.task_header import TaskHeader
