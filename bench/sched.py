@@ -248,10 +248,10 @@ def save_schedule(path: Path, log_dir: Path, recs: list[dict[str, Any]]) -> None
     """What every stage's workers ran under one trace, as the simulator draws its own (a
     Chrome/Perfetto trace, sim/report.py): the two can be opened side by side, and `onepiece
     bench simval` reads it."""
-    chunks = real_schedule(log_dir, recs)
-    if chunks:
+    ran = real_schedule(log_dir, recs)
+    if ran:
         names = [{"uid": f"r{i}", "class": r["class"]} for i, r in enumerate(recs)]
-        path.write_bytes(orjson.dumps(perfetto(chunks, names)))
+        path.write_bytes(orjson.dumps(perfetto(ran, names)))
 
 
 def cost_table(stages: dict[str, Any], since: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -4,7 +4,7 @@ bench sched` saves each trace's: ``sched-schedule-<policy>-<load>.json``).
 On one host every stage's workers share its cores: where the denoise workers' ranks already
 use every core, a text encoder's or VAE decoder's call beside them slows their steps. The
 simulator gives each worker a device of its own (sim/engine.py: processes sharing CPU cores are
-not modelled) and prices every step at its table's median; this says by how much the measured
+not modelled) and prices every step at its table's figure; this says by how much the measured
 steps departed from that, and when: per (class, DoP, batch size), the median seconds per
 forward pass of the chunks during which no other stage's worker ran, against those during most
 of which one did.

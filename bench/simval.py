@@ -248,7 +248,7 @@ def markdown(doc: dict[str, Any]) -> str:
         lines += ["", "The host's cores, shared (from the run's schedules, `sched-schedule-<policy>-<load>.json`): "
                       "denoise_t2v's seconds per forward pass, median, in the chunks during which no other stage's "
                       "worker ran (alone) and in those during most of which one did (beside). The simulator gives "
-                      "every worker a device of its own and prices every step at its table's median.", "",
+                      "every worker a device of its own and prices every step at its table's figure.", "",
                   "| class | DoP | batch | alone ms (chunks) | beside ms (chunks) | beside / alone |",
                   "|---|---|---|---|---|---|"]
         for r in doc["sharing"]:
