@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from onepiece.argtypes import between, count, out_dir
 from onepiece.bench.common import T2V_STAGES, cpu_name
 from onepiece.bench import sharing
@@ -33,6 +35,7 @@ from onepiece.sched.costs import MAX_STEP_CV
 from onepiece.sim.cli import apply_schedule, simulate
 from onepiece.sim.costs import CostTable
 from onepiece.sim.engine import SimInputError
+from onepiece.sim.report import perfetto
 
 TARGETS = {"attainment_points": 5.0, "mean_rel": 0.10}
 
@@ -94,6 +97,7 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
     rows: dict[str, dict[str, Any]] = {}
     skipped: list[dict[str, str]] = []  # cells the simulator cannot price, and why
     shared = []  # per cell with a saved schedule: the denoise steps alone and beside other stages' work
+    schedules: dict[str, Any] = {}  # per cell, its first simulation's schedule (a Perfetto trace)
     for row, by_load in run["rows"].items():
         policy, monitor = row.removesuffix(" (monitor on)"), row.endswith("(monitor on)")
         priced_by = costs_of or policy
@@ -121,11 +125,14 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
             costs = CostTable.load(at_load if at_load.exists() else results / costs_name(priced_by))
             varied = step_cv > 0 or any(costs.step_cv(s, 0.0) > 0 for s in T2V_STAGES)
             try:
-                runs = [simulate(pwf, {"set0": dict(T2V_STAGES)}, costs, trace, chunks=False, proxies=proxy,
-                                 step_cv=step_cv, seed=seed)[0] for seed in range(seeds if varied else 1)]
+                sims = [simulate(pwf, {"set0": dict(T2V_STAGES)}, costs, trace, chunks=seed == 0, proxies=proxy,
+                                 step_cv=step_cv, seed=seed) for seed in range(seeds if varied else 1)]
             except SimInputError as e:  # e.g. a DoP the policy picks that its run never measured
                 skipped.append({"policy": row, "load": load, "why": str(e)})
                 continue
+            runs = [r for r, _ in sims]
+            if schedule.exists():  # what the simulated workers ran, beside the run's own (the same names)
+                schedules[schedule.name] = perfetto(sims[0][1].chunks or [], runs[0]["requests"])
             # both sides summarized by the same function, from the run's own records
             recs = run["requests"][row][load]
             measured = summarize(recs, {c: v["slo_s"] for c, v in run["classes"].items()})
@@ -139,7 +146,7 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
     return {"bench": "simval", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
             "run": {"when": run.get("when"), "results": str(results)}, "costs_of": costs_of,
             "step_cv": step_cv, "seeds": seeds, "rows": rows, "skipped": skipped,
-            "sharing": sharing.summary(sharing.merge(shared)),
+            "sharing": sharing.summary(sharing.merge(shared)), "schedules": schedules,
             "targets": _targets(rows, not skipped)}
 
 
@@ -277,9 +284,13 @@ def run(args: argparse.Namespace) -> int:
                          f"(rerun `onepiece bench sched`, which saves them)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    schedules = doc.pop("schedules")
+    for name, trace in schedules.items():  # beside the run's own, under the same names
+        (out / f"simval-{name}").write_bytes(orjson.dumps(trace))
     (out / "simval.json").write_text(json.dumps(doc, indent=1))
     text = markdown(doc)
     (out / "simval.md").write_text(text + "\n")
     print(text)
-    print(f"saved {out / 'simval.json'} and simval.md")
+    print(f"saved {out / 'simval.json'}, simval.md" + (f" and the simulated schedules (simval-sched-schedule-*.json)"
+                                                      if schedules else ""))
     return 0

@@ -522,3 +522,25 @@ def test_simval_reports_a_cell_it_cannot_price_and_replays_the_others():
     (skipped,) = doc["skipped"]
     assert skipped["policy"] == "slo" and "no row for key '64x64x9/cfg/L64'" in skipped["why"]
     assert not doc["targets"]["attainment_points"]["met"] and "Not replayed" in markdown(doc)
+
+
+def test_simval_lays_the_simulated_schedule_beside_the_measured_one():
+    """A run that saved its schedules (`bench sched` since 2026-11-27): simval measures from them
+    how the steps slowed beside another stage's work, and keeps each cell's simulated schedule
+    under the run's own names (r0, r1, ...), to open the two side by side. The committed run of
+    the group of two at 1.0x: srtf replayed, `slo` not (no DoP 1 measured)."""
+    from onepiece.bench.simval import validate
+
+    results = Path(__file__).resolve().parents[1] / "bench" / "results"
+    doc = validate(results / "sched-collab-6" / "group-1x", seeds=1,
+                   replay=results / "sched-collab-5" / "sched-trace-1x.json")
+    (name,) = doc["schedules"]
+    assert name == "sched-schedule-srtf-sched-trace-1x.json"
+    measured = json.loads((results / "sched-collab-6" / "group-1x" / name).read_text())["traceEvents"]
+    simulated = doc["schedules"][name]["traceEvents"]
+    uids = lambda events: {u for e in events if e["ph"] == "X" for u in e["args"]["uids"]}  # noqa: E731
+    assert uids(simulated) == uids(measured) == {f"r{i}" for i in range(60)}
+    rows = {(r["class"], r["dop"], r["batch"]): r for r in doc["sharing"]}
+    for cls in "SML":  # each class's steps at DoP 2 alone, and slower beside another stage's call
+        r = rows[(cls, 2, 1)]
+        assert r["alone_n"] >= 10 and r["beside_n"] >= 10 and r["ratio"] > 1.3, r
