@@ -92,10 +92,10 @@ class RequestScheduler:
         self.known: set[bytes] = set()  # workers that said ready at least once
         self.fresh: set[bytes] = set()  # workers whose first chunk (JIT, allocator warm-up) is not a sample
         self.born: dict[bytes, float] = {}
-        # worker -> (sent at, decision time, uids, last deadline, hung grace) of its chunk in flight
-        self.running: dict[bytes, tuple[float, float, tuple[str, ...], float | None, float]] = {}
+        # worker -> (sent at, decision time, uids, last deadline, hung grace, for the schedule log
+        # (sent at, epoch; its parts) or None) of its chunk in flight
+        self.running: dict[bytes, tuple[float, float, tuple[str, ...], float | None, float, tuple | None]] = {}
         self.schedule_log = schedule_log
-        self._chunks: dict[bytes, tuple[float, list]] = {}  # worker -> (sent at, epoch; parts) for the schedule log
         # uid -> when its latest cancel was heard (ns since epoch): a request of that uid stamped
         # later by a proxy (an Idempotency-Key reused once the DBs forgot the deleted video) is new.
         self.cancelled: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -266,11 +266,12 @@ class RequestScheduler:
             # Kept past their deadlines (nothing stops the chunk there): hung only once it has
             # also outlasted its own steps; with no step measured, nothing to judge it by.
             deadline = max(deadline, now + cmd.steps * step) if step else None
-        self.running[cmd.worker.encode()] = (now, decided, cmd.uids, deadline, max(HUNG_GRACE_S, 3 * step))
         parts = [[list(p.ranks), list(p.uids), p.steps] for p in cmd.parts]
+        logged = None
         if self.schedule_log is not None:  # each part with its key, for a reader to tell shapes apart
             requests = self.core.requests
-            self._chunks[cmd.worker.encode()] = (time.time(), [p + [requests[p[1][0]].key] for p in parts])
+            logged = (time.time(), [p + [requests[p[1][0]].key] for p in parts])
+        self.running[cmd.worker.encode()] = (now, decided, cmd.uids, deadline, max(HUNG_GRACE_S, 3 * step), logged)
         self._send(cmd.worker, [b"run", orjson.dumps({"uids": list(cmd.uids), "steps": cmd.steps, "admit": sizes,
                                                       "parts": parts}), *frames])
         for uid in cmd.admit:  # after the hand-over: the DB's update must not hold the worker's start up
@@ -312,7 +313,6 @@ class RequestScheduler:
             self.fresh.add(ident)
             self.born[ident] = time.monotonic()
             self.running.pop(ident, None)
-            self._chunks.pop(ident, None)
             self.stats.serving = True
             self.stats.worker_error = ""
         elif isinstance(info, Broken):  # it exits: its death is handled as any other
@@ -332,9 +332,8 @@ class RequestScheduler:
             measured = ident not in self.fresh
             self.fresh.discard(ident)
             run = self.running.pop(ident, None)
-            chunk = self._chunks.pop(ident, None)
-            if chunk is not None and self.schedule_log is not None:
-                self.schedule_log.chunk(self.stage, wid, chunk[0], time.time(), chunk[1], len(info.steps))
+            if run is not None and run[5] is not None and self.schedule_log is not None:
+                self.schedule_log.chunk(self.stage, wid, run[5][0], time.time(), run[5][1], len(info.steps))
             try:
                 self._learn(wid, info, measured)
                 if run is not None and measured:
@@ -414,7 +413,6 @@ class RequestScheduler:
             elif what == "died" and self.born.get(subject, -1.0) < t:  # not a newer incarnation
                 self.known.discard(subject)
                 self.running.pop(subject, None)
-                self._chunks.pop(subject, None)
                 self._lost(subject.decode(), f"died ({reason})")
 
     def _fenced(self, uids: list[str], reason: str) -> None:
@@ -495,7 +493,7 @@ class RequestScheduler:
         kept, past the chunk's measured steps too) is stuck: fail what it holds and have the
         TaskManager kill it (its restart gives the slot back). ``now``: the monotonic clock's."""
         now = time.monotonic() if now is None else now
-        for ident, (sent, _, uids, deadline, grace) in list(self.running.items()):
+        for ident, (sent, _, uids, deadline, grace, _) in list(self.running.items()):
             if deadline is not None and now > deadline + grace:
                 del self.running[ident]
                 self._lost(ident.decode(), "hung past the deadline")
