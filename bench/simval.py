@@ -11,6 +11,11 @@ puts predicted beside measured: SLO attainment and mean latency, per class and o
 with the request monitor on is replayed with the simulator's monitor on (the proxy's own rule).
 Target (GF-DiT validates its simulator the same way): within 5 points of attainment and 10% of
 mean latency at every level. Saved as ``simval.json`` and ``simval.md`` under ``--out``.
+
+Where the run saved what its stages ran (``sched-schedule-<policy>-<load>.json``), the replay
+shares the run's host among the stages as the run did (its cores: ``sched.virtual.Host``), each
+step priced at what it cost alone there (``bench/sharing.py``); the prediction with every worker
+a device of its own is kept beside it.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from onepiece.bench.sched import costs_name, schedule_name
 from onepiece.bench.trace import Trace, TraceError, load_trace, stage_times, summarize
 from onepiece.cli import PROFILE_WORKFLOWS
 from onepiece.config import ProxySpec, Workflow, deploy_dir, load_workflow
-from onepiece.sched.costs import MAX_STEP_CV
+from onepiece.sched.costs import MAX_STEP_CV, read_table
 from onepiece.sim.cli import apply_schedule, simulate
 from onepiece.sim.costs import CostTable
 from onepiece.sim.engine import SimInputError
@@ -94,6 +99,7 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
     settings = run["settings"]
     replayed = Path(settings["trace"]) if settings.get("trace") else None
     wf = load_workflow(deploy_dir() / PROFILE_WORKFLOWS[settings.get("profile", "scale")])
+    shapes = {c: f"{v['size']}x{v['num_frames']}" for c, v in run["classes"].items()}
     rows: dict[str, dict[str, Any]] = {}
     skipped: list[dict[str, str]] = []  # cells the simulator cannot price, and why
     shared = []  # per cell with a saved schedule: the denoise steps alone and beside other stages' work
@@ -115,18 +121,28 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
             if not path.exists():
                 continue
             trace = _sent(load_trace(path), settings["max_duration"])
-            schedule = results / schedule_name(policy, load)
-            if schedule.exists():  # (read whether or not the simulator can price the cell)
-                events = json.loads(schedule.read_text()).get("traceEvents", [])
-                shared.append(sharing.step_times(
-                    events, {f"r{i}": r["class"] for i, r in enumerate(run["requests"][row][load])}, "denoise_t2v"))
             # the table measured under this very trace, where the run saved one; else its run's last
             at_load = results / costs_name(priced_by, load)
-            costs = CostTable.load(at_load if at_load.exists() else results / costs_name(priced_by))
+            table = read_table(at_load if at_load.exists() else results / costs_name(priced_by))
+            costs = CostTable(table, str(at_load if at_load.exists() else results / costs_name(priced_by)))
+            schedule = results / schedule_name(policy, load)
+            host = None  # (the host's cores, the table of steps alone) where the run's schedule says them
+            if schedule.exists():  # (read whether or not the simulator can price the cell)
+                events = json.loads(schedule.read_text()).get("traceEvents", [])
+                classes = {f"r{i}": r["class"] for i, r in enumerate(run["requests"][row][load])}
+                shared.append(sharing.step_times(events, classes, "denoise_t2v"))
+                cores = run.get("cpu_count")
+                if cores and costs_of is None:  # (another policy's table: not its run's steps)
+                    alone, _ = sharing.alone_table(table, sharing.alone_passes(events, classes, cores), shapes)
+                    host = (cores, CostTable(alone, f"{costs.source}, steps alone"))
             varied = step_cv > 0 or any(costs.step_cv(s, 0.0) > 0 for s in T2V_STAGES)
+
+            def predict(costs: CostTable, cores: int | None = None) -> list:
+                return [simulate(pwf, {"set0": dict(T2V_STAGES)}, costs, trace, chunks=seed == 0, proxies=proxy,
+                                 step_cv=step_cv, seed=seed, host_cores=cores) for seed in range(seeds if varied else 1)]
             try:
-                sims = [simulate(pwf, {"set0": dict(T2V_STAGES)}, costs, trace, chunks=seed == 0, proxies=proxy,
-                                 step_cv=step_cv, seed=seed) for seed in range(seeds if varied else 1)]
+                apart = predict(costs)
+                sims = predict(host[1], host[0]) if host else apart
             except SimInputError as e:  # e.g. a DoP the policy picks that its run never measured
                 skipped.append({"policy": row, "load": load, "why": str(e)})
                 continue
@@ -138,6 +154,9 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
             measured = summarize(recs, {c: v["slo_s"] for c, v in run["classes"].items()})
             rows.setdefault(row, {})[load] = {
                 "measured": measured, "predicted": mean_of([r["summary"] for r in runs]),
+                # the prediction with every worker a device of its own, where the host's was replayed
+                "apart": mean_of([r["summary"]["all"] for r, _ in apart]) if host else None,
+                "host_cores": host[0] if host else None,
                 "wall_s": sum(r["wall_s"] for r in runs),
                 "admitted_alike": mean_of([admitted_alike(recs, r["requests"]) for r in runs]),
                 # where the time goes (runs that kept each result's stages)
@@ -232,6 +251,25 @@ def markdown(doc: dict[str, Any]) -> str:
                              f"| {p['attainment']:.0%} "
                              f"| {(p['attainment'] - m['attainment']) * 100:+.0f} | {m['mean_s'] * 1000:.0f} "
                              f"| {p['mean_s'] * 1000:.0f} | {(p['mean_s'] - m['mean_s']) / m['mean_s']:+.0%} |")
+    hosted = [(policy, load, cell) for policy, by_load in doc["rows"].items() for load, cell in by_load.items()
+              if cell.get("apart")]
+    if hosted:
+        lines += ["", "The host's cores: where the run saved its schedule, the prediction above runs every stage's "
+                      "workers on one host of the run's cores (`onepiece sim --host-cores`) and prices each step "
+                      "and call at what it cost alone (`bench/sharing.py`: the mean of the run's chunks during "
+                      "which the host had a core for every rank computing). Beside it, the prediction with every "
+                      "worker a device of its own at the table's figures, which average the slowed steps in. "
+                      "All classes:", "",
+                  "| policy | load | cores | attainment measured | shared host | Δ | a device each | Δ "
+                  "| mean ms measured | shared host | Δ | a device each | Δ |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for policy, load, cell in hosted:
+            m, p, a = cell["measured"]["all"], cell["predicted"]["all"], cell["apart"]
+            lines.append(f"| {policy} | {load} | {cell['host_cores']} | {m['attainment']:.0%} "
+                         f"| {p['attainment']:.0%} | {(p['attainment'] - m['attainment']) * 100:+.0f} "
+                         f"| {a['attainment']:.0%} | {(a['attainment'] - m['attainment']) * 100:+.0f} "
+                         f"| {m['mean_s'] * 1000:.0f} | {p['mean_s'] * 1000:.0f} | {(p['mean_s'] - m['mean_s']) / m['mean_s']:+.0%} "
+                         f"| {a['mean_s'] * 1000:.0f} | {(a['mean_s'] - m['mean_s']) / m['mean_s']:+.0%} |")
     differ = [(policy, load, cell["measured"]["all"]["n"], cell["admitted_alike"])
               for policy, by_load in doc["rows"].items() for load, cell in by_load.items()
               if cell.get("admitted_alike") is not None
@@ -254,8 +292,7 @@ def markdown(doc: dict[str, Any]) -> str:
     if doc.get("sharing"):
         lines += ["", "The host's cores, shared (from the run's schedules, `sched-schedule-<policy>-<load>.json`): "
                       "denoise_t2v's seconds per forward pass, median, in the chunks during which no other stage's "
-                      "worker ran (alone) and in those during most of which one did (beside). The simulator gives "
-                      "every worker a device of its own and prices every step at its table's figure.", "",
+                      "worker ran (alone) and in those during most of which one did (beside).", "",
                   "| class | DoP | batch | alone ms (chunks) | beside ms (chunks) | beside / alone |",
                   "|---|---|---|---|---|---|"]
         for r in doc["sharing"]:

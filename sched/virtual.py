@@ -7,7 +7,8 @@ A worker executes a ``Run`` as the runtime's worker does: it admits the new requ
 advances each part (a batch on a block of its ranks) step by step, members leaving as they
 finish (so later steps of a chunk are cheaper) and dropped ones leaving at the next step
 boundary. A collaboration group's parts run side by side on their ranks, each its own steps:
-the chunk lasts as long as its slowest part.
+the chunk lasts as long as its slowest part. Workers on one ``Host`` share its cores: a chunk
+priced at its table's figures then lasts longer while more ranks compute than the host has cores.
 """
 
 from __future__ import annotations
@@ -73,6 +74,59 @@ class EventLoop:
         return len(self._heap) + len(self._queue)
 
 
+class Host:
+    """Cores that several workers share: a CPU host whose stages' processes all compute on it,
+    or one GPU that several stages' workers use. The chunks running on it progress together, each
+    at ``min(1, cores / ranks computing)`` of its alone speed (processor sharing: every rank a
+    thread the cores serve in turn, and a collaboration group's ranks slowed alike, as they wait
+    for each other at every step). A chunk's work is its alone duration; as chunks start and end
+    the others' ends move."""
+
+    def __init__(self, loop: EventLoop, cores: float) -> None:
+        if not cores > 0:
+            raise ValueError(f"a host needs cores > 0 (got {cores!r})")
+        self.loop, self.cores = loop, cores
+        # id -> [work left (alone seconds), ranks, when it started, its end's version, done(elapsed)]
+        self._running: dict[int, list] = {}
+        self._ids = itertools.count()
+        self._ranks = 0
+        self._since = 0.0  # when the running chunks' work left was last brought up to date
+
+    def _rate(self) -> float:
+        return min(1.0, self.cores / self._ranks) if self._ranks else 1.0
+
+    def _catch_up(self) -> None:
+        now = self.loop.now
+        done = (now - self._since) * self._rate()
+        if done > 0:
+            for c in self._running.values():
+                c[0] -= done
+        self._since = now
+
+    def _reschedule(self) -> None:
+        rate, now = self._rate(), self.loop.now
+        for cid, c in self._running.items():
+            c[3] += 1  # the end pushed before this change is stale now
+            self.loop.at(now + max(0.0, c[0]) / rate, self._end, cid, c[3])
+
+    def start(self, work: float, ranks: int, done: Callable[[float], None]) -> None:
+        """Run a chunk of ``work`` alone seconds on ``ranks`` ranks; ``done(elapsed)`` when it ends."""
+        self._catch_up()
+        self._running[next(self._ids)] = [work, ranks, self.loop.now, 0, done]
+        self._ranks += ranks
+        self._reschedule()
+
+    def _end(self, cid: int, version: int) -> None:
+        c = self._running.get(cid)
+        if c is None or c[3] != version:
+            return
+        self._catch_up()
+        del self._running[cid]
+        self._ranks -= c[1]
+        self._reschedule()
+        c[4](self.loop.now - c[2])
+
+
 class VirtualInstance:
     """One stage instance: a scheduling core and its workers, on ``loop``. ``on_end`` hears of
     every request that leaves it (completed or expired); a cancelled one leaves silently."""
@@ -80,8 +134,9 @@ class VirtualInstance:
     def __init__(self, loop: EventLoop, core: SchedCore, cost: StepCost, workers: int = 1,
                  overhead_s: float = 0.0, on_end: OnEnd | None = None, on_chunk: OnChunk | None = None,
                  name: str = "", ranks: int = 1, fixed: Callable[[str], float] | None = None,
-                 jitter: Callable[[], float] | None = None) -> None:
+                 jitter: Callable[[], float] | None = None, host: Host | None = None) -> None:
         self.loop, self.core, self.cost, self.overhead_s = loop, core, cost, overhead_s
+        self.host = host  # cores shared with other instances' workers (None: each worker a device of its own)
         self.fixed = fixed  # key -> seconds a request costs besides its steps, paid as it is admitted
         self.jitter = jitter  # a factor on each step's cost (mean 1): steps that vary as measured ones do
         self.on_end = on_end or (lambda *a: None)
@@ -148,10 +203,25 @@ class VirtualInstance:
                     steps.append((live, dt))
                     left = [n - 1 for n in left]
             t = max(t, end)
-        self.busy_s += t - now
-        if self.on_chunk is not None:
-            self.on_chunk(now, t, run)
+        if self.host is not None:
+            alone = t - now
+
+            def done(elapsed: float) -> None:
+                # each step took what it would alone, stretched as the whole chunk was: the
+                # core's cost model measures the stretched steps, as a stage's does
+                stretch = elapsed / alone if alone > 0 else 1.0
+                self._ran(now, now + elapsed, run)
+                self._finish_chunk(run, [(live, dt * stretch) for live, dt in steps] if stretch != 1.0 else steps,
+                                   first)
+            self.host.start(alone, sum(len(p.ranks) for p in run.parts), done)
+            return
+        self._ran(now, t, run)
         self.loop.at(t, self._finish_chunk, run, steps, first)
+
+    def _ran(self, start: float, end: float, run: Run) -> None:
+        self.busy_s += end - start
+        if self.on_chunk is not None:
+            self.on_chunk(start, end, run)
 
     def _finish_chunk(self, run: Run, steps: list, first: dict) -> None:
         core = self.core

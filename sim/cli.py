@@ -57,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "figures with this coefficient of variation (lognormal, mean kept; default 0: each costs "
                         "its figure)")
     p.add_argument("--seed", type=SEED, default=0, help="seed of --step-cv's draws (default 0)")
+    p.add_argument("--host-cores", type=positive(" cores"), metavar="N",
+                   help="every set's workers share one host of N cores (one CPU machine, or one GPU several "
+                        "stages use): steps slow while more ranks compute than N; the table's figures are then "
+                        "steps alone (default: each worker a device of its own)")
     p.add_argument("--out", type=out_dir, default="sim-out", help="folder for sim.json, .md, .png, .perfetto.json")
     p.add_argument("--name", default="sim", help="file name stem of the outputs (default sim)")
 
@@ -121,12 +125,13 @@ def apply_schedule(wf: Workflow, overrides: list[str]) -> Workflow:
 def simulate(wf: Workflow, sets: dict[str, dict[str, int]], costs: CostTable, trace: Trace,
              hop_s: float = HOP_S, overhead_s: float = OVERHEAD_S, chunks: bool = True,
              title: str = "", proxies: dict[str, ProxySpec] | None = None, elastic: Topology | None = None,
-             move_s: float = MOVE_S, step_cv: float = 0.0, seed: int = 0) -> tuple[dict[str, Any], Simulation]:
+             move_s: float = MOVE_S, step_cv: float = 0.0, seed: int = 0,
+             host_cores: float | None = None) -> tuple[dict[str, Any], Simulation]:
     """Run ``trace`` through ``sets``; the result document (summary per class, utilization,
     every request's record, the NM's moves) and the simulation (its chunks, for a schedule trace)."""
     t0 = time.perf_counter()
     sim = Simulation(wf, sets, costs, hop_s=hop_s, overhead_s=overhead_s, keep_chunks=chunks, proxies=proxies,
-                     elastic=elastic, move_s=move_s, step_cv=step_cv, seed=seed)
+                     elastic=elastic, move_s=move_s, step_cv=step_cv, seed=seed, host_cores=host_cores)
     sim.load(trace)
     records = sim.run()
     slo = {c: (v.slo_s or 0.0) for c, v in trace.classes.items()}
@@ -136,7 +141,8 @@ def simulate(wf: Workflow, sets: dict[str, dict[str, int]], costs: CostTable, tr
                         if (cv := costs.step_cv(st, step_cv)) > 0}, "seed": seed,
             "simulated_s": sim.loop.now, "wall_s": time.perf_counter() - t0,
             "summary": summarize(records, slo), "utilization": sim.utilization(),
-            "moves": sim.elastic.moves if sim.elastic is not None else [], "requests": records}, sim
+            "moves": sim.elastic.moves if sim.elastic is not None else [], "host_cores": host_cores,
+            "requests": records}, sim
 
 
 def run(args: argparse.Namespace) -> int:
@@ -173,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result, sim = simulate(wf, sets, costs, trace, args.hop_ms / 1000, args.overhead_ms / 1000, title=title,
                                proxies=proxies, elastic=elastic, move_s=args.move_s, step_cv=args.step_cv,
-                               seed=args.seed)
+                               seed=args.seed, host_cores=args.host_cores)
     except SimInputError as e:
         raise ConfigError(f"{args.trace}: {e}") from None
     paths = report.write(Path(args.out), args.name, result, sim.chunks, sim.lifetimes)

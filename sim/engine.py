@@ -14,11 +14,14 @@ the runtime's own pieces, not copies of them:
   start: ``Simulation._warm``); a set that refuses passes the request to the next set, as the
   client does, and a request every set refuses is ``rejected``;
 - with a topology's elastic policy, the NM's own state and policy move instances between stages
-  (``sim/elastic.py``).
+  (``sim/elastic.py``);
+- with ``host_cores``, all of a set's workers share one host of that many cores
+  (``sched.virtual.Host``): a step lasts longer while other stages compute beside it, as on one
+  CPU host, or on one GPU that several stages use. Without it each worker is a device of its own.
 
 A stage's per-request preparing and finishing is charged as its table's ``fixed`` says (a table
-from a run has it, `onepiece profile`'s not). Not modelled: processes sharing CPU cores (each
-worker is a device of its own), transports beyond a fixed hop time, failures.
+from a run has it, `onepiece profile`'s not). Not modelled: transports beyond a fixed hop time,
+failures.
 
 No I/O and no wall clock: the same inputs give the same result, so a test can pin it.
 """
@@ -46,7 +49,7 @@ from onepiece.sched.deadlines import reserve, stage_request
 from onepiece.sched.keys import at_dop, call_key, compat_key, shape_key
 from onepiece.sched.policies import make_policy
 from onepiece.sched.ranks import dops
-from onepiece.sched.virtual import EventLoop, VirtualInstance
+from onepiece.sched.virtual import EventLoop, Host, VirtualInstance
 from onepiece.sim.costs import CostTable
 from onepiece.stage.service_times import ServiceTimes
 
@@ -128,7 +131,7 @@ class Simulation:
                  hop_s: float = HOP_S, overhead_s: float = OVERHEAD_S, keep_chunks: bool = True,
                  proxies: dict[str, ProxySpec] | None = None, heartbeat_s: float = HEARTBEAT_S,
                  elastic: Topology | None = None, move_s: float = MOVE_S, gpus: dict[str, int] | None = None,
-                 step_cv: float = 0.0, seed: int = 0) -> None:
+                 step_cv: float = 0.0, seed: int = 0, host_cores: float | None = None) -> None:
         """``sets``: per workflow set, the instances of each stage; ``proxies``: per set, its
         proxies' settings (the request monitor, the in-flight bound; default: no monitor);
         ``elastic``: a topology whose NM moves instances between stages (its ``nm.elastic``, its
@@ -137,7 +140,8 @@ class Simulation:
         holds (default 1), so that a move never takes an instance to a stage that needs more;
         ``step_cv``: at the stages whose table does not say (its ``step_cv``), each step or call
         costs its figure times a factor of mean 1 and this coefficient of variation (lognormal,
-        drawn from ``seed``), as measured steps vary; 0: the figure itself."""
+        drawn from ``seed``), as measured steps vary; 0: the figure itself; ``host_cores``: each set's
+        workers share one host of this many cores (a table's figures are then each step alone)."""
         if not 0 <= step_cv <= MAX_STEP_CV:  # (a CV past it collapses the steps' median: sched.costs)
             raise SimInputError(f"step_cv must be a number in [0, {MAX_STEP_CV:g}] (got {step_cv!r})")
         for stage in workflow.stages:  # the workflow says which stages step, not the table's keys
@@ -148,6 +152,9 @@ class Simulation:
         self.step_cv, self._rng = step_cv, random.Random(seed)
         self.heartbeat_s = heartbeat_s
         self.loop = EventLoop()
+        if host_cores is not None and not host_cores > 0:
+            raise SimInputError(f"host_cores must be a number above 0 (got {host_cores!r})")
+        self.hosts = {s: Host(self.loop, host_cores) for s in sets} if host_cores else {}
         now = lambda: self.loop.now  # noqa: E731 - the proxies' clock is the virtual one
         self.admission, self.trackers, self.n_proxies, self.service = {}, {}, {}, {}
         for set_name in sets:
@@ -201,7 +208,8 @@ class Simulation:
         vi = VirtualInstance(self.loop, core, self.costs.pricer(stage), spec.workers // ranks,
                              self.costs.overhead_s(stage, self.overhead_s),
                              on_end=ended, on_chunk=chunk, name=name, ranks=ranks, fixed=self.costs.fixed_s(stage),
-                             jitter=_lognormal(self.costs.step_cv(stage, self.step_cv), self._rng))
+                             jitter=_lognormal(self.costs.step_cv(stage, self.step_cv), self._rng),
+                             host=self.hosts.get(set_name))
         self.lifetimes.append((stage, vi, self.loop.now, None))
         return vi
 

@@ -15,6 +15,7 @@ from onepiece.config import ConfigError, deploy_dir, load_workflow
 from onepiece.sched.costs import TableError
 from onepiece.sim.cli import apply_schedule, simulate
 from onepiece.sim.costs import CostTable
+from onepiece.sched.virtual import EventLoop, Host
 from onepiece.sim.engine import SimInputError, Simulation
 
 WF = load_workflow(deploy_dir() / "wan21-scale.yaml")
@@ -142,6 +143,43 @@ def test_the_same_inputs_give_the_same_result():
     two, _ = simulate(WF, {"a": SET["set0"], "b": SET["set0"]}, table(), tr, chunks=False)
     assert two["summary"]["all"]["mean_s"] < a["summary"]["all"]["mean_s"]  # two sets share the load
     assert {r["set"] for r in two["requests"]} == {"a", "b"}
+
+
+def test_a_shared_host_serves_the_ranks_computing_on_it_in_turn():
+    """Processor sharing: chunks progress at min(1, cores / ranks computing) of their speed alone,
+    and as one ends the others speed up."""
+    loop = EventLoop()
+    host, ends = Host(loop, cores=1), {}
+    loop.at(0.0, host.start, 1.0, 1, lambda el: ends.setdefault("long", (loop.now, el)))
+    loop.at(0.0, host.start, 0.5, 1, lambda el: ends.setdefault("short", (loop.now, el)))
+    loop.run()
+    # both at half speed until the short one's 0.5 s of work is done at 1.0; the long one's last 0.5 s alone
+    assert ends["short"] == pytest.approx((1.0, 1.0)) and ends["long"] == pytest.approx((1.5, 1.5))
+    loop = EventLoop()
+    host, ends = Host(loop, cores=2), {}
+    loop.at(0.0, host.start, 1.0, 2, lambda el: ends.setdefault("group", loop.now))  # a group of two ranks
+    loop.at(0.5, host.start, 0.2, 1, lambda el: ends.setdefault("call", loop.now))  # a third rank beside it
+    loop.run()
+    # three ranks on two cores from 0.5: both at 2/3 speed; the call's 0.2 s take 0.3 s
+    assert ends["call"] == pytest.approx(0.8) and ends["group"] == pytest.approx(0.8 + (1.0 - 0.5 - 0.2))
+    with pytest.raises(ValueError, match="cores > 0"):
+        Host(EventLoop(), 0)
+
+
+def test_a_host_with_a_core_for_every_rank_changes_nothing_and_fewer_cores_slow_the_set():
+    classes = parse_classes("S=64x64x9:10,L=192x192x17:10")
+    classes["S"]["slo_s"], classes["L"]["slo_s"] = 1.0, 8.0
+    tr = poisson_trace(classes, {"S": 0.8, "L": 0.2}, rate=3.0, n=200, seed=1, timeout_s=60)
+    apart, _ = simulate(WF, SET, table(), tr, chunks=False)
+    roomy, _ = simulate(WF, SET, table(), tr, chunks=False, host_cores=3)  # a core for each stage's worker
+    assert roomy["requests"] == apart["requests"] and roomy["host_cores"] == 3
+    one, sim = simulate(WF, SET, table(), tr, chunks=False, host_cores=1)
+    assert one["summary"]["all"]["mean_s"] > 1.2 * apart["summary"]["all"]["mean_s"]
+    # the denoise stage's own cost model measured its steps slowed, as a stage on a shared host does
+    (vi,) = sim.instances["set0"]["denoise_t2v"]
+    assert vi.core.costs.step_s(f"{S}/cfg/L64", 1) > 0.02 * 1.05
+    with pytest.raises(SimInputError, match="host_cores"):
+        Simulation(WF, SET, table(), host_cores=-1)
 
 
 def test_bad_inputs_are_refused_with_where_and_why():
@@ -646,6 +684,7 @@ def test_sim_and_plan_flags_are_checked_before_any_work(tmp_path, capsys):
             (sim + ["--instances", "denoise_t2v=1", "--sets", "1000000000"], "--sets: must be an integer between"),
             (sim + ["--instances", "denoise_t2v=1", "--schedule", "denoise_t2v.policy={"], "'{' is not a value"),
             (sim + ["--instances", "denoise_t2v=1", "--out", "/dev/null/x"], "cannot write to folder"),
+            (sim + ["--instances", "denoise_t2v=1", "--host-cores", "0"], "--host-cores: must be"),
             (plan + ["--rate", "1", "--requests", "1"], "all arrive at 0 s"),
             (plan + ["--rate", "1", "--alpha", "0.9"], "miss their SLO even alone"),
             (plan + ["--rate", "1", "--gpus", "denoise_t2vv=2"], "--gpus: unknown stage(s)"),
