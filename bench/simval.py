@@ -123,8 +123,9 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
             trace = _sent(load_trace(path), settings["max_duration"])
             # the table measured under this very trace, where the run saved one; else its run's last
             at_load = results / costs_name(priced_by, load)
-            table = read_table(at_load if at_load.exists() else results / costs_name(priced_by))
-            costs = CostTable(table, str(at_load if at_load.exists() else results / costs_name(priced_by)))
+            at_load = at_load if at_load.exists() else results / costs_name(priced_by)
+            table = read_table(at_load)
+            costs = CostTable(table, str(at_load))
             schedule = results / schedule_name(policy, load)
             host = None  # (the host's cores, the table of steps alone) where the run's schedule says them
             if schedule.exists():  # (read whether or not the simulator can price the cell)
