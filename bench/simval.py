@@ -318,6 +318,9 @@ def markdown(doc: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     doc = validate(Path(args.results), args.costs_of, args.step_cv, args.seeds, args.trace)
     if not doc["rows"]:
+        if doc["skipped"]:  # e.g. a DoP-picking policy whose run never ran a DoP it may pick
+            raise SystemExit(f"{args.results}: no cell could be replayed: "
+                             + "; ".join(f"{k['policy']} at {k['load']}: {k['why']}" for k in doc["skipped"]))
         raise SystemExit(f"{args.results}: no policy with a sched-costs-<policy>.json beside sched.json "
                          f"(rerun `onepiece bench sched`, which saves them)")
     out = Path(args.out)

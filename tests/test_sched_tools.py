@@ -592,3 +592,14 @@ def test_simval_replays_a_run_on_its_shared_host_and_keeps_the_device_each_predi
     m, host, apart = (doc["rows"]["srtf"]["sched-trace-1x"][k] for k in ("measured", "predicted", "apart"))
     assert abs(host["all"]["mean_s"] - m["all"]["mean_s"]) < abs(apart["mean_s"] - m["all"]["mean_s"]) - 0.1
     assert "a device each" in markdown(doc)
+
+
+def test_simval_says_why_when_no_cell_of_a_run_can_be_replayed(tmp_path):
+    """A run of `slo` alone whose group ran every step at DoP 2 measured no DoP 1, which the
+    simulator needs to price a policy that picks DoPs: simval names that, not a missing table."""
+    results = Path(__file__).resolve().parents[1] / "bench" / "results"
+    with pytest.raises(SystemExit) as e:
+        cli_main(["bench", "simval", "--results", str(results / "sched-collab-7" / "slo-2"), "--out", str(tmp_path),
+              "--trace", str(results / "sched-collab-5" / "sched-trace-1.3x.json")])
+    assert "no cell could be replayed: slo at sched-trace-1.3x" in str(e.value)
+    assert "no row for key '64x64x9/cfg/L64'" in str(e.value)
