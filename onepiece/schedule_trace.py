@@ -33,17 +33,25 @@ def logged(log_dir: Path, since: float = float("-inf")) -> list[dict[str, Any]]:
 def chunks(found: list[dict[str, Any]], t0: float = 0.0, names: Mapping[str, str] | None = None) -> list[Chunk]:
     """Logged chunks (``logged``) in the simulator's terms, timed in seconds after ``t0``, in
     start order. ``names``: what to call each request (a trace's ``r0``, ``r1``, ...); given, only
-    chunks of requests it names are kept, and only those requests in them. ``steps`` is the
-    passes the worker ran."""
+    chunks of requests it names are kept, and only those requests in them (and in what each
+    chunk's decision passed over). ``steps`` is the passes the worker ran."""
     out = []
     for c in found:
         parts = [(len(p[0]), tuple(u if names is None else names[u] for u in p[1] if names is None or u in names))
                  for p in c["parts"]]
         if not any(us for _, us in parts):
             continue
+        passed = tuple((u if names is None else names[u], *rest) for u, *rest in _passed(c)
+                       if names is None or u in names)
         out.append(Chunk(c["stage"], c["instance"], c["worker"], c["start"] - t0, c["end"] - t0,
-                         tuple(u for _, us in parts for u in us), c["passes"], tuple(parts)))
+                         tuple(u for _, us in parts for u in us), c["passes"], tuple(parts), passed))
     return sorted(out, key=lambda c: c.start)
+
+
+def _passed(c: dict[str, Any]) -> list[list[Any]]:
+    """A logged chunk's ``passed`` entries that have a uid (a log from before it had none: [])."""
+    p = c.get("passed")
+    return [e for e in p if isinstance(e, list) and e and isinstance(e[0], str)] if isinstance(p, list) else []
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -62,10 +62,18 @@ class Drop:
     uids: tuple[str, ...]
 
 
+# A request a decision passed over: (uid, seconds to spare were it to run alone from then on at
+# its fastest DoP, None without a deadline or a cost; steps left; aged)
+Passed = tuple[str, "float | None", int, bool]
+
+
 @dataclass
 class Decision:
     commands: list[Run | Drop] = field(default_factory=list)
     expired: list[Request] = field(default_factory=list)  # dropped: their deadline passed
+    # With ``SchedCore.explain``, where a chunk started: the requests that could have advanced and
+    # did not, and how they stood (the "why" beside a schedule log's "what").
+    passed: list[Passed] = field(default_factory=list)
 
 
 @dataclass
@@ -129,6 +137,7 @@ class SchedCore:
         # every decision, for the same few shapes).
         self._memo: dict[tuple, float | None] = {}
         self._memo_stamp: tuple = ()
+        self.explain = False  # fill each Decision's ``passed`` (a schedule log reads it; it costs a lookup each)
 
     # --- requests -------------------------------------------------------------------------------
     def add(self, r: Request) -> None:
@@ -363,6 +372,7 @@ class SchedCore:
         if not idle or not free:
             return out
         free.sort(key=_arrival)
+        candidates = free
         aged = [r for r in free if r.aged]
         batches: list[Batch] = []
         if aged:
@@ -384,7 +394,16 @@ class SchedCore:
             cmd = self._start(wid, bs, now)
             if cmd is not None:
                 out.commands.append(cmd)
+        if self.explain and out.commands:
+            out.passed = self._passed(now, candidates, {u for c in out.commands for u in c.uids})
         return out
+
+    def _passed(self, now: float, candidates: list[Request], started: set[str]) -> list[Passed]:
+        rs = [r for r in candidates if r.uid not in started]
+        view = View(now, rs, [Worker(w.id, ranks=w.ranks) for w in self.workers.values()], self.costs,
+                    self.max_batch, self.chunk, self.est_bytes)
+        return [(r.uid, round(slack, 4) if math.isfinite(slack := view.slack(r)) else None, r.left, r.aged)
+                for r in rs]  # (no deadline, or a cost not known yet: None)
 
     def _view(self, now: float, free: list[Request], idle: list[_Worker]) -> View:
         workers = [Worker(w.id, True, w.free_bytes, set(w.resident), w.ranks) for w in idle]

@@ -26,8 +26,8 @@ from onepiece.sched.policy import Request
 StepCost = Callable[[str, int], float]  # (key, batch size) -> seconds of one step
 # (uid, status: completed | expired, the request as the core held it, the time its first step started)
 OnEnd = Callable[[str, str, Request, "float | None"], None]
-# (start, end, run): one chunk a worker ran, for a schedule trace
-OnChunk = Callable[[float, float, Run], None]
+# (start, end, run, the requests its decision passed over): one chunk a worker ran, for a schedule trace
+OnChunk = Callable[[float, float, Run, list], None]
 
 
 class EventLoop:
@@ -164,9 +164,9 @@ class VirtualInstance:
             self.on_end(r.uid, "expired", r, r.started)
         for cmd in d.commands:
             if isinstance(cmd, Run):
-                self._execute(cmd)
+                self._execute(cmd, d.passed)
 
-    def _execute(self, run: Run) -> None:
+    def _execute(self, run: Run, passed: list = ()) -> None:
         """Price the chunk now; its effects land when it ends (the core sees them then)."""
         reqs = self.core.requests
         now = self.loop.now
@@ -210,18 +210,18 @@ class VirtualInstance:
                 # each step took what it would alone, stretched as the whole chunk was: the
                 # core's cost model measures the stretched steps, as a stage's does
                 stretch = elapsed / alone if alone > 0 else 1.0
-                self._ran(now, now + elapsed, run)
+                self._ran(now, now + elapsed, run, passed)
                 self._finish_chunk(run, [(live, dt * stretch) for live, dt in steps] if stretch != 1.0 else steps,
                                    first)
             self.host.start(alone, sum(len(p.ranks) for p in run.parts), done)
             return
-        self._ran(now, t, run)
+        self._ran(now, t, run, passed)
         self.loop.at(t, self._finish_chunk, run, steps, first)
 
-    def _ran(self, start: float, end: float, run: Run) -> None:
+    def _ran(self, start: float, end: float, run: Run, passed: list) -> None:
         self.busy_s += end - start
         if self.on_chunk is not None:
-            self.on_chunk(start, end, run)
+            self.on_chunk(start, end, run, passed)
 
     def _finish_chunk(self, run: Run, steps: list, first: dict) -> None:
         core = self.core
@@ -299,7 +299,7 @@ class VirtualStage:
         if uid not in self.outcomes:
             self.outcomes[uid] = Outcome(uid, self._arrivals.get(uid, self.loop.now), self.loop.now, status, first)
 
-    def _chunk(self, start: float, end: float, run: Run) -> None:
+    def _chunk(self, start: float, end: float, run: Run, passed: list) -> None:
         self.trace.append((start, run.worker, run.uids, run.steps))
         self.runs.append(run)
 

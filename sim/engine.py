@@ -124,6 +124,7 @@ class Chunk:
     uids: tuple[str, ...]
     steps: int
     parts: tuple[tuple[int, tuple[str, ...]], ...] = ()  # (DoP, uids) of each batch in it
+    passed: tuple = ()  # the requests its decision passed over (sched.core.Passed)
 
 
 class Simulation:
@@ -193,6 +194,7 @@ class Simulation:
         spec = self.wf.stages[stage]
         name = f"{set_name}-{stage}{next(self._names.setdefault((set_name, stage), itertools.count()))}"
         core = SchedCore(spec.schedule, self.costs.model(stage))
+        core.explain = self.chunks is not None  # the schedule trace says why, as a stage's schedule log does
         service = self.service[name] = ServiceTimes(clock=lambda: self.loop.now)
 
         monitored = self.admission.get(set_name) is not None  # the service times' only reader
@@ -230,9 +232,9 @@ class Simulation:
         return insts[i]
 
     def _chunk_hook(self, stage: str, name: str) -> Callable:
-        def hook(start: float, end: float, run: Run) -> None:
+        def hook(start: float, end: float, run: Run, passed: list) -> None:
             self.chunks.append(Chunk(stage, name, run.worker, start, end, run.uids, run.steps,
-                                     tuple((len(p.ranks), p.uids) for p in run.parts)))
+                                     tuple((len(p.ranks), p.uids) for p in run.parts), tuple(passed)))
         return hook
 
     # --- requests -----------------------------------------------------------------------------

@@ -24,7 +24,8 @@ def perfetto(chunks: list[Chunk], records: list[dict[str, Any]]) -> dict[str, An
                        "dur": round((c.end - c.start) * 1e6, 3),
                        "name": f"{len(c.uids)}x {'+'.join(kinds)} ({c.steps} step{'s' if c.steps != 1 else ''})",
                        "args": {"stage": c.stage, "uids": list(c.uids), "steps": c.steps,
-                                "parts": [[d, list(u)] for d, u in c.parts]}})
+                                "parts": [[d, list(u)] for d, u in c.parts],
+                                **({"passed": [list(p) for p in c.passed]} if c.passed else {})}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

@@ -4,11 +4,20 @@ real one, in the same terms, so the two can be laid side by side (``onepiece ben
 each trace's as a Perfetto file, ``onepiece bench simval`` reads it).
 
 A line: ``{"stage", "instance", "worker", "start", "end", "parts": [[ranks, uids, steps, key],
-...], "passes"}``: ``start`` when the scheduler sent the chunk and ``end`` when the worker's report
-of it arrived, in seconds since the epoch (the clients' clock on the same host); ``parts`` as the
-core planned them (``sched.core.Part``), each with its requests' key (``sched.keys``); ``passes`` the forward passes the worker ran (fewer where
-members finished or were dropped mid-chunk). `onepiece up` rotates the file as it does the roles'
-logs (onepiece/logrotate.py), so it stays bounded.
+...], "passes", "passed"}``:
+
+- ``start`` when the scheduler sent the chunk and ``end`` when the worker's report of it
+  arrived, in seconds since the epoch (the clients' clock on the same host);
+- ``parts`` as the core planned them (``sched.core.Part``), each with its requests' key
+  (``sched.keys``);
+- ``passes`` the forward passes the worker ran (fewer where members finished or were dropped
+  mid-chunk);
+- ``passed`` why the others waited: the requests that the decision that sent the chunk could
+  have advanced and did not, each ``[uid, slack, steps left, aged]`` (``sched.core.Passed``:
+  slack is the seconds it had to spare had it run alone from then on at its fastest DoP,
+  negative where it was late even so, null without a deadline).
+
+`onepiece up` rotates the file as it does the roles' logs (onepiece/logrotate.py), so it stays bounded.
 """
 
 from __future__ import annotations
@@ -29,9 +38,10 @@ class ScheduleLog:
         self._lock = threading.Lock()  # a moved instance's old and new schedulers may both write
         self._failing = False
 
-    def chunk(self, stage: str, worker: str, start: float, end: float, parts: list[list[Any]], passes: int) -> None:
+    def chunk(self, stage: str, worker: str, start: float, end: float, parts: list[list[Any]], passes: int,
+              passed: list = ()) -> None:
         line = orjson.dumps({"stage": stage, "instance": self.instance, "worker": worker, "start": start, "end": end,
-                             "parts": parts, "passes": passes}) + b"\n"
+                             "parts": parts, "passes": passes, "passed": passed}) + b"\n"
         with self._lock:
             try:
                 # Opened for each line, appending: the launcher's copy-then-truncate rotation and a

@@ -93,9 +93,10 @@ class RequestScheduler:
         self.fresh: set[bytes] = set()  # workers whose first chunk (JIT, allocator warm-up) is not a sample
         self.born: dict[bytes, float] = {}
         # worker -> (sent at, decision time, uids, last deadline, hung grace, for the schedule log
-        # (sent at, epoch; its parts) or None) of its chunk in flight
+        # (sent at, epoch; its parts; the requests its decision passed over) or None) of its chunk in flight
         self.running: dict[bytes, tuple[float, float, tuple[str, ...], float | None, float, tuple | None]] = {}
         self.schedule_log = schedule_log
+        self.core.explain = schedule_log is not None
         # uid -> when its latest cancel was heard (ns since epoch): a request of that uid stamped
         # later by a proxy (an Idempotency-Key reused once the DBs forgot the deleted video) is new.
         self.cancelled: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -243,9 +244,9 @@ class RequestScheduler:
             if isinstance(cmd, Drop):
                 self._send(cmd.worker, [b"drop", orjson.dumps({"uids": list(cmd.uids)})])
             else:
-                self._run(cmd, decided)
+                self._run(cmd, decided, d.passed)
 
-    def _run(self, cmd: Run, decided: float) -> None:
+    def _run(self, cmd: Run, decided: float, passed: list = ()) -> None:
         frames, sizes = [], []
         now = time.monotonic()
         for uid in cmd.admit:
@@ -270,7 +271,7 @@ class RequestScheduler:
         logged = None
         if self.schedule_log is not None:  # each part with its key, for a reader to tell shapes apart
             requests = self.core.requests
-            logged = (time.time(), [p + [requests[p[1][0]].key] for p in parts])
+            logged = (time.time(), [p + [requests[p[1][0]].key] for p in parts], passed)
         self.running[cmd.worker.encode()] = (now, decided, cmd.uids, deadline, max(HUNG_GRACE_S, 3 * step), logged)
         self._send(cmd.worker, [b"run", orjson.dumps({"uids": list(cmd.uids), "steps": cmd.steps, "admit": sizes,
                                                       "parts": parts}), *frames])
@@ -333,7 +334,7 @@ class RequestScheduler:
             self.fresh.discard(ident)
             run = self.running.pop(ident, None)
             if run is not None and run[5] is not None and self.schedule_log is not None:
-                self.schedule_log.chunk(self.stage, wid, run[5][0], time.time(), run[5][1], len(info.steps))
+                self.schedule_log.chunk(self.stage, wid, run[5][0], time.time(), run[5][1], len(info.steps), run[5][2])
             try:
                 self._learn(wid, info, measured)
                 if run is not None and measured:

@@ -102,6 +102,8 @@ def test_text_to_video_through_http(up, tmp_path):
     assert [len(ran[f"set0-{s}0"]) for s in ("text_encode", "vae_decode")] == [1, 1], ran
     denoise = ran["set0-denoise_t2v0"]
     assert sum(c["passes"] for c in denoise) == 4 and all(c["start"] <= c["end"] for c in denoise), denoise
+    # why others waited (none, unless an earlier test's request was still there): never itself
+    assert all(isinstance(p, list) and p[0] != uid for c in denoise for p in c["passed"]), denoise
     assert denoise[0]["start"] >= ran["set0-text_encode0"][0]["end"] - 1.0
 
 

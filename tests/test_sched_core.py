@@ -117,6 +117,24 @@ def test_slo_puts_a_hopeless_request_last_and_saves_the_others() -> None:
     assert slo["doomed"].status == "expired"  # dropped at its deadline, never ran for nothing
 
 
+def test_a_decision_says_whom_it_passed_over_and_how_they_stood_when_asked() -> None:
+    """``explain`` (what a stage with a schedule log turns on): beside each chunk it starts, the
+    requests that could have advanced and did not, with the seconds each had to spare alone."""
+    c = core("srtf", max_batch=1)
+    c.worker_up("w0")
+    c.add(request("long", L, steps=10, deadline=1.0))  # 0.4 s alone: 0.6 s to spare
+    c.add(request("short", S, steps=10, deadline=0.05))  # 0.1 s alone: late even so
+    c.add(request("free", L, steps=5))  # no deadline
+    assert c.schedule(0.0).passed == []  # not asked: nothing computed
+    c.idle("w0")
+    c.explain = True
+    d = c.schedule(0.0)
+    (run,) = d.commands
+    assert run.uids == ("short",)  # srtf: the least work left
+    assert sorted(d.passed) == [("free", None, 5, False), ("long", pytest.approx(0.6), 10, False)]
+    assert c.schedule(0.0).passed == []  # the worker is busy: no chunk started, nothing to explain
+
+
 def test_slo_takes_the_longest_request_out_of_a_burst_that_cannot_all_make_it() -> None:
     """Four requests, each feasible alone, not all together: EDF runs them in deadline order
     and two are late; slo leaves the long one out (Moore-Hodgson) and three make it."""

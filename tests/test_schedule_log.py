@@ -70,18 +70,21 @@ def test_the_real_schedule_is_told_in_the_simulators_terms(tmp_path):
     den.chunk("denoise_t2v", "w0", t0 - 5, t0 - 4, [[[0, 1], ["warm-up"], 3]], 3)  # before the trace: left out
     den.chunk("denoise_t2v", "w0", t0 + 0.1, t0 + 0.4, [[[0], ["u-first"], 4], [[1], ["u-second"], 1]], 4)
     vae.chunk("vae_decode", "w0", t0 + 0.5, t0 + 0.6, [[[0], ["u-first"], 1]], 1)
-    den.chunk("denoise_t2v", "w0", t0 + 0.5, t0 + 1.0, [[[0, 1], ["u-second"], 5]], 3)
+    den.chunk("denoise_t2v", "w0", t0 + 0.5, t0 + 1.0, [[[0, 1], ["u-second"], 5]], 3,
+              [["u-first", -0.25, 6, False], ["someone-else", 1.0, 5, False]])  # passed over at its decision
     chunks = real_schedule(tmp_path, records(t0))
     assert [(c.stage, c.uids, c.steps, c.parts) for c in chunks] == [
         ("denoise_t2v", ("r0", "r1"), 4, ((1, ("r0",)), (1, ("r1",)))),
         ("denoise_t2v", ("r1",), 3, ((2, ("r1",)),)),  # the passes it ran, not the 5 planned
         ("vae_decode", ("r0",), 1, ((1, ("r0",)),))]
     assert chunks[0].start == pytest.approx(0.1) and chunks[1].end == pytest.approx(1.0)
+    assert chunks[0].passed == () and chunks[1].passed == (("r0", -0.25, 6, False),)  # in the trace's names
     out = tmp_path / "sched-schedule-slo-1x.json"
     save_schedule(out, tmp_path, records(t0))
     events = json.loads(out.read_text())["traceEvents"]
     assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {"set0-denoise_t2v0", "set0-vae_decode0"}
     assert [e["name"] for e in events if e["ph"] == "X"] == ["2x L+S (4 steps)", "1x L (3 steps)", "1x S (1 step)"]
+    assert [e["args"].get("passed") for e in events if e["ph"] == "X"] == [None, [["r0", -0.25, 6, False]], None]
 
 
 def test_steps_beside_another_stages_work_are_told_apart_from_steps_alone():

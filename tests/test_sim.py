@@ -119,6 +119,12 @@ def test_compatible_requests_share_forward_passes_and_a_long_one_is_passed():
     assert all(r["latency_s"] <= 1.0 for r in recs if r["class"] == "S")
     assert max(len(c.uids) for c in sim.chunks if "denoise" in c.instance) >= 2
     assert result["summary"]["all"]["attainment"] == 1.0
+    # the schedule says why the large one waited: each small batch's decision passed it over with
+    # seconds to spare (as a stage's schedule log does)
+    large = next(r["uid"] for r in recs if r["class"] == "L")
+    small = [c for c in sim.chunks if "denoise" in c.instance and large not in c.uids]
+    waits = [p for c in small for p in c.passed if p[0] == large]
+    assert waits and all(slack > 0 and left > 0 for _, slack, left, _ in waits), small
     # fcfs runs the large one to its end first: the small ones miss
     fcfs, _ = simulate(apply_schedule(WF, ["denoise_t2v.policy=fcfs"]), SET, table(), trace(reqs))
     assert fcfs["summary"]["S"]["attainment"] == 0.0
