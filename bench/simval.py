@@ -87,10 +87,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the path it read, which may be gone")
     p.add_argument("--seeds", type=count(), default=5,
                    help="runs averaged where steps vary (default %(default)s)")
+    p.add_argument("--rows-from", type=table_file, metavar="FILE",
+                   help="a cost table (e.g. another run's sched-costs-*.json on the same machine) whose rows fill "
+                        "what a run's own tables lack: a DoP-picking policy whose run never ran a DoP it may pick")
 
 
 def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, seeds: int = 1,
-             replay: Path | None = None) -> dict[str, Any]:
+             replay: Path | None = None, rows_from: Path | None = None) -> dict[str, Any]:
     """Predicted and measured figures for every (policy, load) of the run in ``results``, each
     policy priced by its own run's costs, or every one by ``costs_of``'s. Where steps vary (a
     table's ``step_cv``, else ``step_cv``), each prediction is the mean of ``seeds`` runs: one run
@@ -125,27 +128,42 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
             at_load = results / costs_name(priced_by, load)
             at_load = at_load if at_load.exists() else results / costs_name(priced_by)
             table = read_table(at_load)
-            costs = CostTable(table, str(at_load))
             schedule = results / schedule_name(policy, load)
-            host = None  # (the host's cores, the table of steps alone) where the run's schedule says them
+            events, classes = None, {f"r{i}": r["class"] for i, r in enumerate(run["requests"][row][load])}
             if schedule.exists():  # (read whether or not the simulator can price the cell)
                 events = json.loads(schedule.read_text()).get("traceEvents", [])
-                classes = {f"r{i}": r["class"] for i, r in enumerate(run["requests"][row][load])}
                 shared.append(sharing.step_times(events, classes, "denoise_t2v"))
-                cores = run.get("cpu_count")
-                if cores and costs_of is None:  # (another policy's table: not its run's steps)
-                    alone, _ = sharing.alone_table(table, sharing.alone_passes(events, classes, cores), shapes)
-                    host = (cores, CostTable(alone, f"{costs.source}, steps alone"))
-            varied = step_cv > 0 or any(costs.step_cv(s, 0.0) > 0 for s in T2V_STAGES)
+            cores = run.get("cpu_count") if events is not None and costs_of is None else None  # (another
+            # policy's table does not say what this run's steps cost alone)
 
-            def predict(costs: CostTable, cores: int | None = None) -> list:
-                return [simulate(pwf, {"set0": dict(T2V_STAGES)}, costs, trace, chunks=seed == 0, proxies=proxy,
-                                 step_cv=step_cv, seed=seed, host_cores=cores) for seed in range(seeds if varied else 1)]
+            def predict(table: dict[str, Any], source: str) -> tuple[list, list, bool]:
+                """(the replays on a device per worker; those on the run's host where its schedule
+                says what its steps cost alone, else the same; whether they were on the host)"""
+                costs = CostTable(table, source)
+                varied = step_cv > 0 or any(costs.step_cv(s, 0.0) > 0 for s in T2V_STAGES)
+
+                def on(costs: CostTable, cores: int | None = None) -> list:
+                    return [simulate(pwf, {"set0": dict(T2V_STAGES)}, costs, trace, chunks=seed == 0, proxies=proxy,
+                                     step_cv=step_cv, seed=seed, host_cores=cores)
+                            for seed in range(seeds if varied else 1)]
+                apart = on(costs)
+                if not cores:
+                    return apart, apart, False
+                alone, _ = sharing.alone_table(table, sharing.alone_passes(events, classes, cores), shapes)
+                return apart, on(CostTable(alone, f"{source}, steps alone"), cores), True
+            filled, why = 0, None
             try:
-                apart = predict(costs)
-                sims = predict(host[1], host[0]) if host else apart
+                apart, sims, hosted = predict(table, str(at_load))
             except SimInputError as e:  # e.g. a DoP the policy picks that its run never measured
-                skipped.append({"policy": row, "load": load, "why": str(e)})
+                why = str(e)
+            if why and rows_from is not None and (filled := fill_rows(table, read_table(rows_from))):
+                try:
+                    apart, sims, hosted = predict(table, f"{at_load} + {filled} rows of {rows_from}")
+                    why = None
+                except SimInputError as e:
+                    why = str(e)
+            if why:
+                skipped.append({"policy": row, "load": load, "why": why})
                 continue
             runs = [r for r, _ in sims]
             if schedule.exists():  # what the simulated workers ran, beside the run's own (the same names)
@@ -156,8 +174,9 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
             rows.setdefault(row, {})[load] = {
                 "measured": measured, "predicted": mean_of([r["summary"] for r in runs]),
                 # the prediction with every worker a device of its own, where the host's was replayed
-                "apart": mean_of([r["summary"]["all"] for r, _ in apart]) if host else None,
-                "host_cores": host[0] if host else None,
+                "apart": mean_of([r["summary"]["all"] for r, _ in apart]) if hosted else None,
+                "host_cores": cores if hosted else None,
+                "rows_filled": filled,
                 "wall_s": sum(r["wall_s"] for r in runs),
                 "admitted_alike": mean_of([admitted_alike(recs, r["requests"]) for r in runs]),
                 # where the time goes (runs that kept each result's stages)
@@ -165,9 +184,35 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
                            "predicted": mean_of([stage_times(r["requests"]) for r in runs])}}
     return {"bench": "simval", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
             "run": {"when": run.get("when"), "results": str(results)}, "costs_of": costs_of,
+            "rows_from": str(rows_from) if rows_from else None,
             "step_cv": step_cv, "seeds": seeds, "rows": rows, "skipped": skipped,
             "sharing": sharing.summary(sharing.merge(shared)), "schedules": schedules,
             "targets": _targets(rows, not skipped)}
+
+
+def table_file(value: str) -> Path:
+    """``--rows-from``: a cost table that reads (checked as the simulator reads one)."""
+    try:
+        CostTable.load(value)
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{value}: {e}") from None
+    return Path(value)
+
+
+def fill_rows(table: dict[str, Any], donor: dict[str, Any]) -> int:
+    """Add to ``table``'s stages the step and call rows of ``donor`` (by key and batch) it lacks;
+    how many. A run prices what it ran: a DoP-picking policy whose run never ran DoP 1 leaves a
+    table the simulator cannot replay it with, where another run of the same machine has them.
+    Only a cell that cannot be replayed otherwise is filled."""
+    added = 0
+    for stage, entry in table.get("stages", {}).items():
+        rows = entry.setdefault("rows", [])
+        have = {(r["key"], r["batch"]) for r in rows}
+        for r in (donor.get("stages", {}).get(stage) or {}).get("rows") or []:
+            if (r["key"], r["batch"]) not in have:
+                rows.append(dict(r))
+                added += 1
+    return added
 
 
 def as_run(wf: Workflow, settings: dict[str, Any]) -> Workflow:
@@ -236,7 +281,8 @@ def markdown(doc: dict[str, Any]) -> str:
              + (f" Steps vary with CV {doc['step_cv']:g} where a table does not say how much they varied."
                 if doc.get("step_cv") else "")
              + (f" Where steps vary (a table's `step_cv`), each prediction is the mean of {doc['seeds']} runs."
-                if doc.get("seeds") else ""),
+                if doc.get("seeds") else "")
+             + (f" Rows a run's table lacked came from {doc['rows_from']}." if doc.get("rows_from") else ""),
              "", "The measured attainment's ± is its own sampling margin (95%, Agresti–Coull): how far a "
                  "rerun of the same trace on the same machine could land from it by chance alone.",
              "", "| policy | load | class | n | refused measured / predicted | attainment measured | predicted "
@@ -316,7 +362,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    doc = validate(Path(args.results), args.costs_of, args.step_cv, args.seeds, args.trace)
+    doc = validate(Path(args.results), args.costs_of, args.step_cv, args.seeds, args.trace, args.rows_from)
     if not doc["rows"]:
         if doc["skipped"]:  # e.g. a DoP-picking policy whose run never ran a DoP it may pick
             raise SystemExit(f"{args.results}: no cell could be replayed: "

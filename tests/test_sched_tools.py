@@ -603,3 +603,23 @@ def test_simval_says_why_when_no_cell_of_a_run_can_be_replayed(tmp_path):
               "--trace", str(results / "sched-collab-5" / "sched-trace-1.3x.json")])
     assert "no cell could be replayed: slo at sched-trace-1.3x" in str(e.value)
     assert "no row for key '64x64x9/cfg/L64'" in str(e.value)
+
+
+def test_simval_fills_what_a_runs_table_lacks_from_another_only_where_a_cell_needs_it(tmp_path):
+    """The same `slo` run, with `--rows-from` another run's table of the same machine that has
+    DoP 1: the cell is replayed, its source names the rows it took, and a cell that did not need
+    them (srtf in a pair) is replayed on its own table alone."""
+    results = Path(__file__).resolve().parents[1] / "bench" / "results"
+    trace, donor = results / "sched-collab-5" / "sched-trace-1.3x.json", \
+        results / "sched-collab-7" / "slo-1" / "sched-costs-slo-sched-trace-1.3x.json"
+    from onepiece.bench.simval import validate
+
+    doc = validate(results / "sched-collab-7" / "slo-2", seeds=1, replay=trace, rows_from=donor)
+    cell = doc["rows"]["slo"]["sched-trace-1.3x"]
+    assert not doc["skipped"] and cell["rows_filled"] > 0 and cell["host_cores"] == 2
+    pair = validate(results / "sched-collab-7" / "pair-1", seeds=1, replay=trace, rows_from=donor)
+    assert pair["rows"]["srtf"]["sched-trace-1.3x"]["rows_filled"] == 0
+    assert pair["rows"]["slo"]["sched-trace-1.3x"]["rows_filled"] > 0
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "simval", "--results", str(results / "sched-collab-7" / "slo-2"), "--out", str(tmp_path),
+                  "--rows-from", str(trace)])  # a trace is no cost table: refused before any work
