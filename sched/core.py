@@ -37,6 +37,7 @@ from onepiece.sched.ranks import Ranks, dops, place
 CHUNK_OVERHEAD = 0.03  # decision + IPC per chunk, at most this share of the chunk's compute
 MAX_CHUNK = 64
 OVERHEAD_WINDOW = 16  # chunks whose overhead's median is the figure
+PASSED_MAX = 64  # requests a decision says it passed over (SchedCore.explain)
 UNKNOWN_STANDALONE_S = 1.0  # what aging assumes of a request nothing comparable was measured for
 
 
@@ -399,7 +400,9 @@ class SchedCore:
         return out
 
     def _passed(self, now: float, candidates: list[Request], started: set[str]) -> list[Passed]:
-        rs = [r for r in candidates if r.uid not in started]
+        # the longest-waiting ones (candidates come in arrival order): a decision's cost and a
+        # log line stay bounded however long the queue
+        rs = [r for r in candidates if r.uid not in started][:PASSED_MAX]
         view = View(now, rs, [Worker(w.id, ranks=w.ranks) for w in self.workers.values()], self.costs,
                     self.max_batch, self.chunk, self.est_bytes)
         return [(r.uid, round(slack, 4) if math.isfinite(slack := view.slack(r)) else None, r.left, r.aged)
