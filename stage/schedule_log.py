@@ -13,9 +13,9 @@ A line: ``{"stage", "instance", "worker", "start", "end", "parts": [[ranks, uids
 - ``passes`` the forward passes the worker ran (fewer where members finished or were dropped
   mid-chunk);
 - ``passed`` why the others waited: the requests that the decision that sent the chunk could
-  have advanced and did not, each ``[uid, slack, steps left, aged]`` (``sched.core.Passed``:
-  slack is the seconds it had to spare had it run alone from then on at its fastest DoP,
-  negative where it was late even so, null without a deadline).
+  have advanced and did not (the 64 longest-waiting), each ``[uid, slack, steps left, aged]``
+  (``sched.core.Passed``: slack is the seconds it had to spare had it run alone from then on
+  at its fastest DoP, negative where it was late even so, null without a deadline).
 
 `onepiece up` rotates the file as it does the roles' logs (onepiece/logrotate.py), so it stays bounded.
 """
