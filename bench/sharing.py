@@ -12,9 +12,11 @@ of which one did.
 
 from __future__ import annotations
 
-import json
+import copy
 import statistics
 from typing import Any, Iterable
+
+from onepiece.sched.keys import split_dop
 
 BUSY = 0.5  # a chunk is "beside other work" when another stage's worker ran for more than this share of it
 
@@ -93,15 +95,14 @@ def alone_table(doc: dict[str, Any], passes: dict[tuple[str, str, int, int], lis
     ``LEAST`` alone chunks is scaled by its stage's median ratio of alone to measured. Also
     returns how many rows of each stage were taken from alone chunks."""
     cls_of = {v: c for c, v in shapes.items()}
-    out = json.loads(json.dumps(doc))
+    out = copy.deepcopy(doc)
     taken: dict[str, int] = {}
     for stage, entry in out.get("stages", {}).items():
         rows, ratios = entry.get("rows") or [], []
         scale_later = []
         for row in rows:
-            key = row["key"]
-            dop = int(key.rsplit("@", 1)[1]) if "@" in key else 1
-            xs = passes.get((stage, cls_of.get(key.split("/")[0].split("@")[0]), dop, row["batch"]), [])
+            key, dop = split_dop(row["key"])
+            xs = passes.get((stage, cls_of.get(key.split("/")[0]), dop, row["batch"]), [])  # (its WxHxF)
             if len(xs) >= LEAST and row["seconds"] > 0:
                 alone = statistics.fmean(xs)
                 ratios.append(alone / row["seconds"])

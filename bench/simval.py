@@ -310,13 +310,15 @@ def markdown(doc: dict[str, Any]) -> str:
                   "| policy | load | cores | attainment measured | shared host | Δ | a device each | Δ "
                   "| mean ms measured | shared host | Δ | a device each | Δ |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        def against(m: dict[str, Any], x: dict[str, Any]) -> tuple[str, str]:  # a prediction: attainment, mean
+            return (f"{x['attainment']:.0%} | {(x['attainment'] - m['attainment']) * 100:+.0f}",
+                    f"{x['mean_s'] * 1000:.0f} | {(x['mean_s'] - m['mean_s']) / m['mean_s']:+.0%}")
+
         for policy, load, cell in hosted:
-            m, p, a = cell["measured"]["all"], cell["predicted"]["all"], cell["apart"]
-            lines.append(f"| {policy} | {load} | {cell['host_cores']} | {m['attainment']:.0%} "
-                         f"| {p['attainment']:.0%} | {(p['attainment'] - m['attainment']) * 100:+.0f} "
-                         f"| {a['attainment']:.0%} | {(a['attainment'] - m['attainment']) * 100:+.0f} "
-                         f"| {m['mean_s'] * 1000:.0f} | {p['mean_s'] * 1000:.0f} | {(p['mean_s'] - m['mean_s']) / m['mean_s']:+.0%} "
-                         f"| {a['mean_s'] * 1000:.0f} | {(a['mean_s'] - m['mean_s']) / m['mean_s']:+.0%} |")
+            m = cell["measured"]["all"]
+            (p_att, p_mean), (a_att, a_mean) = against(m, cell["predicted"]["all"]), against(m, cell["apart"])
+            lines.append(f"| {policy} | {load} | {cell['host_cores']} | {m['attainment']:.0%} | {p_att} | {a_att} "
+                         f"| {m['mean_s'] * 1000:.0f} | {p_mean} | {a_mean} |")
     differ = [(policy, load, cell["measured"]["all"]["n"], cell["admitted_alike"])
               for policy, by_load in doc["rows"].items() for load, cell in by_load.items()
               if cell.get("admitted_alike") is not None

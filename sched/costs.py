@@ -29,7 +29,7 @@ from typing import Any, Iterable
 
 import orjson
 
-from onepiece.sched.keys import variant, volume
+from onepiece.sched.keys import split_dop, variant, volume
 
 WINDOW = 16  # samples per (key, batch size)
 SETTLED = 3  # samples before a batch size's figure is judged (``CostModel.unsettled``)
@@ -191,13 +191,12 @@ class CostModel:
                    default=None)
 
     def _other_dop(self, key: str) -> list[tuple[str, float]]:
-        base, _, d = key.partition("@")
-        dop = int(d) if d.isdigit() else 1
+        base, dop = split_dop(key)
         known = []
         for k in self.keys():
-            b, _, kd = k.partition("@")
+            b, kd = split_dop(k)
             if b == base and self.row(k):
-                known.append((int(kd) if kd.isdigit() else 1, k))
+                known.append((kd, k))
         if not known:
             return []
         gap = min(abs(other_dop - dop) for other_dop, _ in known)

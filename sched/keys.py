@@ -53,3 +53,9 @@ def at_dop(key: str, dop: int) -> str:
     """The cost key of ``key``'s steps run by ``dop`` ranks together (``…@2``); DoP 1 is the
     key itself. Its variant carries the DoP, so costs scale by volume only within one DoP."""
     return key if dop == 1 else f"{key}@{dop}"
+
+
+def split_dop(key: str) -> tuple[str, int]:
+    """``at_dop``'s inverse: (the key, its DoP)."""
+    base, _, d = key.partition("@")
+    return base, int(d) if d.isdigit() else 1

@@ -166,7 +166,7 @@ class VirtualInstance:
             if isinstance(cmd, Run):
                 self._execute(cmd, d.passed)
 
-    def _execute(self, run: Run, passed: list = ()) -> None:
+    def _execute(self, run: Run, passed: list) -> None:
         """Price the chunk now; its effects land when it ends (the core sees them then)."""
         reqs = self.core.requests
         now = self.loop.now

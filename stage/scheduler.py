@@ -246,7 +246,7 @@ class RequestScheduler:
             else:
                 self._run(cmd, decided, d.passed)
 
-    def _run(self, cmd: Run, decided: float, passed: list = ()) -> None:
+    def _run(self, cmd: Run, decided: float, passed: list) -> None:
         frames, sizes = [], []
         now = time.monotonic()
         for uid in cmd.admit:
