@@ -38,9 +38,10 @@ def start_one(s: RequestScheduler, expires_in: float, steps: int = 10) -> tuple[
     uid = new_uid()
     s.core.add(stage_request(uid, "t2v", KEY, steps, now, now + expires_in, None, 0.0))
     s.msgs[uid] = Message({"uid": uid, "app": "t2v", "params": {}}, {})
-    runs = [c for c in s.core.schedule(now).commands if isinstance(c, Run)]
+    d = s.core.schedule(now)
+    runs = [c for c in d.commands if isinstance(c, Run)]
     assert [r.uids for r in runs] == [(uid,)]
-    s._run(runs[0], 0.0)
+    s._run(runs[0], 0.0, d.passed)  # as _decide hands it over
     return uid, runs[0]
 
 
