@@ -557,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("bench", help="benchmarks (see bench/)")
     benches = sp.add_subparsers(dest="which", required=True, metavar="BENCHMARK")
     from onepiece.bench import (batching, cpu, curve, dop, e2e, elastic, failover, moves, mp4, overload, parallel,
-                                 sched, shares, simspeed, simval, transport, validation)
+                                 sched, shares, simpool, simspeed, simval, transport, validation)
 
     for module, help_text in (
         (e2e, "end-to-end latency against the monolithic pipeline"),
@@ -570,6 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
         (shares, "each stage's share of a request's device time and a step's cost by batch size (up to real Wan2.1 size)"),
         (simspeed, "simulated requests per second for a fleet (target: 10^6 requests over 1,000 devices in 60 s)"),
         (simval, "the simulator against a bench sched run: predicted vs measured, every policy and load"),
+        (simpool, "the simulator against the mean of repeated bench sched runs of one trace (their simval.json)"),
         (moves, "the NM's elastic policy, its defaults against its earlier rules, in the simulator (real-size costs)"),
         (overload, "open-loop load at multiples of capacity, request monitor on and off"),
         (transport, "transport throughput and one-way latency against memcpy"),

@@ -5,6 +5,7 @@ traces (the format `bench sched` saves and `--trace` replays)."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -623,3 +624,41 @@ def test_simval_fills_what_a_runs_table_lacks_from_another_only_where_a_cell_nee
     with pytest.raises(SystemExit):
         cli_main(["bench", "simval", "--results", str(results / "sched-collab-7" / "slo-2"), "--out", str(tmp_path),
                   "--rows-from", str(trace)])  # a trace is no cost table: refused before any work
+
+
+def test_simpool_pools_repeated_runs_of_a_trace_by_policy_and_setup_and_pairs_each_run_with_its_prediction(
+        tmp_path, capsys):
+    """`bench simpool` on three committed runs of one trace on the group (each with the simval.json
+    bench simval wrote for it): per policy and class, the runs' mean measured and predicted figures,
+    the mean paired difference and its 95% interval; a run of another setup is a pool of its own;
+    a folder without a simval.json is refused as it is read."""
+    from onepiece.bench import simpool
+
+    results = Path(__file__).resolve().parents[1] / "bench" / "results"
+    runs = [results / "sched-collab-7" / n for n in ("pair-1", "pair-2", "slo-3")] \
+        + [results / "sched-collab-6" / "individual-1.3x"]
+    doc = simpool.pool(runs)
+    rows = {(r["policy"], r["setup"], r["class"]): r for r in doc["rows"]}
+    group = "2 denoise workers, one group"
+    slo = rows[("slo", group, "all")]
+    cells = [json.loads((d / "simval.json").read_text())["rows"]["slo"]["sched-trace-1.3x"] for d in runs[:3]]
+    m = [c["measured"]["all"]["attainment"] * 100 for c in cells]
+    p = [c["predicted"]["all"]["attainment"] * 100 for c in cells]
+    assert slo["runs"] == 3 and slo["attainment"]["measured"] == pytest.approx(sum(m) / 3)
+    assert slo["attainment"]["diff"] == pytest.approx((sum(p) - sum(m)) / 3)
+    diffs = [b - a for a, b in zip(m, p)]
+    assert slo["attainment"]["diff_ci"] == pytest.approx(4.30 * statistics.stdev(diffs) / 3 ** 0.5)
+    lat = [(c["predicted"]["all"]["mean_s"] - c["measured"]["all"]["mean_s"]) / c["measured"]["all"]["mean_s"]
+           for c in cells]
+    assert slo["mean_s"]["diff"] == pytest.approx(sum(lat) / 3)
+    assert rows[("srtf", group, "all")]["runs"] == 2  # slo-3 ran slo alone
+    assert {"S", "M", "L"} <= {c for (pol, where, c) in rows if pol == "slo" and where == group}
+    alone = rows[("slo", "2 denoise workers", "all")]  # individual workers: a pool of its own, no interval
+    assert alone["runs"] == 1 and alone["attainment"]["diff_ci"] is None
+    text = simpool.markdown(doc)
+    assert "over the pools of more than one run" in text and "slo at sched-trace-1.3x (2 denoise workers, one group, 3 runs)" in text
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "sched.json").write_text(json.dumps({"settings": {}}))
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "simpool", str(tmp_path / "run"), "--out", str(tmp_path)])
+    assert f"cannot read {tmp_path / 'run' / 'simval.json'}" in capsys.readouterr().err
