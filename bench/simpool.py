@@ -3,12 +3,12 @@
 One `bench sched` run of 60 requests is one draw: a rerun of the same trace on the same machine
 lands ±7 to ±12 points of SLO attainment away by chance alone, and on a saturated group at 1.3×
 `slo` met 47% in one run and 92% in another. ``bench simval`` puts each run beside its own
-prediction, so its error is mostly that draw. This pools the cells that ``bench simval`` wrote
-for several runs of one trace (each run's ``simval.json`` beside its ``sched.json``), per policy,
-trace and topology (denoise workers, collaboration group or not): the mean of the measured
-figures against the mean of the predicted ones, and the paired differences' spread, so that a
-bias of the simulator shows apart from the noise of a run. Saved as ``simpool.json`` and
-``simpool.md`` under ``--out``.
+prediction, so a cell's error mixes the simulator's bias with that draw. This pools the cells
+that ``bench simval`` wrote for several runs of one trace (each run's ``simval.json`` beside its
+``sched.json``), per policy, trace and setup (denoise workers, a collaboration group or not, max
+batch): the mean of the measured figures against the mean of the predicted ones, and the paired
+differences' spread, so that a bias of the simulator shows apart from the noise of a run. Saved
+as ``simpool.json`` and ``simpool.md`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def setup(settings: dict[str, Any]) -> str:
     """What a run's denoise stage ran on, in words: runs pool only with runs of the same."""
     n = int(settings.get("denoise_workers") or 1)
-    return f"{n} denoise worker{'s' if n > 1 else ''}" + (", one group" if settings.get("collaboration") else "")
+    return (f"{n} denoise worker{'s' if n > 1 else ''}" + (", one group" if settings.get("collaboration") else "")
+            + f", max batch {settings.get('max_batch')}")
 
 
 def pool(runs: list[Path]) -> dict[str, Any]:
@@ -73,8 +74,11 @@ def pool(runs: list[Path]) -> dict[str, Any]:
     for (policy, load, where), got in cells.items():
         classes = sorted({c for _, cell in got for c in cell["measured"]} - {"all"})
         for c in ["all", *classes]:
-            pairs = [(cell["measured"][c], cell["predicted"][c]) for _, cell in got
-                     if c in cell["measured"] and c in cell["predicted"]]
+            # (a class none of whose requests completed has no mean latency on that side: left out)
+            pairs = [(m, p) for _, cell in got
+                     if (m := cell["measured"].get(c)) and (p := cell["predicted"].get(c))
+                     and all(isinstance(x.get(f), (int, float)) for x in (m, p) for f in ("attainment", "mean_s"))
+                     and m["mean_s"] > 0]
             if not pairs:
                 continue
             row: dict[str, Any] = {"policy": policy, "load": load, "setup": where, "class": c, "runs": len(pairs)}
