@@ -64,18 +64,18 @@ def setup(settings: dict[str, Any]) -> str:
 def pool(runs: list[Path]) -> dict[str, Any]:
     """Per (policy, trace, setup) and class: the runs' measured and predicted SLO attainment and
     mean latency, their means, and the mean paired difference with its 95% interval."""
-    cells: dict[tuple[str, str, str], list[tuple[str, dict[str, Any]]]] = {}
+    cells: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for d in runs:
         settings = json.loads((d / "sched.json").read_text())["settings"]
         for policy, by_load in json.loads((d / "simval.json").read_text())["rows"].items():
             for load, cell in by_load.items():
-                cells.setdefault((policy, load, setup(settings)), []).append((str(d), cell))
+                cells.setdefault((policy, load, setup(settings)), []).append(cell)
     rows = []
     for (policy, load, where), got in cells.items():
-        classes = sorted({c for _, cell in got for c in cell["measured"]} - {"all"})
+        classes = sorted({c for cell in got for c in cell["measured"]} - {"all"})
         for c in ["all", *classes]:
             # (a class none of whose requests completed has no mean latency on that side: left out)
-            pairs = [(m, p) for _, cell in got
+            pairs = [(m, p) for cell in got
                      if (m := cell["measured"].get(c)) and (p := cell["predicted"].get(c))
                      and all(isinstance(x.get(f), (int, float)) for x in (m, p) for f in ("attainment", "mean_s"))
                      and m["mean_s"] > 0]

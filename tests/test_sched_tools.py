@@ -653,10 +653,12 @@ def test_simpool_pools_repeated_runs_of_a_trace_by_policy_and_setup_and_pairs_ea
     assert slo["mean_s"]["diff"] == pytest.approx(sum(lat) / 3)
     assert rows[("srtf", group, "all")]["runs"] == 2  # slo-3 ran slo alone
     assert {"S", "M", "L"} <= {c for (pol, where, c) in rows if pol == "slo" and where == group}
-    alone = rows[("slo", "2 denoise workers, max batch 4", "all")]  # individual workers: a pool of its own, no interval
-    assert alone["runs"] == 1 and alone["attainment"]["diff_ci"] is None
+    alone = rows[("slo", "2 denoise workers, max batch 4", "all")]  # individual workers: a pool of its own
+    assert alone["runs"] == 1 and alone["attainment"]["diff_ci"] is None  # (one run: no interval)
     text = simpool.markdown(doc)
-    assert "over the pools of more than one run" in text and "slo at sched-trace-1.3x (2 denoise workers, one group, max batch 4, 3 runs)" in text
+    assert "over the pools of more than one run" in text
+    verdict = "within" if abs(slo["attainment"]["diff"]) <= 5 and abs(slo["mean_s"]["diff"]) <= 0.1 else "not"
+    assert f"slo at sched-trace-1.3x ({group}, 3 runs) {verdict}" in text
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "sched.json").write_text(json.dumps({"settings": {}}))
     with pytest.raises(SystemExit):
