@@ -52,6 +52,7 @@ import orjson
 from onepiece.argtypes import SEED, count, non_negative, numbers, out_dir, positive, torch_device
 from onepiece.bench.common import MAX_THREADS, PROMPT, T2V_STAGES, cpu_name, model_dirs
 from onepiece.bench.overload import SET, Target, _run_async
+from onepiece.bench.pace import pace
 from onepiece.bench.trace import (Trace, load_trace, parse_classes, parse_floats, poisson_trace, replay, scaled,
                                   summarize)
 from onepiece.schedule_trace import chunks, logged
@@ -626,6 +627,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def parts_pace(outdir: Path, traces: dict[str, Trace], results: dict[str, dict]) -> dict[str, dict[str, float | None]]:
+    """Per trace, ``pace`` of the policies that ran it (their cost tables under it, as saved)."""
+    out = {}
+    for load in traces:
+        tables = {p: json.loads(f.read_text()) for p in results
+                  if "monitor" not in p and (f := outdir / costs_name(p, load)).exists()}
+        if tables:
+            out[load] = pace(tables)
+    return out
+
+
 def report(outdir: Path, args: argparse.Namespace, t_start: float, classes: dict[str, dict], names: list[str],
            mix: dict[str, float], cal: dict[str, Any], traces: dict[str, Trace], results: dict[str, dict],
            stage: dict[str, Any], final: bool = False) -> dict[str, Any]:
@@ -646,6 +658,7 @@ def report(outdir: Path, args: argparse.Namespace, t_start: float, classes: dict
               "settings": {k: v for k, v in vars(args).items() if k not in ("fn", "which")},
               "classes": classes, "mix": mix, "calibration": cal, "rows": rows, "targets": targets, "stage": stage,
               "offered": {k: offered(t, mix) for k, t in traces.items()},
+              "pace": (paced := parts_pace(outdir, traces, results)),
               "requests": results}
     (outdir / "sched.json").write_text(json.dumps(result, indent=1, default=str))
     shapes = ", ".join(f"{c} {classes[c]['size']}x{classes[c]['num_frames']}" for c in names)
@@ -667,6 +680,13 @@ def report(outdir: Path, args: argparse.Namespace, t_start: float, classes: dict
         md += ["What each trace offered: " + "; ".join(
             f"{k}: {o['load']:.2f}× C (arrivals {o['rate']:.2f}× the nominal rate, work {o['work']:.2f}× the mix's)"
             for k, o in drawn.items()) + ".", ""]
+    if any(len(by) > 1 for by in paced.values()):
+        md += ["What the machine's steps and calls cost during each policy's part of a trace, against the "
+               "first's (`bench/pace.py`: the batch-1 rows every part measured; the policies ran one after "
+               "another, and this machine's speed drifts): " + "; ".join(
+                   f"{k}: " + ", ".join(f"{p} {x:.2f}×" if x is not None else f"{p} n/a" for p, x in by.items())
+                   for k, by in paced.items()) + ". A part that ran slower had more to do; `bench simval "
+               "--costs-of POLICY` replays every policy at one part's costs.", ""]
     if targets:
         md += [f"Targets at {targets['load']} (best policy: {targets['best']}):", "",
                "| target | value | wanted | met |", "|---|---|---|---|"]

@@ -334,10 +334,40 @@ def test_bench_sched_saves_what_has_run_as_each_policy_ends(tmp_path):
     assert "| fcfs | 1x | all | 2 |" in (tmp_path / "sched.md").read_text()
     results["srtf"] = {"1x": recs(1.0)}
     results["srtf (monitor on)"] = {"monitor on 1.2x": recs(0.5)}
+    # what each part's steps cost (the cost tables bench sched saves under each trace): srtf's
+    # part ran on a machine 30% slower, and the report says so beside the figures
+    for policy, f in (("fcfs", 1.0), ("srtf", 1.3)):
+        (tmp_path / f"sched-costs-{policy}-1x.json").write_text(json.dumps({"version": 1, "stages": {
+            "denoise_t2v": {"rows": [{"key": "8x8x1/cfg/L64", "batch": 1, "seconds": 0.02 * f},
+                                     {"key": "8x8x1/cfg/L64", "batch": 2, "seconds": 0.05}]},
+            "vae_decode": {"rows": [{"key": "8x8x1", "batch": 1, "seconds": 0.1 * f}]}}}))
     targets = report(*common, results, {"fcfs": None, "srtf": None}, final=True)
     saved = json.loads((tmp_path / "sched.json").read_text())
     assert list(saved["rows"]) == ["fcfs", "srtf", "srtf (monitor on)"]
     assert targets["best"] == "srtf" and saved["targets"]["attainment"]["value"] == 1.0
+    assert saved["pace"] == {"1x": {"fcfs": 1.0, "srtf": pytest.approx(1.3)}}
+    assert "1x: fcfs 1.00×, srtf 1.30×" in (tmp_path / "sched.md").read_text()
+
+
+def test_pace_is_what_a_parts_steps_cost_against_the_first_parts():
+    """On the committed run on one worker in which `slo` met 38%: its part's batch-1 steps and
+    calls cost 31% more than during fcfs's (srtf's 5%); in a run whose parts ran alike, ~1.
+    Rows not every table has are left out; tables with none in common say nothing."""
+    from onepiece.bench.pace import pace
+
+    def tables(run: str) -> dict:
+        d = Path(__file__).resolve().parents[1] / "bench" / "results" / "sched-repeat" / run
+        order = list(json.loads((d / "sched.json").read_text())["rows"])
+        return {p: json.loads((d / f"sched-costs-{p}-sched-trace-1x.json").read_text()) for p in order}
+
+    slow = pace(tables("1x-1"))
+    assert list(slow) == ["fcfs", "srtf", "slo"] and slow["fcfs"] == 1.0
+    assert 1.25 < slow["slo"] < 1.4 and 1.0 < slow["srtf"] < 1.1
+    alike = pace(tables("1x-3"))
+    assert all(0.95 < x < 1.1 for x in alike.values())
+    one = {"version": 1, "stages": {"vae_decode": {"rows": [{"key": "8x8x1", "batch": 1, "seconds": 0.1}]}}}
+    other = {"version": 1, "stages": {"vae_decode": {"rows": [{"key": "16x16x1", "batch": 1, "seconds": 0.1}]}}}
+    assert pace({"a": one, "b": other}) == {"a": None, "b": None} and pace({}) == {}
 
 
 def test_bench_sched_refuses_a_trace_it_cannot_run_before_any_deployment(tmp_path, capsys):
