@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from onepiece.argtypes import out_dir
-from onepiece.bench.simval import TARGETS
+from onepiece.bench.simval import TARGETS, sched_results
 
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 15: 2.13,
        20: 2.09, 30: 2.04}  # Student's t at 97.5%, by degrees of freedom (between two: the lower one's)
@@ -33,19 +33,18 @@ def _t95(df: int) -> float:
 
 
 def validated_run(value: str) -> Path:
-    """An argparse type: a folder holding a `bench sched` run's sched.json and the simval.json
-    that ``bench simval`` wrote for it."""
-    d = Path(value)
-    for name in ("sched.json", "simval.json"):
-        try:
-            doc = json.loads((d / name).read_text())
-        except OSError as e:
-            raise argparse.ArgumentTypeError(f"cannot read {d / name}: {e.strerror or e}") from None
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(f"{d / name} is not JSON: {e}") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("settings" if name == "sched.json" else "rows"), dict):
-            raise argparse.ArgumentTypeError(f"{d / name} is not what `bench {name.split('.')[0]}` writes")
-    return d
+    """An argparse type: a folder holding a `bench sched` run's sched.json (checked as `bench
+    simval` checks it) and the simval.json that ``bench simval`` wrote for it."""
+    path = Path(sched_results(value)) / "simval.json"
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{path} is not JSON: {e}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), dict):
+        raise argparse.ArgumentTypeError(f"{path} is not what `bench simval` writes")
+    return path.parent
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

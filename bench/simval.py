@@ -135,6 +135,7 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
                 shared.append(sharing.step_times(events, classes, "denoise_t2v"))
             cores = run.get("cpu_count") if events is not None and costs_of is None else None  # (another
             # policy's table does not say what this run's steps cost alone)
+            passes = sharing.alone_passes(events, classes, cores) if cores else {}  # (once, for every table tried)
 
             def predict(table: dict[str, Any], source: str) -> tuple[list, list, bool]:
                 """(the replays on a device per worker; those on the run's host where its schedule
@@ -149,7 +150,7 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
                 apart = on(costs)
                 if not cores:
                     return apart, apart, False
-                alone, _ = sharing.alone_table(table, sharing.alone_passes(events, classes, cores), shapes)
+                alone, _ = sharing.alone_table(table, passes, shapes)
                 return apart, on(CostTable(alone, f"{source}, steps alone"), cores), True
             filled, why = 0, None
             try:

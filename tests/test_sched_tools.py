@@ -690,7 +690,8 @@ def test_simpool_pools_repeated_runs_of_a_trace_by_policy_and_setup_and_pairs_ea
     verdict = "within" if abs(slo["attainment"]["diff"]) <= 5 and abs(slo["mean_s"]["diff"]) <= 0.1 else "not"
     assert f"slo at sched-trace-1.3x ({group}, 3 runs) {verdict}" in text
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "sched.json").write_text(json.dumps({"settings": {}}))
+    (tmp_path / "run" / "sched.json").write_text(json.dumps({"settings": {"max_duration": 60}, "rows": {},
+                                                             "requests": {}}))
     with pytest.raises(SystemExit):
         cli_main(["bench", "simpool", str(tmp_path / "run"), "--out", str(tmp_path)])
     assert f"cannot read {tmp_path / 'run' / 'simval.json'}" in capsys.readouterr().err
