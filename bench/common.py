@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -96,3 +97,13 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
+
+
+def save_report(out: Path, name: str, doc: dict, text: str) -> None:
+    """``name``.json (``doc``) and ``name``.md (``text``) under ``out``, made if missing; the
+    markdown printed, then where both went."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    (out / f"{name}.md").write_text(text + "\n")
+    print(text)
+    print(f"saved {out / name}.json and {name}.md")

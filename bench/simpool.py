@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from onepiece.argtypes import out_dir
+from onepiece.bench.common import save_report
 from onepiece.bench.simval import TARGETS, sched_results
 
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 15: 2.13,
@@ -132,10 +133,5 @@ def markdown(doc: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     doc = pool(args.runs)
-    out = Path(args.out)
-    (out / "simpool.json").write_text(json.dumps(doc, indent=1))
-    text = markdown(doc)
-    (out / "simpool.md").write_text(text + "\n")
-    print(text)
-    print(f"saved {out / 'simpool.json'} and simpool.md")
+    save_report(Path(args.out), "simpool", doc, markdown(doc))
     return 0

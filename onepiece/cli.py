@@ -556,8 +556,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("bench", help="benchmarks (see bench/)")
     benches = sp.add_subparsers(dest="which", required=True, metavar="BENCHMARK")
-    from onepiece.bench import (batching, cpu, curve, dop, e2e, elastic, failover, moves, mp4, overload, parallel,
-                                 sched, shares, simpool, simspeed, simval, transport, validation)
+    from onepiece.bench import (batching, cpu, curve, dop, draws, e2e, elastic, failover, moves, mp4, overload,
+                                 parallel, sched, shares, simpool, simspeed, simval, transport, validation)
 
     for module, help_text in (
         (e2e, "end-to-end latency against the monolithic pipeline"),
@@ -571,6 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
         (simspeed, "simulated requests per second for a fleet (target: 10^6 requests over 1,000 devices in 60 s)"),
         (simval, "the simulator against a bench sched run: predicted vs measured, every policy and load"),
         (simpool, "the simulator against the mean of repeated bench sched runs of one trace (their simval.json)"),
+        (draws, "a bench sched run's traces against other draws of them, in the simulator: how typical they are"),
         (moves, "the NM's elastic policy, its defaults against its earlier rules, in the simulator (real-size costs)"),
         (overload, "open-loop load at multiples of capacity, request monitor on and off"),
         (transport, "transport throughput and one-way latency against memcpy"),

@@ -695,3 +695,44 @@ def test_simpool_pools_repeated_runs_of_a_trace_by_policy_and_setup_and_pairs_ea
     with pytest.raises(SystemExit):
         cli_main(["bench", "simpool", str(tmp_path / "run"), "--out", str(tmp_path)])
     assert f"cannot read {tmp_path / 'run' / 'simval.json'}" in capsys.readouterr().err
+
+
+def test_bench_draws_replays_a_runs_own_trace_as_simval_does_beside_other_draws_at_the_same_load(tmp_path, capsys):
+    """The committed 1.0x run of fcfs, srtf and `slo` on one worker (2026-11-27), which replayed a
+    saved trace: its own trace comes out exactly as `bench simval` predicts it (the same pricing:
+    each step alone on the run's 2 cores), and the other draws are other requests and arrivals,
+    each stretched to offer the same load, judged against the same targets."""
+    from onepiece.bench.draws import draws, markdown
+    from onepiece.bench.simval import validate
+
+    results = Path(__file__).resolve().parents[1] / "bench" / "results"
+    trace = results / "sched-trace-1x.json"
+    doc = draws(results / "sched-repeat" / "1x-2", 2, trace)
+    entry = doc["loads"]["sched-trace-1x"]
+    assert not doc["skipped"] and list(entry["draws"]) == ["run", "1", "2"]
+    own = entry["draws"]["run"]
+    val = validate(results / "sched-repeat" / "1x-2", seeds=1, replay=trace)
+    for p in ("fcfs", "srtf", "slo"):
+        predicted = val["rows"][p]["sched-trace-1x"]["predicted"]["all"]
+        assert own["policies"][p]["mean_s"] == pytest.approx(predicted["mean_s"])
+        assert own["policies"][p]["attainment"] == pytest.approx(predicted["attainment"])
+    assert own["policies"]["fcfs"]["mean_ratio"] == 1.0
+    # other draws: other classes and arrivals (seeds 1 and 2), each offering the run's load exactly
+    for k in ("1", "2"):
+        assert entry["draws"][k]["offered"] == pytest.approx(1.0)
+        assert entry["draws"][k]["order_bound"] != own["order_bound"]
+    s = entry["summary"]
+    assert s["judged"] == 2 and set(s["policies"]) == {"fcfs", "srtf", "slo"}
+    ratios = [entry["draws"][k]["policies"]["srtf"]["mean_ratio"] for k in ("1", "2")]
+    assert s["policies"]["srtf"]["mean_ratio"] == {"median": statistics.median(ratios), "min": min(ratios),
+                                                   "max": max(ratios)}
+    assert 0 <= s["targets_met"]["all"] <= s["targets_met"]["mean_ratio"] <= 2
+    assert "| srtf |" in markdown(doc)
+    with pytest.raises(SystemExit) as done:
+        cli_main(["bench", "draws", "--results", str(results / "sched-repeat" / "1x-2"), "--trace", str(trace),
+                  "--draws", "1", "--out", str(tmp_path)])
+    assert done.value.code == 0
+    assert json.loads((tmp_path / "draws.json").read_text())["n"] == 1 and "draws.md" in capsys.readouterr().out
+    # a run that drew its own trace (seed 1, saved beside sched.json): the other draws skip its seed
+    own_seed = draws(results / "sched-draws" / "1x-s1", 2)
+    assert list(own_seed["loads"]["1x"]["draws"]) == ["run", "2", "3"] and not own_seed["skipped"]
