@@ -4,13 +4,14 @@ A run replays one draw of its trace generator per load: seeded Poisson arrivals,
 by the mix, stretched to offer exactly the load (`bench sched`'s ``at_load``). Sixty requests
 are few, and what an order can do differs from draw to draw: the one-server order bound
 (``order_bound``) of the 1.0× trace that the runs of 2026-11-27 replayed is 0.53, while 20 other
-draws of its generator range from 0.35 to 0.60 (median 0.42). This replays ``--draws`` other draws (seeds 1
-to N, skipping the run's own, the run's settings otherwise) through the simulator, for every policy the run measured,
-each priced as ``bench simval`` prices the run's own trace (its run's cost table under that
-load, on the run's host where it saved its schedule), and reports per policy the spread of its
-predicted mean latency against fcfs's and of its SLO attainment, where the run's own trace
-stands among them, and in how many draws the issue's targets at that load would be met. Saved
-as ``draws.json`` and ``draws.md`` under ``--out``.
+draws of its generator range from 0.35 to 0.60 (median 0.42). This replays ``--draws`` other
+draws (seeds 1 to N, skipping the run's own; the run's settings otherwise) through the
+simulator, for every policy the run measured, each priced as ``bench simval`` prices the run's
+own trace (its run's cost table under that load, on the run's host where it saved its
+schedule), and reports per policy the spread of its predicted mean latency against fcfs's and
+of its SLO attainment, where the run's own trace stands among them, and in how many draws the
+issue's targets at that load would be met. Saved as ``draws.json`` and ``draws.md`` under
+``--out``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 from onepiece.argtypes import count, out_dir
 from onepiece.bench import sharing
 from onepiece.bench.common import T2V_STAGES, cpu_name, save_report
-from onepiece.bench.sched import at_load, check_targets, costs_name, offered, order_bound, schedule_name
+from onepiece.bench.sched import TARGETS, at_load, check_targets, costs_name, offered, order_bound, schedule_name
 from onepiece.bench.simval import as_run, sched_results, trace_file
 from onepiece.bench.trace import Trace, load_trace, poisson_trace
 from onepiece.cli import PROFILE_WORKFLOWS
@@ -185,16 +186,16 @@ def markdown(doc: dict[str, Any]) -> str:
             mine = own.get("policies", {}).get(p) or {}
             ratio, lower = mine.get("mean_ratio"), x["lower_elsewhere"]
             att = mine.get("attainment")
-            lines.append(f"| {p} | {'—' if ratio is None else f'{ratio:.2f}×'} | {'—' if att is None else f'{att:.0%}'} "
-                         f"| {_fmt(x['mean_ratio'])} | {_fmt(x['attainment'], True)} "
-                         f"| {'—' if lower is None else f'{lower:.0%}'} |")
+            lines.append(f"| {p} | {'—' if ratio is None else f'{ratio:.2f}×'} "
+                         f"| {'—' if att is None else f'{att:.0%}'} | {_fmt(x['mean_ratio'])} "
+                         f"| {_fmt(x['attainment'], True)} | {'—' if lower is None else f'{lower:.0%}'} |")
         if s["judged"]:
             t = s["targets_met"]
             lines += ["", f"The issue's targets at this load, judged on each draw as `bench sched` judges its run "
-                          f"(the best policy, most SLOs met, against fcfs), met in: mean ≤ 0.5× fcfs's "
-                          f"{t['mean_ratio']}, attainment ≥ 90% {t['attainment']}, ≥ 1.5× fcfs's "
-                          f"{t['attainment_ratio']}, every large request completed {t['large_completed']}; all of "
-                          f"them {t['all']} of {s['judged']} draws."]
+                          f"(the best policy, most SLOs met, against fcfs), met in: mean ≤ {TARGETS['mean_ratio_max']}× "
+                          f"fcfs's {t['mean_ratio']}, attainment ≥ {TARGETS['attainment_min']:.0%} {t['attainment']}, "
+                          f"≥ {TARGETS['attainment_ratio_min']}× fcfs's {t['attainment_ratio']}, every large request "
+                          f"completed {t['large_completed']}; all of them {t['all']} of {s['judged']} draws."]
     for k in doc["skipped"]:
         lines.append(f"\nNot replayed: {k['load']}" + (f", {k['policy']}" if k.get("policy") else "") + f": {k['why']}")
     return "\n".join(lines)
