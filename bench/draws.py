@@ -26,8 +26,8 @@ from typing import Any
 from onepiece.argtypes import count, out_dir
 from onepiece.bench import sharing
 from onepiece.bench.common import T2V_STAGES, cpu_name, save_report
-from onepiece.bench.sched import TARGETS, at_load, check_targets, costs_name, offered, order_bound, schedule_name
-from onepiece.bench.simval import as_run, sched_results, trace_file
+from onepiece.bench.sched import TARGETS, at_load, check_targets, offered, order_bound
+from onepiece.bench.simval import as_run, sched_results, schedule_of, table_of, trace_file, trace_of
 from onepiece.bench.trace import Trace, load_trace, poisson_trace
 from onepiece.cli import PROFILE_WORKFLOWS
 from onepiece.config import ProxySpec, deploy_dir, load_workflow
@@ -48,31 +48,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=out_dir, default="bench/results", help="folder for draws.json and draws.md")
 
 
-def _run_trace(results: Path, settings: dict[str, Any], load: str, given: Path | None) -> Path | None:
-    path = results / f"sched-trace-{load}.json"
-    if path.exists():
-        return path
-    replayed = Path(settings["trace"]) if settings.get("trace") else None
-    if replayed is not None and load == replayed.stem:
-        return given or replayed
-    return None
-
-
 def _priced(results: Path, run: dict[str, Any], policy: str, load: str, shapes: dict[str, str]
             ) -> tuple[CostTable, int | None] | None:
     """``policy``'s table under ``load`` and the host cores it shares, as ``bench simval`` prices
     the cell by default: each step at what it cost alone, on the run's host, where the run saved
     its schedule; else the table as measured, each worker a device of its own. None without one."""
-    path = results / costs_name(policy, load)
-    path = path if path.exists() else results / costs_name(policy)
+    path = table_of(results, policy, load)
     if not path.exists():
         return None
     table = read_table(path)
-    schedule = results / schedule_name(policy, load)
-    cores = run.get("cpu_count") if schedule.exists() else None
+    events, classes = schedule_of(results, run, policy, load)
+    cores = run.get("cpu_count") if events is not None else None
     if cores:
-        events = json.loads(schedule.read_text()).get("traceEvents", [])
-        classes = {f"r{i}": r["class"] for i, r in enumerate(run["requests"][policy][load])}
         table, _ = sharing.alone_table(table, sharing.alone_passes(events, classes, cores), shapes)
     return CostTable(table, str(path)), cores
 
@@ -90,7 +77,7 @@ def draws(results: Path, n: int, given: Path | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     skipped: list[dict[str, str]] = []
     for load in loads:
-        path = _run_trace(results, settings, load, given)
+        path = trace_of(results, settings, load, given)
         if path is None:
             skipped.append({"load": load, "why": "its trace is not beside sched.json (--trace names a replayed one)"})
             continue
@@ -100,7 +87,6 @@ def draws(results: Path, n: int, given: Path | None = None) -> dict[str, Any]:
         except (AttributeError, TypeError, ValueError):
             skipped.append({"load": load, "why": f"{path} does not say its load and capacity_rps"})
             continue
-        sent = len([r for r in own.requests if r.at <= settings["max_duration"]])
         traces: dict[str, Trace] = {"run": own}
         for seed in [x for x in range(1, n + 2) if x != settings.get("seed")][:n]:  # (not the run's own)
             traces[str(seed)] = at_load(poisson_trace(classes, mix, nominal * cap, len(own.requests), seed,
@@ -131,7 +117,7 @@ def draws(results: Path, n: int, given: Path | None = None) -> dict[str, Any]:
                                            else None} for p, s in summaries.items()},
                           "targets": {k: targets[k]["met"] for k in TARGET_KEYS} if targets else None,
                           "best": targets.get("best")}
-        out[load] = {"sent": sent, "draws": rows, "summary": _summary(rows, list(priced))}
+        out[load] = {"draws": rows, "summary": _summary(rows, list(priced))}
     return {"bench": "draws", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
             "run": {"when": run.get("when"), "results": str(results)}, "n": n, "loads": out, "skipped": skipped}
 
@@ -176,7 +162,7 @@ def markdown(doc: dict[str, Any]) -> str:
     for load, entry in doc["loads"].items():
         s, own = entry["summary"], entry["draws"].get("run", {})
         got = own.get("offered")
-        lines += ["", f"**{load}** ({entry['sent']} requests a draw). The run's own trace"
+        lines += ["", f"**{load}** ({own.get('n')} requests a draw). The run's own trace"
                       + (f" offers {got:.2f}× its nominal load (the other draws exactly theirs)" if got else "")
                       + f"; its order bound {own.get('order_bound') or float('nan'):.2f}, the other draws' "
                       f"{_fmt(s['order_bound'])}.", "",

@@ -100,7 +100,6 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
     is one draw, as the measured run is."""
     run = json.loads((results / "sched.json").read_text())
     settings = run["settings"]
-    replayed = Path(settings["trace"]) if settings.get("trace") else None
     wf = load_workflow(deploy_dir() / PROFILE_WORKFLOWS[settings.get("profile", "scale")])
     shapes = {c: f"{v['size']}x{v['num_frames']}" for c, v in run["classes"].items()}
     rows: dict[str, dict[str, Any]] = {}
@@ -118,20 +117,14 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
         # as bench sched's Session: one proxy, the in-flight bound at 1000, the monitor on or off
         proxy = {"set0": ProxySpec(count=1, port=0, max_inflight=1000, monitor=monitor)}
         for load in by_load:
-            path = results / f"sched-trace-{load.replace('monitor on ', 'monitor-') if monitor else load}.json"
-            if not path.exists() and replayed is not None and load == replayed.stem:
-                path = replay or replayed  # a replayed --trace: its load is the file's name
-            if not path.exists():
+            path = trace_of(results, settings, load, replay, monitor)
+            if path is None:
                 continue
             trace = _sent(load_trace(path), settings["max_duration"])
-            # the table measured under this very trace, where the run saved one; else its run's last
-            at_load = results / costs_name(priced_by, load)
-            at_load = at_load if at_load.exists() else results / costs_name(priced_by)
+            at_load = table_of(results, priced_by, load)
             table = read_table(at_load)
-            schedule = results / schedule_name(policy, load)
-            events, classes = None, {f"r{i}": r["class"] for i, r in enumerate(run["requests"][row][load])}
-            if schedule.exists():  # (read whether or not the simulator can price the cell)
-                events = json.loads(schedule.read_text()).get("traceEvents", [])
+            events, classes = schedule_of(results, run, row, load)
+            if events is not None:  # (read whether or not the simulator can price the cell)
                 shared.append(sharing.step_times(events, classes, "denoise_t2v"))
             cores = run.get("cpu_count") if events is not None and costs_of is None else None  # (another
             # policy's table does not say what this run's steps cost alone)
@@ -167,8 +160,8 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
                 skipped.append({"policy": row, "load": load, "why": why})
                 continue
             runs = [r for r, _ in sims]
-            if schedule.exists():  # what the simulated workers ran, beside the run's own (the same names)
-                schedules[schedule.name] = perfetto(sims[0][1].chunks or [], runs[0]["requests"])
+            if events is not None:  # what the simulated workers ran, beside the run's own (the same names)
+                schedules[schedule_name(policy, load)] = perfetto(sims[0][1].chunks or [], runs[0]["requests"])
             # both sides summarized by the same function, from the run's own records
             recs = run["requests"][row][load]
             measured = summarize(recs, {c: v["slo_s"] for c, v in run["classes"].items()})
@@ -214,6 +207,32 @@ def fill_rows(table: dict[str, Any], donor: dict[str, Any]) -> int:
                 rows.append(dict(r))
                 added += 1
     return added
+
+
+def trace_of(results: Path, settings: dict[str, Any], load: str, given: Path | None = None,
+             monitor: bool = False) -> Path | None:
+    """The trace a run ran at ``load``: the one it saved beside sched.json, else the ``--trace``
+    it replayed (whose load is the file's name; at ``given`` where it is now); None if neither."""
+    path = results / f"sched-trace-{load.replace('monitor on ', 'monitor-') if monitor else load}.json"
+    replayed = Path(settings["trace"]) if settings.get("trace") else None
+    if not path.exists() and replayed is not None and load == replayed.stem:
+        path = given or replayed
+    return path if path.exists() else None
+
+
+def table_of(results: Path, policy: str, load: str) -> Path:
+    """The cost table ``policy``'s part measured under ``load``'s trace, where the run saved
+    one; else its part's last."""
+    path = results / costs_name(policy, load)
+    return path if path.exists() else results / costs_name(policy)
+
+
+def schedule_of(results: Path, run: dict[str, Any], row: str, load: str) -> tuple[list | None, dict[str, str]]:
+    """What the stages ran for ``row`` under ``load`` (its schedule's events; None where the run
+    saved none), and each request's class by the name the schedule gives it."""
+    schedule = results / schedule_name(row.removesuffix(" (monitor on)"), load)
+    classes = {f"r{i}": r["class"] for i, r in enumerate(run["requests"][row][load])}
+    return (json.loads(schedule.read_text()).get("traceEvents", []) if schedule.exists() else None), classes
 
 
 def as_run(wf: Workflow, settings: dict[str, Any]) -> Workflow:
