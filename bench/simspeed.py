@@ -1,13 +1,17 @@
 """`onepiece bench simspeed`: how fast the simulator plans for a fleet (DESIGN §12).
 
-``--requests`` requests (Poisson, two classes) through ``--sets`` copies of one set of
-``--devices-per-set`` devices (text_encode 1, vae_decode 1, the rest denoise_t2v on ``slo``), at
-``--load`` of the fleet's capacity, priced by a small synthetic table (a step and a call cost
-whatever the table says: speed depends on events, not on their figures). Reports simulated
-requests per second of wall time on one core, events, and where the time goes (cProfile's top
-functions), and the run's CPU time beside its wall time (on a shared machine the CPU time is what
-compares across runs). Target: 10^6 requests over 1,000 devices in at most 60 s. Saved as
-``simspeed.json`` and ``simspeed.md`` under ``--out``.
+``--requests`` requests (Poisson, two classes of ``--steps`` steps) through ``--sets`` copies of
+one set of ``--devices-per-set`` devices (text_encode 1, vae_decode 1, the rest denoise_t2v on
+``slo``), at ``--load`` of the fleet's capacity, priced by a small synthetic table whose figures
+are real Wan2.1's order on an H100 (SGLang's baselines, as ``deploy/wan21-h100.costs.json``: a
+1.3B step at 832x480x25 0.14 s, a 14B one on two GPUs 0.65 s, text encoding 0.17 s, VAE decode 0.36-0.56 s).
+Speed depends on events, not on their figures, but the figures set the chunks: a step that long
+is one chunk, a decision each, as on a GPU (at a step of 20 ms the core chunks two steps, half
+the decisions). 50 steps is Wan2.1's default. Reports simulated requests per second of wall
+time on one core, and where the time goes (cProfile's top functions, ``--profile``), and the
+run's CPU time beside its wall time (on a shared machine the CPU time is what compares across
+runs). Target: 10^6 requests over 1,000 devices in at most 60 s. Saved as ``simspeed.json`` and
+``simspeed.md`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -28,17 +32,26 @@ from onepiece.sim.cli import simulate
 from onepiece.sim.costs import CostTable
 
 TARGET = {"requests": 1_000_000, "devices": 1000, "seconds": 60.0}
-S, L = "64x64x9", "192x192x17"
+S, L = "64x64x9", "192x192x17"  # labels of the two classes' shapes (the table prices them)
+STEP_S = {S: {1: 0.144, 2: 0.26, 4: 0.49}, L: {1: 0.654, 2: 1.31}}  # seconds a step, by batch size
+CALL_S = {"text_encode": {S: 0.17, L: 0.17}, "vae_decode": {S: 0.36, L: 0.56}}  # seconds a call
 TABLE = {"version": 1, "stages": {
-    "text_encode": {"rows": [{"key": S, "batch": 1, "seconds": 0.01}, {"key": L, "batch": 1, "seconds": 0.01}]},
-    "vae_decode": {"rows": [{"key": S, "batch": 1, "seconds": 0.02}, {"key": L, "batch": 1, "seconds": 0.08}]},
-    "denoise_t2v": {"rows": [{"key": f"{S}/cfg/L64", "batch": b, "seconds": t} for b, t in ((1, 0.02), (2, 0.03), (4, 0.05))]
-                    + [{"key": f"{L}/cfg/L64", "batch": b, "seconds": t} for b, t in ((1, 0.2), (2, 0.4))]}}}
+    **{stage: {"rows": [{"key": k, "batch": 1, "seconds": t} for k, t in calls.items()]}
+       for stage, calls in CALL_S.items()},
+    "denoise_t2v": {"rows": [{"key": f"{k}/cfg/L64", "batch": b, "seconds": t}
+                             for k, by in STEP_S.items() for b, t in by.items()]}}}
+MIX = {"S": 0.9, "L": 0.1}
+SLO_FACTOR = 4.0  # each class's SLO: this many times its standalone time
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     # 10^7: ten times the target's 10^6, minutes of simulation; 1e23 would never end (or fill memory)
     p.add_argument("--requests", type=count(1, 10**7), default=100_000, help="requests simulated (default %(default)s)")
+    p.add_argument("--steps", type=count(1, 1000), default=50, help="denoising steps of every request "
+                   "(default %(default)s, Wan2.1's)")
+    p.add_argument("--chunk-steps", type=count(1, 1000), help="the denoise stage's chunk_steps (default: the "
+                   "workflow's, sized by the core from the overhead; the requests' steps: one decision a run, what "
+                   "a core deciding only at arrivals and completions would make)")
     p.add_argument("--sets", type=count(), default=100, help="workflow sets (default %(default)s)")
     p.add_argument("--devices-per-set", type=count(3), default=10, help="devices per set, at least 3 (default 10)")
     p.add_argument("--load", type=positive(), default=0.7, help="share of the fleet's denoise capacity (default 0.7)")
@@ -50,15 +63,22 @@ def run(args: argparse.Namespace) -> int:
     if args.devices_per_set < 3:
         raise SystemExit("--devices-per-set: a set needs text_encode, denoise_t2v and vae_decode (3 at least)")
     wf = load_workflow(deploy_dir() / "wan21-scale.yaml")
+    if args.chunk_steps:
+        spec = wf.stages["denoise_t2v"]
+        wf.stages["denoise_t2v"] = spec.model_copy(
+            update={"schedule": spec.schedule.model_copy(update={"chunk_steps": args.chunk_steps})})
     denoise = args.devices_per_set - 2
     sets = {f"set{i}": {"text_encode": 1, "denoise_t2v": denoise, "vae_decode": 1} for i in range(args.sets)}
-    classes = parse_classes("S=64x64x9:10,L=192x192x17:10")
-    classes["S"]["slo_s"], classes["L"]["slo_s"] = 1.0, 8.0
-    mix = {"S": 0.9, "L": 0.1}
-    work = 0.9 * 10 * 0.02 + 0.1 * 10 * 0.2  # denoise seconds per request at batch 1
+    classes = parse_classes(f"S={S}:{args.steps},L={L}:{args.steps}")
+    shape = {"S": S, "L": L}
+    for name, c in classes.items():
+        alone = sum(CALL_S[stage][shape[name]] for stage in CALL_S) + args.steps * STEP_S[shape[name]][1]
+        c["slo_s"] = SLO_FACTOR * alone
+    # denoise seconds a request takes at batch 1
+    work = sum(share * args.steps * STEP_S[shape[name]][1] for name, share in MIX.items())
     rate = args.load * args.sets * denoise / work
     t0 = time.perf_counter()
-    trace = poisson_trace(classes, mix, rate, args.requests, seed=0, timeout_s=60.0)
+    trace = poisson_trace(classes, MIX, rate, args.requests, seed=0, timeout_s=600.0)
     made = time.perf_counter() - t0
     prof = cProfile.Profile() if args.profile else None
     if prof:
@@ -70,13 +90,16 @@ def run(args: argparse.Namespace) -> int:
         prof.disable()
     wall = result["wall_s"]
     devices = args.sets * args.devices_per_set
+    chunks = sum(vi.core.stats.batches for _, vi, _, _ in sim.lifetimes)  # each one decision that started it
     rps = args.requests / wall
     projected = TARGET["requests"] / rps
     doc = {"bench": "simspeed", "when": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
-           "requests": args.requests, "devices": devices, "sets": args.sets, "load": args.load,
+           "requests": args.requests, "steps": args.steps, "chunk_steps": args.chunk_steps, "devices": devices,
+           "sets": args.sets, "load": args.load,
            "simulated_s": result["simulated_s"], "wall_s": wall, "cpu_s": cpu, "trace_s": made, "requests_per_s": rps,
            "projected_s_for_1e6": projected, "attainment": result["summary"]["all"]["attainment"],
-           "utilization": result["utilization"], "profiled": bool(prof)}
+           "utilization": result["utilization"], "chunks_per_request": chunks / args.requests,
+           "profiled": bool(prof)}
     top = ""
     if prof:
         buf = io.StringIO()
@@ -84,9 +107,12 @@ def run(args: argparse.Namespace) -> int:
         top = buf.getvalue()
         doc["profile_top"] = top
     md = [f"`onepiece bench simspeed` — {doc['when']}, {cpu_name()}, one core",
-          "", f"{args.requests:,} requests over {devices:,} devices ({args.sets} sets) at {args.load:g} of capacity: "
+          "", f"{args.requests:,} requests of {args.steps} steps"
+              f"{f' (chunks of {args.chunk_steps})' if args.chunk_steps else ''} over {devices:,} devices "
+              f"({args.sets} sets) at {args.load:g} of capacity: "
               f"{result['simulated_s']:.0f} s simulated in {wall:.1f} s of wall time ({rps:,.0f} requests/s"
-              f"{', profiled' if prof else ''}; {cpu:.1f} s of CPU time); SLO attainment {doc['attainment']:.1%}.",
+              f"{', profiled' if prof else ''}; {cpu:.1f} s of CPU time); SLO attainment {doc['attainment']:.1%}; "
+              f"{doc['chunks_per_request']:.1f} chunks a request, each started by a decision of its stage's core.",
           f"At that rate 10^6 requests take {projected:.0f} s (target ≤ {TARGET['seconds']:.0f} s: "
           f"{'met' if projected <= TARGET['seconds'] else 'not met'})."]
     out = Path(args.out)

@@ -702,3 +702,22 @@ def test_sim_and_plan_flags_are_checked_before_any_work(tmp_path, capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and says in err, (argv, err)  # a usage or configuration error
     assert not (tmp_path / "p").exists() or not list((tmp_path / "p").iterdir())
+
+
+def test_bench_simspeed_decides_once_a_step_at_real_step_times_and_once_a_run_with_whole_chunks(tmp_path, capsys):
+    """`bench simspeed` prices its requests at real Wan2.1 step times (0.14 s and more), so the
+    core runs each step as a chunk of its own, one decision each (a request: its 50 steps, text
+    and VAE); with `--chunk-steps` as long as a request, one chunk a stage."""
+    out = []
+    for extra in ([], ["--chunk-steps", "20"]):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "simspeed", "--requests", "300", "--sets", "2", "--steps", "20",
+                  "--out", str(tmp_path / str(len(extra))), *extra])
+        assert e.value.code == 0
+        doc = json.loads((tmp_path / str(len(extra)) / "simspeed.json").read_text())
+        assert doc["requests"] == 300 and doc["devices"] == 20 and doc["steps"] == 20
+        assert doc["attainment"] > 0.9  # at 0.7 of capacity, SLOs of 4x standalone
+        out.append(doc["chunks_per_request"])
+    capsys.readouterr()
+    assert 20 <= out[0] <= 22 + 1e-9  # every step a chunk (a batch of two advances both in one)
+    assert out[1] == pytest.approx(3.0, abs=0.1)
