@@ -4,7 +4,8 @@
 one set of ``--devices-per-set`` devices (text_encode 1, vae_decode 1, the rest denoise_t2v on
 ``slo``), at ``--load`` of the fleet's capacity, priced by a small synthetic table whose figures
 are real Wan2.1's order on an H100 (SGLang's baselines, as ``deploy/wan21-h100.costs.json``: a
-1.3B step at 832x480x25 0.14 s, a 14B one on two GPUs 0.65 s, text encoding 0.17 s, VAE decode 0.36-0.56 s).
+1.3B step at 832x480x25 0.14 s, a 14B one on two GPUs 0.65 s, text encoding 0.17 s, VAE decode
+0.36-0.56 s).
 Speed depends on events, not on their figures, but the figures set the chunks: a step that long
 is one chunk, a decision each, as on a GPU (at a step of 20 ms the core chunks two steps, half
 the decisions). 50 steps is Wan2.1's default. Reports simulated requests per second of wall
@@ -50,8 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=count(1, 1000), default=50, help="denoising steps of every request "
                    "(default %(default)s, Wan2.1's)")
     p.add_argument("--chunk-steps", type=count(1, 1000), help="the denoise stage's chunk_steps (default: the "
-                   "workflow's, sized by the core from the overhead; the requests' steps: one decision a run, what "
-                   "a core deciding only at arrivals and completions would make)")
+                   "workflow's, which the core sizes from its overhead); as many as --steps: one decision a run, as "
+                   "a core deciding only at arrivals and completions would make")
     p.add_argument("--sets", type=count(), default=100, help="workflow sets (default %(default)s)")
     p.add_argument("--devices-per-set", type=count(3), default=10, help="devices per set, at least 3 (default 10)")
     p.add_argument("--load", type=positive(), default=0.7, help="share of the fleet's denoise capacity (default 0.7)")

@@ -706,8 +706,8 @@ def test_sim_and_plan_flags_are_checked_before_any_work(tmp_path, capsys):
 
 def test_bench_simspeed_decides_once_a_step_at_real_step_times_and_once_a_run_with_whole_chunks(tmp_path, capsys):
     """`bench simspeed` prices its requests at real Wan2.1 step times (0.14 s and more), so the
-    core runs each step as a chunk of its own, one decision each (a request: its 50 steps, text
-    and VAE); with `--chunk-steps` as long as a request, one chunk a stage."""
+    core runs each step as a chunk of its own, one decision each (a request: its steps, text and
+    VAE); with `--chunk-steps` as long as a request, one chunk a stage."""
     out = []
     for extra in ([], ["--chunk-steps", "20"]):
         with pytest.raises(SystemExit) as e:
