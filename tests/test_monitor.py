@@ -27,6 +27,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from onepiece.launcher import Deployment, free_tcp_address
+from onepiece.nm.client import NmClient
 from waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
@@ -94,7 +95,8 @@ def open_loop(url: str, n: int, rate: float, body: dict) -> list[dict]:
 @pytest.fixture(scope="module")
 def deployment(tiny_models, tmp_path_factory, make_topology):
     folder = tmp_path_factory.mktemp("monitor")
-    topology = make_topology(folder, tiny_models, free_tcp_address(), dbs=1,
+    nm = free_tcp_address()
+    topology = make_topology(folder, tiny_models, nm, dbs=1,
                              stages={"text_encode": 1, "denoise_t2v": 2, "vae_decode": 1},
                              nm={"elastic": {"enabled": False}}, threads=1,  # capacity changes here by kills only
                              # a looser default deadline, so that the load below meets the rate
@@ -104,6 +106,7 @@ def deployment(tiny_models, tmp_path_factory, make_topology):
                              # deadline rule alone admits; tests/test_admission.py, bench sched)
                              schedule={"denoise_t2v": {"policy": "fcfs-batched", "max_batch": 4}})
     dep = Deployment(Path(topology), folder / "logs")
+    dep.nm = nm
     try:
         dep.start()
         dep.url = dep.wait_ready(120)["set0"][0]
@@ -147,23 +150,42 @@ def test_killing_a_bottleneck_instance_lowers_the_admitted_rate(deployment):
     r = httpx.post(f"{url}/v1/videos", json={"prompt": "x", "model": "i2v", "input_reference": png}, timeout=5)
     assert r.status_code == 429 and r.json()["error"]["code"] == "no_capacity" and r.headers["retry-after"]
 
+    # What the instance left alone sustains: its own measured share of a request. Not half the
+    # pair's: on 2 shared cores one instance's cost model can measure its steps 1.7x faster than
+    # the other's (9.10 -> 6.80 req/s in a CI run, where half would be 4.55).
+    survivor, other = (_share_s(deployment.nm, f"set0-denoise_t2v{i}") for i in (0, 1))
+    # the pair's capacity: two workers at a (weighted) mean of their shares
+    assert 2 / max(survivor, other) * 0.95 <= before["capacity"] <= 2 / min(survivor, other) * 1.05, \
+        (before, survivor, other)
     victim = next(c for c in deployment.children if c.name == "set0-denoise_t2v1")
     os.kill(victim.proc.pid, signal.SIGKILL)
     t_kill = time.monotonic()
-    after = wait_for(lambda: (a := t2v_admission(url))["rate"] is not None and a["rate"] < 0.75 * before["rate"]
-                     and a, 8, "the admitted rate to drop")
+    after = wait_for(lambda: (a := t2v_admission(url))["rate"] is not None and a["rate"] < before["rate"]
+                     and a["capacity"] == pytest.approx(1 / survivor, rel=0.2) and a, 8, "the admitted rate to drop")
     took = time.monotonic() - t_kill
-    print(f"\ncapacity {before['capacity']:.2f} -> {after['capacity']:.2f} req/s, seen by the proxy "
-          f"{took:.1f}s after the kill")
+    print(f"\ncapacity {before['capacity']:.2f} -> {after['capacity']:.2f} req/s (the survivor alone: "
+          f"{1 / survivor:.2f}), seen by the proxy {took:.1f}s after the kill")
     assert after["bottleneck"] == "denoise_t2v"
-    assert after["rate"] == pytest.approx(before["rate"] / 2, rel=0.35)
+    assert after["rate"] == pytest.approx(0.9 * after["capacity"])
     assert took < 5.0
     text = httpx.get(f"{url}/metrics", timeout=5).text
     line = next(ln for ln in text.splitlines() if ln.startswith('onepiece_proxy_admit_rate{app="t2v"'))
-    assert float(line.split()[-1]) < 0.75 * before["rate"]
+    assert float(line.split()[-1]) < before["rate"]
     wkr = next(ln for ln in text.splitlines()
                if ln.startswith("onepiece_proxy_stage_workers") and 'stage="denoise_t2v"' in ln and 't2v"' in ln)
     assert float(wkr.split()[-1]) == 1.0
+
+
+def _share_s(nm: str, name: str) -> float:
+    """The t2v share of a request (seconds) that stage instance ``name`` reported with its last
+    heartbeat: what its rate is (workers / share)."""
+    client = NmClient(nm)
+    try:
+        stages = client.status()["sets"]["set0"]["stages"]
+    finally:
+        client.close()
+    inst = next(i for s in stages.values() for i in s["instances"] if i["name"] == name)
+    return inst["stats"]["service"]["t2v"]["mean_s"]
 
 
 def _png() -> bytes:
