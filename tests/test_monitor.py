@@ -151,7 +151,7 @@ def test_killing_a_bottleneck_instance_lowers_the_admitted_rate(deployment):
     assert r.status_code == 429 and r.json()["error"]["code"] == "no_capacity" and r.headers["retry-after"]
 
     # What the instance left alone sustains: its own measured share of a request. Not half the
-    # pair's: on 2 shared cores one instance's cost model can measure its steps 1.7x faster than
+    # pair's: on 2 shared cores one instance's cost model can measure its steps about 2x faster than
     # the other's (9.10 -> 6.80 req/s in a CI run, where half would be 4.55).
     survivor, other = (_share_s(deployment.nm, f"set0-denoise_t2v{i}") for i in (0, 1))
     # the pair's capacity: two workers at a (weighted) mean of their shares
