@@ -27,12 +27,12 @@ from onepiece.argtypes import count, out_dir
 from onepiece.bench import sharing
 from onepiece.bench.common import T2V_STAGES, cpu_name, save_report
 from onepiece.bench.sched import TARGETS, at_load, check_targets, offered, order_bound
-from onepiece.bench.simval import as_run, sched_results, schedule_of, table_of, trace_file, trace_of
+from onepiece.bench.simval import run_workflow, sched_results, schedule_of, sent, table_of, trace_file, trace_of
 from onepiece.bench.trace import Trace, load_trace, poisson_trace
 from onepiece.cli import PROFILE_WORKFLOWS
 from onepiece.config import ProxySpec, deploy_dir, load_workflow
 from onepiece.sched.costs import read_table
-from onepiece.sim.cli import apply_schedule, simulate
+from onepiece.sim.cli import simulate
 from onepiece.sim.costs import CostTable
 from onepiece.sim.engine import SimInputError
 
@@ -95,13 +95,11 @@ def draws(results: Path, n: int, given: Path | None = None) -> dict[str, Any]:
         priced = {p: x for p in policies if (x := _priced(results, run, p, load, shapes)) is not None}
         rows: dict[str, dict[str, Any]] = {}
         for name, tr in traces.items():
-            tr = tr.model_copy(update={"requests": [r for r in tr.requests if r.at <= settings["max_duration"]]})
+            tr = sent(tr, settings["max_duration"])
             summaries = {}
             for p, (costs, cores) in list(priced.items()):
-                opts = [f"denoise_t2v.policy={p}"] + ([] if p == "fcfs" else
-                                                      [f"denoise_t2v.max_batch={settings['max_batch']}"])
                 try:
-                    result, _ = simulate(as_run(apply_schedule(wf, opts), settings), {"set0": dict(T2V_STAGES)}, costs,
+                    result, _ = simulate(run_workflow(wf, p, settings), {"set0": dict(T2V_STAGES)}, costs,
                                          tr, chunks=False, proxies=proxy, host_cores=cores)
                 except SimInputError as e:  # e.g. a DoP the policy picks that its run never measured
                     skipped.append({"load": load, "policy": p, "why": str(e)})

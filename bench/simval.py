@@ -111,16 +111,14 @@ def validate(results: Path, costs_of: str | None = None, step_cv: float = 0.0, s
         priced_by = costs_of or policy
         if not (results / costs_name(priced_by)).exists():
             continue  # a run from before the benchmark saved its costs
-        opts = [f"denoise_t2v.policy={policy}"] + ([] if policy == "fcfs" else
-                                                   [f"denoise_t2v.max_batch={settings['max_batch']}"])
-        pwf = as_run(apply_schedule(wf, opts), settings)
+        pwf = run_workflow(wf, policy, settings)
         # as bench sched's Session: one proxy, the in-flight bound at 1000, the monitor on or off
         proxy = {"set0": ProxySpec(count=1, port=0, max_inflight=1000, monitor=monitor)}
         for load in by_load:
             path = trace_of(results, settings, load, replay, monitor)
             if path is None:
                 continue
-            trace = _sent(load_trace(path), settings["max_duration"])
+            trace = sent(load_trace(path), settings["max_duration"])
             at_load = table_of(results, priced_by, load)
             table = read_table(at_load)
             events, classes = schedule_of(results, run, row, load)
@@ -235,6 +233,14 @@ def schedule_of(results: Path, run: dict[str, Any], row: str, load: str) -> tupl
     return (json.loads(schedule.read_text()).get("traceEvents", []) if schedule.exists() else None), classes
 
 
+def run_workflow(wf: Workflow, policy: str, settings: dict[str, Any]) -> Workflow:
+    """``wf`` as a run's part under ``policy`` ran it: the policy, the run's max batch (fcfs runs
+    each request alone) and its denoise workers (``as_run``)."""
+    opts = [f"denoise_t2v.policy={policy}"] + ([] if policy == "fcfs" else
+                                               [f"denoise_t2v.max_batch={settings['max_batch']}"])
+    return as_run(apply_schedule(wf, opts), settings)
+
+
 def as_run(wf: Workflow, settings: dict[str, Any]) -> Workflow:
     """``wf`` with the denoise stage's workers and mode the run had (``--denoise-workers``,
     ``--collaboration``): a group's table prices DoPs that one worker does not have."""
@@ -275,7 +281,7 @@ def margin(share: float, n: int) -> float:
     return 1.96 * math.sqrt(p * (1 - p) / (n + 4))
 
 
-def _sent(trace: Trace, max_duration: float) -> Trace:
+def sent(trace: Trace, max_duration: float) -> Trace:
     """The requests the benchmark sent: those within its arrival window."""
     return trace.model_copy(update={"requests": [r for r in trace.requests if r.at <= max_duration]})
 
