@@ -29,7 +29,7 @@ from onepiece.argtypes import count, out_dir, positive
 from onepiece.bench.common import cpu_name
 from onepiece.bench.trace import parse_classes, poisson_trace
 from onepiece.config import deploy_dir, load_workflow
-from onepiece.sim.cli import simulate
+from onepiece.sim.cli import apply_schedule, simulate
 from onepiece.sim.costs import CostTable
 
 TARGET = {"requests": 1_000_000, "devices": 1000, "seconds": 60.0}
@@ -65,9 +65,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--devices-per-set: a set needs text_encode, denoise_t2v and vae_decode (3 at least)")
     wf = load_workflow(deploy_dir() / "wan21-scale.yaml")
     if args.chunk_steps:
-        spec = wf.stages["denoise_t2v"]
-        wf.stages["denoise_t2v"] = spec.model_copy(
-            update={"schedule": spec.schedule.model_copy(update={"chunk_steps": args.chunk_steps})})
+        wf = apply_schedule(wf, [f"denoise_t2v.chunk_steps={args.chunk_steps}"])
     denoise = args.devices_per_set - 2
     sets = {f"set{i}": {"text_encode": 1, "denoise_t2v": denoise, "vae_decode": 1} for i in range(args.sets)}
     classes = parse_classes(f"S={S}:{args.steps},L={L}:{args.steps}")
