@@ -6,9 +6,10 @@ one set of ``--devices-per-set`` devices (text_encode 1, vae_decode 1, the rest 
 are real Wan2.1's order on an H100 (SGLang's baselines, as ``deploy/wan21-h100.costs.json``: a
 1.3B step at 832x480x25 0.14 s, a 14B one on two GPUs 0.65 s, text encoding 0.17 s, VAE decode
 0.36-0.56 s).
-Speed depends on events, not on their figures, but the figures set the chunks: a step that long
-is one chunk, a decision each, as on a GPU (at a step of 20 ms the core chunks two steps, half
-the decisions). 50 steps is Wan2.1's default. Reports simulated requests per second of wall
+Speed depends on events, not on their figures, but the figures set the chunks: while requests
+compete for a worker, a step that long is one chunk, a decision each, as on a GPU (at a step of
+20 ms the core chunks two steps, half the decisions); a request alone in its stage runs open,
+one decision for all its steps (sched/core.py). 50 steps is Wan2.1's default. Reports simulated requests per second of wall
 time on one core, and where the time goes (cProfile's top functions, ``--profile``), and the
 run's CPU time beside its wall time (on a shared machine the CPU time is what compares across
 runs). Target: 10^6 requests over 1,000 devices in at most 60 s. Saved as ``simspeed.json`` and
@@ -51,8 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=count(1, 1000), default=50, help="denoising steps of every request "
                    "(default %(default)s, Wan2.1's)")
     p.add_argument("--chunk-steps", type=count(1, 1000), help="the denoise stage's chunk_steps (default: the "
-                   "workflow's, which the core sizes from its overhead); as many as --steps: one decision a run, as "
-                   "a core deciding only at arrivals and completions would make")
+                   "workflow's, which the core sizes from its overhead); as many as --steps: every run whole, "
+                   "competing requests too (no preemption inside a request's denoising)")
     p.add_argument("--sets", type=count(), default=100, help="workflow sets (default %(default)s)")
     p.add_argument("--devices-per-set", type=count(3), default=10, help="devices per set, at least 3 (default 10)")
     p.add_argument("--load", type=positive(), default=0.7, help="share of the fleet's denoise capacity (default 0.7)")

@@ -15,7 +15,17 @@ the policy returns and turns it into commands:
   collaboration group's worker has several ranks and may run several batches at once, each at
   its own degree of parallelism; any other worker runs one part on its one rank);
 - ``Drop(worker, uids)``: free these states (cancelled or expired); a worker applies it at its
-  next step boundary, even in the middle of a chunk.
+  next step boundary, even in the middle of a chunk;
+- ``Cut(worker, every)``: end the run in flight at its next step boundary that ends a chunk
+  of ``every`` steps counted from its start, and report, so that the core decides again there.
+
+A decision that leaves nothing free (every request of the stage in a run) starts each run of
+one request on a one-rank worker *open*: all of its steps, not a chunk. Deciding again at each
+chunk's end would only go on with it (nothing else could advance), so an open run costs one
+decision and one round of IPC where chunks cost one a chunk, and a simulator one event where it
+had one a step. Once a later decision leaves a request free (one arrived and no idle worker took
+it), the core cuts the open runs where the chunks they were opened from would have ended, and
+decides chunk by chunk again: a policy sees the choices it would have seen at every chunk's end.
 """
 
 from __future__ import annotations
@@ -63,6 +73,12 @@ class Drop:
     uids: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class Cut:
+    worker: str
+    every: int = 1  # the chunk the run was opened from: it ends after a multiple of these steps
+
+
 # A request a decision passed over: (uid, seconds to spare were it to run alone from then on at
 # its fastest DoP, None without a deadline or a cost; steps left; aged)
 Passed = tuple[str, "float | None", int, bool]
@@ -70,7 +86,7 @@ Passed = tuple[str, "float | None", int, bool]
 
 @dataclass
 class Decision:
-    commands: list[Run | Drop] = field(default_factory=list)
+    commands: list[Run | Drop | Cut] = field(default_factory=list)
     expired: list[Request] = field(default_factory=list)  # dropped: their deadline passed
     # With ``SchedCore.explain``, where a chunk started: the requests that could have advanced and
     # did not, and how they stood (the "why" beside a schedule log's "what").
@@ -98,6 +114,7 @@ class CoreStats:
 @dataclass
 class _Worker(Worker):
     previous: tuple[str, ...] = ()  # its last run's requests
+    open: int = 0  # running an open run that no Cut has ended yet: the steps of the chunk it was opened from
     # each of them -> its part's cost key (at the part's DoP): steps are still reported after
     # members finished
     cost_keys: dict[str, str] = field(default_factory=dict)
@@ -245,7 +262,7 @@ class SchedCore:
         """The worker ended the command it was running."""
         w = self.workers.get(wid)
         if w is not None:
-            w.idle = True
+            w.idle, w.open = True, 0
         for r in self.requests.values():
             if r.worker == wid:
                 r.running = False
@@ -370,7 +387,10 @@ class SchedCore:
             if not r.running:
                 free.append(r)
         idle = [w for w in self.workers.values() if w.idle]
-        if not idle or not free:
+        if not free:
+            return out
+        if not idle:
+            self._cut_open(out)
             return out
         free.sort(key=_arrival)
         candidates = free
@@ -395,9 +415,33 @@ class SchedCore:
             cmd = self._start(wid, bs, now)
             if cmd is not None:
                 out.commands.append(cmd)
-        if self.explain and out.commands:
-            out.passed = self._passed(now, candidates, {u for c in out.commands for u in c.uids})
+        if any(not r.running for r in candidates):  # a request left free: decide at every chunk's end
+            self._cut_open(out)
+        elif not getattr(self.policy, "whole", False):  # (a whole run is all its steps already)
+            out.commands = [self._open(c) if isinstance(c, Run) else c for c in out.commands]
+        if self.explain and (started := {u for c in out.commands if isinstance(c, Run) for u in c.uids}):
+            out.passed = self._passed(now, candidates, started)
         return out
+
+    def _cut_open(self, out: Decision) -> None:
+        for w in self.workers.values():
+            if w.open:
+                out.commands.append(Cut(w.id, w.open))
+                w.open = 0
+
+    def _open(self, run: Run) -> Run:
+        """``run`` with all of its steps if it is one request's on one rank. (A batch is decided
+        again at every chunk's end even when nothing else waits: its members' slack at the
+        batched step, and a batch size being tried, which its own steps judge, can split it. A
+        collaboration group's parts step in lockstep and are not cut.)"""
+        w = self.workers[run.worker]
+        if w.ranks != 1 or len(run.uids) != 1:
+            return run
+        steps = self.requests[run.uids[0]].left
+        w.open = run.steps
+        if steps == run.steps:
+            return run
+        return Run(run.worker, run.uids, steps, run.admit, (Part(run.parts[0].ranks, run.uids, steps),))
 
     def _passed(self, now: float, candidates: list[Request], started: set[str]) -> list[Passed]:
         # the longest-waiting ones (candidates come in arrival order): a decision's cost and a

@@ -13,13 +13,15 @@ priced at its table's figures then lasts longer while more ranks compute than th
 
 from __future__ import annotations
 
+import bisect
 import collections
 import heapq
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from onepiece.sched.core import Run, SchedCore, chunk_steps
+from onepiece.sched.core import Drop, Part, Run, SchedCore, chunk_steps
 from onepiece.sched.keys import at_dop
 from onepiece.sched.policy import Request
 
@@ -86,7 +88,7 @@ class Host:
         if not cores > 0:
             raise ValueError(f"a host needs cores > 0 (got {cores!r})")
         self.loop, self.cores = loop, cores
-        # id -> [work left (alone seconds), ranks, when it started, its end's version, done(elapsed)]
+        # id -> [work left (alone seconds), ranks, when it started, its end's version, done(elapsed), work]
         self._running: dict[int, list] = {}
         self._ids = itertools.count()
         self._ranks = 0
@@ -109,11 +111,28 @@ class Host:
             c[3] += 1  # the end pushed before this change is stale now
             self.loop.at(now + max(0.0, c[0]) / rate, self._end, cid, c[3])
 
-    def start(self, work: float, ranks: int, done: Callable[[float], None]) -> None:
-        """Run a chunk of ``work`` alone seconds on ``ranks`` ranks; ``done(elapsed)`` when it ends."""
+    def start(self, work: float, ranks: int, done: Callable[[float], None]) -> int:
+        """Run a chunk of ``work`` alone seconds on ``ranks`` ranks; ``done(elapsed)`` when it
+        ends. Returns the chunk's id."""
         self._catch_up()
-        self._running[next(self._ids)] = [work, ranks, self.loop.now, 0, done]
+        cid = next(self._ids)
+        self._running[cid] = [work, ranks, self.loop.now, 0, done, work]
         self._ranks += ranks
+        self._reschedule()
+        return cid
+
+    def done(self, cid: int) -> float:
+        """Alone seconds of chunk ``cid``'s work done so far."""
+        self._catch_up()
+        c = self._running[cid]
+        return c[5] - c[0]
+
+    def resize(self, cid: int, work: float) -> None:
+        """Chunk ``cid`` is ``work`` alone seconds in all now (it was cut short)."""
+        self._catch_up()
+        c = self._running[cid]
+        c[0] += work - c[5]
+        c[5] = work
         self._reschedule()
 
     def _end(self, cid: int, version: int) -> None:
@@ -125,6 +144,35 @@ class Host:
         self._ranks -= c[1]
         self._reschedule()
         c[4](self.loop.now - c[2])
+
+
+@dataclass
+class _Flight:
+    """A worker's run in flight, as priced: what a Cut or a Drop shortens."""
+
+    run: Run
+    passed: list
+    first: dict  # uid -> when its first step started, before this run
+    start: float  # when the run was sent
+    offset: float  # alone seconds before its first step: the decision's overhead, preparing admitted requests
+    t0: float  # when its first step starts, were it alone
+    steps: list  # (who advanced, alone seconds) per step
+    key: str | None  # its one part's cost key (None: parts on a group's ranks, which a worker cuts short only at its next run)
+    left: dict  # one part's uid -> steps it had left when the run was sent
+    version: int = 0  # its end's: an end pushed before a cut is stale
+    chunk: int | None = None  # its chunk on the host
+    longest: float | None = None  # alone seconds of its slowest part (several parts: they run side by side)
+
+    @property
+    def end(self) -> float:
+        """When it ends, were it alone (summed step by step from ``t0``: the same figure whatever
+        the run's length)."""
+        if self.longest is not None:
+            return self.t0 + self.longest
+        t = self.t0
+        for _, dt in self.steps:
+            t += dt
+        return t
 
 
 class VirtualInstance:
@@ -142,9 +190,16 @@ class VirtualInstance:
         self.on_end = on_end or (lambda *a: None)
         self.on_chunk = on_chunk
         self.name = name
-        self.busy_s = 0.0  # worker-seconds spent in chunks
+        self._busy = 0.0  # worker-seconds of the runs that ended
+        self._flights: dict[str, _Flight] = {}
         for i in range(workers):
             core.worker_up(f"w{i}", ranks)
+
+    @property
+    def busy_s(self) -> float:
+        """Worker-seconds spent in runs so far (those in flight up to now)."""
+        now = self.loop.now
+        return self._busy + sum(now - f.start for f in self._flights.values())
 
     def add(self, r: Request) -> None:
         r.arrival = self.loop.now
@@ -154,7 +209,9 @@ class VirtualInstance:
     def cancel(self, uid: str) -> bool:
         if uid not in self.core.requests:
             return False
-        self.core.cancel(uid)
+        drop = self.core.cancel(uid)
+        if drop is not None:
+            self._shorten(drop.worker, set(drop.uids))
         self.decide()
         return True
 
@@ -165,63 +222,121 @@ class VirtualInstance:
         for cmd in d.commands:
             if isinstance(cmd, Run):
                 self._execute(cmd, d.passed)
+            elif isinstance(cmd, Drop):
+                self._shorten(cmd.worker, set(cmd.uids))
+            else:
+                self._shorten(cmd.worker, every=cmd.every)
+
+    def _price(self, key: str, left: Sequence[tuple[str, int]], steps: int) -> list[tuple[Sequence[str], float]]:
+        """(who advanced, seconds) of each of ``steps`` steps of a batch of ``key`` whose members
+        have ``left`` steps to go: members leave as they finish, so later steps cost less."""
+        out: list[tuple[Sequence[str], float]] = []
+        jitter = self.jitter
+        if len(left) == 1:
+            uids, n = (left[0][0],), min(steps, left[0][1])
+            dt = self.cost(key, 1) if n > 0 else 0.0
+            for _ in range(n):
+                out.append((uids, dt if jitter is None else dt * jitter()))
+            return out
+        todo, dts = [n for _, n in left], {}
+        for _ in range(steps):
+            live = [u for (u, _), n in zip(left, todo) if n > 0]
+            if not live:
+                break
+            dt = dts.get(len(live))
+            if dt is None:
+                dt = dts[len(live)] = self.cost(key, len(live))
+            out.append((live, dt if jitter is None else dt * jitter()))
+            todo = [n - 1 for n in todo]
+        return out
 
     def _execute(self, run: Run, passed: list) -> None:
-        """Price the chunk now; its effects land when it ends (the core sees them then)."""
+        """Price the run now; its effects land when it ends (the core sees them then)."""
         reqs = self.core.requests
         now = self.loop.now
         first = {u: reqs[u].started for u in run.uids}
-        start = t = now + self.overhead_s
+        t0 = now + self.overhead_s
         if self.fixed is not None and run.admit:
-            start = t = start + sum(self.fixed(reqs[u].key) for u in run.admit)
-        steps: list[tuple[Sequence[str], float]] = []  # (who advanced, seconds) per step
-        for p in run.parts:
-            # A batch is of one key (the core checks it): its step costs depend on how many are left.
-            uids = p.uids
-            key = at_dop(reqs[uids[0]].key, len(p.ranks))
-            end = start
-            if len(uids) == 1:
-                n = min(p.steps, reqs[uids[0]].left)
-                dt = self.cost(key, 1) if n > 0 else 0.0
-                jitter = self.jitter
-                for _ in range(n):
-                    t_step = dt if jitter is None else dt * jitter()
-                    end += t_step
-                    steps.append((uids, t_step))
-            else:
-                left, dts = [reqs[u].left for u in uids], {}
-                for _ in range(p.steps):
-                    live = [u for u, n in zip(uids, left) if n > 0]
-                    if not live:
-                        break
-                    dt = dts.get(len(live))
-                    if dt is None:
-                        dt = dts[len(live)] = self.cost(key, len(live))
-                    if self.jitter is not None:
-                        dt *= self.jitter()
-                    end += dt
-                    steps.append((live, dt))
-                    left = [n - 1 for n in left]
-            t = max(t, end)
-        if self.host is not None:
-            alone = t - now
+            t0 += sum(self.fixed(reqs[u].key) for u in run.admit)
+        if len(run.parts) == 1 and len(run.parts[0].ranks) == self.core.workers[run.worker].ranks:
+            p = run.parts[0]
+            key = at_dop(reqs[p.uids[0]].key, len(p.ranks))
+            left = {u: reqs[u].left for u in p.uids}
+            f = _Flight(run, passed, first, now, t0 - now, t0, self._price(key, list(left.items()), p.steps), key, left)
+        else:  # parts side by side, the run as long as its slowest (a worker drops from them at the next run)
+            steps: list[tuple[Sequence[str], float]] = []
+            end = t0
+            for p in run.parts:
+                mine = self._price(at_dop(reqs[p.uids[0]].key, len(p.ranks)), [(u, reqs[u].left) for u in p.uids],
+                                   p.steps)
+                steps += mine
+                t = t0
+                for _, dt in mine:
+                    t += dt
+                end = max(end, t)
+            f = _Flight(run, passed, first, now, t0 - now, t0, steps, None, {}, longest=end - t0)
+        self._flights[run.worker] = f
+        self._launch(f)
+        expires = [e for u in run.uids if (e := reqs[u].deadline if reqs[u].expires is None else reqs[u].expires)
+                   is not None]
+        if expires and self.core.spec.drop_expired and min(expires) < f.end:
+            # a member's deadline passes in the run: decide then (the core drops it, and the
+            # worker at its next step boundary), as a decision at a chunk's end would have
+            self.loop.at(math.nextafter(min(expires), math.inf), self.decide)
 
-            def done(elapsed: float) -> None:
-                # each step took what it would alone, stretched as the whole chunk was: the
-                # core's cost model measures the stretched steps, as a stage's does
-                stretch = elapsed / alone if alone > 0 else 1.0
-                self._ran(now, now + elapsed, run, passed)
-                self._finish_chunk(run, [(live, dt * stretch) for live, dt in steps] if stretch != 1.0 else steps,
-                                   first)
-            self.host.start(alone, sum(len(p.ranks) for p in run.parts), done)
+    def _launch(self, f: _Flight) -> None:
+        end = f.end
+        if self.host is None:
+            self.loop.at(end, self._landed, f, f.version, end - f.start)
+        elif f.chunk is None:
+            f.chunk = self.host.start(end - f.start, sum(len(p.ranks) for p in f.run.parts),
+                                      lambda elapsed: self._landed(f, f.version, elapsed))
+        else:
+            self.host.resize(f.chunk, end - f.start)
+
+    def _shorten(self, wid: str, dropped: set[str] | None = None, every: int = 1) -> None:
+        """Cut (``dropped`` None) or drop ``dropped`` from ``wid``'s run at its next step
+        boundary, as a worker does: a cut where a chunk of ``every`` steps ends, a drop before the
+        next step starts; the rest of the run is priced again without the dropped ones."""
+        f = self._flights.get(wid)
+        if f is None or f.key is None:  # (a group's parts: dropped ones leave at the run's end)
             return
-        self._ran(now, t, run, passed)
-        self.loop.at(t, self._finish_chunk, run, steps, first)
+        done = self.loop.now - f.start if self.host is None else self.host.done(f.chunk)
+        k, t = 0, f.offset
+        while k < len(f.steps) and (t < done - 1e-9 or (dropped is None and k % every)):
+            t += f.steps[k][1]
+            k += 1
+        if k >= len(f.steps):
+            return
+        kept = f.steps[:k]
+        if dropped is not None:
+            ran = collections.Counter(u for live, _ in kept for u in live)
+            left = [(u, n - ran[u]) for u, n in f.left.items() if u not in dropped and n - ran[u] > 0]
+            f.left = dict(left)
+            kept += self._price(f.key, left, f.run.steps - k) if left else []
+        if kept == f.steps:
+            return
+        f.steps = kept
+        f.version += 1
+        self._launch(f)
 
-    def _ran(self, start: float, end: float, run: Run, passed: list) -> None:
-        self.busy_s += end - start
+    def _landed(self, f: _Flight, version: int, elapsed: float) -> None:
+        if version != f.version:
+            return
+        del self._flights[f.run.worker]
+        run, steps = f.run, f.steps
+        alone = f.end - f.start
+        if self.host is not None and alone > 0 and elapsed != alone:
+            # each step took what it would alone, stretched as the whole run was: the core's cost
+            # model measures the stretched steps, as a stage's does
+            stretch = elapsed / alone
+            steps = [(live, dt * stretch) for live, dt in steps]
+        if f.key is not None and len(steps) != run.steps:  # cut short, or priced again after a drop
+            run = Run(run.worker, run.uids, len(steps), run.admit, (Part(run.parts[0].ranks, run.uids, len(steps)),))
+        self._busy += elapsed
         if self.on_chunk is not None:
-            self.on_chunk(start, end, run, passed)
+            self.on_chunk(f.start, self.loop.now if self.host is None else f.start + elapsed, run, f.passed)
+        self._finish_chunk(run, steps, f.first)
 
     def _finish_chunk(self, run: Run, steps: list, first: dict) -> None:
         core = self.core
@@ -300,8 +415,10 @@ class VirtualStage:
             self.outcomes[uid] = Outcome(uid, self._arrivals.get(uid, self.loop.now), self.loop.now, status, first)
 
     def _chunk(self, start: float, end: float, run: Run, passed: list) -> None:
-        self.trace.append((start, run.worker, run.uids, run.steps))
-        self.runs.append(run)
+        # heard of as they end (a cut ends a run early): kept in the order they started
+        i = bisect.bisect_right(self.trace, start, key=lambda c: c[0])
+        self.trace.insert(i, (start, run.worker, run.uids, run.steps))
+        self.runs.insert(i, run)
 
 
 def request(uid: str, key: str = "64x64x9/cfg/L64", steps: int = 10, deadline: float | None = None,

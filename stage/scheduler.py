@@ -34,7 +34,7 @@ import zmq
 from onepiece.config import Workflow
 from onepiece.droplog import log_dropped
 from onepiece.events import CANCEL, MAX_EVENT_BYTES, read_event
-from onepiece.sched.core import Drop, Run, SchedCore, chunk_steps
+from onepiece.sched.core import Cut, Drop, Run, SchedCore, chunk_steps
 from onepiece.sched.costs import CostModel
 from onepiece.sched.deadlines import stage_request
 from onepiece.sched.keys import at_dop, call_key, compat_key, shape_key
@@ -95,6 +95,8 @@ class RequestScheduler:
         # worker -> (sent at, decision time, uids, last deadline, hung grace, for the schedule log
         # (sent at, epoch; its parts; the requests its decision passed over) or None) of its chunk in flight
         self.running: dict[bytes, tuple[float, float, tuple[str, ...], float | None, float, tuple | None]] = {}
+        self._runs = 0  # runs sent: each numbered, so that a Cut ends the run it was meant for
+        self._run_of: dict[str, int] = {}  # worker -> the number of the last run sent to it
         self.schedule_log = schedule_log
         self.core.explain = schedule_log is not None
         # uid -> when its latest cancel was heard (ns since epoch): a request of that uid stamped
@@ -243,6 +245,10 @@ class RequestScheduler:
         for cmd in d.commands:
             if isinstance(cmd, Drop):
                 self._send(cmd.worker, [b"drop", orjson.dumps({"uids": list(cmd.uids)})])
+            elif isinstance(cmd, Cut):
+                run = self._run_of.get(cmd.worker)
+                if run is not None:
+                    self._send(cmd.worker, [b"cut", orjson.dumps({"run": run, "every": cmd.every})])
             else:
                 self._run(cmd, decided, d.passed)
 
@@ -273,8 +279,10 @@ class RequestScheduler:
             requests = self.core.requests
             logged = (time.time(), [p + [requests[p[1][0]].key] for p in parts], passed)
         self.running[cmd.worker.encode()] = (now, decided, cmd.uids, deadline, max(HUNG_GRACE_S, 3 * step), logged)
+        self._runs += 1
+        self._run_of[cmd.worker] = self._runs
         self._send(cmd.worker, [b"run", orjson.dumps({"uids": list(cmd.uids), "steps": cmd.steps, "admit": sizes,
-                                                      "parts": parts}), *frames])
+                                                      "parts": parts, "run": self._runs}), *frames])
         for uid in cmd.admit:  # after the hand-over: the DB's update must not hold the worker's start up
             self._emit(("progress", uid, self.core.requests[uid].app, 0.0))
 
@@ -381,6 +389,7 @@ class RequestScheduler:
             self._service.finished(self.core, r, shape)
 
     def _lost(self, wid: str, reason: str) -> None:
+        self._run_of.pop(wid, None)
         for r in self.sample_later.pop(wid, []):
             self.shapes.pop(r.uid, None)
             self.fixed.pop(r.uid, None)

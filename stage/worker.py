@@ -9,7 +9,11 @@ resident and does what the scheduler (sched/core.py, through stage/scheduler.py)
   whose last step is done is finished and its result sent at once;
 - ``drop``: free these states (cancelled or expired), applied at the next step boundary even
   in the middle of a chunk (in a collaboration group, in a part on the whole group; a part on
-  fewer ranks, at the next run's start).
+  fewer ranks, at the next run's start);
+- ``cut``: end run number ``run`` where a chunk of ``every`` steps ends (counted from the run's
+  start, one step at least), as if it had been sent that long: the core opened it with all of
+  its steps while nothing else waited (sched/core.py). A cut for a run that already ended is
+  ignored.
 
 It talks to the scheduler over a ZMQ DEALER socket:
 
@@ -20,8 +24,8 @@ It talks to the scheduler over a ZMQ DEALER socket:
   error}]`` and, when a ``run`` ends, ``[b"idle", {steps: [[uids, seconds], ...], fixed: {uid:
   seconds preparing and finishing}, exec_s}]``;
 - scheduler → worker: ``[b"run", {uids, steps, admit: [frames per message], parts: [[ranks,
-  uids, steps], ...]}, *frames]`` (a group's batches side by side, each on its ranks),
-  ``[b"drop", {uids}]``.
+  uids, steps], ...], run}, *frames]`` (a group's batches side by side, each on its ranks; ``run``
+  numbers it), ``[b"drop", {uids}]``, ``[b"cut", {run, every}]``.
 
 Started as ``python -m onepiece.stage.worker '<json config>'``: nothing is pickled.
 """
@@ -86,7 +90,10 @@ class Executor:
                  pending_drops: Any, group_run: Any = None, threads: ThreadChoice | None = None) -> None:
         self.stage, self.name, self.ctx, self.functions = stage, name, ctx, functions
         self.send = send  # frames -> None
-        self.pending_drops = pending_drops  # () -> uids the scheduler dropped since (read between steps)
+        # () -> uids the scheduler dropped since (read between steps); cuts that came with them
+        # land in ``cuts``
+        self.pending_drops = pending_drops
+        self.cuts: dict[int, int] = {}  # run number -> the Cut's ``every`` (sched/core.py)
         # A collaboration group's parallel run (stage function's ``parallel``): [(ranks, tasks,
         # steps), ...] -> per part (tasks stepped at each step, seconds). A failure there leaves
         # the ranks apart, so it ends the group (raised).
@@ -172,12 +179,13 @@ class Executor:
         self._deliver(r.msg, parts)
         self.fixed[uid] = self.fixed.get(uid, 0.0) + time.perf_counter() - t0
 
-    def run(self, uids: list[str], steps: int, new: list[Message],
-            parts: list | None = None) -> tuple[list[list[Any]], dict[str, float]]:
+    def run(self, uids: list[str], steps: int, new: list[Message], parts: list | None = None,
+            number: int | None = None) -> tuple[list[list[Any]], dict[str, float]]:
         """Admit ``new``, then advance ``uids`` ``steps`` steps, or each of ``parts`` ([ranks,
         uids, steps]: a collaboration group's batches, side by side on their ranks) its own
         steps: the (uids, seconds) of every forward pass (a one-step call counts as one), and
-        the seconds each stepped request spent being prepared or finished."""
+        the seconds each stepped request spent being prepared or finished. A Cut of run
+        ``number`` that comes meanwhile ends it early, where a chunk of the Cut's steps ends."""
         import torch
 
         timings: list[list[Any]] = []
@@ -193,11 +201,16 @@ class Executor:
         if self.group_run is not None:
             self._run_group(parts, timings)
             return timings, self.fixed
+        self.cuts = {}  # a cut of an earlier run came too late for it
+        every = None
         for i in range(max(n for _, _, n in parts)):
             # A step's time is all the worker spends on it: the forward pass and its own
             # bookkeeping (drops, grouping, progress), but not finishing a request (fixed).
             t_iter = time.perf_counter()
             self.drop(self.pending_drops())
+            every = every or self.cuts.get(number)
+            if every and i and i % every == 0:
+                break
             batches = []  # (ranks, task class, uids)
             for ranks, part, n in parts:
                 groups: dict[Any, list[str]] = collections.defaultdict(list)
@@ -372,12 +385,15 @@ def main(config: dict[str, Any]) -> None:
 
     def pending_drops() -> list[str]:
         """Drops that arrived since the last look (between two steps; in a group, the same on
-        every rank: every rank calls it at the same point); anything else waits."""
+        every rank: every rank calls it at the same point); cuts go to the executor's ``cuts``
+        (a group's runs are never cut); anything else waits."""
         out: list[str] = []
         while leader and sock.poll(0, zmq.POLLIN):
             frames = sock.recv_multipart(copy=False)
             if frames[0].bytes == b"drop":
                 out += _uids(frames)
+            elif frames[0].bytes == b"cut":
+                _cut(frames, ex.cuts)
             else:
                 stash.append(frames)
         if coll is not None:  # none (the usual case) costs one 8-byte broadcast
@@ -402,11 +418,14 @@ def main(config: dict[str, Any]) -> None:
         what = frames[0].bytes
         if what == b"drop":
             ex.drop(_uids(frames))
+        elif what == b"cut":  # its run ended before it came
+            continue
         elif what == b"run":
             t0 = time.perf_counter()
             try:
                 cmd = orjson.loads(frames[1].bytes)
                 uids, steps, sizes, parts = cmd["uids"], int(cmd["steps"]), cmd["admit"], cmd.get("parts")
+                number = cmd.get("run")
                 new, at = [], 2
                 for n in sizes:
                     new.append(decode(frames[at:at + n]))
@@ -419,7 +438,7 @@ def main(config: dict[str, Any]) -> None:
                     ex.fail(u, f"malformed run command: {e}")
                 send([b"idle", orjson.dumps({"steps": [], "fixed": {}, "exec_s": 0.0})])
                 continue
-            timings, fixed = ex.run(uids, steps, new, parts)
+            timings, fixed = ex.run(uids, steps, new, parts, number)
             send([b"idle", orjson.dumps({"steps": timings, "fixed": fixed, "exec_s": time.perf_counter() - t0})])
 
 
@@ -427,6 +446,19 @@ def _params_key(msg: Message, key: Any) -> str:
     """``key`` (a sched.keys function) of the request's params: what its cost depends on."""
     params = msg.header.get("params")
     return key(params if isinstance(params, dict) else {})
+
+
+def _cut(frames: list, cuts: dict[int, int]) -> None:
+    """Note a cut ({"run": number, "every": steps}); a malformed one is a scheduler bug: logged."""
+    try:
+        cmd = orjson.loads(frames[1].bytes)
+        run, every = cmd["run"], cmd["every"]
+        if type(run) is not int or type(every) is not int or every < 1:
+            raise ValueError(f"run and every must be ints, every at least 1: {cmd!r}"[:200])
+    except (orjson.JSONDecodeError, KeyError, TypeError, IndexError, ValueError) as e:
+        log.error("malformed cut command: %s", e)
+        return
+    cuts[run] = every
 
 
 def _uids(frames: list) -> list[str]:

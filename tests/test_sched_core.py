@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from onepiece.sched.core import Drop, Part, Run, SchedCore
+from onepiece.sched.core import Cut, Drop, Part, Run, SchedCore
 from onepiece.sched.costs import CostModel, TableError, make_table, table_figure, table_fixed, table_rows
 from onepiece.sched.keys import compat_key, volume
 from onepiece.sched.options import POLICIES, ScheduleSpec
@@ -305,13 +305,68 @@ def test_aging_is_what_saves_the_long_request() -> None:
 
 
 # --- the core's own rules ------------------------------------------------------------------------
+def test_a_request_alone_gets_an_open_run_that_a_request_left_waiting_cuts_once() -> None:
+    c = core("srtf", chunk_steps=3)
+    c.worker_up("w0")
+    c.add(request("long", L, steps=30))
+    (run,) = c.schedule(0.0).commands  # nothing else could advance: all 30 steps, one decision
+    assert run == Run("w0", ("long",), 30, ("long",), (Part((0,), ("long",), 30),))
+    c.add(request("short", S, steps=5))
+    assert c.schedule(0.05).commands == [Cut("w0", 3)]  # where its chunk of 3 would have ended
+    assert c.schedule(0.06).commands == []  # once
+    c.stepped(["long"], 0.04)
+    c.stepped(["long"], 0.04)
+    c.stepped(["long"], 0.04)
+    c.idle("w0")
+    (run,) = c.schedule(0.12).commands  # chunk by chunk again while both wait
+    assert run.uids == ("short",) and run.steps == 3
+    # a batch is never open (its own steps may judge its size), nor a run of fcfs (whole already)
+    b = core("fcfs-batched", chunk_steps=3)
+    b.worker_up("w0")
+    b.add(request("a", S, steps=10))
+    b.add(request("b", S, steps=10))
+    (run,) = b.schedule(0.0).commands
+    assert run.uids == ("a", "b") and run.steps == 3
+    f = core("fcfs")
+    f.worker_up("w0")
+    f.add(request("a", S, steps=10))
+    assert f.schedule(0.0).commands[0].steps == 10
+    f.add(request("b", S, steps=10))
+    assert f.schedule(0.01).commands == []  # fcfs runs to the end: nothing to cut
+
+
+def test_a_cut_ends_an_open_run_where_its_chunk_would_have_ended_and_the_arrival_passes() -> None:
+    st = stage("srtf", chunk_steps=3)
+    st.submit(0.0, request("long", L, steps=30))  # 0.04 s a step
+    st.submit(0.05, request("short", S, steps=5))  # 0.01 s a step
+    out = st.run()
+    assert [(round(t, 6), u, n) for t, _, u, n in st.trace] == [
+        (0.0, ("long",), 3), (0.12, ("short",), 3), (0.15, ("short",), 2), (0.17, ("long",), 27)]
+    assert out["short"].end == pytest.approx(0.17) and out["long"].end == pytest.approx(0.17 + 27 * 0.04)
+
+
+def test_a_run_stops_at_the_next_step_once_its_request_is_cancelled_or_expires() -> None:
+    """As a worker takes a Drop between two steps: the rest of the open run (1.2 s) is not spent."""
+    for how, gone, arrives, freed in (("cancel", "cancelled", 0.06, 0.08), ("expire", "expired", 0.11, 0.12)):
+        st = stage("srtf", chunk_steps=3)
+        st.submit(0.0, request("long", L, steps=30, deadline=0.1 if how == "expire" else None))  # 0.04 s a step
+        if how == "cancel":
+            st.cancel_at(0.05, "long")
+        st.submit(arrives, request("next", S, steps=10))  # 0.01 s a step
+        out = st.run()
+        assert out["long"].status == gone and out["next"].first_step == pytest.approx(freed)
+        assert out["next"].end == pytest.approx(freed + 0.1) and st.instance.busy_s == pytest.approx(freed + 0.1)
+        if how == "expire":
+            assert out["long"].end == pytest.approx(0.1)  # dropped as its deadline passed, not when next came
+
+
 def test_expired_requests_are_dropped_where_they_wait_and_where_they_are_resident() -> None:
     c = core("srtf", max_batch=1, chunk_steps=1)
     c.worker_up("w0")
     c.add(request("resident", L, steps=10, deadline=1.0))
-    (run,) = c.schedule(0.0).commands
-    assert run == Run("w0", ("resident",), 1, ("resident",), (Part((0,), ("resident",), 1),))
-    c.stepped(["resident"], 0.04)  # its chunk is still running: the worker stays busy
+    (run,) = c.schedule(0.0).commands  # alone in the stage: an open run, all of its steps
+    assert run == Run("w0", ("resident",), 10, ("resident",), (Part((0,), ("resident",), 10),))
+    c.stepped(["resident"], 0.04)  # its run goes on: the worker stays busy
     c.add(request("waiting", L, steps=10, deadline=1.5))
     d = c.schedule(1.2)  # resident's deadline passed (a drop reaches even a busy worker)
     assert [r.uid for r in d.expired] == ["resident"] and Drop("w0", ("resident",)) in d.commands

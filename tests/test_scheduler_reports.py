@@ -162,3 +162,22 @@ def test_a_stage_starts_from_its_tables_per_request_figures_too(tmp_path) -> Non
     (tmp_path / "costs.json").write_bytes(orjson.dumps(table))
     with pytest.raises(ConfigError, match=r"schedule.costs: .*costs.json: stages.denoise_t2v.fixed\[0\]"):
         load_workflow(tmp_path / "wf.yaml")
+
+
+def test_a_worker_notes_a_cut_for_its_run_and_refuses_a_malformed_one(caplog) -> None:
+    """What a worker makes of a ``cut`` frame (stage/worker.py): the run it names and where; a
+    malformed one is a scheduler bug, logged, and cuts nothing."""
+    import orjson
+    import zmq
+
+    from onepiece.stage.worker import _cut
+
+    cuts: dict[int, int] = {}
+    _cut([zmq.Frame(b"cut"), zmq.Frame(orjson.dumps({"run": 7, "every": 2}))], cuts)
+    assert cuts == {7: 2}
+    for bad in (b"{", orjson.dumps({"run": 8}), orjson.dumps({"run": "8", "every": 2}),
+                orjson.dumps({"run": 8, "every": 0}), orjson.dumps([1, 2])):
+        _cut([zmq.Frame(b"cut"), zmq.Frame(bad)], cuts)
+    _cut([zmq.Frame(b"cut")], cuts)  # no body at all
+    assert cuts == {7: 2}
+    assert caplog.text.count("malformed cut command") == 6

@@ -242,3 +242,25 @@ def test_a_stage_counts_as_busy_only_the_time_its_workers_compute(up):
                      and st, 10, "the heartbeat counting them")
     busy = after["busy_s"] - before["busy_s"]
     assert 0 < busy < 0.4, busy  # five text encodings of a few ms each, not the waits before them
+
+
+def test_a_request_alone_runs_open_and_one_that_arrives_cuts_in(up):
+    """A request alone in the denoise stage gets all of its steps in one run (one decision, where
+    chunks of 2 steps took 50); one that arrives meanwhile has the core cut that run where a chunk
+    would have ended (a Cut the worker takes between steps) and passes it (slo: its deadline is
+    the earlier)."""
+    with Client(up.url) as c:
+        wait_for(lambda: denoise(up)["stats"]["resident"] == 0, 30, "an idle denoise stage")
+        before = denoise(up)["stats"]
+        long = c.submit("a long one", model="t2v", **SLOW)
+        wait_for(lambda: denoise(up)["stats"]["resident"] == 1, 60, "resident in the denoise worker")
+        short = c.submit("a short one", model="t2v", size="64x64", num_frames=9, steps=4, timeout_s=30)
+        assert c.wait(short["id"], timeout=60)["status"] == "completed"
+        assert c.status(long["id"])["status"] != "completed"  # passed it
+        assert c.wait(long["id"], timeout=120)["status"] == "completed"
+    after = wait_for(lambda: (st := denoise(up)["stats"])["completed"] >= before["completed"] + 2 and st, 10,
+                     "both counted")
+    runs = after["batches"] - before["batches"]
+    # the long one's open run, the chunks while the short one was there, the open run to its end
+    assert 3 <= runs <= 15, (before, after)
+    assert after["preempted"] >= before["preempted"] + 1
