@@ -218,10 +218,12 @@ class SchedCore:
         while len(self._bytes) > 256:
             self._bytes.popitem(last=False)
 
-    def stepped(self, uids: list[str], seconds: float, measure: bool = True, first: bool = True) -> None:
-        """One forward pass advanced ``uids`` (one batch, one key) by a step in ``seconds``;
-        ``measure``: a sample for the cost model (not a warm-up); ``first``: the chunk's first
-        step of this batch (``CostModel.observe``)."""
+    def stepped(self, uids: list[str], seconds: float, measure: bool = True, first: bool = True,
+                times: int = 1) -> None:
+        """One forward pass advanced ``uids`` (one batch, one key) by a step in ``seconds``
+        (``times`` such passes in a row: what as many calls would leave); ``measure``: a sample
+        for the cost model (not a warm-up); ``first``: the chunk's first step of this batch
+        (``CostModel.observe``)."""
         if not uids:
             return
         head, n = uids[0], len(uids)
@@ -231,16 +233,17 @@ class SchedCore:
             if key is not None:
                 break
         if key is not None and measure:
-            self.costs.observe(key, n, seconds, first)
+            self.costs.observe(key, n, seconds, first, times)
         share = seconds / n
         requests = self.requests
         for u in uids:
             r = requests.get(u)
             if r is not None:
-                done = r.done + 1
+                done = r.done + times
                 r.done = done if done < r.steps else r.steps
-                r.device_s += share
-        self.stats.steps += n
+                for _ in range(times):
+                    r.device_s += share
+        self.stats.steps += n * times
 
     def finished(self, uid: str, now: float | None = None) -> Request | None:
         """``uid`` is done (its result left the worker), at ``now`` if known: then it counts as

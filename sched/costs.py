@@ -23,6 +23,7 @@ with its heartbeat and what a simulator or a later run can load again.
 from __future__ import annotations
 
 import collections
+import itertools
 import statistics
 from pathlib import Path
 from typing import Any, Iterable
@@ -69,12 +70,13 @@ class CostModel:
         self._reached_memo.clear()
 
     # --- measurements ---------------------------------------------------------------------------
-    def observe(self, key: str, batch: int, seconds: float, first: bool = True) -> None:
-        """One step of ``batch`` requests of ``key`` took ``seconds``; ``first``: the first step of
-        a run (a chunk) at this size. Runs, not steps, are what ``SETTLED`` counts: the steps of
-        one chunk share one moment's contention (two chunks of batch 3 gave 4 samples at 6x a step
-        alone, beside the other stages' bursts, and put a stage's rate under batch 1's)."""
-        if batch < 1 or not seconds >= 0:
+    def observe(self, key: str, batch: int, seconds: float, first: bool = True, times: int = 1) -> None:
+        """One step of ``batch`` requests of ``key`` took ``seconds`` (``times`` such steps in a
+        row: what as many calls would leave); ``first``: the first step of a run (a chunk) at this
+        size. Runs, not steps, are what ``SETTLED`` counts: the steps of one chunk share one
+        moment's contention (two chunks of batch 3 gave 4 samples at 6x a step alone, beside the
+        other stages' bursts, and put a stage's rate under batch 1's)."""
+        if batch < 1 or not seconds >= 0 or times < 1:
             return
         row = self._obs.get(key)
         if row is None:
@@ -89,15 +91,19 @@ class CostModel:
         window = row.get(batch)
         if window is None:
             window = row[batch] = collections.deque(maxlen=self.window)
-        window.append(float(seconds))
+        if times == 1:
+            window.append(float(seconds))
+        else:
+            window.extend(itertools.repeat(float(seconds), min(times, self.window)))
         total = self._sums.setdefault(key, {}).setdefault(batch, [0.0, 0, 0.0])
-        total[0] += seconds
-        total[1] += 1
-        total[2] += seconds * seconds
+        for _ in range(times):  # (added one by one: the sums come out as from one call a step)
+            total[0] += seconds
+            total[2] += seconds * seconds
+        total[1] += times
         runs = self._runs.setdefault(key, {})
         before = runs.get(batch, 0)
         runs[batch] = min(before + first, SETTLED)  # (only whether it reached SETTLED matters)
-        ones = self._ones[key] = self._ones.get(key, 0) + (batch == 1)
+        ones = self._ones[key] = self._ones.get(key, 0) + (batch == 1) * times
         self._at_ones.setdefault(key, {})[batch] = ones
         cached = self._rows.get(key)
         if cached is None or (before < SETTLED <= before + first):  # (a size now sustained: ``reached`` changes)

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from onepiece.sched.core import Drop, Part, Run, SchedCore, chunk_steps
+from onepiece.sched.core import Drop, Part, Run, SchedCore
 from onepiece.sched.keys import at_dop
 from onepiece.sched.policy import Request
 
@@ -235,8 +235,10 @@ class VirtualInstance:
         if len(left) == 1:
             uids, n = (left[0][0],), min(steps, left[0][1])
             dt = self.cost(key, 1) if n > 0 else 0.0
+            if jitter is None:
+                return [(uids, dt)] * n
             for _ in range(n):
-                out.append((uids, dt if jitter is None else dt * jitter()))
+                out.append((uids, dt * jitter()))
             return out
         todo, dts = [n for _, n in left], {}
         for _ in range(steps):
@@ -341,10 +343,16 @@ class VirtualInstance:
     def _finish_chunk(self, run: Run, steps: list, first: dict) -> None:
         core = self.core
         reqs = core.requests
-        for live, dt, first_of_batch in chunk_steps(steps):
+        seen: set[tuple[str, ...]] = set()
+        # the same batch at the same cost several steps in a row (a run priced without jitter)
+        # told in one call: none of its members can finish before the last of them
+        for (live, dt), same in itertools.groupby(steps):
+            batch = tuple(live)
+            first_of_batch = batch not in seen
+            seen.add(batch)
             if len(live) > 1 or live[0] not in reqs:
                 live = [u for u in live if u in reqs]  # cancelled or expired meanwhile
-            core.stepped(live, dt, first=first_of_batch)
+            core.stepped(live, dt, first=first_of_batch, times=sum(1 for _ in same))
             for u in live:
                 r = reqs[u]
                 if r.steps == r.done:
