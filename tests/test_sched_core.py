@@ -739,3 +739,25 @@ def test_schedule_options_are_checked() -> None:
         ScheduleSpec(max_batchh=2)
     with pytest.raises(ValueError, match="unknown scheduling policy"):
         make_policy("lifo")
+
+
+def test_steps_told_at_once_leave_what_as_many_calls_leave() -> None:
+    """The simulator tells a run's identical steps in one call (``times``); the core and its cost
+    model must come out as from one call a step (a stage's shell makes those)."""
+    def run(at_once: bool) -> tuple:
+        c = core("srtf")
+        c.worker_up("w0")
+        c.add(request("a", S, steps=30))
+        c.add(request("b", S, steps=30))
+        c.schedule(0.0)
+        c.stepped(["a", "b"], 0.013, first=True, times=1)
+        for uids, dt, n in ((["a", "b"], 0.011, 20), (["a"], 0.007, 3)):
+            if at_once:
+                c.stepped(uids, dt, first=False, times=n)
+            else:
+                for _ in range(n):
+                    c.stepped(uids, dt, first=False)
+        r = c.requests
+        return (r["a"].done, r["b"].done, r["a"].device_s, r["b"].device_s, c.stats.steps,
+                c.costs.totals(), c.costs.row(S), c.costs.unsettled(S, 2), c.costs.reached(S, 4, sustained=True))
+    assert run(True) == run(False)
