@@ -162,9 +162,9 @@ class _Flight:
     version: int = 0  # its end's: an end pushed before a cut is stale
     chunk: int | None = None  # its chunk on the host
     longest: float | None = None  # alone seconds of its slowest part (several parts: they run side by side)
+    end: float = 0.0  # ends() as last priced
 
-    @property
-    def end(self) -> float:
+    def ends(self) -> float:
         """When it ends, were it alone (summed step by step from ``t0``: the same figure whatever
         the run's length)."""
         if self.longest is not None:
@@ -278,7 +278,7 @@ class VirtualInstance:
                 end = max(end, t)
             f = _Flight(run, passed, first, now, t0 - now, t0, steps, None, {}, longest=end - t0)
         self._flights[run.worker] = f
-        self._launch(f)
+        self._launch(f)  # (sets f.end)
         expires = [e for u in run.uids if (e := reqs[u].deadline if reqs[u].expires is None else reqs[u].expires)
                    is not None]
         if expires and self.core.spec.drop_expired and min(expires) < f.end:
@@ -287,7 +287,7 @@ class VirtualInstance:
             self.loop.at(math.nextafter(min(expires), math.inf), self.decide)
 
     def _launch(self, f: _Flight) -> None:
-        end = f.end
+        end = f.end = f.ends()
         if self.host is None:
             self.loop.at(end, self._landed, f, f.version, end - f.start)
         elif f.chunk is None:
