@@ -159,6 +159,7 @@ class _Flight:
     steps: list  # (who advanced, alone seconds) per step
     key: str | None  # its one part's cost key (None: parts on a group's ranks, which a worker cuts short only at its next run)
     left: dict  # one part's uid -> steps it had left when the run was sent
+    gone: set = field(default_factory=set)  # of those, the ones dropped since
     version: int = 0  # its end's: an end pushed before a cut is stale
     chunk: int | None = None  # its chunk on the host
     longest: float | None = None  # alone seconds of its slowest part (several parts: they run side by side)
@@ -305,16 +306,16 @@ class VirtualInstance:
             return
         done = self.loop.now - f.start if self.host is None else self.host.done(f.chunk)
         k, t = 0, f.offset
-        while k < len(f.steps) and (t < done - 1e-9 or (dropped is None and k % every)):
+        while k < len(f.steps) and (t < done - 1e-9 or (dropped is None and (k == 0 or k % every))):
             t += f.steps[k][1]
             k += 1
         if k >= len(f.steps):
             return
         kept = f.steps[:k]
         if dropped is not None:
+            f.gone |= dropped
             ran = collections.Counter(u for live, _ in kept for u in live)
-            left = [(u, n - ran[u]) for u, n in f.left.items() if u not in dropped and n - ran[u] > 0]
-            f.left = dict(left)
+            left = [(u, n - ran[u]) for u, n in f.left.items() if u not in f.gone and n - ran[u] > 0]
             kept += self._price(f.key, left, f.run.steps - k) if left else []
         if kept == f.steps:
             return

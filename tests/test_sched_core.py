@@ -345,6 +345,30 @@ def test_a_cut_ends_an_open_run_where_its_chunk_would_have_ended_and_the_arrival
     assert out["short"].end == pytest.approx(0.17) and out["long"].end == pytest.approx(0.17 + 27 * 0.04)
 
 
+def test_a_batch_sheds_each_dropped_member_at_the_next_step_and_ends_when_none_is_left() -> None:
+    # x (one step, 0.01 s) holds the worker while a batch gathers; then a batch of three S from
+    # 0.01 (0.015 s a step; two 0.0125, one alone 0.01): a leaves at 0.055, b at 0.08
+    st = stage("fcfs-batched", chunk_steps=20)
+    st.submit(0.0, request("x", S, steps=1))
+    for u in ("a", "b", "d"):
+        st.submit(0.001, request(u, S, steps=20))
+    st.cancel_at(0.041, "a")
+    st.cancel_at(0.07, "b")
+    out = st.run()
+    # d's 15 steps left run on in the same run, alone: done at 0.08 + 0.15
+    assert [(u, n) for _, _, u, n in st.trace] == [(("x",), 1), (("a", "b", "d"), 20)]
+    assert out["d"].end == pytest.approx(0.23) and st.instance.busy_s == pytest.approx(0.23)
+    st = stage("fcfs-batched", chunk_steps=20)
+    st.submit(0.0, request("x", S, steps=1))
+    for u in ("a", "b"):
+        st.submit(0.001, request(u, S, steps=20))
+    st.cancel_at(0.031, "a")  # b alone from 0.035
+    st.cancel_at(0.05, "b")  # none left: the run ends at the next step boundary, 0.055
+    st.submit(0.052, request("c", S, steps=10))
+    out = st.run()
+    assert out["c"].first_step == pytest.approx(0.055) and st.instance.busy_s == pytest.approx(0.155)
+
+
 def test_a_run_stops_at_the_next_step_once_its_request_is_cancelled_or_expires() -> None:
     """As a worker takes a Drop between two steps: the rest of the open run (1.2 s) is not spent."""
     for how, gone, arrives, freed in (("cancel", "cancelled", 0.06, 0.08), ("expire", "expired", 0.11, 0.12)):

@@ -52,8 +52,11 @@ PINNED = {  # from the code before the simulator's speed-up (issue 12), unchange
     # not at the smallest that meets its deadline alone; all since a request alone in its stage runs
     # open (one run, cut where its chunk would end once another waits), a run stops at the next step
     # once its request is dropped (cancelled, or expired: the core decides as a deadline passes), as a
-    # worker does, and chunks are listed as they end (mean latency within 2% but for the dop4
-    # scenarios: fcfs-batched 0.94x, ddit 0.91x with 10 of 75 fewer in time; chunks 0-35% fewer)
+    # worker does, and chunks are listed as they end (mean latency within 2.1% but for the dop4
+    # scenarios: fcfs 0.97x, fcfs-batched 0.94x, ddit 0.91x with 10 of 75 fewer in time; up to 35%
+    # fewer chunks);
+    # ddit/target's since a cut that comes as an open run starts ends it after its first step, not
+    # before it (a run of no steps)
     'fcfs/deadline': 'f630a87f2868ba7f',
     'fcfs/target': 'e0ea17460bdda785',
     'fcfs/dop4': '4c9e87ac4a52d4ef',
@@ -73,7 +76,7 @@ PINNED = {  # from the code before the simulator's speed-up (issue 12), unchange
     'edf-best-fit/target': '15164cb647642e7d',
     'edf-best-fit/dop4': '65c58be570e95407',
     'ddit/deadline': 'f3acd130e8120fef',
-    'ddit/target': '3ae88f06ded844c3',
+    'ddit/target': 'f5779ef3dcceb453',
     'ddit/dop4': '52bd40c327f8b0a6',
     'chunk3-nodrop': '21deab5ab5c1d06f',
     'monitor/slo': '25ae6df2d10b9e17',
