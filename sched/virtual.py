@@ -154,8 +154,7 @@ class _Flight:
     passed: list
     first: dict  # uid -> when its first step started, before this run
     start: float  # when the run was sent
-    offset: float  # alone seconds before its first step: the decision's overhead, preparing admitted requests
-    t0: float  # when its first step starts, were it alone
+    t0: float  # when its first step starts, were it alone (after the decision's overhead, preparing admitted requests)
     steps: list  # (who advanced, alone seconds) per step
     key: str | None  # its one part's cost key (None: parts on a group's ranks, which a worker cuts short only at its next run)
     left: dict  # one part's uid -> steps it had left when the run was sent
@@ -168,12 +167,14 @@ class _Flight:
     def ends(self) -> float:
         """When it ends, were it alone (summed step by step from ``t0``: the same figure whatever
         the run's length)."""
-        if self.longest is not None:
-            return self.t0 + self.longest
-        t = self.t0
-        for _, dt in self.steps:
-            t += dt
-        return t
+        return self.t0 + self.longest if self.longest is not None else _summed(self.t0, self.steps)
+
+
+def _summed(t: float, steps: list) -> float:
+    """``t`` plus each step's seconds, one at a time (as a worker's clock runs)."""
+    for _, dt in steps:
+        t += dt
+    return t
 
 
 class VirtualInstance:
@@ -265,7 +266,7 @@ class VirtualInstance:
             p = run.parts[0]
             key = at_dop(reqs[p.uids[0]].key, len(p.ranks))
             left = {u: reqs[u].left for u in p.uids}
-            f = _Flight(run, passed, first, now, t0 - now, t0, self._price(key, list(left.items()), p.steps), key, left)
+            f = _Flight(run, passed, first, now, t0, self._price(key, list(left.items()), p.steps), key, left)
         else:  # parts side by side, the run as long as its slowest (a worker drops from them at the next run)
             steps: list[tuple[Sequence[str], float]] = []
             end = t0
@@ -273,11 +274,8 @@ class VirtualInstance:
                 mine = self._price(at_dop(reqs[p.uids[0]].key, len(p.ranks)), [(u, reqs[u].left) for u in p.uids],
                                    p.steps)
                 steps += mine
-                t = t0
-                for _, dt in mine:
-                    t += dt
-                end = max(end, t)
-            f = _Flight(run, passed, first, now, t0 - now, t0, steps, None, {}, longest=end - t0)
+                end = max(end, _summed(t0, mine))
+            f = _Flight(run, passed, first, now, t0, steps, None, {}, longest=end - t0)
         self._flights[run.worker] = f
         self._launch(f)  # (sets f.end)
         expires = [e for u in run.uids if (e := reqs[u].deadline if reqs[u].expires is None else reqs[u].expires)
@@ -305,7 +303,7 @@ class VirtualInstance:
         if f is None or f.key is None:  # (a group's parts: dropped ones leave at the run's end)
             return
         done = self.loop.now - f.start if self.host is None else self.host.done(f.chunk)
-        k, t = 0, f.offset
+        k, t = 0, f.t0 - f.start
         while k < len(f.steps) and (t < done - 1e-9 or (dropped is None and (k == 0 or k % every))):
             t += f.steps[k][1]
             k += 1
