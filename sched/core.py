@@ -19,13 +19,17 @@ the policy returns and turns it into commands:
 - ``Cut(worker, every)``: end the run in flight at its next step boundary that ends a chunk
   of ``every`` steps counted from its start, and report, so that the core decides again there.
 
-A decision that leaves nothing free (every request of the stage in a run) starts each run of
-one request on a one-rank worker *open*: all of its steps, not a chunk. Deciding again at each
-chunk's end would only go on with it (nothing else could advance), so an open run costs one
-decision and one round of IPC where chunks cost one a chunk, and a simulator one event where it
-had one a step. Once a later decision leaves a request free (one arrived and no idle worker took
-it), the core cuts the open runs where the chunks they were opened from would have ended, and
-decides chunk by chunk again: a policy sees the choices it would have seen at every chunk's end.
+A run of one request on a one-rank worker starts *held*, with all of its steps, wherever
+deciding again at each chunk's end would only go on with it: always when the decision leaves
+nothing free (every request of the stage in a run: nothing else could advance), and, while
+requests wait, for as long as the policy promises (``Policy.stable_until``) that a decision over
+the same waiting requests would start the same request again, and no waiting request ages or
+expires. A held run costs one decision and one round of IPC where chunks cost one a chunk, and
+a simulator one event where it had one a step (under contention most decisions only go on
+with the request a worker holds). Once anything the promise rests on changes (a request
+arrives, leaves or is left free by another worker, the cost model's figures change, the promise
+runs out), the core cuts the run where the chunk it was held from would have ended, and decides
+there again: a policy sees the choices it would have seen at every chunk's end.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ CHUNK_OVERHEAD = 0.03  # decision + IPC per chunk, at most this share of the chu
 MAX_CHUNK = 64
 OVERHEAD_WINDOW = 16  # chunks whose overhead's median is the figure
 PASSED_MAX = 64  # requests a decision says it passed over (SchedCore.explain)
+HOLD_MARGIN_S = 1e-9  # a held run's promise ends this much early: its thresholds are compared in floats
 UNKNOWN_STANDALONE_S = 1.0  # what aging assumes of a request nothing comparable was measured for
 
 
@@ -88,6 +93,9 @@ Passed = tuple[str, "float | None", int, bool]
 class Decision:
     commands: list[Run | Drop | Cut] = field(default_factory=list)
     expired: list[Request] = field(default_factory=list)  # dropped: their deadline passed
+    # The earliest time a run it holds must be cut although nothing else happens (a promise runs
+    # out): a shell that decides only when something happens asks again then.
+    wake: float = math.inf
     # With ``SchedCore.explain``, where a chunk started: the requests that could have advanced and
     # did not, and how they stood (the "why" beside a schedule log's "what").
     passed: list[Passed] = field(default_factory=list)
@@ -114,7 +122,10 @@ class CoreStats:
 @dataclass
 class _Worker(Worker):
     previous: tuple[str, ...] = ()  # its last run's requests
-    open: int = 0  # running an open run that no Cut has ended yet: the steps of the chunk it was opened from
+    open: int = 0  # running a held run that no Cut has ended yet: the steps of the chunk it was held from
+    # what holding it rests on: (the requests left free then, the cost model's version, the
+    # per-chunk overhead, until when the policy's promise lasts); None: that nothing is free
+    holds: tuple | None = None
     # each of them -> its part's cost key (at the part's DoP): steps are still reported after
     # members finished
     cost_keys: dict[str, str] = field(default_factory=dict)
@@ -265,7 +276,7 @@ class SchedCore:
         """The worker ended the command it was running."""
         w = self.workers.get(wid)
         if w is not None:
-            w.idle, w.open = True, 0
+            w.idle, w.open, w.holds = True, 0, None
         for r in self.requests.values():
             if r.worker == wid:
                 r.running = False
@@ -390,10 +401,8 @@ class SchedCore:
             if not r.running:
                 free.append(r)
         idle = [w for w in self.workers.values() if w.idle]
-        if not free:
-            return out
-        if not idle:
-            self._cut_open(out)
+        if not free or not idle:
+            self._recheck(out, now, free)
             return out
         free.sort(key=_arrival)
         candidates = free
@@ -414,37 +423,90 @@ class SchedCore:
         per_worker: dict[str, list[Batch]] = {}
         for b in batches:
             per_worker.setdefault(b.worker, []).append(b)
+        runs = []
         for wid, bs in per_worker.items():
             cmd = self._start(wid, bs, now)
             if cmd is not None:
-                out.commands.append(cmd)
-        if any(not r.running for r in candidates):  # a request left free: decide at every chunk's end
-            self._cut_open(out)
-        elif not getattr(self.policy, "whole", False):  # (a whole run is all its steps already)
-            out.commands = [self._open(c) if isinstance(c, Run) else c for c in out.commands]
-        if self.explain and (started := {u for c in out.commands if isinstance(c, Run) for u in c.uids}):
+                runs.append(cmd)
+        left = [r for r in candidates if not r.running]
+        self._recheck(out, now, left)
+        if not getattr(self.policy, "whole", False):  # (a whole run is all its steps already)
+            runs = [self._hold(c, now, left, out) for c in runs]
+        out.commands += runs
+        if self.explain and (started := {u for c in runs for u in c.uids}):
             out.passed = self._passed(now, candidates, started)
         return out
 
-    def _cut_open(self, out: Decision) -> None:
+    def _recheck(self, out: Decision, now: float, left: list[Request]) -> None:
+        """Cut the held runs whose ground moved: ``left`` are the requests free after this
+        decision."""
+        free = None
         for w in self.workers.values():
-            if w.open:
-                out.commands.append(Cut(w.id, w.open))
-                w.open = 0
+            if not w.open:
+                continue
+            h = w.holds
+            if not left:  # nothing else could advance: it runs on open
+                w.holds = None
+                continue
+            if h is not None:
+                if free is None:
+                    free = frozenset([r.uid for r in left])
+                if h[0] == free and h[1] == self.costs.version and h[2] == self.overhead_s and now < h[3]:
+                    out.wake = min(out.wake, h[3])
+                    continue
+            out.commands.append(Cut(w.id, w.open))
+            w.open, w.holds = 0, None
 
-    def _open(self, run: Run) -> Run:
-        """``run`` with all of its steps if it is one request's on one rank. (A batch is decided
-        again at every chunk's end even when nothing else waits: its members' slack at the
-        batched step, and a batch size being tried, which its own steps judge, can split it. A
-        collaboration group's parts step in lockstep and are not cut.)"""
+    def _hold(self, run: Run, now: float, left: list[Request], out: Decision) -> Run:
+        """``run`` with all of its steps, held (module doc), if it is one request's on one rank
+        and a decision at each of its chunk's ends would only go on with it."""
         w = self.workers[run.worker]
         if w.ranks != 1 or len(run.uids) != 1:
+            # A batch is decided again at every chunk's end: its members' slack at the batched
+            # step, and a batch size being tried, which its own steps judge, can split it. A
+            # collaboration group's parts step in lockstep and are not cut.
             return run
-        steps = self.requests[run.uids[0]].left
-        w.open = run.steps
-        if steps == run.steps:
+        r = self.requests[run.uids[0]]
+        steps = r.left
+        if steps <= run.steps:
             return run
+        holds = None
+        if left:
+            until = self._stable_until(w, r, run.steps, now, left)
+            step = self.costs.step_s(r.key, 1)
+            if step is None or until <= now + run.steps * step:  # nothing gained before its first chunk ends
+                return run
+            holds = (frozenset([x.uid for x in left]), self.costs.version, self.overhead_s, until)
+            out.wake = min(out.wake, until)
+        w.open, w.holds = run.steps, holds
         return Run(run.worker, run.uids, steps, run.admit, (Part(run.parts[0].ranks, run.uids, steps),))
+
+    def _stable_until(self, w: _Worker, r: Request, chunk: int, now: float, left: list[Request]) -> float:
+        """Until when a decision at ``w``'s chunk's end over the requests ``left`` free would
+        start ``r`` again on ``w`` alone for a chunk of ``chunk`` steps (``now``: no promise)."""
+        rs = left + [r]
+        if any(x.aged for x in rs):
+            return now
+        rs.sort(key=_arrival)
+        view = View(now, rs, [Worker(w.id, True, w.free_bytes, set(w.resident), w.ranks)], self.costs,
+                    self.max_batch, self.chunk, self.est_bytes, set(w.previous))
+        if self.policy.plan(view) != [Batch(w.id, (r.uid,), chunk)]:
+            return now
+        until = self.policy.stable_until(view, r)
+        # ... and no request expires or, of those waiting, ages before then (the core's own
+        # rules: an aged one is served first; ``r``, aged, would still lead on its worker)
+        aging, by_deadline = self.spec.aging, self.policy.name in DEADLINE_ORDERED
+        for x in rs:
+            t = math.inf
+            if x is not r:
+                alone = self.standalone_s(x) or UNKNOWN_STANDALONE_S
+                t = x.arrival + aging * alone
+                if by_deadline and x.deadline is not None:
+                    t = max(t, x.deadline - alone)
+            if self.spec.drop_expired and (e := x.deadline if x.expires is None else x.expires) is not None:
+                t = min(t, e)
+            until = min(until, t)
+        return until - HOLD_MARGIN_S
 
     def _passed(self, now: float, candidates: list[Request], started: set[str]) -> list[Passed]:
         # the longest-waiting ones (candidates come in arrival order): a decision's cost and a

@@ -48,6 +48,7 @@ class Fcfs(RankedPolicy):
 
 class FcfsBatched(RankedPolicy):
     name = "fcfs-batched"
+    static = True
 
     def rank(self, view: View) -> list[Request]:
         return sorted(view.requests, key=lambda r: r.arrival)
@@ -61,6 +62,7 @@ class Srtf(RankedPolicy):
     the simulator, 0.63x with the rule)."""
 
     name = "srtf"
+    static = True  # (the work left of a request that advances only falls)
 
     def rank(self, view: View) -> list[Request]:
         return sorted(view.requests, key=lambda r: (-r.priority, view.alone_s(r), r.arrival))
@@ -74,6 +76,7 @@ class Srtf(RankedPolicy):
 
 class Edf(RankedPolicy):
     name = "edf"
+    static = True
 
     def rank(self, view: View) -> list[Request]:
         return sorted(view.requests, key=lambda r: (-r.priority, math.inf if r.deadline is None else r.deadline,
@@ -145,6 +148,32 @@ class Slo(RankedPolicy):
 
     def sustained(self, costs: CostModel, key: str, cap: int) -> int:
         return saving_size(costs, key, cap)
+
+    def stable_until(self, view: View, r: Request) -> float:
+        """While the walk of ``rank`` keeps every request it can run in time and takes none out,
+        the same requests stay kept in the same order: a request's margin there (its deadline,
+        less now and the work of the kept ones up to it) only shrinks as time passes (one that
+        advances only takes work off), and a request late even alone stays late while it waits.
+        So the plan holds until the smallest margin is spent. No promise where the walk takes a
+        request out (one that advances could let it back in), for ``r`` late even alone, or
+        where a compatible request could join ``r`` (the join rule reads slack, which moves)."""
+        now = view.now
+        if len(view.dops) > 1 or r.deadline is not None and view.slack(r) < 0:
+            return now
+        if view.max_batch > 1 and r.batchable and worth_batching(view.costs, r.key, 2, view.max_batch) and any(
+                x is not r and x.batchable and x.key == r.key for x in view.requests):
+            return now
+        until, total = math.inf, 0.0
+        for x in sorted((x for x in view.requests if x.deadline is not None),
+                        key=lambda x: (x.deadline, -x.priority, x.arrival)):
+            if view.slack(x) < 0:
+                continue
+            total += self._need(view, x)
+            margin = x.deadline - now - total
+            if margin < 0:
+                return now
+            until = min(until, now + margin)
+        return until
 
     def plan(self, view: View) -> list[Batch]:
         if len(view.dops) == 1:  # no idle worker is a group: no DoP to pick

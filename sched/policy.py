@@ -119,12 +119,28 @@ class Policy(abc.ABC):
         the stage's rate is priced at. By default the largest the stage sustains."""
         return costs.reached(key, cap, sustained=True)
 
+    def stable_until(self, view: View, r: Request) -> float:
+        """``plan(view)`` starts ``r`` alone on the view's one idle worker, which holds it; until
+        when (core clock) would a plan of the same requests still do that, however far ``r``
+        has advanced meanwhile (its steps left only fall) and with the same cost model? The
+        core then holds ``r``'s run instead of deciding at each chunk's end (module doc of
+        sched/core.py); it sees to aging, expiry and anything that changes. ``view.now``
+        (the default): no promise, decide at every chunk's end."""
+        return view.now
+
 
 class RankedPolicy(Policy):
     """Order the requests; the best-ranked leads a batch on an idle worker (its own, once it
     is resident), and compatible requests join in rank order up to the batch bound."""
 
     whole: bool = False  # run a batch to the end of its leader (non-preemptive)
+    # Its order of the waiting requests does not change with time, and a request that advances
+    # only moves up in it, nor does whether one may join another's batch: a plan that starts a
+    # request stays the plan as long as the requests and costs stay what they were.
+    static: bool = False
+
+    def stable_until(self, view: View, r: Request) -> float:
+        return math.inf if self.static else view.now
 
     @abc.abstractmethod
     def rank(self, view: View) -> list[Request]:

@@ -42,9 +42,18 @@ class EventLoop:
         # then holds only what is in flight, and merged with it by (time, order given).
         self._queue: collections.deque[tuple[float, int, Callable, tuple]] = collections.deque()
         self._seq = itertools.count()
+        self._cancelled: set[int] = set()  # events taken back, skipped without moving the clock
 
-    def at(self, t: float, fn: Callable[..., Any], *args: Any) -> None:
-        heapq.heappush(self._heap, (t, next(self._seq), fn, args))
+    def at(self, t: float, fn: Callable[..., Any], *args: Any) -> int:
+        """Call ``fn(*args)`` at ``t``; returns the event's id (``cancel``)."""
+        seq = next(self._seq)
+        heapq.heappush(self._heap, (t, seq, fn, args))
+        return seq
+
+    def cancel(self, event: int) -> None:
+        """Take back an event ``at`` gave that has not run yet. The clock does not move to it: a
+        run's last time is that of its last event that happened."""
+        self._cancelled.add(event)
 
     def at_in_order(self, t: float, fn: Callable[..., Any], *args: Any) -> None:
         """As ``at``, for an event no earlier than the last one given this way."""
@@ -58,6 +67,7 @@ class EventLoop:
 
     def run(self, until: float = float("inf")) -> None:
         heap, queue, pop, first = self._heap, self._queue, heapq.heappop, self._queue.popleft
+        cancelled = self._cancelled
         while True:
             # (time, order given) is unique: a comparison never reaches the callables
             if queue and (not heap or queue[0] < heap[0]):
@@ -67,13 +77,13 @@ class EventLoop:
             elif heap:
                 if heap[0][0] > until:
                     return
+                if cancelled and heap[0][1] in cancelled:
+                    cancelled.discard(pop(heap)[1])
+                    continue
                 self.now, _, fn, args = pop(heap)
             else:
                 return
             fn(*args)
-
-    def __len__(self) -> int:
-        return len(self._heap) + len(self._queue)
 
 
 class Host:
@@ -88,7 +98,7 @@ class Host:
         if not cores > 0:
             raise ValueError(f"a host needs cores > 0 (got {cores!r})")
         self.loop, self.cores = loop, cores
-        # id -> [work left (alone seconds), ranks, when it started, its end's version, done(elapsed), work]
+        # id -> [work left (alone seconds), ranks, when it started, its end's event, done(elapsed), work]
         self._running: dict[int, list] = {}
         self._ids = itertools.count()
         self._ranks = 0
@@ -107,16 +117,18 @@ class Host:
 
     def _reschedule(self) -> None:
         rate, now = self._rate(), self.loop.now
+        loop = self.loop
         for cid, c in self._running.items():
-            c[3] += 1  # the end pushed before this change is stale now
-            self.loop.at(now + max(0.0, c[0]) / rate, self._end, cid, c[3])
+            if c[3] is not None:
+                loop.cancel(c[3])  # the end pushed before this change is stale now
+            c[3] = loop.at(now + max(0.0, c[0]) / rate, self._end, cid)
 
     def start(self, work: float, ranks: int, done: Callable[[float], None]) -> int:
         """Run a chunk of ``work`` alone seconds on ``ranks`` ranks; ``done(elapsed)`` when it
         ends. Returns the chunk's id."""
         self._catch_up()
         cid = next(self._ids)
-        self._running[cid] = [work, ranks, self.loop.now, 0, done, work]
+        self._running[cid] = [work, ranks, self.loop.now, None, done, work]
         self._ranks += ranks
         self._reschedule()
         return cid
@@ -135,10 +147,8 @@ class Host:
         c[5] = work
         self._reschedule()
 
-    def _end(self, cid: int, version: int) -> None:
-        c = self._running.get(cid)
-        if c is None or c[3] != version:
-            return
+    def _end(self, cid: int) -> None:
+        c = self._running[cid]
         self._catch_up()
         del self._running[cid]
         self._ranks -= c[1]
@@ -159,10 +169,11 @@ class _Flight:
     key: str | None  # its one part's cost key (None: parts on a group's ranks, which a worker cuts short only at its next run)
     left: dict  # one part's uid -> steps it had left when the run was sent
     gone: set = field(default_factory=set)  # of those, the ones dropped since
-    version: int = 0  # its end's: an end pushed before a cut is stale
+    event: int | None = None  # its end's, on the loop (None: on a host); a cut takes it back
     chunk: int | None = None  # its chunk on the host
     longest: float | None = None  # alone seconds of its slowest part (several parts: they run side by side)
     end: float = 0.0  # ends() as last priced
+    limit: int = 0  # the steps it may run: the run's, or where a Cut ends it
 
     def ends(self) -> float:
         """When it ends, were it alone (summed step by step from ``t0``: the same figure whatever
@@ -194,6 +205,9 @@ class VirtualInstance:
         self.name = name
         self._busy = 0.0  # worker-seconds of the runs that ended
         self._flights: dict[str, _Flight] = {}
+        self._wake = math.inf  # when a decision is due that nothing else would cause (Decision.wake)
+        self._wake_event: int | None = None
+        self._expiry: dict[str, int] = {}  # uid -> the event that decides as its deadline passes
         for i in range(workers):
             core.worker_up(f"w{i}", ranks)
 
@@ -206,12 +220,27 @@ class VirtualInstance:
     def add(self, r: Request) -> None:
         r.arrival = self.loop.now
         self.core.add(r)
+        e = r.deadline if r.expires is None else r.expires
+        if e is not None and self.core.spec.drop_expired:
+            # its deadline passes: decide then (the core drops it where it is, a worker at its
+            # next step boundary), as a stage's shell, which decides every turn, does within one
+            self._expiry[r.uid] = self.loop.at(math.nextafter(e, math.inf), self._expire, r.uid)
         self.decide()
+
+    def _expire(self, uid: str) -> None:
+        del self._expiry[uid]
+        self.decide()
+
+    def _left(self, uid: str) -> None:
+        event = self._expiry.pop(uid, None)
+        if event is not None:
+            self.loop.cancel(event)
 
     def cancel(self, uid: str) -> bool:
         if uid not in self.core.requests:
             return False
         drop = self.core.cancel(uid)
+        self._left(uid)
         if drop is not None:
             self._shorten(drop.worker, set(drop.uids))
         self.decide()
@@ -219,7 +248,12 @@ class VirtualInstance:
 
     def decide(self) -> None:
         d = self.core.schedule(self.loop.now)
+        if d.wake != self._wake:  # a held run's promise runs out then: cut it there
+            if self._wake_event is not None:
+                self.loop.cancel(self._wake_event)
+            self._wake, self._wake_event = d.wake, None if d.wake == math.inf else self.loop.at(d.wake, self._woken)
         for r in d.expired:
+            self._left(r.uid)
             self.on_end(r.uid, "expired", r, r.started)
         for cmd in d.commands:
             if isinstance(cmd, Run):
@@ -228,6 +262,10 @@ class VirtualInstance:
                 self._shorten(cmd.worker, set(cmd.uids))
             else:
                 self._shorten(cmd.worker, every=cmd.every)
+
+    def _woken(self) -> None:
+        self._wake, self._wake_event = math.inf, None
+        self.decide()
 
     def _price(self, key: str, left: Sequence[tuple[str, int]], steps: int) -> list[tuple[Sequence[str], float]]:
         """(who advanced, seconds) of each of ``steps`` steps of a batch of ``key`` whose members
@@ -266,7 +304,8 @@ class VirtualInstance:
             p = run.parts[0]
             key = at_dop(reqs[p.uids[0]].key, len(p.ranks))
             left = {u: reqs[u].left for u in p.uids}
-            f = _Flight(run, passed, first, now, t0, self._price(key, list(left.items()), p.steps), key, left)
+            f = _Flight(run, passed, first, now, t0, self._price(key, list(left.items()), p.steps), key, left,
+                        limit=p.steps)
         else:  # parts side by side, the run as long as its slowest (a worker drops from them at the next run)
             steps: list[tuple[Sequence[str], float]] = []
             end = t0
@@ -278,20 +317,16 @@ class VirtualInstance:
             f = _Flight(run, passed, first, now, t0, steps, None, {}, longest=end - t0)
         self._flights[run.worker] = f
         self._launch(f)  # (sets f.end)
-        expires = [e for u in run.uids if (e := reqs[u].deadline if reqs[u].expires is None else reqs[u].expires)
-                   is not None]
-        if expires and self.core.spec.drop_expired and min(expires) < f.end:
-            # a member's deadline passes in the run: decide then (the core drops it, and the
-            # worker at its next step boundary), as a decision at a chunk's end would have
-            self.loop.at(math.nextafter(min(expires), math.inf), self.decide)
 
     def _launch(self, f: _Flight) -> None:
         end = f.end = f.ends()
         if self.host is None:
-            self.loop.at(end, self._landed, f, f.version, end - f.start)
+            if f.event is not None:
+                self.loop.cancel(f.event)
+            f.event = self.loop.at(end, self._landed, f, end - f.start)
         elif f.chunk is None:
             f.chunk = self.host.start(end - f.start, sum(len(p.ranks) for p in f.run.parts),
-                                      lambda elapsed: self._landed(f, f.version, elapsed))
+                                      lambda elapsed: self._landed(f, elapsed))
         else:
             self.host.resize(f.chunk, end - f.start)
 
@@ -310,20 +345,19 @@ class VirtualInstance:
         if k >= len(f.steps):
             return
         kept = f.steps[:k]
-        if dropped is not None:
+        if dropped is None:
+            f.limit = k
+        else:
             f.gone |= dropped
             ran = collections.Counter(u for live, _ in kept for u in live)
             left = [(u, n - ran[u]) for u, n in f.left.items() if u not in f.gone and n - ran[u] > 0]
-            kept += self._price(f.key, left, f.run.steps - k) if left else []
+            kept += self._price(f.key, left, f.limit - k) if left else []
         if kept == f.steps:
             return
         f.steps = kept
-        f.version += 1
         self._launch(f)
 
-    def _landed(self, f: _Flight, version: int, elapsed: float) -> None:
-        if version != f.version:
-            return
+    def _landed(self, f: _Flight, elapsed: float) -> None:
         del self._flights[f.run.worker]
         run, steps = f.run, f.steps
         alone = f.end - f.start
@@ -356,6 +390,7 @@ class VirtualInstance:
                 r = reqs[u]
                 if r.steps == r.done:
                     core.finished(u, self.loop.now)
+                    self._left(u)
                     self.on_end(u, "completed", r, first.get(u))
         core.idle(run.worker)
         if self.overhead_s:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 from pydantic import ValidationError
 
@@ -10,7 +13,7 @@ from onepiece.sched.costs import CostModel, TableError, make_table, table_figure
 from onepiece.sched.keys import compat_key, volume
 from onepiece.sched.options import POLICIES, ScheduleSpec
 from onepiece.sched.policies import make_policy
-from onepiece.sched.policy import Batch, Policy, View
+from onepiece.sched.policy import Batch, Policy, Request, View, Worker
 from onepiece.sched.virtual import VirtualStage, request
 
 S, L = "64x64x9/cfg/L64", "128x128x9/cfg/L64"  # a small and a large shape
@@ -318,8 +321,11 @@ def test_a_request_alone_gets_an_open_run_that_a_request_left_waiting_cuts_once(
     c.stepped(["long"], 0.04)
     c.stepped(["long"], 0.04)
     c.idle("w0")
-    (run,) = c.schedule(0.12).commands  # chunk by chunk again while both wait
-    assert run.uids == ("short",) and run.steps == 3
+    # short passes long; srtf's order of the two cannot change while short advances, so short is
+    # held too: all 5 of its steps, not a chunk (long waits; it would age only at 10x its 1.2 s)
+    d = c.schedule(0.12)
+    assert d.commands == [Run("w0", ("short",), 5, ("short",), (Part((0,), ("short",), 5),))]
+    assert d.wake == pytest.approx(12.0 - 1e-9)  # when long ages: the promise runs out there
     # a batch is never open (its own steps may judge its size), nor a run of fcfs (whole already)
     b = core("fcfs-batched", chunk_steps=3)
     b.worker_up("w0")
@@ -341,8 +347,102 @@ def test_a_cut_ends_an_open_run_where_its_chunk_would_have_ended_and_the_arrival
     st.submit(0.05, request("short", S, steps=5))  # 0.01 s a step
     out = st.run()
     assert [(round(t, 6), u, n) for t, _, u, n in st.trace] == [
-        (0.0, ("long",), 3), (0.12, ("short",), 3), (0.15, ("short",), 2), (0.17, ("long",), 27)]
+        (0.0, ("long",), 3), (0.12, ("short",), 5), (0.17, ("long",), 27)]
     assert out["short"].end == pytest.approx(0.17) and out["long"].end == pytest.approx(0.17 + 27 * 0.04)
+
+
+def test_a_held_run_is_cut_where_a_request_arrives_and_where_its_promise_runs_out() -> None:
+    """Two workers busy, a third request waits: each worker's run is held (srtf's order cannot
+    change while they advance), cut once another request arrives, and held again after; the
+    aging of the one waiting ends the promise even with nothing arriving."""
+    c = core("srtf", max_batch=1, chunk_steps=2, aging=3)
+    for w in ("w0", "w1"):
+        c.worker_up(w)
+    for u in ("a", "b", "x"):
+        c.add(request(u, S, steps=10 if u != "x" else 40))
+    d = c.schedule(0.0)
+    assert [(r.uids, r.steps) for r in d.commands] == [(("a",), 10), (("b",), 10)]
+    alone = 40 * 0.01
+    assert d.wake == pytest.approx(3 * alone - 1e-9)  # x ages at 3x its standalone time
+    assert c.schedule(0.05).commands == []  # nothing changed: no decision, no cut
+    c.add(request("y", S, steps=5))
+    assert c.schedule(0.06).commands == [Cut("w0", 2), Cut("w1", 2)]
+    assert c.schedule(0.07).commands == []  # once
+    for _ in range(8):
+        c.stepped(["a"], 0.01)
+    c.idle("w0")  # a ran on to its 8th step (the chunk end after 0.06)
+    d = c.schedule(0.08)  # y (5 steps) passes a (2 left)? no: a has less work left
+    assert [(r.uids, r.steps) for r in d.commands] == [(("a",), 2)]  # its last chunk: nothing to hold
+    # the promise alone: nothing arrives, x ages at 1.2 s; a held run is cut there
+    c2 = core("srtf", max_batch=1, chunk_steps=2, aging=3)
+    c2.worker_up("w0")
+    c2.add(request("a", L, steps=100))  # 4 s of steps
+    c2.add(request("x", L, steps=200))
+    (run,) = c2.schedule(0.0).commands
+    assert run.steps == 100
+    assert c2.schedule(1.0).commands == []
+    assert c2.schedule(3 * 200 * 0.04).commands == [Cut("w0", 2)]
+
+
+def test_slos_promise_lasts_until_the_smallest_margin_of_its_walk_is_spent() -> None:
+    """``Slo.stable_until``: the walk in deadline order keeps x (1 s of work by 3 s: 2 s to
+    spare) and then r (1 s more by 10 s: 8 s); the plan holds until x's margin is spent. Where
+    the walk takes a request out (y and z cannot both make 1.6 s), or r is late even alone, or
+    a request could join r's batch, it promises nothing."""
+    from onepiece.sched.policies import Slo
+
+    costs = CostModel({S: {1: 0.1, 2: 0.11}})
+
+    def view(*rs: Request, now: float = 0.0, max_batch: int = 1) -> View:
+        return View(now, list(rs), [Worker("w0", ranks=1)], costs, max_batch, lambda k, b: 1, lambda r: 0)
+
+    def req(uid: str, deadline: float | None, steps: int = 10) -> Request:
+        return request(uid, S, steps=steps, deadline=deadline)
+
+    r, x = req("r", 10.0), req("x", 3.0)
+    assert Slo().stable_until(view(r, x), r) == pytest.approx(2.0)
+    assert Slo().stable_until(view(r, x, now=0.5), r) == pytest.approx(2.0)  # the margin is spent, not moved
+    assert Slo().stable_until(view(r, req("u", None)), r) == pytest.approx(9.0)  # r's own margin
+    free = req("free", None)
+    assert Slo().stable_until(view(free, req("u", None)), free) == math.inf  # no deadline: nothing to spend
+    assert Slo().stable_until(view(r, req("y", 1.5), req("z", 1.6)), r) == 0.0  # the walk takes one out
+    late = req("late", 0.5)
+    assert Slo().stable_until(view(late, x), late) == 0.0  # late even alone
+    assert Slo().stable_until(view(r, x, max_batch=4), r) == 0.0  # x could join r: slack decides
+    assert Slo().stable_until(view(r, req("x2", 3.0), max_batch=1), r) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("policy", ["srtf", "edf", "slo", "fcfs-batched"])
+def test_holding_runs_decides_what_deciding_at_every_chunk_end_decides(policy: str) -> None:
+    """The same random traces (mixed shapes and step counts, deadlines some requests miss and
+    expire at, priorities) on three workers, with the policy's promise and without it (a
+    decision at every chunk's end): every request ends the same way at the same time, in fewer
+    runs. (At max_batch 1: with batching, a batch size measured long ago is tried again after so
+    many steps alone, and a held run's steps reach the cost model when it ends, as a worker's
+    do, so such a retry may come a few steps later.)"""
+
+    def run(seed: int, hold: bool, chunk: int | None) -> tuple[dict, int]:
+        c = core(policy, max_batch=1, **({"chunk_steps": chunk} if chunk else {}))
+        if not hold:
+            c.policy.stable_until = lambda view, r: view.now
+        st = VirtualStage(c, cost, workers=3)
+        rng, t = random.Random(seed), 0.0
+        for i in range(60):
+            t += rng.expovariate(1 / 0.08)
+            key, steps = (S if rng.random() < 0.7 else L), rng.choice([5, 10, 20])
+            deadline = t + cost(key, 1) * steps * rng.uniform(1.2, 4) if rng.random() < 0.9 else None
+            st.submit(t, request(f"r{i}", key, steps=steps, deadline=deadline, priority=rng.choice([0, 0, 1])))
+        out = st.run()
+        return {u: (o.status, round(o.end, 9), o.first_step and round(o.first_step, 9)) for u, o in out.items()}, \
+            c.stats.batches
+
+    held = apart = 0
+    for seed in range(6):
+        for chunk in (None, 2):
+            (a, n_held), (b, n_apart) = run(seed, True, chunk), run(seed, False, chunk)
+            assert a == b, (seed, chunk, [(u, a[u], b[u]) for u in a if a[u] != b[u]][:3])
+            held, apart = held + n_held, apart + n_apart
+    assert held < 0.8 * apart, (held, apart)
 
 
 def test_a_batch_sheds_each_dropped_member_at_the_next_step_and_ends_when_none_is_left() -> None:

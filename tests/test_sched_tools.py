@@ -608,12 +608,13 @@ def test_simval_replays_a_run_on_its_shared_host_and_keeps_the_device_each_predi
     """The committed run of two individual workers at 1.0x (2026-11-27) saved its schedules: simval
     shares its 2 cores among the three stages' workers, each step priced alone, and keeps the
     prediction with a device per worker beside it. On that run the shared host predicts srtf's
-    mean latency closer to the measured one (2.42 against 2.27 s, measured 2.74, over 5 seeds as
-    over 1; `slo`'s depends on the seed more than on the model)."""
+    mean latency closer to the measured one (2.43 against 2.24 s over 5 seeds, measured 2.74;
+    since the core holds runs, one seed alone puts the two within 0.03 s; `slo`'s depends on the
+    seed more than on the model)."""
     from onepiece.bench.simval import markdown, validate
 
     results = Path(__file__).resolve().parents[1] / "bench" / "results"
-    doc = validate(results / "sched-collab-6" / "individual-1x", seeds=1,
+    doc = validate(results / "sched-collab-6" / "individual-1x", seeds=5,
                    replay=results / "sched-collab-5" / "sched-trace-1x.json")
     assert list(doc["rows"]) == ["srtf", "slo"]
     for by_load in doc["rows"].values():
