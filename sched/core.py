@@ -27,8 +27,8 @@ the same waiting requests would start the same request again, and no waiting req
 expires. A held run costs one decision and one round of IPC where chunks cost one a chunk, and
 a simulator one event where it had one a step (under contention most decisions only go on
 with the request a worker holds). Once anything the promise rests on changes (a request
-arrives, leaves or is left free by another worker, the cost model's figures change, the promise
-runs out), the core cuts the run where the chunk it was held from would have ended, and decides
+arrives, leaves or is left free by another worker, the cost model's figures or a state's measured
+size change, the promise runs out), the core cuts the run where the chunk it was held from would have ended, and decides
 there again: a policy sees the choices it would have seen at every chunk's end.
 """
 
@@ -124,7 +124,8 @@ class _Worker(Worker):
     previous: tuple[str, ...] = ()  # its last run's requests
     open: int = 0  # running a held run that no Cut has ended yet: the steps of the chunk it was held from
     # what holding it rests on: (the requests left free then, the cost model's version, the
-    # per-chunk overhead, until when the policy's promise lasts); None: that nothing is free
+    # per-chunk overhead, the states measured, until when the policy's promise lasts); None:
+    # that nothing is free
     holds: tuple | None = None
     # each of them -> its part's cost key (at the part's DoP): steps are still reported after
     # members finished
@@ -160,6 +161,7 @@ class SchedCore:
         self.stats = CoreStats()
         self.rejections: collections.deque[str] = collections.deque(maxlen=32)  # why, for logs and tests
         self._bytes: collections.OrderedDict[str, int] = collections.OrderedDict()  # state size per key
+        self._sized = 0  # states measured (``admitted``): what memory a plan counts with may have moved
         self._offered = [1]  # the DoPs the workers offer (1 unless a worker is a collaboration group)
         # standalone_s and share_s per (key, steps[, batchable]), valid while the cost model's
         # version, the overhead and the DoPs offered stay what they were (the simulator asks at
@@ -224,6 +226,7 @@ class SchedCore:
         if w is not None:
             w.free_bytes += r.nbytes - nbytes
         r.nbytes = nbytes
+        self._sized += 1
         self._bytes.pop(r.key, None)
         self._bytes[r.key] = nbytes
         while len(self._bytes) > 256:
@@ -451,8 +454,9 @@ class SchedCore:
             if h is not None:
                 if free is None:
                     free = frozenset([r.uid for r in left])
-                if h[0] == free and h[1] == self.costs.version and h[2] == self.overhead_s and now < h[3]:
-                    out.wake = min(out.wake, h[3])
+                if (h[0] == free and h[1] == self.costs.version and h[2] == self.overhead_s and h[3] == self._sized
+                        and now < h[4]):
+                    out.wake = min(out.wake, h[4])
                     continue
             out.commands.append(Cut(w.id, w.open))
             w.open, w.holds = 0, None
@@ -476,7 +480,7 @@ class SchedCore:
             step = self.costs.step_s(r.key, 1)
             if step is None or until <= now + run.steps * step:  # nothing gained before its first chunk ends
                 return run
-            holds = (frozenset([x.uid for x in left]), self.costs.version, self.overhead_s, until)
+            holds = (frozenset([x.uid for x in left]), self.costs.version, self.overhead_s, self._sized, until)
             out.wake = min(out.wake, until)
         w.open, w.holds = run.steps, holds
         return Run(run.worker, run.uids, steps, run.admit, (Part(run.parts[0].ranks, run.uids, steps),))

@@ -353,8 +353,9 @@ def test_a_cut_ends_an_open_run_where_its_chunk_would_have_ended_and_the_arrival
 
 def test_a_held_run_is_cut_where_a_request_arrives_and_where_its_promise_runs_out() -> None:
     """Two workers busy, a third request waits: each worker's run is held (srtf's order cannot
-    change while they advance), cut once another request arrives, and held again after; the
-    aging of the one waiting ends the promise even with nothing arriving."""
+    change while they advance), cut once another request arrives; the aging of the one waiting
+    ends the promise even with nothing arriving, and a state's measured size, which moves what
+    fits where, cuts as an arrival does."""
     c = core("srtf", max_batch=1, chunk_steps=2, aging=3)
     for w in ("w0", "w1"):
         c.worker_up(w)
@@ -382,6 +383,15 @@ def test_a_held_run_is_cut_where_a_request_arrives_and_where_its_promise_runs_ou
     assert run.steps == 100
     assert c2.schedule(1.0).commands == []
     assert c2.schedule(3 * 200 * 0.04).commands == [Cut("w0", 2)]
+    # a state's measured size moves what fits where: that cuts too
+    c3 = core("srtf", max_batch=1, chunk_steps=2)
+    c3.worker_up("w0")
+    c3.add(request("a", S, steps=10))
+    c3.add(request("x", L, steps=20))
+    (run,) = c3.schedule(0.0).commands
+    assert run.steps == 10 and c3.schedule(0.01).commands == []
+    c3.admitted("w0", "a", 1 << 20)
+    assert c3.schedule(0.02).commands == [Cut("w0", 2)]
 
 
 def test_slos_promise_lasts_until_the_smallest_margin_of_its_walk_is_spent() -> None:
