@@ -27,9 +27,15 @@ the same waiting requests would start the same request again, and no waiting req
 expires. A held run costs one decision and one round of IPC where chunks cost one a chunk, and
 a simulator one event where it had one a step (under contention most decisions only go on
 with the request a worker holds). Once anything the promise rests on changes (a request
-arrives, leaves or is left free by another worker, the cost model's figures or a state's measured
-size change, the promise runs out), the core cuts the run where the chunk it was held from would have ended, and decides
-there again: a policy sees the choices it would have seen at every chunk's end.
+arrives, leaves or is left free by another worker, the cost model's figures change, a worker
+comes or goes, a state's size is measured, the promise runs out: ``Decision.wake``), the core
+cuts the run where the chunk it was held from would have ended, and decides there again: a
+policy sees the choices it would have seen at every chunk's end. (Exactly so where step times
+are steady and nothing batches; a held run's steps reach the cost model only as it ends, so
+where they move a later decision may read other figures than chunk by chunk, and a batch
+size's retry once its figure goes stale may come a few steps later. Nothing is held on a stage
+with a collaboration group, nor where a compatible request waits for a key whose batch figure
+goes stale: ``CostModel.goes_stale``.)
 """
 
 from __future__ import annotations
@@ -124,8 +130,8 @@ class _Worker(Worker):
     previous: tuple[str, ...] = ()  # its last run's requests
     open: int = 0  # running a held run that no Cut has ended yet: the steps of the chunk it was held from
     # what holding it rests on: (the requests left free then, the cost model's version, the
-    # per-chunk overhead, the states measured, until when the policy's promise lasts); None:
-    # that nothing is free
+    # per-chunk overhead, the core's epoch, until when the policy's promise lasts); None: that
+    # nothing is free
     holds: tuple | None = None
     # each of them -> its part's cost key (at the part's DoP): steps are still reported after
     # members finished
@@ -161,7 +167,9 @@ class SchedCore:
         self.stats = CoreStats()
         self.rejections: collections.deque[str] = collections.deque(maxlen=32)  # why, for logs and tests
         self._bytes: collections.OrderedDict[str, int] = collections.OrderedDict()  # state size per key
-        self._sized = 0  # states measured (``admitted``): what memory a plan counts with may have moved
+        # bumped as a state's size is measured or a worker comes or goes: what memory and which
+        # workers a plan counts with may have moved (a held run rests on it)
+        self._epoch = 0
         self._offered = [1]  # the DoPs the workers offer (1 unless a worker is a collaboration group)
         # standalone_s and share_s per (key, steps[, batchable]), valid while the cost model's
         # version, the overhead and the DoPs offered stay what they were (the simulator asks at
@@ -205,12 +213,14 @@ class SchedCore:
         self.workers[wid] = _Worker(wid, idle=True, free_bytes=self.spec.resident_bytes, ranks=max(1, ranks))
         self._offered = dops(max(w.ranks for w in self.workers.values()))
         self._memo_stamp = ()
+        self._epoch += 1
 
     def worker_gone(self, wid: str) -> list[Request]:
         """A worker died: the requests whose state it held, now forgotten (the shell fails them)."""
         self.workers.pop(wid, None)
         self._offered = dops(max((w.ranks for w in self.workers.values()), default=1))
         self._memo_stamp = ()
+        self._epoch += 1
         lost = [r for r in self.requests.values() if r.worker == wid]
         for r in lost:
             del self.requests[r.uid]
@@ -226,7 +236,7 @@ class SchedCore:
         if w is not None:
             w.free_bytes += r.nbytes - nbytes
         r.nbytes = nbytes
-        self._sized += 1
+        self._epoch += 1
         self._bytes.pop(r.key, None)
         self._bytes[r.key] = nbytes
         while len(self._bytes) > 256:
@@ -454,7 +464,7 @@ class SchedCore:
             if h is not None:
                 if free is None:
                     free = frozenset([r.uid for r in left])
-                if (h[0] == free and h[1] == self.costs.version and h[2] == self.overhead_s and h[3] == self._sized
+                if (h[0] == free and h[1] == self.costs.version and h[2] == self.overhead_s and h[3] == self._epoch
                         and now < h[4]):
                     out.wake = min(out.wake, h[4])
                     continue
@@ -480,7 +490,7 @@ class SchedCore:
             step = self.costs.step_s(r.key, 1)
             if step is None or until <= now + run.steps * step:  # nothing gained before its first chunk ends
                 return run
-            holds = (frozenset([x.uid for x in left]), self.costs.version, self.overhead_s, self._sized, until)
+            holds = (frozenset([x.uid for x in left]), self.costs.version, self.overhead_s, self._epoch, until)
             out.wake = min(out.wake, until)
         w.open, w.holds = run.steps, holds
         return Run(run.worker, run.uids, steps, run.admit, (Part(run.parts[0].ranks, run.uids, steps),))
@@ -488,15 +498,24 @@ class SchedCore:
     def _stable_until(self, w: _Worker, r: Request, chunk: int, now: float, left: list[Request]) -> float:
         """Until when a decision at ``w``'s chunk's end over the requests ``left`` free would
         start ``r`` again on ``w`` alone for a chunk of ``chunk`` steps (``now``: no promise)."""
+        if len(self._offered) > 1:
+            # a collaboration group going idle changes the DoPs every request is priced at, and
+            # nothing that a hold rests on says so
+            return now
+        if self.max_batch > 1 and r.batchable and self.costs.goes_stale(r.key) and any(
+                x.batchable and x.key == r.key for x in left):
+            # a batch size measured for this key is tried again once enough steps ran alone, and
+            # a held run's steps reach the cost model only as it ends
+            return now
         rs = left + [r]
         if any(x.aged for x in rs):
             return now
         rs.sort(key=_arrival)
         view = View(now, rs, [Worker(w.id, True, w.free_bytes, set(w.resident), w.ranks)], self.costs,
                     self.max_batch, self.chunk, self.est_bytes, set(w.previous))
-        if self.policy.plan(view) != [Batch(w.id, (r.uid,), chunk)]:
+        until = self.policy.stable_until(view, r)  # (asked first: most promise nothing, or forever)
+        if until <= now or self.policy.plan(view) != [Batch(w.id, (r.uid,), chunk)]:
             return now
-        until = self.policy.stable_until(view, r)
         # ... and no request expires or, of those waiting, ages before then (the core's own
         # rules: an aged one is served first; ``r``, aged, would still lead on its worker)
         aging, by_deadline = self.spec.aging, self.policy.name in DEADLINE_ORDERED

@@ -170,6 +170,11 @@ class CostModel:
             return False
         return self._runs[key][batch] < SETTLED or self._ones.get(key, 0) - self._at_ones[key][batch] >= self.window
 
+    def goes_stale(self, key: str) -> bool:
+        """Whether a batch size above 1 was measured for ``key``: its figure goes unsettled
+        again after a window of batch-1 samples (``unsettled``), with no change of ``version``."""
+        return any(b > 1 for b in self._obs.get(key, ()))
+
     def keys(self) -> set[str]:
         return set(self._seed) | set(self._obs)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import queue
 import threading
 import time
@@ -106,6 +107,7 @@ class RequestScheduler:
         # ("died", identity, reason, t): worker_died(); ("fenced", uids, reason, t): fence()
         self.control: queue.Queue = queue.Queue(maxsize=256)
         self.wake = Wake()  # the loop's poll returns at once: a worker died, or the stage stops
+        self.wake_at = math.inf  # Decision.wake: when the core must be asked again although nothing happens
         self.hung: queue.Queue = queue.Queue(maxsize=256)  # identities for the TaskManager to kill
         self.stats = stats or SchedulerStats()
         self.stats.capacity = spec.queue
@@ -155,6 +157,8 @@ class RequestScheduler:
                 reading = want_read
             # A receiver without a socket (the ring) is polled in memory, so the turn is short.
             turn = (BUSY_TURN_MS if self.core.requests or self.running else IDLE_TURN_MS) if handle is not None else 1
+            if self.wake_at < math.inf:  # a held run's promise runs out then: decide (and cut it) on time
+                turn = max(1, min(turn, math.ceil((self.wake_at - time.monotonic()) * 1000)))
             events = dict(poller.poll(turn))
             self._account()
             try:
@@ -239,6 +243,7 @@ class RequestScheduler:
         t0 = time.perf_counter()
         d = self.core.schedule(time.monotonic())
         decided = time.perf_counter() - t0
+        self.wake_at = d.wake
         for r in d.expired:
             self._fail(r.uid, r.app, f"deadline exceeded at stage {self.stage} "
                                      f"({'in a worker' if r.worker else 'waiting'}, {r.done}/{r.steps} steps done)")

@@ -355,7 +355,8 @@ def test_a_held_run_is_cut_where_a_request_arrives_and_where_its_promise_runs_ou
     """Two workers busy, a third request waits: each worker's run is held (srtf's order cannot
     change while they advance), cut once another request arrives; the aging of the one waiting
     ends the promise even with nothing arriving, and a state's measured size, which moves what
-    fits where, cuts as an arrival does."""
+    fits where, cuts as an arrival does. Nothing is held where the promise could not see what
+    would change the plan."""
     c = core("srtf", max_batch=1, chunk_steps=2, aging=3)
     for w in ("w0", "w1"):
         c.worker_up(w)
@@ -392,6 +393,24 @@ def test_a_held_run_is_cut_where_a_request_arrives_and_where_its_promise_runs_ou
     assert run.steps == 10 and c3.schedule(0.01).commands == []
     c3.admitted("w0", "a", 1 << 20)
     assert c3.schedule(0.02).commands == [Cut("w0", 2)]
+    # a stage with a collaboration group holds nothing: a group going idle reprices every
+    # request at the DoPs it offers, and nothing a hold rests on says so
+    c4 = core("srtf", max_batch=1, chunk_steps=2)
+    c4.worker_up("g", 2)
+    c4.worker_up("w")
+    for u in ("a", "b", "x"):
+        c4.add(request(u, S, steps=10))
+    assert [r.steps for r in c4.schedule(0.0).commands] == [2, 2]
+    # a key whose batch figure goes stale: the waiting compatible request would join r once
+    # enough steps ran alone (``CostModel.unsettled``), which a held run reports only as it ends
+    c5 = core("srtf", max_batch=2, chunk_steps=2)
+    for b, t in ((1, 0.01), (2, 0.02)):
+        for _ in range(3):
+            c5.costs.observe(S, b, t)  # batch 2 measured, settled, saving nothing: r runs alone
+    c5.worker_up("w0")
+    c5.add(request("r", S, steps=40))
+    c5.add(request("x", S, steps=60))
+    assert [(run.uids, run.steps) for run in c5.schedule(0.0).commands] == [(("r",), 2)]
 
 
 def test_slos_promise_lasts_until_the_smallest_margin_of_its_walk_is_spent() -> None:
@@ -427,12 +446,12 @@ def test_holding_runs_decides_what_deciding_at_every_chunk_end_decides(policy: s
     """The same random traces (mixed shapes and step counts, deadlines some requests miss and
     expire at, priorities) on three workers, with the policy's promise and without it (a
     decision at every chunk's end): every request ends the same way at the same time, in fewer
-    runs. (At max_batch 1: with batching, a batch size measured long ago is tried again after so
-    many steps alone, and a held run's steps reach the cost model when it ends, as a worker's
-    do, so such a retry may come a few steps later.)"""
+    runs. (At max_batch 1: a batch size measured long ago is tried again after so many steps
+    alone, which a held run reports as it ends, so with batching such a retry on another worker
+    may come a few steps later.)"""
 
-    def run(seed: int, hold: bool, chunk: int | None) -> tuple[dict, int]:
-        c = core(policy, max_batch=1, **({"chunk_steps": chunk} if chunk else {}))
+    def run(seed: int, hold: bool, chunk: int | None, max_batch: int) -> tuple[dict, int]:
+        c = core(policy, max_batch=max_batch, **({"chunk_steps": chunk} if chunk else {}))
         if not hold:
             c.policy.stable_until = lambda view, r: view.now
         st = VirtualStage(c, cost, workers=3)
@@ -448,9 +467,9 @@ def test_holding_runs_decides_what_deciding_at_every_chunk_end_decides(policy: s
 
     held = apart = 0
     for seed in range(6):
-        for chunk in (None, 2):
-            (a, n_held), (b, n_apart) = run(seed, True, chunk), run(seed, False, chunk)
-            assert a == b, (seed, chunk, [(u, a[u], b[u]) for u in a if a[u] != b[u]][:3])
+        for chunk, max_batch in ((None, 1), (2, 1)):
+            (a, n_held), (b, n_apart) = run(seed, True, chunk, max_batch), run(seed, False, chunk, max_batch)
+            assert a == b, (seed, chunk, max_batch, [(u, a[u], b[u]) for u in a if a[u] != b[u]][:3])
             held, apart = held + n_held, apart + n_apart
     assert held < 0.8 * apart, (held, apart)
 
