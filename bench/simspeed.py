@@ -6,10 +6,11 @@ one set of ``--devices-per-set`` devices (text_encode 1, vae_decode 1, the rest 
 are real Wan2.1's order on an H100 (SGLang's baselines, as ``deploy/wan21-h100.costs.json``: a
 1.3B step at 832x480x25 0.14 s, a 14B one on two GPUs 0.65 s, text encoding 0.17 s, VAE decode
 0.36-0.56 s).
-Speed depends on events, not on their figures, but the figures set the chunks: while requests
-compete for a worker, a step that long is one chunk, a decision each, as on a GPU (at a step of
-20 ms the core chunks two steps, half the decisions); a request alone in its stage runs open,
-one decision for all its steps (sched/core.py). 50 steps is Wan2.1's default. Reports simulated requests per second of wall
+Speed depends on events, not on their figures, but the figures set the chunks: a step that
+long is one chunk, as on a GPU (at a step of 20 ms the core chunks two steps); a request alone
+in its stage runs open, and one that competes is held while the policy promises the same plan,
+one decision for all its steps until something changes (sched/core.py). 50 steps is Wan2.1's
+default. Reports simulated requests per second of wall
 time on one core, and where the time goes (cProfile's top functions, ``--profile``), and the
 run's CPU time beside its wall time (on a shared machine the CPU time is what compares across
 runs). Target: 10^6 requests over 1,000 devices in at most 60 s. Saved as ``simspeed.json`` and
