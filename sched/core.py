@@ -41,6 +41,7 @@ goes stale: ``CostModel.goes_stale``.)
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import operator
 import statistics
@@ -141,14 +142,15 @@ class _Worker(Worker):
 _arrival = operator.attrgetter("arrival")
 
 
-def chunk_steps(steps: Iterable[tuple[Sequence[str], float]]) -> Iterator[tuple[Sequence[str], float, bool]]:
-    """A chunk's steps as ``SchedCore.stepped`` takes them: (uids, seconds, first), ``first`` for
-    the first step of each batch in the chunk (what the cost model counts as a run)."""
+def chunk_steps(steps: Iterable[tuple[Sequence[str], float]]) -> Iterator[tuple[Sequence[str], float, bool, int]]:
+    """A chunk's steps as ``SchedCore.stepped`` takes them: (uids, seconds, first, times),
+    ``first`` for the first step of each batch in the chunk (what the cost model counts as a
+    run), ``times`` the same batch at the same seconds that many steps in a row (told in one
+    call: none of its members can finish before the last of them)."""
     seen: set[tuple[str, ...]] = set()
-    for uids, seconds in steps:
-        batch = tuple(uids)
-        yield uids, seconds, batch not in seen
-        seen.add(batch)
+    for (uids, seconds), same in itertools.groupby(steps, key=lambda s: (tuple(s[0]), s[1])):
+        yield uids, seconds, uids not in seen, sum(1 for _ in same)
+        seen.add(uids)
 
 
 class SchedCore:
@@ -242,7 +244,7 @@ class SchedCore:
         while len(self._bytes) > 256:
             self._bytes.popitem(last=False)
 
-    def stepped(self, uids: list[str], seconds: float, measure: bool = True, first: bool = True,
+    def stepped(self, uids: Sequence[str], seconds: float, measure: bool = True, first: bool = True,
                 times: int = 1) -> None:
         """One forward pass advanced ``uids`` (one batch, one key) by a step in ``seconds``
         (``times`` such passes in a row: what as many calls would leave); ``measure``: a sample

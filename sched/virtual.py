@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from onepiece.sched.core import Drop, Part, Run, SchedCore
+from onepiece.sched.core import Drop, Part, Run, SchedCore, chunk_steps
 from onepiece.sched.keys import at_dop
 from onepiece.sched.policy import Request
 
@@ -376,16 +376,10 @@ class VirtualInstance:
     def _finish_chunk(self, run: Run, steps: list, first: dict) -> None:
         core = self.core
         reqs = core.requests
-        seen: set[tuple[str, ...]] = set()
-        # the same batch at the same cost several steps in a row (a run priced without jitter)
-        # told in one call: none of its members can finish before the last of them
-        for (live, dt), same in itertools.groupby(steps):
-            batch = tuple(live)
-            first_of_batch = batch not in seen
-            seen.add(batch)
+        for live, dt, first_of_batch, times in chunk_steps(steps):
             if len(live) > 1 or live[0] not in reqs:
                 live = [u for u in live if u in reqs]  # cancelled or expired meanwhile
-            core.stepped(live, dt, first=first_of_batch, times=sum(1 for _ in same))
+            core.stepped(live, dt, first=first_of_batch, times=times)
             for u in live:
                 r = reqs[u]
                 if r.steps == r.done:

@@ -357,10 +357,11 @@ class RequestScheduler:
 
     def _learn(self, wid: str, info: Idle, measured: bool) -> None:
         """What a run teaches: its steps' times, and the service times of the requests it ended."""
-        for uids, seconds, first in chunk_steps(info.steps):
-            self.core.stepped(uids, seconds, measure=measured, first=first)
+        for uids, seconds, first, times in chunk_steps(info.steps):
+            self.core.stepped(uids, seconds, measure=measured, first=first, times=times)
             if measured:
-                self.stats.step_time.observe(seconds)
+                for _ in range(times):
+                    self.stats.step_time.observe(seconds)
         if measured:
             for uid, seconds in info.fixed.items():
                 self.fixed[uid] = self.fixed.get(uid, 0.0) + seconds
