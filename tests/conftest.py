@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
+import shutil
+import tempfile
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -31,3 +35,82 @@ def make_topology():
     from onepiece.launcher import write_topology
 
     return write_topology
+
+
+# --- two test processes on the machine's cores (pytest-xdist, pyproject's addopts) --------------
+# A test file marked ``exclusive`` asserts on rates, times or bounds that another file's load
+# would move (a second deployment starting beside it made a text encoding of a few ms take
+# 0.4 s): it runs while no other test file runs. The others run two at a time. A readers-writer
+# lock, taken per file (its module fixtures' deployments live as long as the file runs), on two
+# files in a folder the controller makes for the run; the turnstile makes it fair: an exclusive
+# file that waits holds it, so files that come after it wait behind it.
+_LOCKS = "onepiece_locks"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        config._onepiece_locks = tempfile.mkdtemp(prefix="onepiece-test-locks-")  # the controller's
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook, on the controller: what each worker is given
+def pytest_configure_node(node) -> None:
+    node.workerinput[_LOCKS] = node.config._onepiece_locks
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if folder := getattr(config, "_onepiece_locks", None):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class _FileTurns:
+    """This process's turns, one test file at a time."""
+
+    def __init__(self, folder: str) -> None:
+        self.turnstile: IO = open(os.path.join(folder, "turnstile"), "a")
+        self.shared: IO = open(os.path.join(folder, "files"), "a")
+        self.module: str | None = None  # the file whose turn this process holds
+
+    def enter(self, item: pytest.Item) -> None:
+        module = item.nodeid.split("::")[0]
+        if module == self.module:
+            return
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.shared, fcntl.LOCK_EX if item.get_closest_marker("exclusive") else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+        self.module = module
+
+    def leave(self, nextitem: pytest.Item | None) -> None:
+        if nextitem is None or nextitem.nodeid.split("::")[0] != self.module:  # (its module fixtures are down)
+            fcntl.flock(self.shared, fcntl.LOCK_UN)
+            self.module = None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files in the order they are handed out (``--no-loadscope-reorder``): the exclusive ones
+    first, one after the other, then the other end-to-end ones (the longest), then the rest, so
+    that what is left at the end runs two at a time. A file's own tests keep their order."""
+    rank: dict[str, int] = {}
+    for it in items:
+        f = it.nodeid.split("::")[0]
+        rank[f] = min(rank.get(f, 2), 0 if it.get_closest_marker("exclusive") else 1 if it.get_closest_marker("slow") else 2)
+    items.sort(key=lambda it: rank[it.nodeid.split("::")[0]])  # (stable)
+
+
+_turns: _FileTurns | None = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    global _turns
+    folder = getattr(item.config, "workerinput", {}).get(_LOCKS)
+    if folder is None:  # one process (-n 0): nothing to share
+        return (yield)
+    if _turns is None:
+        _turns = _FileTurns(folder)
+    _turns.enter(item)
+    try:
+        return (yield)
+    finally:
+        _turns.leave(nextitem)

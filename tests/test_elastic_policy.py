@@ -18,6 +18,8 @@ from onepiece.operator_key import ENV as OPERATOR_ENV
 from onepiece.transport.rpc import RpcError
 from waiting import wait_for
 
+pytestmark = pytest.mark.exclusive  # (conftest.py) it asserts on times and rates
+
 SPEC = ElasticSpec(threshold=0.85, low=0.2, window_s=10, cooldown_s=5)
 
 

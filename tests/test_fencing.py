@@ -36,7 +36,7 @@ from onepiece.transport.message import Message
 from deployment import Up, serving
 from waiting import wait_for
 
-pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+pytestmark = [pytest.mark.exclusive, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 NAME = "set0-denoise_t2v0"
 DB = {"data": "tcp://127.0.0.1:9991", "control": "tcp://127.0.0.1:9992", "events": "tcp://127.0.0.1:9993"}

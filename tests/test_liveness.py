@@ -21,7 +21,7 @@ from onepiece.nm.liveness import MISSED, LivenessSpec, decide
 from onepiece.transport.rpc import RpcError
 from waiting import wait_for
 
-pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+pytestmark = [pytest.mark.exclusive, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 SPEC = LivenessSpec(heartbeat_s=1.0, dead_after_s=4.0)
 

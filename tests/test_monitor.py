@@ -30,7 +30,7 @@ from onepiece.launcher import Deployment, free_tcp_address
 from onepiece.nm.client import NmClient
 from waiting import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 SHAPE = {"size": "32x32", "num_frames": 5, "steps": 100}
 

@@ -24,7 +24,7 @@ from onepiece.nm.client import NmClient
 from deployment import Up
 from waiting import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 STAGES = {"text_encode": 2, "denoise_t2v": 3, "vae_decode": 2, "image_encode": 1, "vae_encode": 1, "denoise_i2v": 1}
 STREAMS = 3  # requests in flight at once: load, yet below what 10 tiny instances absorb

@@ -23,7 +23,7 @@ from onepiece.nm.orphans import Unheld
 from deployment import Up
 from waiting import wait_for
 
-pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+pytestmark = [pytest.mark.exclusive, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 
 def test_a_request_unheld_at_two_looks_a_gap_apart_is_reported_once() -> None:

@@ -33,7 +33,7 @@ from onepiece.proxy.keys import ANYONE
 from deployment import Up, serving
 from waiting import wait_for
 
-pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+pytestmark = [pytest.mark.exclusive, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 HEARTBEAT_S = 0.25
 DEAD_AFTER_S = 4.0  # room for the request to reach the stopped denoiser before the NM drops it

@@ -19,6 +19,8 @@ from onepiece.transport import registry
 from onepiece.transport.message import Message, new_uid
 
 KEY = "64x64x9/cfg/L64"
+PARAMS = {"prompt": "a fox", "negative_prompt": "", "width": 64, "height": 64, "num_frames": 9, "steps": 4,
+          "guidance": 5.0, "seed": 1, "fps": 16, "max_sequence_length": 64}
 
 
 def scheduler(tmp_path, **schedule) -> RequestScheduler:
@@ -181,3 +183,39 @@ def test_a_worker_notes_a_cut_for_its_run_and_refuses_a_malformed_one(caplog) ->
     _cut([zmq.Frame(b"cut")], cuts)  # no body at all
     assert cuts == {7: 2}
     assert caplog.text.count("malformed cut command") == 6
+
+
+def test_an_idle_wait_that_a_request_ends_is_not_busy_time(tmp_path, monkeypatch) -> None:
+    """Utilization (what the NM's elastic policy moves instances on) is the time workers run:
+    the shell's loop counts the time since its last turn as it was *before* the turn (counted
+    after it, the idle wait that a request's arrival ended was busy time, and made a nearly idle
+    text_encode look nearly fully busy). The loop runs on its real sockets; its idle turn is
+    stretched so that the wait is long and the check does not depend on the machine's speed."""
+    import threading
+
+    monkeypatch.setattr(scheduler_module, "IDLE_TURN_MS", 60_000)
+    s = scheduler(tmp_path)
+    s.stepped = {"t2v": True}  # as w0's ready report says
+    s.stats.workers = 1  # as its TaskManager sets it
+    stop = threading.Event()
+    loop = threading.Thread(target=s.run, args=(stop,), daemon=True)
+    sender = registry.connect(s.receiver.address)
+    try:
+        loop.start()
+        time.sleep(2.0)  # the loop waits idle, for up to a minute
+        uid = new_uid()
+        sender.send(Message({"uid": uid, "app": "t2v", "stage": "denoise_t2v", "params": PARAMS,
+                             "deadline": time.time_ns() + int(60e9)}, {}))
+        deadline = time.monotonic() + 30
+        while b"w0" not in s.running and time.monotonic() < deadline:  # its run sent to w0 (no process there)
+            time.sleep(0.01)
+        assert b"w0" in s.running
+        # Busy from the run's start on only: at most the moments since (not the 2 s wait before it).
+        assert s.stats.busy_s < 1.0, s.stats.busy_s
+        assert s.stats.slot_s >= 2.0  # the wait was counted, as idle
+    finally:
+        stop.set()
+        s.wake.set()
+        loop.join(10)
+        sender.close()
+        close(s)

@@ -29,7 +29,7 @@ from onepiece.stage.service_times import WINDOW
 from deployment import serving
 from waiting import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 SLOW = dict(size="256x256", num_frames=17, steps=100)  # seconds of denoising on the tiny model
 
@@ -234,14 +234,18 @@ def test_a_stage_counts_as_busy_only_the_time_its_workers_compute(up):
     busy). Last in the module: its small requests would enter the rate and batch figures the
     tests above read."""
     before = view(up, "text_encode")["stats"]
+    t0 = time.monotonic()
     with Client(up.url) as c:
         for i in range(5):
             c.wait(c.submit(f"one at a time {i}", model="t2v", size="64x64", num_frames=9, steps=2)["id"], timeout=60)
             time.sleep(0.6)  # longer than an idle turn: each request arrives to a waiting scheduler
     after = wait_for(lambda: (st := view(up, "text_encode")["stats"])["completed"] >= before["completed"] + 5
                      and st, 10, "the heartbeat counting them")
-    busy = after["busy_s"] - before["busy_s"]
-    assert 0 < busy < 0.4, busy  # five text encodings of a few ms each, not the waits before them
+    busy, slots = after["busy_s"] - before["busy_s"], after["slot_s"] - before["slot_s"]
+    # Five text encodings of a few ms each: a small share of the time the one worker was there.
+    # (How small depends on the machine: under load here they took 0.4 s each; the sharp check,
+    # that the waits before them are not busy time, is test_scheduler_reports.py's, in process.)
+    assert 0 < busy < 0.5 * slots and slots >= time.monotonic() - t0 - 3.0, (busy, slots)
 
 
 def test_a_request_alone_runs_open_and_one_that_arrives_cuts_in(up):

@@ -12,7 +12,7 @@ import pytest
 import zk_harness
 from onepiece.bench import failover
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 
 def test_smoke_run_writes_sane_files(tiny_models, tmp_path):

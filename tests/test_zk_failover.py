@@ -35,7 +35,7 @@ from onepiece.transport.rpc import RpcError
 from deployment import Up
 from waiting import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 SESSION_S = 2.0
 TICK_S = 0.5  # the test ZooKeeper's tickTime: it expires sessions on tick boundaries, up to a tick late

@@ -30,6 +30,8 @@ from onepiece.transport.rpc import RpcClient, RpcError
 from proxy_harness import DbThread
 from waiting import wait_for
 
+pytestmark = pytest.mark.exclusive  # (conftest.py) it asserts on times and rates
+
 SESSION_S = 2.0
 TICK_S = 0.5  # the test ZooKeeper's tickTime: it expires sessions on tick boundaries, up to a tick late
 HEARTBEAT_S = 0.25
