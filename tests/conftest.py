@@ -38,12 +38,12 @@ def make_topology():
 
 
 # --- two test processes on the machine's cores (pytest-xdist, pyproject's addopts) --------------
-# A test file marked ``exclusive`` asserts on rates, times or bounds that another file's load
-# would move (a second deployment starting beside it made a text encoding of a few ms take
-# 0.4 s): it runs while no other test file runs. The others run two at a time. A readers-writer
-# lock, taken per file (its module fixtures' deployments live as long as the file runs), on two
-# files in a folder the controller makes for the run; the turnstile makes it fair: an exclusive
-# file that waits holds it, so files that come after it wait behind it.
+# A test marked ``exclusive`` asserts on rates, times or bounds that another test's load would
+# move (a second deployment starting beside it made a text encoding of a few ms take 0.4 s): it
+# runs while no other test runs. The others run two at a time. A readers-writer lock per test
+# (a module fixture's deployment starts under its first test's turn, and between tests it
+# idles), on two files in a folder the controller makes for the run; the turnstile makes it
+# fair: an exclusive test that waits holds it, so the tests that come after it wait behind it.
 _LOCKS = "onepiece_locks"
 
 
@@ -62,35 +62,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-class _FileTurns:
-    """This process's turns, one test file at a time."""
-
-    def __init__(self, folder: str) -> None:
-        self.turnstile: IO = open(os.path.join(folder, "turnstile"), "a")
-        self.shared: IO = open(os.path.join(folder, "files"), "a")
-        self.module: str | None = None  # the file whose turn this process holds
-
-    def enter(self, item: pytest.Item) -> None:
-        module = item.nodeid.split("::")[0]
-        if module == self.module:
-            return
-        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(self.shared, fcntl.LOCK_EX if item.get_closest_marker("exclusive") else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(self.turnstile, fcntl.LOCK_UN)
-        self.module = module
-
-    def leave(self, nextitem: pytest.Item | None) -> None:
-        if nextitem is None or nextitem.nodeid.split("::")[0] != self.module:  # (its module fixtures are down)
-            fcntl.flock(self.shared, fcntl.LOCK_UN)
-            self.module = None
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files in the order they are handed out (``--no-loadscope-reorder``): the exclusive ones
-    first, one after the other, then the other end-to-end ones (the longest), then the rest, so
-    that what is left at the end runs two at a time. A file's own tests keep their order."""
+    """Files in the order they are handed out (``--no-loadscope-reorder``): those with exclusive
+    tests first, then the other end-to-end ones (the longest), then the rest, so that what is
+    left at the end runs two at a time. A file's own tests keep their order."""
     rank: dict[str, int] = {}
     for it in items:
         f = it.nodeid.split("::")[0]
@@ -98,19 +73,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda it: rank[it.nodeid.split("::")[0]])  # (stable)
 
 
-_turns: _FileTurns | None = None
+_lock_files: tuple[IO, IO] | None = None  # (turnstile, tests), this process's
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    global _turns
+    global _lock_files
     folder = getattr(item.config, "workerinput", {}).get(_LOCKS)
     if folder is None:  # one process (-n 0): nothing to share
         return (yield)
-    if _turns is None:
-        _turns = _FileTurns(folder)
-    _turns.enter(item)
+    if _lock_files is None:
+        _lock_files = (open(os.path.join(folder, "turnstile"), "a"), open(os.path.join(folder, "tests"), "a"))
+    turnstile, tests = _lock_files
+    fcntl.flock(turnstile, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(tests, fcntl.LOCK_EX if item.get_closest_marker("exclusive") else fcntl.LOCK_SH)
+    finally:
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
     try:
         return (yield)
     finally:
-        _turns.leave(nextitem)
+        fcntl.flock(tests, fcntl.LOCK_UN)

@@ -32,8 +32,6 @@ from onepiece.stage.wan.parallel import layout
 from onepiece.transport.message import Message, new_uid
 from test_wan_split import DECODE, STAGES, comps, image, params, run, wire  # noqa: F401  (fixtures)
 
-pytestmark = pytest.mark.exclusive  # (conftest.py) it asserts on times and rates
-
 HERE = Path(__file__).parent
 
 
@@ -252,6 +250,7 @@ SLOW = dict(size="256x256", num_frames=17, steps=100)  # seconds of denoising on
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.exclusive
 def test_a_collaboration_instance_serves_and_a_dead_rank_restarts_its_group(tiny_models, tmp_path, make_topology) -> None:
     """A denoise instance whose 2 workers form one group: requests complete; SIGKILL of rank 1
     fails what the group held with the reason, and the group comes back as a unit."""
@@ -318,6 +317,7 @@ def test_a_collaboration_instance_serves_and_a_dead_rank_restarts_its_group(tiny
         dep.stop()
 
 
+@pytest.mark.exclusive
 def test_bench_parallel_times_steps_per_dop_and_what_a_switch_costs(tiny_models, tmp_path) -> None:
     import json
 

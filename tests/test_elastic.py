@@ -30,7 +30,7 @@ from onepiece.launcher import Deployment, free_tcp_address
 from onepiece.nm.client import NmClient
 from waiting import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.exclusive, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 BODY = request_body("32x32x5:100")
 WINDOW = 3.0
@@ -70,6 +70,7 @@ def donor_set(tiny_models, tmp_path_factory):
         dep.stop()
 
 
+@pytest.mark.exclusive
 def test_saturated_denoise_takes_an_idle_stage_instance_and_throughput_rises(donor_set):
     dep, nm, url = donor_set
     load = Load(url, BODY, clients=4, deadline=time.monotonic() + 150).start()
@@ -161,6 +162,7 @@ def test_a_moved_instance_that_dies_comes_back_at_the_stage_it_was_moved_to(dono
         supervisor.join(5)
 
 
+@pytest.mark.exclusive
 def test_the_idle_pool_serves_under_load_and_takes_the_instance_back_when_load_is_gone(tiny_models, tmp_path):
     # cold over two windows: the load stops at once here, no lull to tell from its end. Windows
     # of 2 s, not the module's 3: no rate is measured over them here, and each decision is on a

@@ -18,8 +18,6 @@ from onepiece.operator_key import ENV as OPERATOR_ENV
 from onepiece.transport.rpc import RpcError
 from waiting import wait_for
 
-pytestmark = pytest.mark.exclusive  # (conftest.py) it asserts on times and rates
-
 SPEC = ElasticSpec(threshold=0.85, low=0.2, window_s=10, cooldown_s=5)
 
 
@@ -369,6 +367,7 @@ def test_a_real_nm_refills_a_stage_that_lost_its_last_instance_from_the_idle_poo
         server.close()
 
 
+@pytest.mark.exclusive
 def test_an_operator_cannot_take_a_stages_only_instance_while_its_heartbeat_is_late(tmp_path, tiny_models):
     """Ready by its last heartbeat is ready however late that came (the NM routes it until it
     drops it): a heartbeat late under load, past the policy's freshness but within the dead

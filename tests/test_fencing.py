@@ -36,7 +36,7 @@ from onepiece.transport.message import Message
 from deployment import Up, serving
 from waiting import wait_for
 
-pytestmark = [pytest.mark.exclusive, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
 NAME = "set0-denoise_t2v0"
 DB = {"data": "tcp://127.0.0.1:9991", "control": "tcp://127.0.0.1:9992", "events": "tcp://127.0.0.1:9993"}
@@ -386,6 +386,7 @@ def _denoiser(up: Up) -> psutil.Process:
     return proc
 
 
+@pytest.mark.exclusive
 def test_an_instance_stopped_past_the_dead_limit_drops_what_was_reported_failed_and_serves_on(up):
     nm = NmClient(up.nm)
     db = DbClient([d["control"] for d in up.routes()["dbs"]])

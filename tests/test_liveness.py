@@ -21,7 +21,7 @@ from onepiece.nm.liveness import MISSED, LivenessSpec, decide
 from onepiece.transport.rpc import RpcError
 from waiting import wait_for
 
-pytestmark = [pytest.mark.exclusive, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
 SPEC = LivenessSpec(heartbeat_s=1.0, dead_after_s=4.0)
 
@@ -71,6 +71,7 @@ def _start(args: list[str], log) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "onepiece", *args], stdout=log, stderr=subprocess.STDOUT)
 
 
+@pytest.mark.exclusive
 def test_a_real_nm_stopped_longer_than_the_timeout_keeps_its_members_and_drops_only_the_dead(tmp_path):
     address = free_tcp_address()
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("nm", "db0", "db1", "db2")}

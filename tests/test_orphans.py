@@ -23,7 +23,7 @@ from onepiece.nm.orphans import Unheld
 from deployment import Up
 from waiting import wait_for
 
-pytestmark = [pytest.mark.exclusive, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
 
 def test_a_request_unheld_at_two_looks_a_gap_apart_is_reported_once() -> None:
@@ -101,6 +101,7 @@ def up(tiny_models, tmp_path_factory, make_topology):
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive
 def test_requests_waiting_in_a_full_stage_s_buffer_are_not_taken_for_lost(up) -> None:
     """A stage whose queue is full reads no more: what is handed to it waits in its transport's
     buffer, held by nobody, as long as the queue takes to drain. None of it may be failed."""
@@ -123,6 +124,7 @@ def test_requests_waiting_in_a_full_stage_s_buffer_are_not_taken_for_lost(up) ->
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive
 def test_a_stage_that_died_while_the_nm_was_down_has_its_request_failed_long_before_the_deadline(up) -> None:
     """Last in the module: `up` restarts the NM and the denoise stage it kills."""
     nm = up.nm
@@ -176,6 +178,7 @@ def test_an_unheld_verdict_names_the_stage_that_last_reported_the_request(tmp_pa
         nm.close()
 
 
+@pytest.mark.exclusive
 def test_no_verdict_while_a_stage_instance_still_loads_its_models(tmp_path, tiny_models) -> None:
     """A restarted stage instance registers at its old address (`onepiece up` keeps it) and reads
     nothing until its workers have loaded; what its upstream sent there on the routes of before

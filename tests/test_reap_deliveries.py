@@ -33,7 +33,7 @@ from onepiece.proxy.keys import ANYONE
 from deployment import Up, serving
 from waiting import wait_for
 
-pytestmark = [pytest.mark.exclusive, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
 HEARTBEAT_S = 0.25
 DEAD_AFTER_S = 4.0  # room for the request to reach the stopped denoiser before the NM drops it
@@ -96,6 +96,7 @@ def _stage_process(up: Up, stage: str) -> psutil.Process:
     return proc
 
 
+@pytest.mark.exclusive
 def test_a_request_delivered_after_the_last_heartbeat_fails_as_instance_died_within_the_bound(up):
     nm = NmClient(up.nm)
     denoiser = _stage_process(up, "denoise_t2v")
@@ -169,6 +170,7 @@ def test_the_handing_rule():
     assert handing(queued, now_s=110.0, handover_s=3.0) == ("resend", 0.0)
 
 
+@pytest.mark.exclusive
 def test_a_create_stored_by_a_proxy_killed_before_the_hand_over_is_handed_over_by_the_retry(up):
     key = "proxy-killed-mid-post"
     uid = idempotent_uid(ANYONE, key)  # no API keys here: every caller is one

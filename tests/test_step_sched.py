@@ -29,7 +29,7 @@ from onepiece.stage.service_times import WINDOW
 from deployment import serving
 from waiting import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.exclusive, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 SLOW = dict(size="256x256", num_frames=17, steps=100)  # seconds of denoising on the tiny model
 
@@ -60,6 +60,7 @@ def denoise(up) -> dict:
     return view(up, "denoise_t2v")
 
 
+@pytest.mark.exclusive
 def test_the_stage_rate_follows_the_batch_sizes_it_reaches(up):
     """Alone, the denoise rate is 1 / its standalone time; after a burst the stage reached
     batch 4, and its reported rate (what the NM's capacity view, and so the request monitor,
@@ -96,6 +97,7 @@ def test_the_stage_rate_follows_the_batch_sizes_it_reaches(up):
         raise AssertionError(f"{e}; now {stage_rate()}; the stage's view: {denoise(up)['stats']}") from None
 
 
+@pytest.mark.exclusive
 def test_compatible_requests_share_forward_passes(up, tmp_path):
     with Client(up.url) as c:
         vids = [c.submit(f"fox {i}", model="t2v", size="64x64", num_frames=9, steps=20, seed=i) for i in range(4)]
@@ -146,6 +148,7 @@ def test_cancelled_in_flight_request_stops_at_a_step_boundary_and_frees_its_stat
     assert freed < 3.0
 
 
+@pytest.mark.exclusive
 def test_a_request_past_its_deadline_is_dropped_with_a_reason(up):
     with Client(up.url) as c:
         v = c.submit("too slow", model="t2v", timeout_s=1.5, **SLOW)
@@ -172,6 +175,7 @@ def test_a_request_that_misses_its_slo_still_completes(up):
     assert stats["late"] <= stats["left"]
 
 
+@pytest.mark.exclusive
 def test_the_simulator_predicts_a_real_run(up):
     """DESIGN §12's validation in small: a trace sent open loop to the running deployment, then
     the same trace through the simulator priced by what the deployment's own stages measured.
@@ -248,6 +252,7 @@ def test_a_stage_counts_as_busy_only_the_time_its_workers_compute(up):
     assert 0 < busy < 0.5 * slots and slots >= time.monotonic() - t0 - 3.0, (busy, slots)
 
 
+@pytest.mark.exclusive
 def test_a_request_alone_runs_open_and_one_that_arrives_cuts_in(up):
     """A request alone in the denoise stage gets all of its steps in one run (one decision, where
     chunks of 2 steps took 50); one that arrives meanwhile has the core cut that run where a chunk

@@ -12,9 +12,10 @@ import pytest
 import zk_harness
 from onepiece.bench import failover
 
-pytestmark = [pytest.mark.slow, pytest.mark.exclusive, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 
+@pytest.mark.exclusive
 def test_smoke_run_writes_sane_files(tiny_models, tmp_path):
     why = zk_harness.missing()
     if why:

@@ -30,8 +30,6 @@ from onepiece.transport.rpc import RpcClient, RpcError
 from proxy_harness import DbThread
 from waiting import wait_for
 
-pytestmark = pytest.mark.exclusive  # (conftest.py) it asserts on times and rates
-
 SESSION_S = 2.0
 TICK_S = 0.5  # the test ZooKeeper's tickTime: it expires sessions on tick boundaries, up to a tick late
 HEARTBEAT_S = 0.25
@@ -148,6 +146,7 @@ def db_addresses(n: int) -> dict[str, str]:
 
 # ---- the harness itself ------------------------------------------------------------------------
 
+@pytest.mark.exclusive
 def test_harness_ensemble_keeps_serving_without_one_server(tmp_path):
     why = zk_harness.missing()
     if why:
@@ -176,6 +175,7 @@ def test_harness_ensemble_keeps_serving_without_one_server(tmp_path):
 
 # ---- election, redirects, takeover -------------------------------------------------------------
 
+@pytest.mark.exclusive
 def test_backups_redirect_and_a_new_primary_keeps_the_state(nms_factory):
     nms = nms_factory(3)
     first = nms.primary()
@@ -245,6 +245,7 @@ def test_backups_redirect_and_a_new_primary_keeps_the_state(nms_factory):
             m.stop()
 
 
+@pytest.mark.exclusive
 def test_a_paused_primary_is_replaced_and_steps_down(nms_factory):
     """SIGSTOP (a real pause, as a long GC or a frozen VM) outlasts the session: a backup takes
     over; when the old primary wakes up its session is gone, so it stops acting as primary and
@@ -291,6 +292,7 @@ INSTANCE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.exclusive
 def test_a_killed_instance_leaves_the_routes_and_its_requests_fail(nms_factory, tmp_path):
     """A real process holding a member node and heartbeating the UIDs it holds (what a stage's
     nm/holdings.py reports; here they are declared, the deployment test has real ones) is
@@ -354,6 +356,7 @@ def test_a_killed_instance_leaves_the_routes_and_its_requests_fail(nms_factory, 
         db.close()
 
 
+@pytest.mark.exclusive
 def test_the_embedded_nm_also_fails_what_a_silent_instance_held():
     """Without ZooKeeper the NM drops an instance that stops heartbeating; what it held is
     reported failed the same way."""
@@ -572,6 +575,7 @@ def test_zk_flags_without_an_address_are_refused(capsys):
     assert "--zk-root and --zk-auth-file need --zk" in capsys.readouterr().err
 
 
+@pytest.mark.exclusive
 def test_a_move_is_kept_in_zookeeper_across_a_failover(nms_factory):
     """An assignment is cluster state: a new primary routes a moving instance exactly as the
     old one did (nowhere until it serves its new stage), from ZooKeeper alone; and a restart of
@@ -607,6 +611,7 @@ def test_a_move_is_kept_in_zookeeper_across_a_failover(nms_factory):
         twin.stop()
 
 
+@pytest.mark.exclusive
 def test_stop_signal_and_close_racing_end_cleanly(zk, root, topology):
     """SIGTERM hands over on a thread of its own while the main loop, seeing the same stop,
     closes the NM; close() must wait for the handover, since kazoo refuses to close a
