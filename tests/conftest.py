@@ -38,12 +38,15 @@ def make_topology():
 
 
 # --- two test processes on the machine's cores (pytest-xdist, pyproject's addopts) --------------
-# A test marked ``exclusive`` asserts on rates, times or bounds that another test's load would
-# move (a second deployment starting beside it made a text encoding of a few ms take 0.4 s): it
-# runs while no other test runs. The others run two at a time. A readers-writer lock per test
-# (a module fixture's deployment starts under its first test's turn, and between tests it
-# idles), on two files in a folder the controller makes for the run; the turnstile makes it
-# fair: an exclusive test that waits holds it, so the tests that come after it wait behind it.
+# Two deployments starting side by side on 2 cores made a text encoding of a few ms take 0.4 s
+# and failed tests that pass alone, so the two processes share the machine as follows: a test
+# marked ``exclusive`` (it asserts on rates, times or bounds) runs while no other test runs; a
+# ``slow`` one (it starts a whole deployment, or otherwise takes the cores) runs while no other
+# slow one does; the rest run beside anything but an exclusive test. Locks per test (a module
+# fixture's deployment starts under its first test's turn and idles between its tests) on files
+# in a folder the controller makes for the run: a readers-writer lock, fair through a
+# turnstile (an exclusive test that waits holds it, so the tests after it wait behind it), and
+# a mutex for the slow ones.
 _LOCKS = "onepiece_locks"
 
 
@@ -64,8 +67,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Files in the order they are handed out (``--no-loadscope-reorder``): those with exclusive
-    tests first, then the other end-to-end ones (the longest), then the rest, so that what is
-    left at the end runs two at a time. A file's own tests keep their order."""
+    tests first, then those with slow ones (the longest), then the rest, which fill the other
+    process beside the slow ones and run two at a time at the end. A file's own tests keep their
+    order."""
     rank: dict[str, int] = {}
     for it in items:
         f = it.nodeid.split("::")[0]
@@ -73,7 +77,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda it: rank[it.nodeid.split("::")[0]])  # (stable)
 
 
-_lock_files: tuple[IO, IO] | None = None  # (turnstile, tests), this process's
+_lock_files: tuple[IO, IO, IO] | None = None  # (turnstile, tests, slow), this process's
 
 
 @pytest.hookimpl(wrapper=True)
@@ -83,14 +87,19 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     if folder is None:  # one process (-n 0): nothing to share
         return (yield)
     if _lock_files is None:
-        _lock_files = (open(os.path.join(folder, "turnstile"), "a"), open(os.path.join(folder, "tests"), "a"))
-    turnstile, tests = _lock_files
+        _lock_files = tuple(open(os.path.join(folder, name), "a") for name in ("turnstile", "tests", "slow"))
+    turnstile, tests, slow = _lock_files
+    exclusive, heavy = item.get_closest_marker("exclusive") is not None, item.get_closest_marker("slow") is not None
     fcntl.flock(turnstile, fcntl.LOCK_EX)
     try:
-        fcntl.flock(tests, fcntl.LOCK_EX if item.get_closest_marker("exclusive") else fcntl.LOCK_SH)
+        fcntl.flock(tests, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
     finally:
         fcntl.flock(turnstile, fcntl.LOCK_UN)
+    if heavy and not exclusive:
+        fcntl.flock(slow, fcntl.LOCK_EX)  # (always after ``tests``: no two processes wait on each other)
     try:
         return (yield)
     finally:
+        if heavy and not exclusive:
+            fcntl.flock(slow, fcntl.LOCK_UN)
         fcntl.flock(tests, fcntl.LOCK_UN)

@@ -19,7 +19,7 @@ from onepiece.nm.client import NmClient
 from waiting import wait_for
 from workflows import t2v_only
 
-pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 
 def test_a_worker_that_cannot_load_its_models_says_why(tiny_models, tmp_path) -> None:

@@ -113,6 +113,7 @@ def main_runs(tmp_path_factory):
     pool.shutdown(wait=True, cancel_futures=True)
 
 
+@pytest.mark.slow  # the two long searches take a core each
 @needs_spin
 def test_safety(main_runs):
     """No corrupted or duplicated delivery, no busy slot overwritten, heads never past tails,
@@ -126,6 +127,7 @@ def test_safety(main_runs):
     assert run.states > 1_000_000  # a real search, not a trivial one
 
 
+@pytest.mark.slow  # the two long searches take a core each
 @needs_spin
 def test_liveness(main_runs):
     """Under weak fairness, with one stall or crash anywhere: the ring never wedges; every

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from onepiece.transport import registry
 from onepiece.transport.ring import layout
 
@@ -121,6 +123,7 @@ def stop_lock_holder(receiver, live: list[SoakSender], bound: float) -> tuple[So
     return None, 0
 
 
+@pytest.mark.slow  # senders and a receiver in processes, on every core
 def test_soak_random_sender_kills(tmp_path, record_property):
     rng = random.Random(3)
     receiver = registry.listen(f"shm://op-soak-{os.getpid()}?slots=64&bytes=32768")
