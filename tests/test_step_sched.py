@@ -123,6 +123,7 @@ def test_compatible_requests_share_forward_passes(up, tmp_path):
     assert re.search(r'onepiece_stage_batch_size_bucket\{le="4",stage="denoise_t2v"\} [0-9.]+', metrics), metrics
 
 
+@pytest.mark.exclusive
 def test_cancelled_in_flight_request_stops_at_a_step_boundary_and_frees_its_state(up):
     with Client(up.url) as c:
         v = c.submit("a long one", model="t2v", **SLOW)
