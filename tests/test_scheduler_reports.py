@@ -17,6 +17,7 @@ from onepiece.stage.reports import Idle
 from onepiece.stage.scheduler import RequestScheduler
 from onepiece.transport import registry
 from onepiece.transport.message import Message, new_uid
+from waiting import wait_for
 
 KEY = "64x64x9/cfg/L64"
 PARAMS = {"prompt": "a fox", "negative_prompt": "", "width": 64, "height": 64, "num_frames": 9, "steps": 4,
@@ -202,14 +203,11 @@ def test_an_idle_wait_that_a_request_ends_is_not_busy_time(tmp_path, monkeypatch
     sender = registry.connect(s.receiver.address)
     try:
         loop.start()
-        time.sleep(2.0)  # the loop waits idle, for up to a minute
+        time.sleep(2.0)  # (on purpose) the loop waits idle, for up to a minute: the wait measured below
         uid = new_uid()
         sender.send(Message({"uid": uid, "app": "t2v", "stage": "denoise_t2v", "params": PARAMS,
                              "deadline": time.time_ns() + int(60e9)}, {}))
-        deadline = time.monotonic() + 30
-        while b"w0" not in s.running and time.monotonic() < deadline:  # its run sent to w0 (no process there)
-            time.sleep(0.01)
-        assert b"w0" in s.running
+        wait_for(lambda: b"w0" in s.running, 30, "its run sent to w0 (no process there)", interval=0.01)
         # Busy from the run's start on only: at most the moments since (not the 2 s wait before it).
         assert s.stats.busy_s < 1.0, s.stats.busy_s
         assert s.stats.slot_s >= 2.0  # the wait was counted, as idle
