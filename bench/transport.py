@@ -584,8 +584,11 @@ def run_cell(rx, senders: Senders, active: list[int], size: int, s: dict[str, An
     lat_count = max(10, min(s["latency_messages"], s["latency_budget"] // size))
     lp, ldone = phase("latency", lat_count, s["latency_seconds"])
     us = [x / 1e3 for x in lp.lat_ns]
+    lsent = sum(d["sent"] for d in ldone.values())
+    # A paced cell stops at its time bound too, so fewer than the cap is not a loss; lost is.
     latency = {
-        "messages": len(us), "per_sender_cap": lat_count, "bad": lp.bad, "timed_out": lp.timed_out,
+        "messages": len(us), "sent": lsent, "lost": lsent - len(us), "per_sender_cap": lat_count, "bad": lp.bad,
+        "timed_out": lp.timed_out,
         "p50_us": percentile(us, 50), "p99_us": percentile(us, 99), "min_us": min(us, default=None),
         "max_us": max(us, default=None), "mean_us": statistics.fmean(us) if us else None,
         "retries": sum(d["retries"] for d in ldone.values()), "errors": sum(d["errors"] for d in ldone.values()),

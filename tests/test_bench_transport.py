@@ -75,7 +75,10 @@ def test_quick_run_writes_sane_files(tmp_path: Path) -> None:
         assert t["bytes"] == t["messages"] * c["size"]
         assert t["mb_per_s"] > 0 and t["msgs_per_s"] > 0 and t["seconds"] > 0 and t["vs_memcpy"] > 0
         assert t["retries"] >= 0 and t["errors"] == 0 and not t["timed_out"]
-        assert lat["messages"] == c["senders"] * lat["per_sender_cap"] and lat["bad"] == 0
+        # The senders stop at the cell's time bound (a loaded machine may not reach the cap): all
+        # that was sent arrives.
+        assert 0 < lat["messages"] == lat["sent"] <= c["senders"] * lat["per_sender_cap"]
+        assert lat["lost"] == 0 and lat["bad"] == 0 and lat["errors"] == 0
         assert 0 < lat["min_us"] <= lat["p50_us"] <= lat["p99_us"] <= lat["max_us"]
 
     md = (out / "transport.md").read_text()
