@@ -52,6 +52,7 @@ def test_ring_too_small_for_the_largest_size(tmp_path: Path) -> None:
         args.fn(args)
 
 
+@pytest.mark.slow  # (a receiver that spins and two senders: the cores)
 def test_quick_run_writes_sane_files(tmp_path: Path) -> None:
     out = tmp_path / "results"
     args = build_parser().parse_args(["bench", "transport", "--quick", "--sizes", "1K,4K", "--out", str(out)])
@@ -75,9 +76,9 @@ def test_quick_run_writes_sane_files(tmp_path: Path) -> None:
         assert t["bytes"] == t["messages"] * c["size"]
         assert t["mb_per_s"] > 0 and t["msgs_per_s"] > 0 and t["seconds"] > 0 and t["vs_memcpy"] > 0
         assert t["retries"] >= 0 and t["errors"] == 0 and not t["timed_out"]
-        # The senders stop at the cell's time bound (a loaded machine may not reach the cap): all
-        # that was sent arrives.
-        assert 0 < lat["messages"] == lat["sent"] <= c["senders"] * lat["per_sender_cap"]
+        # The senders stop at the cell's time bound (a loaded machine may not reach the cap), each
+        # after one message at least: all that was sent arrives.
+        assert c["senders"] <= lat["messages"] == lat["sent"] <= c["senders"] * lat["per_sender_cap"]
         assert lat["lost"] == 0 and lat["bad"] == 0 and lat["errors"] == 0
         assert 0 < lat["min_us"] <= lat["p50_us"] <= lat["p99_us"] <= lat["max_us"]
 
@@ -92,6 +93,7 @@ def test_quick_run_writes_sane_files(tmp_path: Path) -> None:
     assert not Path(f"/dev/shm/onepiece-bench-{os.getpid()}").exists()  # the shm ring is removed
 
 
+@pytest.mark.slow
 def test_rounds_give_medians_and_every_round(tmp_path: Path) -> None:
     out = tmp_path / "results"
     args = build_parser().parse_args(["bench", "transport", "--quick", "--sizes", "1K", "--transports", "shm,ipc",

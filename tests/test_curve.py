@@ -332,7 +332,8 @@ def test_nm_refuses_outsiders_register_rpc_and_operator_commands(servers, keys, 
 def test_a_member_without_the_deployment_s_keys_is_told_why_nothing_answers(servers, tmp_path):
     """libzmq drops a failed handshake silently; the client's socket monitor hears of it, so a
     CLI or a role without keys (or with another deployment's) says so instead of "no answer"."""
-    client = RpcClient(servers["nm"], timeout=0.5, retries=0)
+    # (2 s timeouts: the monitor's event must come within one, from a server in another process)
+    client = RpcClient(servers["nm"], timeout=2.0, retries=0)
     try:
         with pytest.raises(RpcTimeout, match=f"asks for CURVE and this process has no keys \\(set {curve.ENV}"):
             client.call("status")
@@ -341,11 +342,11 @@ def test_a_member_without_the_deployment_s_keys_is_told_why_nothing_answers(serv
     sender = connect(servers["db"]["data"])
     try:
         with pytest.raises(Full, match="asks for CURVE"):
-            sender.send(Message({"uid": new_uid()}, {}), timeout=0.5)
+            sender.send(Message({"uid": new_uid()}, {}), timeout=2.0)
     finally:
         sender.close()
     curve.use(curve.load(curve.make(tmp_path / "other")))
-    client = RpcClient(servers["nm"], timeout=0.5, retries=1)
+    client = RpcClient(servers["nm"], timeout=2.0, retries=1)
     try:
         with pytest.raises(RpcTimeout, match="are not the deployment's"):
             client.call("status")
@@ -354,7 +355,7 @@ def test_a_member_without_the_deployment_s_keys_is_told_why_nothing_answers(serv
         curve.use(None)
     # The proxy's asyncio client says so too, in the error its 503 carries.
     async def get() -> None:
-        dbs = AsyncDbClient([servers["db"]["control"]], timeout=0.5)
+        dbs = AsyncDbClient([servers["db"]["control"]], timeout=2.0)
         try:
             await dbs.get(new_uid())
         finally:

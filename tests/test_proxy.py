@@ -279,6 +279,7 @@ def _png_bomb(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
 
 
+@pytest.mark.exclusive  # (a bound on time: decoding would take seconds)
 @pytest.mark.parametrize("side", [5000, 30_000])  # over our bound; over PIL's own bomb bound too
 def test_a_decompression_bomb_is_refused_without_decoding(h, side):
     bomb = _png_bomb(side, side)
@@ -885,6 +886,7 @@ def test_monitor_off_admits_by_the_inflight_cap_only():
         h.close()
 
 
+@pytest.mark.exclusive
 def test_a_refusal_is_decided_in_microseconds_without_io():
     """The whole refusal path after the HTTP body is read (validation, the monitor's check,
     the error), timed in process: far under a millisecond."""
@@ -940,7 +942,9 @@ def test_cluster_changes_at_runtime():
             v = h.create(prompt="x").json()
             assert h.http.get(f"/v1/videos/{v['id']}").json()["status"] == "queued"
             assert h.healthz()["inflight"] == 1
-            time.sleep(0.05)  # let the SUB connection settle: PUB drops events for unconnected peers
+            # let the SUB connection settle: PUB drops events for unconnected peers, and a DB's
+            # duplicate result publishes nothing again (50 ms was short beside a busy neighbour)
+            time.sleep(0.5)
             db2.result(uid_of(v), b"v")
             wait_for(lambda: h.healthz()["inflight"] == 0, what="done event from the new DB")
         finally:

@@ -31,7 +31,7 @@ from ring_children import soak_check
 
 CHILD = Path(__file__).with_name("ring_children.py")
 TARGET = 100_000  # messages delivered
-TIME_BOUND = 50.0  # seconds of sending; the target is normally reached well before
+TIME_BOUND = 120.0  # seconds of sending; the target is normally reached well before (room for a busy machine)
 SENDERS = 3
 LOCK_TIMEOUT = 0.1
 KILL_EVERY = (0.1, 0.5)  # seconds between kills, uniform

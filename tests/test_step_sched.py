@@ -232,6 +232,7 @@ def test_a_killed_worker_fails_every_request_it_held_and_comes_back(up, tmp_path
     c.close()
 
 
+@pytest.mark.exclusive  # (a bound on compute time, which a busy neighbour stretches)
 def test_a_stage_counts_as_busy_only_the_time_its_workers_compute(up):
     """Utilization (what the NM's elastic policy moves instances on) is the workers' busy time:
     an idle scheduler waits up to half a second per turn, and that wait, ended by a request's
