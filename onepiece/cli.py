@@ -588,6 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     from onepiece.nm.zk import ZkUnavailable
+    from onepiece.transport.context import flush_before_exit
     from onepiece.transport.rpc import RpcError
 
     args = build_parser().parse_args(argv)
@@ -601,4 +602,7 @@ def main(argv: list[str] | None = None) -> None:
         code = 1
     except KeyboardInterrupt:
         code = 130
+    if not flush_before_exit():
+        print(f"onepiece {args.command}: a ZeroMQ socket was left open at exit; what it held may be lost",
+              file=sys.stderr)
     sys.exit(code)

@@ -412,20 +412,20 @@ class Deployment:
         """Stop everything, role by role (``STOP_ORDER``), each within ``grace_s`` of SIGTERM
         or killed; then the runtime folder."""
         for role in STOP_ORDER:
-            group = [c for c in self.children if c.role == role]
+            group = [c for c in self.children if c.role == role and c.proc is not None and c.proc.poll() is None]
             for c in group:
-                if c.proc is not None and c.proc.poll() is None:
-                    c.proc.send_signal(signal.SIGTERM)
+                c.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + grace_s
             for c in group:
-                if c.proc is None:
-                    continue
                 try:
-                    c.proc.wait(max(0.1, deadline - time.monotonic()))
+                    rc = c.proc.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     log.warning("%s did not stop within %.0fs; killing it", c.name, grace_s)
                     c.proc.kill()
                     c.proc.wait()
+                    continue
+                if rc != 0:  # (what it still had to send may be lost: a crash on the way out)
+                    log.warning("%s exited with %s while stopping", c.name, rc)
         shutil.rmtree(self.runtime, ignore_errors=True)
         if self.curve_dir is not None:
             curve.use(None)

@@ -328,7 +328,8 @@ def test_sigterm_stops_everything(up):
     with contextlib.suppress(queue.Empty):
         while True:
             output += up.lines.get_nowait()
-    assert "killing it" not in output, output  # every role stopped within its grace
+    assert "killing it" not in output, output  # every role stopped within its grace ...
+    assert "while stopping" not in output, output  # ... and cleanly (a crash on the way out lost what it sent)
     uid = v["id"].removeprefix("video_")
     stored = [i for i in range(2) if f"uid={uid} failed (stage denoise_t2v instance shut down)" in up.log(f"set0-db{i}")]
     assert stored, [up.log(f"set0-db{i}")[-2000:] for i in range(2)]

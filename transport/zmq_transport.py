@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 SNDHWM = 16
 RCVHWM = 64
+CLOSE_LINGER_MS = 1000  # (at 200 ms, of 5 messages of 64 MB sent just before the process ended, 1-2 arrived)
 
 
 def peer_of(frame: zmq.Frame) -> str:
@@ -64,8 +65,9 @@ class ZmqSender(Sender):
 
     def close(self) -> None:
         self._watch.close()
-        # A short, bounded linger: what send() reported as handed over still leaves the socket.
-        self.sock.close(linger=200)
+        # A bounded linger: what send() reported as handed over still leaves the socket (a
+        # process on its way out waits for it: transport/context.py).
+        self.sock.close(linger=CLOSE_LINGER_MS)
 
 
 class ZmqReceiver(Receiver):
