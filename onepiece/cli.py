@@ -602,7 +602,10 @@ def main(argv: list[str] | None = None) -> None:
         code = 1
     except KeyboardInterrupt:
         code = 130
-    if not flush_before_exit():
-        print(f"onepiece {args.command}: a ZeroMQ socket was left open at exit; what it held may be lost",
-              file=sys.stderr)
+    finally:
+        # The process's own entry (the program's arguments; a caller in process keeps its
+        # context): what it sent leaves before it exits.
+        if argv is None and not flush_before_exit():
+            print(f"onepiece {args.command}: a ZeroMQ socket was left open at exit; what it held may be lost",
+                  file=sys.stderr)
     sys.exit(code)

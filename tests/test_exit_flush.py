@@ -7,7 +7,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+from onepiece.cli import main
 from onepiece.transport import registry
+from onepiece.transport.message import Message
 
 SEND_AND_EXIT = r'''
 import sys
@@ -67,3 +71,19 @@ def test_a_socket_left_open_does_not_hold_the_exit():
     done, waited = child.stdout.split()
     assert done == "False" and 0.5 <= float(waited) < 5  # it waited its bound, then the process ended
     assert time.monotonic() - t0 < 30
+
+
+def test_a_command_run_in_process_leaves_the_callers_context_alone(tmp_path):
+    """Only the program's own entry ends the context: a caller of ``main`` in process (a test, a
+    script) keeps its sockets (ended, every socket of the process failed with "Context was
+    terminated")."""
+    rx = registry.listen(f"ipc://{tmp_path}/rx.sock")
+    tx = registry.connect(rx.address)
+    try:
+        with pytest.raises(SystemExit):
+            main(["status", "--nm", "tcp://127.0.0.1:1"])  # nobody there: exit code 1
+        tx.send(Message({"uid": "after"}, {}), timeout=5)
+        assert rx.recv(5).uid == "after"
+    finally:
+        tx.close()
+        rx.close()
