@@ -400,6 +400,7 @@ def test_a_call_on_a_closed_db_rpc_client_is_no_answer_and_leaves_the_loop_free(
     assert "malformed reply" not in run.stderr
 
 
+@pytest.mark.exclusive  # (its calls' order rests on 0.3-0.4 s between their timeouts and the handler)
 def test_a_timed_out_call_closes_its_own_rpc_client_not_the_one_that_replaced_it(tmp_path) -> None:
     """Two calls shared one DB's RPC client; the first timed out and replaced it; the second,
     timing out later, closed the replacement under a third call that was being answered."""

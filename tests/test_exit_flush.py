@@ -87,3 +87,29 @@ def test_a_command_run_in_process_leaves_the_callers_context_alone(tmp_path):
     finally:
         tx.close()
         rx.close()
+
+
+WITH_CURVE = r'''
+import logging
+import sys
+from onepiece.transport import curve, registry
+from onepiece.transport.context import flush_before_exit
+
+logging.basicConfig()
+curve.use(curve.load(sys.argv[1]))  # starts the ZAP handler, a thread with sockets of its own
+rx = registry.listen("tcp://127.0.0.1:0")
+rx.close()
+print(flush_before_exit(), flush=True)
+'''
+
+
+def test_a_process_with_curve_keys_ends_its_context_cleanly(tmp_path):
+    """The CURVE handler's sockets close first: left open, the context could not end, and the
+    handler's asyncio loop logged a traceback as it did (an NM's log, in test_netns)."""
+    from onepiece.transport import curve
+
+    folder = curve.make(tmp_path / "curve")
+    child = subprocess.run([sys.executable, "-c", WITH_CURVE, str(folder)], capture_output=True, text=True,
+                           timeout=60)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.strip() == "True" and "Traceback" not in child.stderr, child.stderr[-2000:]

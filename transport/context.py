@@ -25,7 +25,13 @@ def flush_before_exit(timeout_s: float = EXIT_FLUSH_S) -> bool:
     zmq = sys.modules.get("zmq")
     if zmq is None:
         return True
-    ender = threading.Thread(target=zmq.Context.instance().term, name="zmq-term", daemon=True)
+    from onepiece.transport import curve
+
+    def end() -> None:
+        curve.stop_handler()  # (its sockets too: a process with CURVE keys runs one)
+        zmq.Context.instance().term()
+
+    ender = threading.Thread(target=end, name="zmq-term", daemon=True)
     ender.start()
     ender.join(timeout_s)
     return not ender.is_alive()

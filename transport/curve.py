@@ -179,6 +179,17 @@ def use(keys: CurveKeys | None) -> None:
                      len(keys.members))
 
 
+def stop_handler() -> None:
+    """Stop the ZAP handler for good: a process on its way out, whose context can end only once
+    every socket closed, the handler's too (left running, it met the end of the context with a
+    traceback in its asyncio loop)."""
+    global _auth
+    with _lock:
+        if _auth is not None:
+            _auth.stop()
+            _auth = None
+
+
 def active() -> CurveKeys | None:
     return _keys
 
