@@ -25,7 +25,7 @@ def flush_before_exit(timeout_s: float = EXIT_FLUSH_S) -> bool:
     zmq = sys.modules.get("zmq")
     if zmq is None:
         return True
-    from onepiece.transport import curve
+    from onepiece.transport import curve  # (here: it imports zmq, which a process may never have)
 
     def end() -> None:
         curve.stop_handler()  # (its sockets too: a process with CURVE keys runs one)
