@@ -43,11 +43,13 @@ def proxy_process(script: str = SCRIPT, preexec_fn=None):
     watchdog = threading.Timer(60, proc.kill)  # bounds the readline below if the proxy hangs
     watchdog.start()
     try:
-        line = proc.stdout.readline()
+        try:
+            line = proc.stdout.readline()
+        finally:
+            watchdog.cancel()  # (not at the end: it killed the proxy of a module that ran over 60 s)
         assert line.startswith("PORT "), line
         yield proc, int(line.split()[1])
     finally:
-        watchdog.cancel()
         proc.terminate()
         try:
             proc.wait(10)
