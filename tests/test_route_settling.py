@@ -32,7 +32,7 @@ def _nm(folder, address: str) -> subprocess.Popen:
     topo = yaml.safe_load((deploy_dir() / "local.yaml").read_text())
     topo["workflow"] = str(deploy_dir() / "wan21.yaml")
     # dead_after_s is also how long a restarted NM waits for members to register again before it
-    # republishes (nm/server.py): 5 heartbeats' backoff, room for a member slowed by a busy machine.
+    # republishes (nm/server.py): 1 s (5 heartbeats) was short for 8 members on a busy machine.
     topo["nm"] = {"address": address, "heartbeat_s": HEARTBEAT_S, "dead_after_s": 5.0,
                   "elastic": {"enabled": False}}
     path = folder / "topology.yaml"
