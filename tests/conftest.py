@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 import secrets
 import shutil
 import tempfile
 from pathlib import Path
-from typing import IO
 
 import pytest
+
+import cores
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -38,15 +38,7 @@ def make_topology():
 
 
 # --- two test processes on the machine's cores (pytest-xdist, pyproject's addopts) --------------
-# Two deployments starting side by side on 2 cores made a text encoding of a few ms take 0.4 s
-# and failed tests that pass alone, so the two processes share the machine as follows: a test
-# marked ``exclusive`` (it asserts on rates, times or bounds) runs while no other test runs; a
-# ``slow`` one (it starts a whole deployment, or otherwise takes the cores) runs while no other
-# slow one does; the rest run beside anything but an exclusive test. Locks per test (a module
-# fixture's deployment starts under its first test's turn and idles between its tests) on files
-# in a folder the controller makes for the run: a readers-writer lock, fair through a
-# turnstile (an exclusive test that waits holds it, so the tests after it wait behind it), and
-# a mutex for the slow ones.
+# How they share them: tests/cores.py. The locks' folder is the controller's, made for the run.
 _LOCKS = "onepiece_locks"
 
 
@@ -77,29 +69,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda it: rank[it.nodeid.split("::")[0]])  # (stable)
 
 
-_lock_files: tuple[IO, IO, IO] | None = None  # (turnstile, tests, slow), this process's
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    global _lock_files
     folder = getattr(item.config, "workerinput", {}).get(_LOCKS)
     if folder is None:  # one process (-n 0): nothing to share
         return (yield)
-    if _lock_files is None:
-        _lock_files = tuple(open(os.path.join(folder, name), "a") for name in ("turnstile", "tests", "slow"))
-    turnstile, tests, slow = _lock_files
-    exclusive, heavy = item.get_closest_marker("exclusive") is not None, item.get_closest_marker("slow") is not None
-    fcntl.flock(turnstile, fcntl.LOCK_EX)
-    try:
-        fcntl.flock(tests, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-    finally:
-        fcntl.flock(turnstile, fcntl.LOCK_UN)
-    if heavy and not exclusive:
-        fcntl.flock(slow, fcntl.LOCK_EX)  # (always after ``tests``: no two processes wait on each other)
+    cores.open_locks(folder)
+    # (an exclusive test's set-up may start a deployment: as a slow test's)
+    cores.begin(slow=any(item.get_closest_marker(m) is not None for m in ("slow", "exclusive")))
     try:
         return (yield)
     finally:
-        if heavy and not exclusive:
-            fcntl.flock(slow, fcntl.LOCK_UN)
-        fcntl.flock(tests, fcntl.LOCK_UN)
+        cores.end()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    if item.get_closest_marker("exclusive") is not None:
+        cores.alone()  # (its set-up, which starts what it times, shared the machine)
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    cores.share()  # stopping what a test started times nothing
+    return (yield)

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from collab_rank import write_messages
-from deployment import Up
+from deployment import serving
 from waiting import wait_for
 from onepiece.client import Client, RequestFailed
 from onepiece.launcher import free_tcp_address
@@ -248,20 +248,27 @@ def test_collaboration_needs_a_parallel_stage_function(tiny_models, tmp_path, ma
 SLOW = dict(size="256x256", num_frames=17, steps=100)  # seconds of denoising on the tiny model
 
 
-@pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::ResourceWarning")
-@pytest.mark.exclusive
-def test_a_collaboration_instance_serves_and_a_dead_rank_restarts_its_group(tiny_models, tmp_path, make_topology) -> None:
-    """A denoise instance whose 2 workers form one group: requests complete; SIGKILL of rank 1
-    fails what the group held with the reason, and the group comes back as a unit."""
-    import psutil
-
+@pytest.fixture
+def group_set(tiny_models, tmp_path, make_topology):
+    """A set whose denoise instance's 2 workers form one group, serving."""
     nm = free_tcp_address()
     topo = make_topology(tmp_path, tiny_models, nm, stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1},
                          proxy={"count": 1, "port": 0, "monitor": False}, threads=1,
                          stage_options={"denoise_t2v": {"mode": "collaboration", "workers": 2}},
                          schedule={"denoise_t2v": {"policy": "slo", "max_batch": 2}})  # DoP-aware
-    dep = Up(topo, tmp_path / "logs", nm)
+    with serving(topo, tmp_path / "logs", nm) as dep:
+        yield dep
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.exclusive
+def test_a_collaboration_instance_serves_and_a_dead_rank_restarts_its_group(group_set, tmp_path) -> None:
+    """A denoise instance whose 2 workers form one group: requests complete; SIGKILL of rank 1
+    fails what the group held with the reason, and the group comes back as a unit."""
+    import psutil
+
+    nm = group_set.nm
 
     def denoise() -> dict:
         client = NmClient(nm)
@@ -276,45 +283,42 @@ def test_a_collaboration_instance_serves_and_a_dead_rank_restarts_its_group(tiny
         return sorted((p for p in stage.children() if "onepiece.stage.worker" in " ".join(p.cmdline())),
                       key=lambda p: '"rank":1' in " ".join(p.cmdline()))
 
-    try:
-        c = Client(dep.wait_for(r"serves the API at (http://\S+)", timeout=240).group(1))
-        for i in range(2):
-            c.generate("together", tmp_path / "a.mp4", size="64x64", num_frames=5, steps=8, seed=i)
-        assert denoise()["stats"]["workers"] == 1  # the scheduler sees the group as one worker
-        # slo picks each batch's DoP: alone, a request takes both ranks (measured at DoP 2; the
-        # figures reach the NM with a later heartbeat)
-        wait_for(lambda: any(k.endswith("@2") for k in denoise()["stats"].get("costs", {})), 30,
-                 "a cost measured at DoP 2", interval=0.2)
-        assert len(ranks()) == 2
-        vids = [c.submit(f"held {i}", model="t2v", seed=i, **SLOW) for i in range(2)]
-        wait_for(lambda: denoise()["stats"]["resident"] >= 2, 60, "both requests resident", interval=0.1)
-        old = ranks()
-        old[1].kill()
-        for v in vids:
-            with pytest.raises(RequestFailed) as e:
-                c.wait(v["id"], timeout=30)
-            assert "collaboration group down: rank 1 killed by signal 9" in e.value.video["error"]["message"]
-        wait_for(lambda: denoise()["stats"]["ready"] == 1 and len(ranks()) == 2 and
-                 not {p.pid for p in ranks()} & {p.pid for p in old}, 90, "the group back, both ranks new",
-                 interval=0.2)
-        c.generate("after the restart", tmp_path / "b.mp4", size="64x64", num_frames=5, steps=4)
-        # A request cancelled while the group steps it stops there and frees its state on every
-        # rank (test_a_request_cancelled_mid_run_steps_no_more_on_the_whole_group: mid-chunk).
-        v = c.submit("a long one", model="t2v", **SLOW)
-        wait_for(lambda: denoise()["stats"]["busy"] >= 1 and denoise()["stats"]["resident"] == 1, 60,
-                 "the long one stepping in the group", interval=0.1)
-        before = denoise()["stats"]
-        t0 = time.monotonic()
-        c.delete(v["id"])
-        after = wait_for(lambda: (st := denoise()["stats"]) and st["resident"] == 0 and st["busy"] == 0 and st, 10,
-                         "its state freed and the group idle", interval=0.05)
-        counts = ("cancelled", "completed", "expired", "failed", "worker_deaths")
-        assert after["cancelled"] == before["cancelled"] + 1 and after["completed"] == before["completed"], (
-            {k: before[k] for k in counts}, {k: after[k] for k in counts})
-        assert time.monotonic() - t0 < 3.0  # a chunk and a few heartbeats; its 100 steps take seconds more
-        c.close()
-    finally:
-        dep.stop()
+    c = Client(group_set.url)
+    for i in range(2):
+        c.generate("together", tmp_path / "a.mp4", size="64x64", num_frames=5, steps=8, seed=i)
+    assert denoise()["stats"]["workers"] == 1  # the scheduler sees the group as one worker
+    # slo picks each batch's DoP: alone, a request takes both ranks (measured at DoP 2; the
+    # figures reach the NM with a later heartbeat)
+    wait_for(lambda: any(k.endswith("@2") for k in denoise()["stats"].get("costs", {})), 30,
+             "a cost measured at DoP 2", interval=0.2)
+    assert len(ranks()) == 2
+    vids = [c.submit(f"held {i}", model="t2v", seed=i, **SLOW) for i in range(2)]
+    wait_for(lambda: denoise()["stats"]["resident"] >= 2, 60, "both requests resident", interval=0.1)
+    old = ranks()
+    old[1].kill()
+    for v in vids:
+        with pytest.raises(RequestFailed) as e:
+            c.wait(v["id"], timeout=30)
+        assert "collaboration group down: rank 1 killed by signal 9" in e.value.video["error"]["message"]
+    wait_for(lambda: denoise()["stats"]["ready"] == 1 and len(ranks()) == 2 and
+             not {p.pid for p in ranks()} & {p.pid for p in old}, 90, "the group back, both ranks new",
+             interval=0.2)
+    c.generate("after the restart", tmp_path / "b.mp4", size="64x64", num_frames=5, steps=4)
+    # A request cancelled while the group steps it stops there and frees its state on every
+    # rank (test_a_request_cancelled_mid_run_steps_no_more_on_the_whole_group: mid-chunk).
+    v = c.submit("a long one", model="t2v", **SLOW)
+    wait_for(lambda: denoise()["stats"]["busy"] >= 1 and denoise()["stats"]["resident"] == 1, 60,
+             "the long one stepping in the group", interval=0.1)
+    before = denoise()["stats"]
+    t0 = time.monotonic()
+    c.delete(v["id"])
+    after = wait_for(lambda: (st := denoise()["stats"]) and st["resident"] == 0 and st["busy"] == 0 and st, 10,
+                     "its state freed and the group idle", interval=0.05)
+    counts = ("cancelled", "completed", "expired", "failed", "worker_deaths")
+    assert after["cancelled"] == before["cancelled"] + 1 and after["completed"] == before["completed"], (
+        {k: before[k] for k in counts}, {k: after[k] for k in counts})
+    assert time.monotonic() - t0 < 3.0  # a chunk and a few heartbeats; its 100 steps take seconds more
+    c.close()
 
 
 @pytest.mark.exclusive

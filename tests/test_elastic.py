@@ -162,46 +162,52 @@ def test_a_moved_instance_that_dies_comes_back_at_the_stage_it_was_moved_to(dono
         supervisor.join(5)
 
 
-@pytest.mark.exclusive
-def test_the_idle_pool_serves_under_load_and_takes_the_instance_back_when_load_is_gone(tiny_models, tmp_path):
+@pytest.fixture
+def pool_set(tiny_models, tmp_path):
     # cold over two windows: the load stops at once here, no lull to tell from its end. Windows
     # of 2 s, not the module's 3: no rate is measured over them here, and each decision is on a
     # stage plainly saturated (denoise under three clients), idle (no load) or below its minimum.
     dep, nm, url = start(tmp_path, tiny_models, window_s=2.0, cooldown_s=2.0, low=0.3, cold_windows=2,
                          stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1}, idle=1)
     try:
-        idle = nm.status()["sets"]["set0"]["idle"]
-        assert len(idle) == 1 and idle[0]["stage"] is None
-        pooled = idle[0]["id"]
-        load = Load(url, BODY, clients=3, deadline=time.monotonic() + 120).start()
-        try:
-            move = wait_for(lambda: next((d for d in decisions(nm) if d["to"] == "denoise_t2v"), None), 60,
-                            "the NM to give denoise_t2v the idle instance")
-            assert (move["instance"], move["from"]) == (pooled, None) and "from the idle pool" in move["reason"]
-            wait_for(lambda: serving(nm, pooled, "denoise_t2v"), 60, "the pooled instance to serve denoise_t2v")
-        finally:
-            load.finish(timeout=60)
-        assert load.bad() == []
-        back = wait_for(lambda: next((d for d in decisions(nm) if d["to"] is None), None), 60,
-                        "an instance to return to the idle pool")
-        assert back["from"] == "denoise_t2v" and "returns to the idle pool" in back["reason"], \
-            [(d["instance"], d["from"], d["to"], d["reason"]) for d in decisions(nm)]
-        wait_for(lambda: serving(nm, back["instance"], None), 30, "the returned instance to leave denoise_t2v")
-        st = nm.status()["sets"]["set0"]
-        assert [i["id"] for i in st["idle"]] == [back["instance"]]
-        assert len(st["stages"]["denoise_t2v"]["instances"]) == 1
-
-        # The only vae_decode instance is SIGKILLed (nothing restarts it here): once the NM finds
-        # it dead the stage is below its minimum, and the idle instance refills it at once, with
-        # no load and before any utilization window.
-        (decoder,) = st["stages"]["vae_decode"]["instances"]
-        os.kill(decoder["pid"], signal.SIGKILL)
-        refill = wait_for(lambda: next((d for d in decisions(nm) if d["to"] == "vae_decode"), None), 60,
-                          "the NM to refill vae_decode from the idle pool")
-        assert (refill["instance"], refill["from"]) == (back["instance"], None), refill
-        assert "below its minimum 1" in refill["reason"], refill["reason"]
-        wait_for(lambda: (i := instance(nm.status(), back["instance"])) and i["ready"] and i["serving"] == "vae_decode",
-                 60, "the refilled vae_decode serving")
+        yield dep, nm, url
     finally:
         nm.close()
         dep.stop()
+
+
+@pytest.mark.exclusive
+def test_the_idle_pool_serves_under_load_and_takes_the_instance_back_when_load_is_gone(pool_set):
+    _, nm, url = pool_set
+    idle = nm.status()["sets"]["set0"]["idle"]
+    assert len(idle) == 1 and idle[0]["stage"] is None
+    pooled = idle[0]["id"]
+    load = Load(url, BODY, clients=3, deadline=time.monotonic() + 120).start()
+    try:
+        move = wait_for(lambda: next((d for d in decisions(nm) if d["to"] == "denoise_t2v"), None), 60,
+                        "the NM to give denoise_t2v the idle instance")
+        assert (move["instance"], move["from"]) == (pooled, None) and "from the idle pool" in move["reason"]
+        wait_for(lambda: serving(nm, pooled, "denoise_t2v"), 60, "the pooled instance to serve denoise_t2v")
+    finally:
+        load.finish(timeout=60)
+    assert load.bad() == []
+    back = wait_for(lambda: next((d for d in decisions(nm) if d["to"] is None), None), 60,
+                    "an instance to return to the idle pool")
+    assert back["from"] == "denoise_t2v" and "returns to the idle pool" in back["reason"], \
+        [(d["instance"], d["from"], d["to"], d["reason"]) for d in decisions(nm)]
+    wait_for(lambda: serving(nm, back["instance"], None), 30, "the returned instance to leave denoise_t2v")
+    st = nm.status()["sets"]["set0"]
+    assert [i["id"] for i in st["idle"]] == [back["instance"]]
+    assert len(st["stages"]["denoise_t2v"]["instances"]) == 1
+
+    # The only vae_decode instance is SIGKILLed (nothing restarts it here): once the NM finds
+    # it dead the stage is below its minimum, and the idle instance refills it at once, with
+    # no load and before any utilization window.
+    (decoder,) = st["stages"]["vae_decode"]["instances"]
+    os.kill(decoder["pid"], signal.SIGKILL)
+    refill = wait_for(lambda: next((d for d in decisions(nm) if d["to"] == "vae_decode"), None), 60,
+                      "the NM to refill vae_decode from the idle pool")
+    assert (refill["instance"], refill["from"]) == (back["instance"], None), refill
+    assert "below its minimum 1" in refill["reason"], refill["reason"]
+    wait_for(lambda: (i := instance(nm.status(), back["instance"])) and i["ready"] and i["serving"] == "vae_decode",
+             60, "the refilled vae_decode serving")

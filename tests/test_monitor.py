@@ -28,6 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from onepiece.launcher import Deployment, free_tcp_address
 from onepiece.nm.client import NmClient
+
+import cores
 from waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.exclusive, pytest.mark.filterwarnings("ignore::ResourceWarning")]
@@ -110,6 +112,7 @@ def deployment(tiny_models, tmp_path_factory, make_topology):
     try:
         dep.start()
         dep.url = dep.wait_ready(120)["set0"][0]
+        cores.alone()  # what the warm-up measures, the tests rely on
         with httpx.Client(base_url=dep.url, timeout=30) as http:
             # Measure every stage (both denoise instances take turns) so the capacity is known.
             alone = []
@@ -270,31 +273,37 @@ def test_load_above_capacity_gets_a_steady_share_of_429s_and_accepted_requests_c
     assert len(accepted) <= max(capacity, after) * duration * 1.5 + 3, (len(accepted), capacity, after, duration)
 
 
-def test_behind_a_deadline_first_stage_admission_keeps_each_admitted_deadline(tiny_models, tmp_path, make_topology):
-    """The shipped schedule (denoise on slo) with one denoise instance: a burst at about 3x the
-    capacity, every request with its own deadline of 3x its standalone time. The monitor admits
-    by the deadline rule alone (the work ahead with earlier deadlines), so what it refuses it
-    refuses as `deadline`, and what it admits completes within its deadline."""
+@pytest.fixture
+def slo_set(tiny_models, tmp_path, make_topology):
+    """The URL of a set on the shipped schedule (denoise on slo) with one denoise instance."""
     topology = make_topology(tmp_path, tiny_models, free_tcp_address(), dbs=1,
                              stages={"text_encode": 1, "denoise_t2v": 1, "vae_decode": 1},
                              nm={"elastic": {"enabled": False}}, threads=1)
     dep = Deployment(Path(topology), tmp_path / "logs")
     try:
         dep.start()
-        url = dep.wait_ready(120)["set0"][0]
-        with httpx.Client(base_url=url, timeout=30) as http:
-            alone = []
-            for i in range(4):
-                t0 = time.monotonic()
-                assert run_one(http, f"warm-up {i}")["status"] == "completed"
-                alone.append(time.monotonic() - t0)
-        alone_s = sorted(alone[1:])[1]
-        capacity = wait_for(lambda: t2v_admission(url)["capacity"], 10, "a capacity estimate at the proxy")
-        rate = 3.0 * capacity  # uncapped: a fast machine's capacity makes a capped rate no burst at all
-        timeout_s = round(3 * alone_s, 2)
-        results = open_loop(url, 24, rate, {**SHAPE, "timeout_s": timeout_s})
+        yield dep.wait_ready(120)["set0"][0]
     finally:
         dep.stop()
+
+
+def test_behind_a_deadline_first_stage_admission_keeps_each_admitted_deadline(slo_set):
+    """A burst at about 3x the capacity, every request with its own deadline of 3x its standalone
+    time. The monitor admits by the deadline rule alone (the work ahead with earlier deadlines),
+    so what it refuses it refuses as `deadline`, and what it admits completes within its
+    deadline."""
+    url = slo_set
+    with httpx.Client(base_url=url, timeout=30) as http:
+        alone = []
+        for i in range(4):
+            t0 = time.monotonic()
+            assert run_one(http, f"warm-up {i}")["status"] == "completed"
+            alone.append(time.monotonic() - t0)
+    alone_s = sorted(alone[1:])[1]
+    capacity = wait_for(lambda: t2v_admission(url)["capacity"], 10, "a capacity estimate at the proxy")
+    rate = 3.0 * capacity  # uncapped: a fast machine's capacity makes a capped rate no burst at all
+    timeout_s = round(3 * alone_s, 2)
+    results = open_loop(url, 24, rate, {**SHAPE, "timeout_s": timeout_s})
     accepted = [r for r in results if r["status"] == 200]
     refused = [r for r in results if r["status"] != 200]
     print(f"\nalone {alone_s:.2f} s, deadline {timeout_s} s, 24 at {rate:.2f}/s (capacity {capacity:.2f}/s): "

@@ -61,81 +61,87 @@ def _nm_process(up: Up) -> psutil.Process:
     raise AssertionError("no NM process under onepiece up")
 
 
-def test_the_nm_killed_under_load_leaves_every_request_served_and_every_instance_its_own(
-        tiny_models, tmp_path, make_topology):
+@pytest.fixture
+def up(tiny_models, tmp_path, make_topology):
+    """The deployment, serving (its start shares the machine; the test's body runs alone)."""
     nm = free_tcp_address()
     topology = make_topology(tmp_path, tiny_models, nm, stages=STAGES, heartbeat_s=0.25, threads=1,
                              nm={"elastic": {"enabled": False}})
-    up = Up(topology, tmp_path / "logs", nm)
+    dep = Up(topology, tmp_path / "logs", nm)
     try:
-        url = up.wait_for(r"serves the API at (http://\S+)", timeout=300).group(1)
-        before = _stage_instances(nm)
-        assert len(before) == sum(STAGES.values())
-        old_version = up.routes()["version"]
-
-        done: list[str] = []
-        videos: list[str] = []
-        lock = threading.Lock()
-        stop = threading.Event()
-
-        def stream(k: int) -> None:
-            with Client(url, rounds=1) as c:  # a refusal (429/503) is not retried by the client
-                for i in range(MAX_PER_STREAM):
-                    if stop.is_set():
-                        return
-                    try:
-                        v = c.submit(f"stream {k} request {i}", model="t2v", size="32x32", num_frames=5, steps=2)
-                    except RequestRejected as e:
-                        # The monitor's rate limit paces a closed loop of tiny requests; any other
-                        # refusal (no entrance, no worker, no DB: what partial routes gave) fails.
-                        if e.code != "over_capacity":
-                            raise
-                        if stop.wait(min(e.retry_after or 1.0, 1.0)):  # as told, unless the run ends
-                            return
-                        continue
-                    status = c.wait(v["id"], timeout=120)["status"]  # raises on a failure
-                    with lock:
-                        done.append(status)
-                        videos.append(v["id"])
-
-        with ThreadPoolExecutor(STREAMS) as pool:
-            streams = [pool.submit(stream, k) for k in range(STREAMS)]
-            try:
-                wait_for(lambda: len(done) >= 4, timeout=120, what="the stream under way")
-                killed = _nm_process(up)
-                killed.send_signal(signal.SIGKILL)
-                killed.wait(10)
-                # Requests go on while the NM is away, while it restarts and while every
-                # instance registers again, and for a while after.
-                wait_for(lambda: set(_instances_or_none(nm)) == set(before), timeout=120,
-                         what="every instance registered again")
-                after_rejoin = len(done)
-                wait_for(lambda: len(done) >= after_rejoin + 2 * STREAMS, timeout=120, what="requests after the rejoin")
-            finally:
-                stop.set()
-            for f in streams:
-                f.result(timeout=240)  # what a stream raised (a refusal, a failed request) fails here
-        assert done and set(done) == {"completed"}
-
-        # The restarted NM knows every instance again, each under the id it had (its name), each
-        # at the stage it served before the kill.
-        after = _stage_instances(nm)
-        assert after == before and all(i == n for n, (i, _) in after.items()), (before, after)
-        assert up.routes()["version"] > old_version
-        assert _nm_process(up).pid != killed.pid
-
-        # Every DB copy of the set ends with the same status for every request (failures and
-        # results replicate; copies that missed a change get it again).
-        copies = [DbClient([d["control"]]) for d in up.routes()["dbs"]]
-        try:
-            assert len(copies) == 2
-            uids = [v.removeprefix("video_") for v in videos]
-
-            def agreed() -> bool:
-                return all((c.get(u) or {}).get("status") == "completed" for u in uids for c in copies)
-            wait_for(agreed, timeout=15, what="every DB copy holding every request as completed", interval=0.5)
-        finally:
-            for c in copies:
-                c.close()
+        dep.url = dep.wait_for(r"serves the API at (http://\S+)", timeout=300).group(1)
+        yield dep
     finally:
-        up.stop()
+        dep.stop()
+
+
+def test_the_nm_killed_under_load_leaves_every_request_served_and_every_instance_its_own(up):
+    nm, url = up.nm, up.url
+    before = _stage_instances(nm)
+    assert len(before) == sum(STAGES.values())
+    old_version = up.routes()["version"]
+
+    done: list[str] = []
+    videos: list[str] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def stream(k: int) -> None:
+        with Client(url, rounds=1) as c:  # a refusal (429/503) is not retried by the client
+            for i in range(MAX_PER_STREAM):
+                if stop.is_set():
+                    return
+                try:
+                    v = c.submit(f"stream {k} request {i}", model="t2v", size="32x32", num_frames=5, steps=2)
+                except RequestRejected as e:
+                    # The monitor's rate limit paces a closed loop of tiny requests; any other
+                    # refusal (no entrance, no worker, no DB: what partial routes gave) fails.
+                    if e.code != "over_capacity":
+                        raise
+                    if stop.wait(min(e.retry_after or 1.0, 1.0)):  # as told, unless the run ends
+                        return
+                    continue
+                status = c.wait(v["id"], timeout=120)["status"]  # raises on a failure
+                with lock:
+                    done.append(status)
+                    videos.append(v["id"])
+
+    with ThreadPoolExecutor(STREAMS) as pool:
+        streams = [pool.submit(stream, k) for k in range(STREAMS)]
+        try:
+            wait_for(lambda: len(done) >= 4, timeout=120, what="the stream under way")
+            killed = _nm_process(up)
+            killed.send_signal(signal.SIGKILL)
+            killed.wait(10)
+            # Requests go on while the NM is away, while it restarts and while every
+            # instance registers again, and for a while after.
+            wait_for(lambda: set(_instances_or_none(nm)) == set(before), timeout=120,
+                     what="every instance registered again")
+            after_rejoin = len(done)
+            wait_for(lambda: len(done) >= after_rejoin + 2 * STREAMS, timeout=120, what="requests after the rejoin")
+        finally:
+            stop.set()
+        for f in streams:
+            f.result(timeout=240)  # what a stream raised (a refusal, a failed request) fails here
+    assert done and set(done) == {"completed"}
+
+    # The restarted NM knows every instance again, each under the id it had (its name), each
+    # at the stage it served before the kill.
+    after = _stage_instances(nm)
+    assert after == before and all(i == n for n, (i, _) in after.items()), (before, after)
+    assert up.routes()["version"] > old_version
+    assert _nm_process(up).pid != killed.pid
+
+    # Every DB copy of the set ends with the same status for every request (failures and
+    # results replicate; copies that missed a change get it again).
+    copies = [DbClient([d["control"]]) for d in up.routes()["dbs"]]
+    try:
+        assert len(copies) == 2
+        uids = [v.removeprefix("video_") for v in videos]
+
+        def agreed() -> bool:
+            return all((c.get(u) or {}).get("status") == "completed" for u in uids for c in copies)
+        wait_for(agreed, timeout=15, what="every DB copy holding every request as completed", interval=0.5)
+    finally:
+        for c in copies:
+            c.close()
