@@ -485,7 +485,8 @@ def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, db
     "i2v": dir}), written into ``folder`` (for tests and benchmarks). Returns the topology file.
 
     By default one set, ``set0``, with one proxy on any free port, ``dbs`` DBs, ``stages``
-    (default: one instance of every stage) and ``set_options`` (more SetSpec keys). ``sets``
+    (default: one instance of every stage) and ``set_options`` (more SetSpec keys; ``proxy``
+    and ``db`` merged key by key over those defaults). ``sets``
     declares several instead: each entry's keys go over those defaults (``proxy`` and ``db``
     merged key by key), and an entry without a name is called ``set<i>``. E.g.
     ``sets=[{"name": "a", "proxy": {"max_inflight": 1}}, {"name": "b", "db": {"count": 3}}]``.
@@ -513,7 +514,10 @@ def write_topology(folder: Path, models: dict[str, Path], nm_address: str, *, db
     wf["db"] = {"data": data}
     (folder / "workflow.yaml").write_text(yaml.safe_dump(wf))
     base: dict[str, Any] = {"proxy": {"count": 1, "port": 0}, "db": {"count": dbs},
-                            "stages": stages or {s: 1 for s in wf["stages"]}, **set_options}
+                            "stages": stages or {s: 1 for s in wf["stages"]}}
+    for key in ("proxy", "db"):  # merged: {"monitor": False} keeps port 0 (else 8000, a user's own `up`'s)
+        base[key] = {**base[key], **set_options.pop(key, {})}
+    base.update(set_options)
     out_sets = []
     for i, over in enumerate(sets or [{"name": "set0"}]):
         spec = {**base, "name": f"set{i}", **over}

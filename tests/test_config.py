@@ -167,6 +167,12 @@ def test_write_topology_declares_several_sets_and_the_launcher_runs_them(tmp_pat
     one = write_topology(tmp_path, models, "tcp://127.0.0.1:7799", dbs=1, stages={"text_encode": 1})
     topo, _, _ = load_topology(one)
     assert [s.name for s in topo.sets] == ["set0"] and topo.sets[0].proxy.port == 0
+    # proxy and db options go over the defaults key by key: a test's deployment never takes port
+    # 8000 (a user's own `onepiece up`, or another test's; two tests once collided there)
+    topo, _, _ = load_topology(write_topology(tmp_path, models, "tcp://127.0.0.1:7799", dbs=1,
+                                              proxy={"monitor": False}, db={"ttl_s": 5.0}))
+    (s,) = topo.sets
+    assert (s.proxy.port, s.proxy.count, s.proxy.monitor, s.db.count, s.db.ttl_s) == (0, 1, False, 1, 5.0)
     path = write_topology(tmp_path, models, "tcp://127.0.0.1:7799", stages={"text_encode": 1}, sets=[
         {"name": "a", "proxy": {"max_inflight": 1}, "db": {"count": 1}},
         {"db": {"count": 3, "replication": 2}, "stages": {"vae_decode": 2}},
