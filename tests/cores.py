@@ -6,9 +6,10 @@ and failed tests that pass alone, so: a ``slow`` test (it starts a whole deploym
 otherwise takes the cores) runs while no other slow one does; an ``exclusive`` one (it asserts
 on rates, times or bounds) sets up like a slow one, then runs its body while no other test runs
 (so an exclusive test starts its deployment in a fixture); the rest run beside anything but an
-exclusive body. A fixture whose set-up times something calls ``alone()`` first. Before, an exclusive test was alone from its set-up
-on: the deployments its fixtures start (10-25 s of imports and model loads each) left the other
-process idle, about 40% of each process's time in the whole suite.
+exclusive body. A fixture whose set-up times something calls ``alone()`` first. Before, an
+exclusive test was alone from its set-up on: the deployments its fixtures start (10-25 s of
+imports and model loads each) left the other process idle, about 40% of each process's time
+over the whole suite (tests/timeline.py measures it).
 
 Locks on files in a folder the controller makes for the run: a readers-writer lock, fair through
 a turnstile (an exclusive test that waits holds it, so the tests after it wait behind it), and a
