@@ -22,7 +22,9 @@ import pytest
 _asked: dict[str, tuple[float, str]] = {}
 _started: dict[str, float] = {}
 _phases: dict[str, dict[str, float]] = {}
-# {test, kind, asked, started, ended (wall clock), setup, call, teardown (seconds)}
+_body: dict[str, list[float]] = {}
+# {test, kind, asked, started, ended, body_asked, body_started (wall clock: the test's turn, and
+# in its call the wait to run alone before its body), setup, call, teardown (seconds)}
 _rows: list[dict] = []
 
 
@@ -31,6 +33,23 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     kind = next((m for m in ("exclusive", "slow") if item.get_closest_marker(m) is not None), "rest")
     _asked[item.nodeid] = (time.time(), kind)
     return (yield)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)  # outside conftest's wrapper, which waits to run alone
+def pytest_runtest_call(item: pytest.Item):
+    _body[item.nodeid] = [time.time()] * 2
+    return (yield)
+
+
+class _Body:
+    @pytest.hookimpl(wrapper=True, trylast=True)  # inside it: the body starts now
+    def pytest_runtest_call(self, item: pytest.Item):
+        _body.setdefault(item.nodeid, [time.time()] * 2)[1] = time.time()
+        return (yield)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_Body(), "timeline-body")
 
 
 def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
@@ -45,7 +64,9 @@ def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
     started = _started.pop(nodeid, time.time())
     asked, kind = _asked.pop(nodeid, (started, "rest"))
     phases = _phases.pop(nodeid, {})
+    body_asked, body_started = _body.pop(nodeid, (started, started))
     _rows.append({"test": nodeid, "kind": kind, "asked": asked, "started": started, "ended": time.time(),
+                  "body_asked": body_asked, "body_started": body_started,
                   **{when: phases.get(when, 0.0) for when in ("setup", "call", "teardown")}})
 
 
@@ -68,22 +89,25 @@ def summary(folder: Path, top: int = 15) -> str:
     out = [f"{span:.0f} s from the first test asking for its turn to the last one ending"]
     behind: collections.Counter[str] = collections.Counter()
     for name, mine in procs.items():
-        busy = sum(r["ended"] - r["started"] for r in mine)
-        waited = sum(r["started"] - r["asked"] for r in mine)
+        waits = [((r["asked"], r["started"]), (r["body_asked"], r["body_started"])) for r in mine]
+        waited = sum(end - start for w in waits for start, end in w)
+        busy = sum(r["ended"] - r["asked"] for r in mine) - waited
         out.append(f"{name}: {len(mine)} tests, {busy:.0f} s running, {waited:.0f} s waiting for a turn")
         for other, theirs in procs.items():
             if other == name:
                 continue
-            for r in mine:
+            for start, end in (pair for w in waits for pair in w):  # for its turn, to run its body alone
                 for t in theirs:  # what ran in the other process meanwhile
-                    if (overlap := min(r["started"], t["ended"]) - max(r["asked"], t["started"])) > 0:
+                    if (overlap := min(end, t["ended"]) - max(start, t["started"])) > 0:
                         behind[t["test"]] += overlap
 
     def total(kind: str, *phases: str) -> float:
         return sum(r[p] for r in rows if r["kind"] == kind for p in phases)
+    body_waits = sum(r["body_started"] - r["body_asked"] for r in rows if r["kind"] == "exclusive")
     # What runs one at a time (tests/cores.py): exclusive bodies alone, and slow tests with the
     # exclusive set-ups under the slow tests' mutex; the rest fill the other process.
-    out.append(f"exclusive bodies {total('exclusive', 'call'):.0f} s; slow tests and exclusive set-ups "
+    out.append(f"exclusive bodies {total('exclusive', 'call') - body_waits:.0f} s; "
+               f"slow tests and exclusive set-ups "
                f"{total('slow', 'setup', 'call', 'teardown') + total('exclusive', 'setup'):.0f} s; "
                f"the rest and exclusive teardowns "
                f"{total('rest', 'setup', 'call', 'teardown') + total('exclusive', 'teardown'):.0f} s")
