@@ -65,7 +65,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     rank: dict[str, int] = {}
     for it in items:
         f = it.nodeid.split("::")[0]
-        rank[f] = min(rank.get(f, 2), 0 if it.get_closest_marker("exclusive") else 1 if it.get_closest_marker("slow") else 2)
+        rank[f] = min(rank.get(f, 2), cores.KINDS.index(cores.kind(it)))
     items.sort(key=lambda it: rank[it.nodeid.split("::")[0]])  # (stable)
 
 
@@ -76,7 +76,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         return (yield)
     cores.open_locks(folder)
     # (an exclusive test's set-up may start a deployment: as a slow test's)
-    cores.begin(slow=any(item.get_closest_marker(m) is not None for m in ("slow", "exclusive")))
+    cores.begin(slow=cores.kind(item) != "rest")
     try:
         return (yield)
     finally:
@@ -85,7 +85,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
-    if item.get_closest_marker("exclusive") is not None:
+    if cores.kind(item) == "exclusive":
         cores.alone()  # (its set-up, which starts what it times, shared the machine)
     return (yield)
 

@@ -22,6 +22,14 @@ import fcntl
 import os
 from typing import IO
 
+KINDS = ("exclusive", "slow", "rest")  # a test's kind, by its markers: the first it has
+
+
+def kind(item) -> str:
+    """``item``'s kind (``KINDS``): how it shares the cores."""
+    return next((k for k in KINDS[:2] if item.get_closest_marker(k) is not None), "rest")
+
+
 _files: tuple[IO, IO, IO] | None = None  # (turnstile, tests, slow), this process's
 _held: str | None = None  # "shared" | "alone", the readers-writer lock as this process holds it
 _slow = False  # holding the slow tests' mutex

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+import cores
+
 _asked: dict[str, tuple[float, str]] = {}
 _started: dict[str, float] = {}
 _phases: dict[str, dict[str, float]] = {}
@@ -30,8 +32,7 @@ _rows: list[dict] = []
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)  # outside conftest's wrapper, which waits for the turn
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    kind = next((m for m in ("exclusive", "slow") if item.get_closest_marker(m) is not None), "rest")
-    _asked[item.nodeid] = (time.time(), kind)
+    _asked[item.nodeid] = (time.time(), cores.kind(item))
     return (yield)
 
 
